@@ -1,0 +1,162 @@
+"""Load prompt conversations from jsonl in the project schema, ShareGPT or OpenAI-messages shape.
+
+Tool calls in the shared corpus are plain text: the assistant message's `content` holds the JSON
+of the call (tau-bench: `[{"arguments": "<json string>", "name": ...}]`, glaive:
+`{"name": ..., "arguments": {...}}`) and the result comes back as a `tool` message. OpenAI-style
+`tool_calls` keys are kept as they are when a user's file has them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftling.errors import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# ShareGPT speaker names -> our roles. "function_call" is LLaMA-Factory's name for an assistant
+# turn that calls a tool; "observation" is the tool's answer.
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "function_call": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+# OpenAI's newer/legacy role names in the messages shape.
+_OPENAI_ALIASES = {"developer": "system", "function": "tool"}
+
+
+@dataclass
+class Conversation:
+    id: str
+    source: str
+    category: str
+    messages: list[dict]
+    tools: list | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def load_conversations(path: str | os.PathLike) -> list[Conversation]:
+    """Read a jsonl prompt file; the shape (project, ShareGPT, OpenAI messages) is detected per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such prompt file")
+    convs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON: {e.msg} (col {e.colno})") from None
+            convs.append(_parse_record(record, path.stem, lineno, where))
+    return convs
+
+
+def _parse_record(record, stem: str, lineno: int, where: str) -> Conversation:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = _parse_messages(record["messages"], where)
+    elif "conversations" in record:
+        messages = _parse_sharegpt(record["conversations"], where)
+        system = record.get("system")
+        if isinstance(system, str) and system and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": system})
+    else:
+        raise DataError(f"{where}: expected a 'messages' or 'conversations' list")
+
+    if not any(m["role"] == "user" for m in messages):
+        raise DataError(f"{where}: conversation has no user turn")
+
+    tools = record.get("tools")
+    if isinstance(tools, str):  # LLaMA-Factory's ShareGPT stores the tool list as a JSON string
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: 'tools' is a string but not valid JSON: {e.msg}") from None
+    if tools is not None and not isinstance(tools, list):
+        raise DataError(f"{where}: 'tools' must be a list, got {type(tools).__name__}")
+
+    conv_id = record.get("id")
+    source = record.get("source")
+    category = record.get("category")
+    known = {"id", "source", "category", "messages", "conversations", "tools", "system"}
+    return Conversation(
+        id=str(conv_id) if conv_id is not None and conv_id != "" else f"{stem}:{lineno}",
+        source=str(source) if source else stem,
+        category=str(category) if category else "unknown",
+        messages=messages,
+        tools=tools or None,
+        meta={k: v for k, v in record.items() if k not in known},
+    )
+
+
+def _parse_messages(messages, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: missing or empty 'messages' list")
+    out = []
+    for n, m in enumerate(messages, start=1):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: message {n} is not an object")
+        role = m.get("role")
+        role = _OPENAI_ALIASES.get(role, role)
+        if role not in ROLES:
+            raise DataError(f"{where}: unknown role {role!r} in message {n} "
+                            f"(expected {', '.join(ROLES)})")
+        content = m.get("content")
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {n} ({role}) content must be a string, "
+                            f"got {type(content).__name__}")
+        out.append({**m, "role": role, "content": content})
+    return out
+
+
+def _parse_sharegpt(turns, where: str) -> list[dict]:
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: missing or empty 'conversations' list")
+    out = []
+    for n, t in enumerate(turns, start=1):
+        if not isinstance(t, dict):
+            raise DataError(f"{where}: message {n} is not an object")
+        speaker = t.get("from")
+        role = _SHAREGPT_ROLES.get(str(speaker).lower()) if speaker is not None else None
+        if role is None:
+            raise DataError(f"{where}: unknown role {speaker!r} in message {n} "
+                            f"(expected one of {', '.join(sorted(_SHAREGPT_ROLES))})")
+        value = t.get("value")
+        if not isinstance(value, str):
+            raise DataError(f"{where}: message {n} ({speaker}) value must be a string, "
+                            f"got {type(value).__name__}")
+        out.append({"role": role, "content": value})
+    return out
+
+
+def has_tool_calls(conv: Conversation) -> bool:
+    """True if the conversation uses tools: a tool turn, an assistant `tool_calls`, or a tool list."""
+    if conv.tools:
+        return True
+    return any(m["role"] == "tool" or m.get("tool_calls") or m.get("function_call")
+               for m in conv.messages)
+
+
+def prompt_messages(conv: Conversation) -> list[dict]:
+    """The messages up to and including the last user or tool turn (trailing assistant turns dropped)."""
+    last = max((i for i, m in enumerate(conv.messages) if m["role"] in ("user", "tool")), default=-1)
+    return [dict(m) for m in conv.messages[: last + 1]]

@@ -1,0 +1,164 @@
+"""The EAGLE-3 draft head.
+
+Shape (see shared REFERENCE.md): ``fc`` fuses the three target aux states (3*H_t -> H);
+one Llama decoder layer whose attention reads ``cat(input_layernorm(embed), hidden_norm(h))``
+(width 2H) while the residual stream carries ``h``; a final ``norm``; and ``lm_head`` over
+the draft vocabulary. Later draft steps feed the layer's own pre-norm output back in place
+of the fused feature, so ``fc`` only ever sees target states.
+
+The token embedding is the target's own and frozen; it is not a parameter of this module.
+Parameter names match the SGLang/EAGLE export (``fc``, ``midlayer.*``, ``norm``, ``lm_head``).
+
+Attention is delegated to a callable ``attend(q, k, v) -> out`` (q: [B, nh, T, d], k/v:
+[B, nkv, T, d], RoPE already applied), so the same layer serves the training-time-test
+unroll, the engine's KV cache and tree masks without knowing about any of them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from draftling.errors import ConfigError
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_COPIED_FROM_TARGET = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act",
+    "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+)
+
+
+def draft_config_from_target(target_config, draft_vocab_size: int, aux_layer_ids: list[int],
+                             **overrides) -> LlamaConfig:
+    """Derive a one-layer Llama config for the draft from the target's config.
+
+    The hidden size equals the target's so the draft can reuse the target's embedding
+    (and serve embedding-free). ``vocab_size`` stays the TARGET vocab, as engines expect.
+    """
+    fields = {k: getattr(target_config, k) for k in _COPIED_FROM_TARGET if hasattr(target_config, k)}
+    head_dim = getattr(target_config, "head_dim", None) or (
+        target_config.hidden_size // target_config.num_attention_heads)
+    if draft_vocab_size > target_config.vocab_size:
+        raise ConfigError(f"draft_vocab_size {draft_vocab_size} is larger than the target vocab "
+                          f"({target_config.vocab_size})")
+    fields.update(
+        head_dim=head_dim,
+        num_hidden_layers=1,
+        architectures=["LlamaForCausalLMEagle3"],
+        draft_vocab_size=int(draft_vocab_size),
+        target_hidden_size=target_config.hidden_size,
+        eagle_aux_hidden_state_layer_ids=[int(i) for i in aux_layer_ids],
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, d)
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos, sin, attend: Attend) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = attend(q, k, v)  # [B, nh, T, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, attend: Attend) -> torch.Tensor:
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = residual + self.self_attn(x, cos, sin, attend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        h, ht = config.hidden_size, getattr(config, "target_hidden_size", config.hidden_size)
+        self.fc = nn.Linear(3 * ht, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        # Vocab maps travel with the weights: a head without them serves garbage silently.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ConfigError(f"vocab maps of shape d2t{tuple(d2t.shape)} t2d{tuple(t2d.shape)} do not "
+                              f"fit this draft (d2t{tuple(self.d2t.shape)} t2d{tuple(self.t2d.shape)})")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def fuse(self, aux_states: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Fuse the [low, mid, high] target states (in that order) into the draft width."""
+        if isinstance(aux_states, (list, tuple)):
+            aux_states = torch.cat(list(aux_states), dim=-1)
+        return self.fc(aux_states.to(self.fc.weight.dtype))
+
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             attend: Attend) -> torch.Tensor:
+        """One draft step. Returns the pre-norm output hidden state (fed to the next step)."""
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, attend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights plus vocab maps; no rotary cache, no embedding."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def init_from_target(draft: Eagle3Draft, target_model, t2d: torch.Tensor) -> None:
+    """Warm-start the output side from the target: its final norm and its output-head rows
+    for the draft vocabulary. The draft then starts out predicting in the target's own
+    output space, which cuts the steps needed to reach useful acceptance."""
+    head = target_model.get_output_embeddings().weight
+    norm = target_model.get_decoder().norm.weight
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(head[t2d.to(head.device)].to(draft.lm_head.weight))
+        draft.norm.weight.copy_(norm.to(draft.norm.weight))

