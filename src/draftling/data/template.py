@@ -28,15 +28,23 @@ def load_chat_template(tokenizer, path: str | os.PathLike) -> None:
     tokenizer.chat_template = text
 
 
+def _name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+
+
 def render(tokenizer, messages: list[dict], tools=None, add_generation_prompt: bool = False) -> str:
     """The chat template's text for `messages`."""
     if not getattr(tokenizer, "chat_template", None):
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise TargetError(f"target tokenizer {name} has no chat template; pass --chat-template FILE")
+        raise TargetError(f"target tokenizer {_name(tokenizer)} has no chat template; "
+                          "pass --chat-template FILE")
     kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = tools
-    out = tokenizer.apply_chat_template(messages, **kwargs)
+    try:
+        out = tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as e:  # jinja errors, raise_exception() in templates that forbid a role order
+        raise TargetError(
+            f"chat template of {_name(tokenizer)} failed: {type(e).__name__}: {e}") from e
     if isinstance(out, list) and len(out) == 1 and isinstance(out[0], str):
         out = out[0]
     if not isinstance(out, str):
@@ -51,8 +59,11 @@ def assistant_spans(tokenizer, messages: list[dict], tools=None) -> tuple[str, l
     # A template that ignores add_generation_prompt leaves the assistant header in the diff; then
     # the span has to start at the content instead.
     probe = [{"role": "user", "content": "x"}]
-    has_gen_prompt = (render(tokenizer, probe, tools, add_generation_prompt=True)
-                      != render(tokenizer, probe, tools))
+    try:
+        has_gen_prompt = (render(tokenizer, probe, tools, add_generation_prompt=True)
+                          != render(tokenizer, probe, tools))
+    except TargetError:
+        has_gen_prompt = True
 
     spans = []
     cursor = 0  # nothing of a later turn can start before this point in `full`
@@ -64,10 +75,12 @@ def assistant_spans(tokenizer, messages: list[dict], tools=None) -> tuple[str, l
                 if pos >= 0:
                     cursor = pos + len(msg["content"])
             continue
-        pre = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
-        post = render(tokenizer, messages[: i + 1], tools)
-        span = None
-        if post.startswith(pre) and full.startswith(post) and len(pre) >= cursor:
+        try:
+            pre = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+            post = render(tokenizer, messages[: i + 1], tools)
+        except TargetError:  # some templates reject a prefix (e.g. one not ending in a user turn)
+            pre = post = ""
+        if post and post.startswith(pre) and full.startswith(post) and len(pre) >= cursor:
             span = _trim(full, len(pre), len(post), msg["content"], has_gen_prompt)
         else:
             span = _search(full, cursor, pre, post, msg["content"])
@@ -81,13 +94,12 @@ def assistant_spans(tokenizer, messages: list[dict], tools=None) -> tuple[str, l
 
 def _trim(text: str, start: int, end: int, content: str, has_gen_prompt: bool):
     """Span of a turn rendered as text[start:end]: drop trailing whitespace after the end marker."""
-    turn = text[start:end]
-    c = turn.find(content) if content else -1
+    c = text.find(content, start, end) if content else -1
     if not has_gen_prompt and c >= 0:
-        start += c
+        start = c
     new_end = start + len(text[start:end].rstrip())
-    if c >= 0:  # never cut into the content itself (content may end in whitespace)
-        new_end = max(new_end, (end - len(turn)) + c + len(content))
+    if c >= 0:  # never cut into the content itself (it may end in whitespace)
+        new_end = max(new_end, c + len(content))
     return (start, new_end) if new_end > start else None
 
 

@@ -1,0 +1,55 @@
+"""Task-disjoint train/validation split: whole tasks go to one side, decided by a stable hash."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+from draftling.errors import DataError
+
+_KEYS = ("id", "source")
+
+
+def split_task_id(conv_id: str) -> str:
+    """The task identity of a conversation id: the full id, unchanged.
+
+    Ids carry suffixes such as "gsm8k-train-12" or "tau-airline-0-50"; they are not parsed, the
+    id IS the task. Records that share a task under different ids (tau-bench runs several trials of
+    one task, "tau-airline-<task>-<trial>") are only kept together by splitting with key="source".
+    """
+    return conv_id
+
+
+def _unit_hash(seed: int, value: str) -> float:
+    digest = hashlib.sha256(f"{seed}\0{value}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_by_task(convs: Sequence, val_fraction: float, seed: int = 0,
+                  key: str = "id") -> tuple[list, list]:
+    """Split into (train, val) by a stable hash of each conversation's task key.
+
+    The side depends only on (seed, key value), so it does not change with file order, and all
+    conversations sharing a key value land on the same side. If val_fraction > 0 and at least two
+    groups exist, neither side is left empty: the group with the smallest hash moves to val, or
+    the one with the largest hash to train.
+    """
+    if key not in _KEYS:
+        raise DataError(f"split key must be one of {', '.join(_KEYS)}, got {key!r}")
+    if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+
+    def group(conv) -> str:
+        return split_task_id(conv.id) if key == "id" else conv.source
+
+    hashes = {g: _unit_hash(seed, g) for g in {group(c) for c in convs}}
+    val_groups = {g for g, h in hashes.items() if h < val_fraction}
+    if val_fraction > 0 and len(hashes) >= 2:
+        if not val_groups:
+            val_groups = {min(hashes, key=lambda g: (hashes[g], g))}
+        elif len(val_groups) == len(hashes):
+            val_groups.discard(max(hashes, key=lambda g: (hashes[g], g)))
+
+    train = [c for c in convs if group(c) not in val_groups]
+    val = [c for c in convs if group(c) in val_groups]
+    return train, val

@@ -1,0 +1,98 @@
+import random
+
+import pytest
+
+from draftling.data.prompts import Conversation
+from draftling.data.split import split_by_task, split_task_id
+from draftling.errors import DataError
+
+
+def conv(cid, source="src"):
+    return Conversation(id=cid, source=source, category="c",
+                        messages=[{"role": "user", "content": cid}])
+
+
+def ids(convs):
+    return {c.id for c in convs}
+
+
+FAKE = [conv(f"task-{i}", source=f"s{i % 7}") for i in range(1000)]
+
+
+def test_sides_are_disjoint_and_complete():
+    train, val = split_by_task(FAKE, 0.2)
+    assert ids(train).isdisjoint(ids(val))
+    assert ids(train) | ids(val) == ids(FAKE)
+    assert len(train) + len(val) == len(FAKE)
+
+
+def test_duplicate_ids_stay_together():
+    convs = FAKE + [conv(c.id) for c in FAKE[:300]]  # several records of the same task
+    train, val = split_by_task(convs, 0.3)
+    assert ids(train).isdisjoint(ids(val))
+    assert len(train) + len(val) == len(convs)
+
+
+def test_stable_under_shuffle():
+    train, val = split_by_task(FAKE, 0.1, seed=3)
+    shuffled = FAKE[:]
+    random.Random(0).shuffle(shuffled)
+    train2, val2 = split_by_task(shuffled, 0.1, seed=3)
+    assert ids(train2) == ids(train) and ids(val2) == ids(val)
+    # A subset keeps each id on the same side.
+    _, val_sub = split_by_task(shuffled[:400], 0.1, seed=3)
+    assert ids(val_sub) == ids(val) & ids(shuffled[:400])
+
+
+def test_seed_changes_split():
+    assert ids(split_by_task(FAKE, 0.1, seed=0)[1]) != ids(split_by_task(FAKE, 0.1, seed=1)[1])
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.1, 0.25, 0.5])
+def test_fraction_roughly_respected(fraction):
+    _, val = split_by_task(FAKE, fraction)
+    assert abs(len(val) / len(FAKE) - fraction) <= 0.05
+
+
+def test_zero_fraction_puts_all_in_train():
+    train, val = split_by_task(FAKE, 0.0)
+    assert len(train) == len(FAKE) and val == []
+
+
+def test_key_source_keeps_sources_together():
+    train, val = split_by_task(FAKE, 0.3, key="source")
+    train_sources = {c.source for c in train}
+    val_sources = {c.source for c in val}
+    assert train_sources.isdisjoint(val_sources)
+    assert train_sources and val_sources
+    assert len(train) + len(val) == len(FAKE)
+
+
+def test_tiny_fraction_still_gets_one_group():
+    convs = [conv("a"), conv("b"), conv("c")]
+    train, val = split_by_task(convs, 0.001)
+    assert len(val) == 1 and len(train) == 2
+    # The group moved is the same whatever the input order.
+    assert ids(split_by_task(convs[::-1], 0.001)[1]) == ids(val)
+
+
+def test_train_never_emptied_with_two_groups():
+    convs = [conv("a"), conv("b")]
+    for seed in range(50):
+        train, val = split_by_task(convs, 0.99, seed=seed)
+        assert len(train) == 1 and len(val) == 1
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5])
+def test_bad_fraction(fraction):
+    with pytest.raises(DataError, match="val_fraction"):
+        split_by_task(FAKE, fraction)
+
+
+def test_bad_key():
+    with pytest.raises(DataError, match="split key"):
+        split_by_task(FAKE, 0.1, key="category")
+
+
+def test_split_task_id_is_full_id():
+    assert split_task_id("gsm8k-train-12") == "gsm8k-train-12"
