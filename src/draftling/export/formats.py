@@ -1,0 +1,416 @@
+"""Write a trained EAGLE-3 head in the formats serving engines load, and read one back.
+
+- :func:`export_sglang`: the SGLang / EAGLE layout (``LlamaForCausalLMEagle3``), a Llama
+  config.json plus one model.safetensors with ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
+  ``d2t``, ``t2d`` (and ``embed_tokens`` only on request).
+- :func:`export_speculators`: the vLLM "speculators" layout (``Eagle3Speculator``).
+- :func:`load_sglang_export`: rebuild an :class:`Eagle3Draft` from an SGLang-layout dir.
+
+Aux-layer ids are translated by :mod:`draftling.export.conventions` and nowhere else.
+Both writers refuse vocab maps that would serve garbage silently, and write atomically:
+on any failure the destination is left untouched and no temporary directory remains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
+from draftling.draft.model import Eagle3Draft
+from draftling.errors import DraftlingError
+from draftling.export.conventions import (
+    check_vocab_maps,
+    from_engine_aux_layer_ids,
+    is_default_aux_layer_ids,
+    to_engine_aux_layer_ids,
+)
+from draftling.io import atomic_dir, write_json
+from draftling.target.aux import default_aux_layer_ids
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+
+# Our decoder layer keeps the UN-normed h on the residual and feeds hidden_norm(h) only
+# into the attention input (draft/model.py, Eagle3DecoderLayer.forward). In speculators'
+# terms that is norm_before_residual = False. Confirmed in:
+# - vllm-project/speculators src/speculators/models/eagle3/model_definitions.py
+#   (Eagle3FirstLayerMixin.forward): ``residual = hidden`` is taken before
+#   ``hidden = self.hidden_norm(hidden)``, and only ``if self.norm_before_residual:
+#   residual = hidden`` swaps in the normed one; config default False
+#   (src/speculators/models/eagle3/config.py).
+# - vllm-project/vllm vllm/model_executor/models/llama_eagle3.py: ``norm_before_residual``
+#   picks ``_norm_before_residual`` (residual = hidden_norm(h)) over
+#   ``_norm_after_residual`` (residual = h, then hidden_norm) -- ours is the latter.
+# - vllm/transformers_utils/configs/speculators/algos.py (update_eagle3) reads
+#   ``config_dict.get("norm_before_residual", True)``: an absent key means True there, the
+#   opposite of our layer, so the key is always written explicitly.
+NORM_BEFORE_RESIDUAL = False
+
+# Keys of a transformers config dict that mean nothing to a serving engine.
+_CONFIG_NOISE = (
+    "id2label", "label2id", "output_hidden_states", "output_attentions", "return_dict",
+    "chunk_size_feed_forward", "is_encoder_decoder", "problem_type", "_name_or_path",
+    "dtype", "torch_dtype", "use_cache",
+)
+# Keys only an EAGLE-3 wrapper config carries; removed from the nested layer config.
+_EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+               "eagle_config", "architectures", "draftling")
+
+
+# ----------------------------------------------------------------------------------- utils
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``"keep"``/None -> None (keep each tensor's dtype); names like "bfloat16" -> dtype."""
+    if dtype is None or dtype == "keep":
+        return None
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        resolved = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise DraftlingError(f"export dtype must be a floating torch dtype or 'keep', got {dtype!r}")
+    return resolved
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _rope_fields(config) -> dict[str, Any]:
+    """RoPE in both spellings: transformers>=5 ``rope_parameters`` and the legacy
+    ``rope_theta`` / ``rope_scaling`` that engines pinned to transformers 4 read. A missing
+    legacy ``rope_theta`` makes those engines fall back to 10000 without an error."""
+    rp = dict(getattr(config, "rope_parameters", None) or {})
+    theta = rp.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        theta = 10000.0
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    scaling = None if rope_type == "default" else {k: v for k, v in rp.items() if k != "rope_theta"}
+    out: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": scaling}
+    if rp:
+        out["rope_parameters"] = rp
+    return out
+
+
+def _llama_layer_fields(draft: Eagle3Draft, target_config=None) -> dict[str, Any]:
+    """The plain Llama config of the draft's decoder layer (no EAGLE-3 keys)."""
+    cfg = draft.config.to_dict()
+    for k in _CONFIG_NOISE + _EAGLE_KEYS:
+        cfg.pop(k, None)
+    cfg.update(_rope_fields(draft.config))
+    cfg["model_type"] = "llama"
+    cfg["num_hidden_layers"] = 1
+    cfg["tie_word_embeddings"] = False
+    cfg["vocab_size"] = int(draft.config.vocab_size)
+    cfg["max_position_embeddings"] = _max_positions(draft, target_config)
+    return cfg
+
+
+def _max_positions(draft: Eagle3Draft, target_config=None) -> int:
+    """The draft's max_position_embeddings, never less than the target's (a small value
+    caps long prompts: low acceptance or crashes)."""
+    own = int(getattr(draft.config, "max_position_embeddings", 0) or 0)
+    tgt = int(getattr(target_config, "max_position_embeddings", 0) or 0) if target_config else 0
+    out = max(own, tgt)
+    if out <= 0:
+        raise DraftlingError("draft config has no max_position_embeddings; pass target_config")
+    return out
+
+
+def _check_draft(draft: Eagle3Draft, target_config, include_embedding: bool,
+                 embedding: torch.Tensor | None) -> None:
+    cfg = draft.config
+    check_vocab_maps(draft.d2t, draft.t2d, int(cfg.draft_vocab_size), int(cfg.vocab_size))
+    hidden = int(cfg.hidden_size)
+    target_hidden = int(getattr(cfg, "target_hidden_size", hidden) or hidden)
+    if target_config is not None:
+        if int(target_config.vocab_size) != int(cfg.vocab_size):
+            raise DraftlingError(f"draft vocab_size {cfg.vocab_size} != target vocab_size "
+                                 f"{target_config.vocab_size}; the config must carry the TARGET vocab")
+        if int(target_config.hidden_size) != target_hidden:
+            raise DraftlingError(f"draft target_hidden_size {target_hidden} != target hidden_size "
+                                 f"{target_config.hidden_size}")
+    if include_embedding:
+        if embedding is None:
+            raise DraftlingError("include_embedding=True needs the target's embedding matrix "
+                                 "(embedding=target.get_input_embeddings().weight)")
+        if tuple(embedding.shape) != (int(cfg.vocab_size), hidden):
+            raise DraftlingError(f"embedding has shape {tuple(embedding.shape)}, expected "
+                                 f"({cfg.vocab_size}, {hidden})")
+    elif hidden != target_hidden:
+        # Engines share the target's embedding only when the widths match (SGLang's set_embed
+        # silently skips otherwise and serves a random embedding).
+        raise DraftlingError(f"draft hidden_size {hidden} != target hidden size {target_hidden}: "
+                             "an embedding-free export cannot borrow the target's embedding; "
+                             "pass include_embedding=True")
+
+
+def _tensors(draft: Eagle3Draft, dtype: torch.dtype | None, *, layer_prefix: str,
+             include_embedding: bool, embedding: torch.Tensor | None,
+             include_vocab_maps: bool = True) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in draft.trainable_state_dict().items():
+        t = t.detach().cpu()
+        if name == "d2t":
+            t = t.to(torch.int64)
+        elif name == "t2d":
+            t = t.to(torch.bool)
+        elif dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        if name in ("d2t", "t2d") and not include_vocab_maps:
+            continue
+        if name.startswith("midlayer."):
+            name = layer_prefix + name[len("midlayer."):]
+        out[name] = t.contiguous().clone()
+    if include_embedding:
+        e = embedding.detach().cpu()
+        out["embed_tokens.weight"] = (e.to(dtype) if dtype is not None else e).contiguous().clone()
+    return out
+
+
+def _weights_dtype(tensors: dict[str, torch.Tensor]) -> str:
+    floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    return _dtype_name(floats.pop()) if len(floats) == 1 else "float32"
+
+
+def _write(out_dir, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        write_json(tmp / CONFIG_NAME, config)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------- SGLang
+
+def export_sglang(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
+                  include_embedding: bool = False, embedding: torch.Tensor | None = None,
+                  trained_on_default_layers: bool,
+                  dtype: torch.dtype | str = torch.bfloat16,
+                  target_config=None) -> Path:
+    """Write ``draft`` as an SGLang / EAGLE-3 checkpoint directory and return its path.
+
+    ``trained_on_default_layers``: the head was trained on HF hidden_states [2, L//2, L-3].
+    The ids are then left out of the config and engines use their own (identical)
+    defaults; otherwise they are written for SGLang in ``eagle_config`` (SGLang numbering)
+    and at the top level (vLLM numbering, so vLLM can serve the same directory).
+    ``dtype``: cast floating tensors to it ("keep" keeps them); d2t is int64, t2d bool.
+    ``target_config``: optional target HF config; checks vocab/hidden sizes and the
+    default-layer claim exactly, and raises max_position_embeddings to the target's.
+    """
+    _check_draft(draft, target_config, include_embedding, embedding)
+    ids = [int(i) for i in draft.config.eagle_aux_hidden_state_layer_ids]
+    num_layers = int(target_config.num_hidden_layers) if target_config is not None else None
+    if trained_on_default_layers and not is_default_aux_layer_ids(ids, num_layers):
+        want = default_aux_layer_ids(num_layers) if num_layers else "[2, L//2, L-3]"
+        raise DraftlingError(
+            f"trained_on_default_layers=True but the head's aux layer ids are {ids}, not the "
+            f"default {want}; omitting them would make engines feed the wrong layers")
+    dt = _resolve_dtype(dtype)
+    tensors = _tensors(draft, dt, layer_prefix="midlayer.", include_embedding=include_embedding,
+                       embedding=embedding)
+
+    cfg = _llama_layer_fields(draft, target_config)
+    cfg["architectures"] = [SGLANG_ARCHITECTURE]
+    cfg["draft_vocab_size"] = int(draft.config.draft_vocab_size)
+    cfg["target_hidden_size"] = int(getattr(draft.config, "target_hidden_size", draft.config.hidden_size))
+    eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
+    if not trained_on_default_layers:
+        eagle_config["eagle_aux_hidden_state_layer_ids"] = to_engine_aux_layer_ids(ids, "sglang")
+        cfg["eagle_aux_hidden_state_layer_ids"] = to_engine_aux_layer_ids(ids, "vllm")
+    cfg["eagle_config"] = eagle_config
+    cfg["torch_dtype"] = _weights_dtype(tensors)
+    # draftling's own record (engines ignore unknown keys): lets load_sglang_export rebuild
+    # the head even when the ids were omitted for the engines.
+    cfg["draftling"] = {"aux_layer_ids": ids, "aux_layer_ids_convention": "hf_output_hidden_states",
+                        "trained_on_default_layers": bool(trained_on_default_layers)}
+    return _write(out_dir, cfg, tensors)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / CONFIG_NAME).read_text())
+    except FileNotFoundError:
+        raise DraftlingError(f"{path}: no {CONFIG_NAME}; not an exported draft directory") from None
+    except json.JSONDecodeError as e:
+        raise DraftlingError(f"{path / CONFIG_NAME}: invalid JSON ({e})") from None
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DraftlingError(f"{path}: no .safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def _aux_ids_from_config(cfg: dict[str, Any], path: Path, target_num_layers: int | None) -> list[int]:
+    candidates: dict[str, list[int]] = {}
+    sgl = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if sgl:
+        candidates["eagle_config (SGLang numbering)"] = from_engine_aux_layer_ids(sgl, "sglang")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        candidates["top level (vLLM numbering)"] = from_engine_aux_layer_ids(top, "vllm")
+    own = (cfg.get("draftling") or {}).get("aux_layer_ids")
+    if own:
+        candidates["draftling record"] = [int(i) for i in own]
+    if candidates:
+        distinct = {tuple(v) for v in candidates.values()}
+        if len(distinct) > 1:
+            raise DraftlingError(f"{path / CONFIG_NAME}: aux layer ids disagree "
+                                 f"(as HF hidden_states indices): {candidates}")
+        return list(distinct.pop())
+    if target_num_layers is None:
+        raise DraftlingError(f"{path / CONFIG_NAME}: no aux layer ids (the head uses the engine "
+                             "defaults); pass target_num_layers to rebuild them")
+    return default_aux_layer_ids(int(target_num_layers))
+
+
+def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None = None, *,
+                       target_num_layers: int | None = None,
+                       dtype: torch.dtype | str | None = None) -> Eagle3Draft:
+    """Rebuild an :class:`Eagle3Draft` from an SGLang-layout export directory.
+
+    Aux-layer ids come back in draftling's numbering. When the config omits them (a head
+    trained on the defaults, exported by another tool), ``target_num_layers`` supplies L.
+    The embedding (the exported ``embed_tokens.weight`` if present, else ``embedding``) is
+    attached as ``draft.embedding`` (a plain tensor, not a parameter; None if neither).
+    ``dtype``: None keeps the stored floating dtype; the rotary tables stay float32.
+    """
+    path = Path(path)
+    cfg = _read_config(path)
+    tensors = _read_tensors(path)
+    ids = _aux_ids_from_config(cfg, path, target_num_layers)
+
+    fields = {k: v for k, v in cfg.items()
+              if k not in _EAGLE_KEYS + _CONFIG_NOISE + ("transformers_version",)}
+    vocab = int(cfg["vocab_size"])
+    fields["draft_vocab_size"] = int(cfg.get("draft_vocab_size") or vocab)
+    fields["target_hidden_size"] = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
+    fields["eagle_aux_hidden_state_layer_ids"] = ids
+    fields["architectures"] = [SGLANG_ARCHITECTURE]
+    fields["num_hidden_layers"] = 1
+    fields["tie_word_embeddings"] = False
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        raise DraftlingError(f"{path / CONFIG_NAME}: num_hidden_layers={cfg['num_hidden_layers']}; "
+                             "draftling loads one-layer EAGLE-3 heads only")
+    try:
+        config = LlamaConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise DraftlingError(f"{path / CONFIG_NAME}: not a usable Llama config ({e})") from None
+    draft = Eagle3Draft(config)
+
+    sd: dict[str, torch.Tensor] = {}
+    embed = None
+    for name, t in tensors.items():
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        if name == "embed_tokens.weight":
+            embed = t
+            continue
+        sd[name] = t
+    draft_vocab = int(config.draft_vocab_size)
+    if "d2t" not in sd:
+        if draft_vocab != vocab:
+            raise DraftlingError(f"{path}: no d2t in the weights but draft_vocab_size {draft_vocab} "
+                                 f"< vocab_size {vocab}; the draft ids cannot be mapped")
+        sd["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    if "t2d" not in sd:
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        targets = torch.arange(draft_vocab) + sd["d2t"].long()
+        if int(targets.min()) >= 0 and int(targets.max()) < vocab:
+            t2d[targets] = True
+        sd["t2d"] = t2d
+    sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
+    expected = set(draft.trainable_state_dict())
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise DraftlingError(f"{path}: weights do not fit an EAGLE-3 head "
+                             f"(missing {missing}, unexpected {unexpected})")
+    check_vocab_maps(sd["d2t"], sd["t2d"], draft_vocab, vocab, where=str(path))
+    try:
+        draft.load_state_dict(sd, strict=False)
+    except RuntimeError as e:
+        raise DraftlingError(f"{path}: weight shapes do not match config.json ({e})") from None
+
+    floats = {t.dtype for t in sd.values() if t.is_floating_point()}
+    dt = _resolve_dtype(dtype) if dtype is not None else (floats.pop() if len(floats) == 1 else None)
+    if dt is not None:
+        for module in (draft.fc, draft.midlayer, draft.norm, draft.lm_head):
+            module.to(dt)
+    if embed is None:
+        embed = embedding
+    if embed is not None and tuple(embed.shape) != (vocab, int(config.hidden_size)):
+        raise DraftlingError(f"embedding has shape {tuple(embed.shape)}, expected "
+                             f"({vocab}, {config.hidden_size})")
+    draft.embedding = embed
+    return draft
+
+
+# ----------------------------------------------------------------------------- speculators
+
+def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
+                       verifier_name_or_path: str, verifier_architectures: list[str],
+                       speculative_tokens: int = 3,
+                       include_embedding: bool = False, embedding: torch.Tensor | None = None,
+                       dtype: torch.dtype | str = torch.bfloat16,
+                       target_config=None) -> Path:
+    """Write ``draft`` in the vLLM "speculators" layout (``Eagle3Speculator``).
+
+    Tensor names follow speculators' Eagle3 model and its EAGLE-3 converter
+    (``midlayer.`` -> ``layers.0.``; ``fc.``, ``norm.``, ``lm_head.``, ``d2t``, ``t2d``,
+    ``embed_tokens.`` kept). Aux-layer ids are always written, in vLLM numbering.
+    ``norm_before_residual`` is written explicitly (False; see NORM_BEFORE_RESIDUAL).
+    """
+    if not verifier_name_or_path:
+        raise DraftlingError("export_speculators needs verifier_name_or_path (the target model)")
+    if (not isinstance(verifier_architectures, (list, tuple)) or not verifier_architectures
+            or not all(isinstance(a, str) and a for a in verifier_architectures)):
+        raise DraftlingError(f"verifier_architectures must be a non-empty list of names, "
+                             f"got {verifier_architectures!r}")
+    if int(speculative_tokens) < 1:
+        raise DraftlingError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    _check_draft(draft, target_config, include_embedding, embedding)
+    ids = [int(i) for i in draft.config.eagle_aux_hidden_state_layer_ids]
+    dt = _resolve_dtype(dtype)
+    full_vocab = int(draft.config.draft_vocab_size) == int(draft.config.vocab_size)
+    # speculators registers d2t/t2d only when draft_vocab_size != the verifier's vocab.
+    tensors = _tensors(draft, dt, layer_prefix="layers.0.", include_embedding=include_embedding,
+                       embedding=embedding, include_vocab_maps=not full_vocab)
+
+    layer_cfg = _llama_layer_fields(draft, target_config)
+    cfg: dict[str, Any] = {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer_cfg,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": int(speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier_name_or_path),
+                         "architectures": [str(a) for a in verifier_architectures]},
+        },
+        "draft_vocab_size": int(draft.config.draft_vocab_size),
+        "norm_before_residual": NORM_BEFORE_RESIDUAL,
+        "target_hidden_size": int(getattr(draft.config, "target_hidden_size", draft.config.hidden_size)),
+        "eagle_aux_hidden_state_layer_ids": to_engine_aux_layer_ids(ids, "speculators"),
+        "torch_dtype": _weights_dtype(tensors),
+    }
+    return _write(out_dir, cfg, tensors)

@@ -1,0 +1,344 @@
+"""Export formats: round trip, file layout, engine layer-id conventions, refusals."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftling.draft.model import Eagle3Draft, draft_config_from_target, repeat_kv
+from draftling.errors import DraftlingError
+from draftling.export import (
+    NORM_BEFORE_RESIDUAL,
+    check_vocab_maps,
+    export_sglang,
+    export_speculators,
+    from_engine_aux_layer_ids,
+    is_default_aux_layer_ids,
+    load_sglang_export,
+    to_engine_aux_layer_ids,
+)
+from draftling.export import formats
+from draftling.target.aux import aux_hidden_states
+
+VOCAB, DRAFT_VOCAB, LAYERS = 300, 64, 6
+DEFAULT_IDS = [2, 3, 3]          # [2, L//2, L-3] for L = 6
+LAYER_NAMES = [
+    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, intermediate_size=128,
+                      max_position_embeddings=4096, rope_theta=500000.0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def make_draft(target, aux_ids=DEFAULT_IDS, seed=1, **overrides):
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(draft_config_from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
+                                                 aux_layer_ids=aux_ids, **overrides))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.2)  # norms too, so a swapped/missing tensor changes the logits
+    ids = torch.randperm(VOCAB)[:DRAFT_VOCAB].sort().values
+    d2t = ids - torch.arange(DRAFT_VOCAB)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(d2t, t2d)
+    return draft.eval()
+
+
+def causal_attend(q, k, v):
+    n_rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+
+
+@torch.no_grad()
+def run_draft(draft, target, input_ids):
+    _, aux = aux_hidden_states(target, draft.config.eagle_aux_hidden_state_layer_ids,
+                               input_ids=input_ids)
+    embeds = target.get_input_embeddings()(input_ids)
+    pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    h = draft.fuse(aux)
+    h = draft.step(embeds, h, pos, causal_attend)
+    logits0 = draft.compute_logits(h)
+    h = draft.step(embeds, h, pos + 1, causal_attend)  # a second step feeds its own state back
+    return torch.cat([logits0, draft.compute_logits(h)], dim=-1)
+
+
+def read_export(path):
+    cfg = json.loads((path / "config.json").read_text())
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return cfg, tensors
+
+
+def no_leftovers(parent, name):
+    return not (parent / name).exists() and not any(p.name.startswith(f".{name}.")
+                                                      for p in parent.iterdir())
+
+
+# ---------------------------------------------------------------- round trip and file layout
+
+def test_sglang_round_trip_gives_identical_logits(tmp_path, target):
+    draft = make_draft(target)
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True, dtype="keep")
+    loaded = load_sglang_export(out)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    assert torch.equal(run_draft(draft, target, ids), run_draft(loaded, target, ids))
+    assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
+    assert loaded.config.eagle_aux_hidden_state_layer_ids == DEFAULT_IDS
+    assert loaded.config.rope_parameters["rope_theta"] == 500000.0
+    assert loaded.embedding is None
+    # draft id -> target id survives the trip
+    assert torch.equal(loaded.draft_to_target(torch.arange(DRAFT_VOCAB)), draft.t2d.nonzero().squeeze(1))
+
+
+def test_sglang_bf16_export_casts_weights_only(tmp_path, target):
+    draft = make_draft(target)
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
+    cfg, tensors = read_export(out)
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert cfg["torch_dtype"] == "bfloat16"
+    loaded = load_sglang_export(out)
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.lm_head.weight, draft.lm_head.weight.to(torch.bfloat16))
+    assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_sglang_file_layout(tmp_path, target):
+    draft = make_draft(target)
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
+    cfg, tensors = read_export(out)
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    expected |= {f"midlayer.{n}" for n in LAYER_NAMES}
+    assert set(tensors) == expected                      # no embedding by default
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert torch.equal(tensors["d2t"], draft.d2t) and torch.equal(tensors["t2d"], draft.t2d)
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 1
+    assert cfg["vocab_size"] == VOCAB                    # TARGET vocab
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB
+    assert cfg["target_hidden_size"] == 64
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["max_position_embeddings"] == 4096
+    assert cfg["eagle_config"] == {"use_aux_hidden_state": True}   # defaults: ids omitted
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg
+    # RoPE in the legacy spelling too, or transformers-4 engines fall back to 10000
+    assert cfg["rope_theta"] == 500000.0 and cfg["rope_parameters"]["rope_theta"] == 500000.0
+
+
+def test_sglang_embedding_only_on_request(tmp_path, target):
+    draft = make_draft(target)
+    emb = target.get_input_embeddings().weight
+    out = export_sglang(draft, tmp_path / "sgl", include_embedding=True, embedding=emb,
+                        trained_on_default_layers=True, dtype="keep")
+    _, tensors = read_export(out)
+    assert torch.equal(tensors["embed_tokens.weight"], emb.detach())
+    loaded = load_sglang_export(out)
+    assert torch.equal(loaded.embedding, emb.detach())
+    with pytest.raises(DraftlingError, match="embedding"):
+        export_sglang(draft, tmp_path / "x", include_embedding=True, trained_on_default_layers=True)
+
+
+def test_max_positions_never_below_target(tmp_path, target):
+    draft = make_draft(target, max_position_embeddings=2048)
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True,
+                        target_config=target.config)
+    assert read_export(out)[0]["max_position_embeddings"] == 4096
+
+
+# ------------------------------------------------------------------- layer-id conventions
+
+@pytest.mark.parametrize("engine, ours, theirs", [
+    ("sglang", [1, 3, 4], [0, 2, 3]),
+    ("sglang", [2, 15, 27], [1, 14, 26]),     # 30-layer default, if it were written out
+    ("vllm", [1, 3, 4], [1, 3, 4]),
+    ("speculators", [1, 3, 4], [1, 3, 4]),
+    ("draftling", [1, 3, 4], [1, 3, 4]),
+])
+def test_engine_layer_id_conventions(engine, ours, theirs):
+    assert to_engine_aux_layer_ids(ours, engine) == theirs
+    assert from_engine_aux_layer_ids(theirs, engine) == ours
+
+
+def test_layer_id_convention_edges():
+    with pytest.raises(DraftlingError, match="sglang"):
+        to_engine_aux_layer_ids([0, 3, 4], "sglang")   # the embedding has no SGLang id
+    with pytest.raises(DraftlingError, match="unknown serving engine"):
+        to_engine_aux_layer_ids([1, 3, 4], "trt")
+    assert is_default_aux_layer_ids([2, 3, 3], 6) and is_default_aux_layer_ids([2, 15, 27])
+    assert not is_default_aux_layer_ids([1, 3, 4]) and not is_default_aux_layer_ids([2, 3, 3], 7)
+
+
+def test_non_default_ids_per_engine_and_back(tmp_path, target):
+    draft = make_draft(target, aux_ids=[1, 3, 4])
+    sgl = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=False)
+    cfg, _ = read_export(sgl)
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3],
+                                   "use_aux_hidden_state": True}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]   # vLLM reads the top level
+    assert load_sglang_export(sgl).config.eagle_aux_hidden_state_layer_ids == [1, 3, 4]
+
+    spec = export_speculators(draft, tmp_path / "spec", verifier_name_or_path="org/target",
+                              verifier_architectures=["LlamaForCausalLM"])
+    assert read_export(spec)[0]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+def test_loader_translates_foreign_configs(tmp_path, target):
+    draft = make_draft(target, aux_ids=[1, 3, 4])
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=False)
+    cfg = json.loads((out / "config.json").read_text())
+    # only SGLang's own key, as another tool would write it
+    del cfg["draftling"], cfg["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert load_sglang_export(out).config.eagle_aux_hidden_state_layer_ids == [1, 3, 4]
+    # no ids at all: the engine defaults, which need the target's depth
+    del cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftlingError, match="target_num_layers"):
+        load_sglang_export(out)
+    assert load_sglang_export(out, target_num_layers=30).config.eagle_aux_hidden_state_layer_ids \
+        == [2, 15, 27]
+    # an off-by-one between the two spellings is refused, not guessed
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftlingError, match="disagree"):
+        load_sglang_export(out)
+
+
+def test_default_claim_is_checked(tmp_path, target):
+    draft = make_draft(target, aux_ids=[1, 3, 4])
+    with pytest.raises(DraftlingError, match="trained_on_default_layers"):
+        export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
+    # with the target at hand the check is exact: [2, 3, 3] is not the default of a 7-layer model
+    draft = make_draft(target)
+    cfg7 = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 7})
+    with pytest.raises(DraftlingError, match="default"):
+        export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True, target_config=cfg7)
+    assert no_leftovers(tmp_path, "sgl")
+
+
+# ------------------------------------------------------------------------------ refusals
+
+def test_zeroed_d2t_refused(tmp_path, target):
+    draft = make_draft(target)
+    draft.d2t.zero_()
+    with pytest.raises(DraftlingError, match="d2t is all zeros"):
+        export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
+    with pytest.raises(DraftlingError, match="d2t is all zeros"):
+        export_speculators(draft, tmp_path / "spec", verifier_name_or_path="t",
+                           verifier_architectures=["LlamaForCausalLM"])
+    assert no_leftovers(tmp_path, "sgl") and no_leftovers(tmp_path, "spec")
+
+
+def test_wrong_t2d_count_refused(tmp_path, target):
+    draft = make_draft(target)
+    draft.t2d[(~draft.t2d).nonzero()[0]] = True          # one token too many
+    with pytest.raises(DraftlingError, match="t2d marks 65"):
+        export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
+    assert no_leftovers(tmp_path, "sgl")
+
+
+def test_mismatched_vocab_maps_refused():
+    d2t = torch.arange(4) * 2 - torch.arange(4)           # -> targets 0, 2, 4, 6
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[0, 2, 4, 7]] = True
+    with pytest.raises(DraftlingError, match="disagree"):
+        check_vocab_maps(d2t, t2d, 4, 10)
+    t2d[[7, 6]] = torch.tensor([False, True])
+    check_vocab_maps(d2t, t2d, 4, 10)
+    check_vocab_maps(torch.zeros(10, dtype=torch.long), torch.ones(10, dtype=torch.bool), 10, 10)
+
+
+def test_failed_write_leaves_previous_export_intact(tmp_path, target, monkeypatch):
+    draft = make_draft(target)
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
+    before = (out / "model.safetensors").read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(formats, "save_file", boom)
+    with pytest.raises(OSError):
+        export_sglang(make_draft(target, seed=7), out, trained_on_default_layers=True)
+    with pytest.raises(OSError):
+        export_sglang(draft, tmp_path / "fresh", trained_on_default_layers=True)
+    assert (out / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sgl"]
+
+
+def test_loader_refuses_zeroed_d2t(tmp_path, target):
+    out = export_sglang(make_draft(target), tmp_path / "sgl", trained_on_default_layers=True)
+    cfg, tensors = read_export(out)
+    tensors["d2t"] = torch.zeros_like(tensors["d2t"])
+    formats.save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(DraftlingError, match="d2t is all zeros"):
+        load_sglang_export(out)
+
+
+# ---------------------------------------------------------------------------- speculators
+
+def test_speculators_layout(tmp_path, target):
+    draft = make_draft(target)
+    out = export_speculators(draft, tmp_path / "spec", verifier_name_or_path="org/target",
+                             verifier_architectures=["LlamaForCausalLM"], speculative_tokens=5)
+    cfg, tensors = read_export(out)
+    assert cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["speculators_config"] == {
+        "algorithm": "eagle3",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]},
+    }
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB
+    assert cfg["norm_before_residual"] is False and NORM_BEFORE_RESIDUAL is False
+    assert cfg["target_hidden_size"] == 64
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == DEFAULT_IDS   # always explicit for vLLM
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
+    assert layer["vocab_size"] == VOCAB and layer["hidden_size"] == 64
+    assert layer["rope_theta"] == 500000.0 and layer["tie_word_embeddings"] is False
+    assert "draft_vocab_size" not in layer and "eagle_aux_hidden_state_layer_ids" not in layer
+
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    expected |= {f"layers.0.{n}" for n in LAYER_NAMES}
+    assert set(tensors) == expected
+    assert torch.equal(tensors["layers.0.hidden_norm.weight"],
+                       draft.midlayer.hidden_norm.weight.detach().to(torch.bfloat16))
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+
+
+def test_speculators_output_loads_back_through_the_same_names(tmp_path, target):
+    # layers.0.* is accepted by the loader too (vLLM maps midlayer. -> layers.0.)
+    draft = make_draft(target)
+    out = export_speculators(draft, tmp_path / "spec", verifier_name_or_path="t",
+                             verifier_architectures=["LlamaForCausalLM"], dtype="keep")
+    cfg, tensors = read_export(out)
+    sgl_cfg = {**cfg["transformer_layer_config"], "draft_vocab_size": cfg["draft_vocab_size"],
+               "target_hidden_size": cfg["target_hidden_size"],
+               "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"]}
+    (out / "config.json").write_text(json.dumps(sgl_cfg))
+    loaded = load_sglang_export(out)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    assert torch.equal(run_draft(draft, target, ids), run_draft(loaded, target, ids))
+
+
+def test_speculators_requires_verifier(tmp_path, target):
+    draft = make_draft(target)
+    with pytest.raises(DraftlingError, match="verifier_architectures"):
+        export_speculators(draft, tmp_path / "spec", verifier_name_or_path="t",
+                           verifier_architectures=[])
+    assert no_leftovers(tmp_path, "spec")
