@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +96,20 @@ class Target:
     def final_norm(self) -> torch.nn.Module:
         base = getattr(self.model, "model", self.model)
         return base.norm
+
+    def stop_token_ids(self) -> list[int]:
+        """The eos ids plus the chat template's end-of-turn token, which is not always the eos."""
+        ids = set()
+        for source in (self.model.generation_config, self.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[name] for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+                   if name in vocab)
+        return sorted(ids)
 
     def describe(self) -> dict:
         return {"target": self.spec.name, "path": self.spec.path, "gguf_file": self.spec.gguf_file,

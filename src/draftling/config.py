@@ -1,0 +1,239 @@
+"""Typed run config: nested dataclasses, loaded from YAML, overridden with ``a.b=value``.
+
+A run saves the config it actually used as ``config.yaml`` in its directory, so every
+number a run reports can be traced to the settings that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from draftling.errors import ConfigError
+
+
+@dataclass
+class RegenConfig:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    batch_size: int = 16
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    # Prompt files (project schema, ShareGPT or OpenAI messages). "shared:NAME" resolves to
+    # the project's shared prompt corpus (see find_shared_prompts).
+    prompts: list[str] = field(default_factory=lambda: [
+        "shared:sharegpt.jsonl", "shared:instruct.jsonl", "shared:code_mbpp.jsonl",
+        "shared:math_gsm8k_train.jsonl", "shared:summarize.jsonl"])
+    max_prompts_per_file: int = 0  # 0 = all
+    val_fraction: float = 0.05
+    split_key: str = "id"
+    drop_tool_calls: bool = False
+    min_tokens: int = 8  # drop conversations shorter than this (in target tokens)
+    max_tokens: int = 2048  # truncate longer ones
+    seed: int = 0
+    regen: RegenConfig = field(default_factory=RegenConfig)
+
+
+@dataclass
+class VocabConfig:
+    size: int = 32000
+
+
+@dataclass
+class DraftConfig:
+    init_from_target: bool = True  # copy the target's final norm and head rows for the draft vocab
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 7
+    step_weight_decay: float = 0.8  # loss weight of TTT step j is decay**j
+    epochs: float = 1.0
+    max_steps: int = 0  # 0 = derived from epochs
+    batch_size: int = 8  # sequences per optimizer step
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    log_every: int = 10
+    ckpt_every: int = 200
+    keep_checkpoints: int = 2
+    seed: int = 0
+    val_every: int = 0  # 0 = only at the end
+    max_val_batches: int = 16
+
+
+@dataclass
+class BenchConfig:
+    num_prompts: int = 8
+    max_new_tokens: int = 256
+    configs: list[str] = field(default_factory=lambda: ["chain-3-1-4"])
+
+
+@dataclass
+class RunConfig:
+    target: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    device: str = "auto"
+    aux_layer_ids: list[int] | None = None
+    chat_template: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if origin is typing.Union or type(tp).__name__ == "UnionType":
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        out = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                value = tp(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        if tp is int and float(value) != int(value):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return tp(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls, data: dict, where: str = "config"):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(names)}")
+    return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()})
+
+
+def to_dict(cfg) -> dict:
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(dataclasses.asdict(cfg))
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides; values are parsed as YAML (numbers, lists, bools)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=3e-4")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def builtin_config(name: str) -> Path:
+    path = resources.files("draftling") / "configs" / f"{name}.yaml"
+    return Path(str(path))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults < YAML file (a path or a built-in name like ``quickstart_cpu``) < overrides."""
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file() and builtin_config(str(path)).is_file():
+            p = builtin_config(str(path))
+        if not p.is_file():
+            raise ConfigError(f"config {path}: file not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}".replace("\n", " ")) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+    # Round-trip through the defaults so overrides of nested keys merge, not replace.
+    merged = _deep_merge(to_dict(RunConfig()), data)
+    merged = apply_overrides(merged, overrides or [])
+    return from_dict(RunConfig, merged, where=str(path or "config"))
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
+    from draftling.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def find_shared_prompts() -> Path | None:
+    """The project's shared prompt corpus: $DRAFTLING_SHARED_PROMPTS, or a ``shared/data/prompts``
+    folder beside or above the current directory or this source tree."""
+    env = os.environ.get("DRAFTLING_SHARED_PROMPTS")
+    if env:
+        return Path(env)
+    starts = [Path.cwd().resolve(), Path(__file__).resolve().parent]
+    for start in starts:
+        for d in [start, *start.parents]:
+            for cand in (d / "shared" / "data" / "prompts", d.parent / "shared" / "data" / "prompts"):
+                if cand.is_dir():
+                    return cand
+    return None
+
+
+def resolve_prompt_path(spec: str) -> Path:
+    if spec.startswith("shared:"):
+        root = find_shared_prompts()
+        if root is None:
+            raise ConfigError(f"{spec}: cannot find the shared prompt corpus; set "
+                              "DRAFTLING_SHARED_PROMPTS to its folder or pass your own files")
+        return root / spec.split(":", 1)[1]
+    return Path(spec)

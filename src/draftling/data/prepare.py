@@ -1,0 +1,88 @@
+"""`draftling data`: prompts -> regenerated replies -> tokenized, task-split train/val sets.
+
+Outputs (in the data directory):
+  replies.jsonl   conversations with the target's replies and their provenance
+  train.jsonl     tokenized rows {id, source, input_ids, loss_mask}
+  val.jsonl       the same for the task-disjoint validation split
+  summary.json    counts, tokens, how many replies hit the token cap
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from draftling.config import RunConfig, resolve_prompt_path
+from draftling.data.prompts import Conversation, has_tool_calls, load_conversations
+from draftling.data.regen import regenerate
+from draftling.data.split import split_by_task
+from draftling.data.template import tokenize_conversation
+from draftling.io import write_json, write_jsonl
+from draftling.target import Target
+
+
+def load_prompt_files(cfg: RunConfig) -> list[Conversation]:
+    dc = cfg.data
+    convs: list[Conversation] = []
+    for spec in dc.prompts:
+        rows = load_conversations(resolve_prompt_path(spec))
+        if dc.drop_tool_calls:
+            rows = [c for c in rows if not has_tool_calls(c)]
+        if dc.max_prompts_per_file and len(rows) > dc.max_prompts_per_file:
+            # A seeded sample, not the head of the file, so every category is represented.
+            rows = random.Random(dc.seed).sample(rows, dc.max_prompts_per_file)
+        convs.extend(rows)
+    return convs
+
+
+def tokenize_records(target: Target, records: list[dict], min_tokens: int, max_tokens: int) -> list[dict]:
+    rows = []
+    for r in records:
+        ids, mask = tokenize_conversation(target.tokenizer, r["messages"], tools=r.get("tools"),
+                                          max_length=max_tokens)
+        if len(ids) < min_tokens or sum(mask) == 0:
+            continue
+        rows.append({"id": r["id"], "source": r["source"], "input_ids": ids, "loss_mask": mask})
+    return rows
+
+
+def prepare_data(cfg: RunConfig, target: Target, out_dir: str | Path) -> dict:
+    out_dir = Path(out_dir)
+    dc = cfg.data
+    convs = load_prompt_files(cfg)
+    train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
+    val_ids = {c.id for c in val_convs}
+    print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
+          f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
+    # Leave room for a reply inside the sequence cap.
+    max_prompt = max(1, dc.max_tokens - dc.regen.max_new_tokens)
+    records = list(regenerate(target, train_convs + val_convs, dc.regen, max_prompt_tokens=max_prompt))
+    for r in records:
+        r["split"] = "val" if r["id"] in val_ids else "train"
+    write_jsonl(out_dir / "replies.jsonl", records)
+    train_rows = tokenize_records(target, [r for r in records if r["split"] == "train"],
+                                  dc.min_tokens, dc.max_tokens)
+    val_rows = tokenize_records(target, [r for r in records if r["split"] == "val"],
+                                dc.min_tokens, dc.max_tokens)
+    write_jsonl(out_dir / "train.jsonl", train_rows)
+    write_jsonl(out_dir / "val.jsonl", val_rows)
+    stopped = [r["provenance"]["stopped"] for r in records]
+    summary = {
+        "target": target.spec.name,
+        "prompts": len(convs),
+        "regenerated": len(records),
+        "skipped_long_prompts": len(convs) - len(records),
+        "train_sequences": len(train_rows),
+        "val_sequences": len(val_rows),
+        "train_tokens": sum(len(r["input_ids"]) for r in train_rows),
+        "train_loss_tokens": sum(sum(r["loss_mask"]) for r in train_rows),
+        "replies_stopped_eos": stopped.count("eos"),
+        "replies_hit_cap": stopped.count("length"),
+        "regen": json.loads(json.dumps(dc.regen.__dict__)),
+    }
+    write_json(out_dir / "summary.json", summary)
+    print(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
+          f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
+          f"{len(records)} replies hit the {dc.regen.max_new_tokens}-token cap", flush=True)
+    return summary

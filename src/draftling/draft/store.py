@@ -1,0 +1,46 @@
+"""draftling's own draft format: ``draft_config.json`` + ``draft.safetensors`` (weights, d2t, t2d).
+
+It is what checkpoints and ``train`` write and what ``bench`` and ``export`` read. The
+serving formats (SGLang, speculators) are written by draftling.export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from draftling.draft.model import Eagle3Draft
+from draftling.errors import DraftlingError
+
+CONFIG_FILE = "draft_config.json"
+WEIGHTS_FILE = "draft.safetensors"
+
+
+def save_draft(draft: Eagle3Draft, directory: str | Path) -> None:
+    """Write into an existing (usually temporary) directory; callers make it atomic."""
+    directory = Path(directory)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in draft.trainable_state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
+
+
+def load_draft(directory: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+    directory = Path(directory)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).is_file():
+            raise DraftlingError(f"{directory}: not a draftling draft (missing {name})")
+    config = LlamaConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+    draft = Eagle3Draft(config)
+    state = load_file(str(directory / WEIGHTS_FILE))
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise DraftlingError(f"{directory / WEIGHTS_FILE}: missing {missing}, unexpected {unexpected}")
+    if not bool(draft.t2d.any()):
+        raise DraftlingError(f"{directory / WEIGHTS_FILE}: t2d is empty; the vocab maps were not saved")
+    return draft.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,119 @@
+"""The draft vocabulary: the N most frequent loss-masked target tokens.
+
+``d2t`` is an OFFSET table (``target_id = draft_id + d2t[draft_id]``) and ``t2d`` a boolean
+membership mask over the target vocab, the layout SGLang and vLLM load. A zeroed ``d2t``
+would silently map draft ids to target ids 0..N-1, so the maps carry a hash of the data
+they came from and are checked when loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftling.errors import DataError
+from draftling.io import atomic_path
+
+
+@dataclass
+class DraftVocab:
+    d2t: torch.Tensor  # int64 [draft_vocab]
+    t2d: torch.Tensor  # bool [target_vocab]
+    data_hash: str
+    num_distinct: int  # distinct tokens seen in the data (before padding)
+    coverage: float  # share of loss-masked tokens inside the draft vocab
+
+    @property
+    def draft_ids_in_target(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t)) + self.d2t
+
+    @property
+    def size(self) -> int:
+        return len(self.d2t)
+
+
+def token_counts(sequences, target_vocab_size: int) -> torch.Tensor:
+    """Count loss-masked tokens. ``sequences`` yields (input_ids, loss_mask) pairs."""
+    counts = torch.zeros(target_vocab_size, dtype=torch.long)
+    for ids, mask in sequences:
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        mask = torch.as_tensor(mask, dtype=torch.bool)
+        counts += torch.bincount(ids[mask], minlength=target_vocab_size)[:target_vocab_size]
+    return counts
+
+
+def build_vocab(counts: torch.Tensor, draft_vocab_size: int, data_hash: str) -> DraftVocab:
+    target_vocab_size = len(counts)
+    if draft_vocab_size > target_vocab_size:
+        raise DataError(f"draft_vocab_size {draft_vocab_size} is larger than the target vocab "
+                        f"({target_vocab_size})")
+    if draft_vocab_size < 1:
+        raise DataError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
+    # Stable sort: ties (and the unseen tokens used as padding) go by ascending id.
+    order = torch.sort(-counts, stable=True).indices
+    chosen = torch.sort(order[:draft_vocab_size]).values  # ascending ids keep d2t offsets >= 0
+    d2t = chosen - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    total = int(counts.sum())
+    coverage = float(counts[chosen].sum()) / total if total else 0.0
+    return DraftVocab(d2t, t2d, data_hash, int((counts > 0).sum()), coverage)
+
+
+def hash_dataset_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_vocab(vocab: DraftVocab, path: str | Path) -> None:
+    meta = {"data_hash": vocab.data_hash, "num_distinct": str(vocab.num_distinct),
+            "coverage": f"{vocab.coverage:.6f}", "draft_vocab_size": str(vocab.size),
+            "target_vocab_size": str(len(vocab.t2d))}
+    with atomic_path(path) as tmp:
+        save_file({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, str(tmp), metadata=meta)
+
+
+def load_vocab(path: str | Path, expect_data_hash: str | None = None,
+               target_vocab_size: int | None = None) -> DraftVocab:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: vocab file not found (run `draftling vocab` first)")
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    tensors = load_file(str(path))
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise DataError(f"{path}: expected tensors d2t and t2d, found {sorted(tensors)}")
+    vocab = DraftVocab(tensors["d2t"].long(), tensors["t2d"].bool(), meta.get("data_hash", ""),
+                       int(meta.get("num_distinct", 0)), float(meta.get("coverage", 0.0)))
+    check_vocab(vocab, str(path), target_vocab_size)
+    if expect_data_hash is not None and vocab.data_hash != expect_data_hash:
+        raise DataError(f"{path}: vocab was built from different data (hash {vocab.data_hash[:12]} != "
+                        f"{expect_data_hash[:12]}); rebuild it with `draftling vocab`")
+    return vocab
+
+
+def check_vocab(vocab: DraftVocab, where: str, target_vocab_size: int | None = None) -> None:
+    """The maps must agree with each other; a mismatch is the silent-collapse trap."""
+    if target_vocab_size is not None and len(vocab.t2d) != target_vocab_size:
+        raise DataError(f"{where}: t2d covers {len(vocab.t2d)} tokens but the target vocab has "
+                        f"{target_vocab_size}")
+    ids = vocab.draft_ids_in_target
+    if int(vocab.t2d.sum()) != vocab.size:
+        raise DataError(f"{where}: t2d marks {int(vocab.t2d.sum())} tokens but d2t has {vocab.size}")
+    if ids.min() < 0 or ids.max() >= len(vocab.t2d) or not bool(vocab.t2d[ids].all()):
+        raise DataError(f"{where}: d2t and t2d disagree (d2t maps outside the t2d set)")
+
+
+def vocab_summary(vocab: DraftVocab) -> str:
+    return json.dumps({"draft_vocab_size": vocab.size, "distinct_tokens_in_data": vocab.num_distinct,
+                       "coverage": round(vocab.coverage, 4), "data_hash": vocab.data_hash[:16]})

@@ -1,0 +1,62 @@
+"""Atomic checkpoints that resume exactly: weights (safetensors) plus the optimizer,
+scheduler, step, data position and every RNG state (a weights_only-loadable dict)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from draftling.draft.store import save_draft
+from draftling.io import atomic_dir, write_json
+
+STATE_FILE = "train_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, draft, optimizer, scheduler, step: int, epoch: int,
+                    batch_index: int, keep: int, extra: dict | None = None) -> Path:
+    final = Path(run_dir) / "checkpoints" / f"step_{step:07d}"
+    with atomic_dir(final) as tmp:
+        save_draft(draft, tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "step": step, "epoch": epoch, "batch_index": batch_index, "rng": rng_state()},
+                   tmp / STATE_FILE)
+        write_json(tmp / "meta.json", {"step": step, "epoch": epoch, "batch_index": batch_index,
+                                       **(extra or {})})
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def load_train_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)

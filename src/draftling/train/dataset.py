@@ -1,0 +1,79 @@
+"""Tokenized training data: one JSON row per conversation with ``input_ids`` and ``loss_mask``.
+
+Batches come from a seeded permutation per epoch, so the data position of a run is just
+(epoch, batch index) and resuming replays exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftling.errors import DataError
+
+
+@dataclass
+class TokenizedExample:
+    id: str
+    source: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def load_tokenized(path: str | Path) -> list[TokenizedExample]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: prepared dataset not found (run `draftling data` first)")
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                ex = TokenizedExample(str(r["id"]), str(r.get("source", "")), list(r["input_ids"]),
+                                      list(r["loss_mask"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DataError(f"{path.name}:{lineno}: bad tokenized row: {e}") from None
+            if len(ex.input_ids) != len(ex.loss_mask):
+                raise DataError(f"{path.name}:{lineno}: input_ids and loss_mask differ in length")
+            rows.append(ex)
+    if not rows:
+        raise DataError(f"{path}: no examples")
+    return rows
+
+
+def collate(examples: list[TokenizedExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example in the batch."""
+    t = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), t), dtype=torch.long)
+    attn = torch.zeros((len(examples), t), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        mask[i, :n] = torch.tensor(e.loss_mask)
+        attn[i, :n] = 1
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+class EpochBatches:
+    """Deterministic batches: epoch e uses randperm(n, seed + e); batches never straddle epochs."""
+
+    def __init__(self, examples: list[TokenizedExample], batch_size: int, seed: int):
+        if batch_size < 1:
+            raise DataError(f"train.batch_size must be >= 1, got {batch_size}")
+        self.examples, self.batch_size, self.seed = examples, batch_size, seed
+        self.batches_per_epoch = max(1, len(examples) // batch_size)
+
+    def batch(self, epoch: int, index: int) -> list[TokenizedExample]:
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        perm = torch.randperm(len(self.examples), generator=g)
+        chosen = perm[index * self.batch_size:(index + 1) * self.batch_size]
+        return [self.examples[i] for i in chosen.tolist()]
+
+    def position(self, step: int) -> tuple[int, int]:
+        return divmod(step, self.batches_per_epoch)

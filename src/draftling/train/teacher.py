@@ -1,0 +1,48 @@
+"""What the loss needs from the target, for one batch: the three aux states, the target's
+logits restricted to the draft vocab, and the target's full-vocab argmax.
+
+The output head runs in chunks over positions so a [tokens, target_vocab] fp32 tensor is
+never materialised for the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftling.target import Target, aux_hidden_states
+
+
+@dataclass
+class TeacherBatch:
+    aux: torch.Tensor  # [B, T, 3*H_t], low/mid/high concatenated
+    draft_logits: torch.Tensor  # [B, T, V_d] target logits at the draft-vocab ids
+    target_argmax: torch.Tensor  # [B, T] argmax over the FULL target vocab
+    in_draft: torch.Tensor  # [B, T] bool: that argmax is in the draft vocab
+
+
+@torch.no_grad()
+def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    t2d: torch.Tensor, chunk_tokens: int = 2048) -> TeacherBatch:
+    decoder = target.model.get_decoder()
+    out, aux = aux_hidden_states(decoder, target.aux_layer_ids, input_ids=input_ids,
+                                 attention_mask=attention_mask, use_cache=False)
+    final = out.last_hidden_state  # already final-normed
+    head = target.output_head()
+    t2d = t2d.to(final.device)
+    draft_rows = head.weight[t2d]  # [V_d, H]
+    b, t, h = final.shape
+    flat = final.reshape(-1, h)
+    draft_logits, argmax = [], []
+    for start in range(0, flat.shape[0], chunk_tokens):
+        part = flat[start:start + chunk_tokens]
+        argmax.append(head(part).argmax(-1))
+        draft_logits.append(part @ draft_rows.T)
+    argmax = torch.cat(argmax).view(b, t)
+    return TeacherBatch(
+        aux=torch.cat(aux, dim=-1),
+        draft_logits=torch.cat(draft_logits).view(b, t, -1).float(),
+        target_argmax=argmax,
+        in_draft=t2d[argmax],
+    )

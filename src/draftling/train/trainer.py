@@ -1,0 +1,214 @@
+"""The online trainer: the teacher stays resident and its states are recomputed per batch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftling.config import RunConfig, save_config
+from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
+from draftling.draft.store import WEIGHTS_FILE, save_draft
+from draftling.draft.vocab import hash_dataset_file, load_vocab
+from draftling.io import atomic_dir, atomic_path, write_json
+from draftling.target import Target
+from draftling.train.checkpoint import latest_checkpoint, load_train_state, save_checkpoint, set_rng_state
+from draftling.train.dataset import EpochBatches, collate, load_tokenized
+from draftling.train.teacher import teacher_forward
+from draftling.train.ttt import StepCounts, ttt_unroll
+
+log = logging.getLogger(__name__)
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+class MetricsLog:
+    """JSONL metrics plus a plain progress line on stdout (works without a TTY), and
+    TensorBoard when it is installed. Every record is flushed as it is written."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            # Drop records the interrupted run wrote after the checkpoint we resume from.
+            kept = [l for l in path.read_text().splitlines()
+                    if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+            with atomic_path(path) as tmp:
+                tmp.write_text("".join(l + "\n" for l in kept))
+        elif path.exists():
+            path.unlink()
+        self.file = open(path, "a")
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(path.parent / "tensorboard"))
+        except ImportError:
+            pass
+
+    def write(self, record: dict, line: str | None = None) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            prefix = record.get("split", "train")
+            for key in ("loss", "sim_tau", "lr", "tok_s"):
+                if key in record:
+                    self.tb.add_scalar(f"{prefix}/{key}", record[key], record["step"])
+            for j, a in enumerate(record.get("acc", [])):
+                self.tb.add_scalar(f"{prefix}/acc_step{j}", a, record["step"])
+        if line:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_line(prefix: str, m: dict) -> str:
+    acc = " ".join(f"{a:.2f}" for a in m["acc"])
+    cond = " ".join(f"{a:.2f}" for a in m["cond_acc"])
+    return f"{prefix} loss {m['loss']:.3f} | acc {acc} | cond {cond} | sim_tau {m['sim_tau']:.2f}"
+
+
+def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
+    config = draft_config_from_target(target.config, vocab.size, target.aux_layer_ids)
+    draft = Eagle3Draft(config)
+    draft.set_vocab(vocab.d2t, vocab.t2d)
+    if cfg.draft.init_from_target:
+        init_from_target(draft, target.model, vocab.t2d)
+    return draft
+
+
+@torch.no_grad()
+def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batches: int) -> dict:
+    draft.eval()
+    counts = StepCounts(cfg.train.ttt_steps)
+    loss = 0.0
+    n = 0
+    bs = cfg.train.batch_size
+    for i in range(0, min(len(examples), max_batches * bs), bs):
+        batch = {k: v.to(device) for k, v in
+                 collate(examples[i:i + bs], target.tokenizer.pad_token_id).items()}
+        teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
+        l, c = ttt_unroll(draft, target.input_embeddings(), teacher, batch["input_ids"],
+                          batch["loss_mask"], batch["attention_mask"], cfg.train.ttt_steps,
+                          cfg.train.step_weight_decay)
+        counts.add(c)
+        loss += float(l)
+        n += 1
+    draft.train()
+    m = counts.metrics()
+    m["loss"] = loss / max(n, 1)
+    return m
+
+
+def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
+          val_path: str | Path | None, vocab_path: str | Path, resume: bool = False) -> dict:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    tc = cfg.train
+    device = target.device
+    torch.manual_seed(tc.seed)
+
+    examples = load_tokenized(train_path)
+    val_examples = load_tokenized(val_path) if val_path and Path(val_path).exists() else []
+    vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path),
+                       target_vocab_size=target.config.vocab_size)
+    draft = build_draft(cfg, target, vocab).to(device)
+    draft.train()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    batches = EpochBatches(examples, tc.batch_size, tc.seed)
+    total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio))
+
+    start_step = 0
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        log.warning("--resume: no checkpoint in %s, starting from scratch", run_dir)
+    if ckpt is not None:
+        state = load_train_state(ckpt)
+        draft.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE), device=str(device)), strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        print(f"resumed from {ckpt} at step {start_step}", flush=True)
+
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl", start_step if ckpt is not None else None)
+    n_params = sum(p.numel() for p in params)
+    print(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(examples)} train / "
+          f"{len(val_examples)} val sequences, {total_steps} steps of {tc.batch_size}, "
+          f"TTT {tc.ttt_steps}, device {device}", flush=True)
+    progress = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        progress = tqdm(total=total_steps, initial=start_step, desc="train", leave=False)
+
+    window = StepCounts(tc.ttt_steps)
+    window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
+    embed = target.input_embeddings()
+    step = start_step
+    t_start = time.perf_counter()
+    while step < total_steps:
+        epoch, index = batches.position(step)
+        batch = {k: v.to(device) for k, v in
+                 collate(batches.batch(epoch, index), target.tokenizer.pad_token_id).items()}
+        teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
+        loss, counts = ttt_unroll(draft, embed, teacher, batch["input_ids"], batch["loss_mask"],
+                                  batch["attention_mask"], tc.ttt_steps, tc.step_weight_decay)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        window.add(counts)
+        window_loss += float(loss)
+        window_tokens += int(batch["attention_mask"].sum())
+        if progress is not None:
+            progress.update(1)
+        if step % tc.log_every == 0 or step == total_steps:
+            m = window.metrics()
+            n_logged = tc.log_every if step % tc.log_every == 0 else step % tc.log_every
+            m.update(step=step, epoch=epoch, loss=window_loss / n_logged, lr=scheduler.get_last_lr()[0],
+                     tok_s=window_tokens / (time.perf_counter() - window_t0), split="train")
+            metrics_log.write(m, format_line(f"step {step}/{total_steps}", m)
+                              + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s")
+            window = StepCounts(tc.ttt_steps)
+            window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
+        if tc.val_every and step % tc.val_every == 0 and val_examples:
+            vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches)
+            vm.update(step=step, split="val")
+            metrics_log.write(vm, format_line(f"val @ {step}", vm))
+        if step % tc.ckpt_every == 0 or step == total_steps:
+            e, i = batches.position(step)
+            save_checkpoint(run_dir, draft, optimizer, scheduler, step, e, i, tc.keep_checkpoints)
+    if progress is not None:
+        progress.close()
+
+    result = {"steps": total_steps, "train_wall_s": time.perf_counter() - t_start}
+    if val_examples:
+        vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches)
+        vm.update(step=step, split="val")
+        metrics_log.write(vm, format_line("validation", vm))
+        result["val"] = vm
+    metrics_log.close()
+    with atomic_dir(run_dir / "draft") as tmp:
+        save_draft(draft, tmp)
+    write_json(run_dir / "train_result.json", result)
+    return result
