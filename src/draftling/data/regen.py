@@ -10,13 +10,12 @@ import torch
 
 from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages
+from draftling.data.template import render
 from draftling.target import Target
 
 
 def _render_prompt(tokenizer, conv: Conversation) -> list[int]:
-    kwargs = {"tools": conv.tools} if conv.tools else {}
-    text = tokenizer.apply_chat_template(prompt_messages(conv), tokenize=False,
-                                         add_generation_prompt=True, **kwargs)
+    text = render(tokenizer, prompt_messages(conv), tools=conv.tools, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -58,6 +58,7 @@ def draft_config_from_target(target_config, draft_vocab_size: int, aux_layer_ids
         architectures=["LlamaForCausalLMEagle3"],
         draft_vocab_size=int(draft_vocab_size),
         target_hidden_size=target_config.hidden_size,
+        target_num_hidden_layers=target_config.num_hidden_layers,
         eagle_aux_hidden_state_layer_ids=[int(i) for i in aux_layer_ids],
         attention_bias=False,
         mlp_bias=False,

@@ -117,3 +117,15 @@ def check_vocab(vocab: DraftVocab, where: str, target_vocab_size: int | None = N
 def vocab_summary(vocab: DraftVocab) -> str:
     return json.dumps({"draft_vocab_size": vocab.size, "distinct_tokens_in_data": vocab.num_distinct,
                        "coverage": round(vocab.coverage, 4), "data_hash": vocab.data_hash[:16]})
+
+
+def build_vocab_file(train_path: str | Path, target_vocab_size: int, size: int,
+                     out: str | Path) -> DraftVocab:
+    """Build the vocab from a tokenized train.jsonl and save it beside the data hash."""
+    from draftling.train.dataset import load_tokenized
+
+    rows = load_tokenized(train_path)
+    counts = token_counts(((r.input_ids, r.loss_mask) for r in rows), target_vocab_size)
+    vocab = build_vocab(counts, size, hash_dataset_file(train_path))
+    save_vocab(vocab, out)
+    return vocab

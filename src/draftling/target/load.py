@@ -142,6 +142,15 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
     return Target(spec, model, tokenizer, validate_aux_layer_ids(ids, n))
 
 
+def load_target_config(target: str | None = None):
+    """The target's config alone (vocab size, layers), without loading weights."""
+    from transformers import AutoConfig
+
+    spec = resolve_target(target)
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    return AutoConfig.from_pretrained(spec.path, **kwargs)
+
+
 def wrap_target(model, tokenizer, name: str = "in-memory", aux_layer_ids=None) -> Target:
     """Wrap an already-built model (tests, notebooks) as a Target."""
     n = model.config.num_hidden_layers

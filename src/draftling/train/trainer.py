@@ -106,7 +106,7 @@ def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batche
                           batch["loss_mask"], batch["attention_mask"], cfg.train.ttt_steps,
                           cfg.train.step_weight_decay)
         counts.add(c)
-        loss += float(l)
+        loss += l.item()
         n += 1
     draft.train()
     m = counts.metrics()
@@ -178,7 +178,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         optimizer.zero_grad(set_to_none=True)
         step += 1
         window.add(counts)
-        window_loss += float(loss)
+        window_loss += loss.item()
         window_tokens += int(batch["attention_mask"].sum())
         if progress is not None:
             progress.update(1)

@@ -1,0 +1,5 @@
+import sys
+
+from draftling.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Stage 8: measure acceptance length and wall-clock speed against the same engine without speculation."""

@@ -1,0 +1,227 @@
+"""`draftling bench`: greedy speculative decoding on a prompt file, against the same engine
+without speculation, with an exactness check and printed caveats."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftling.config import RunConfig
+from draftling.data.prompts import load_conversations, prompt_messages
+from draftling.data.template import render
+from draftling.errors import ConfigError, DataError, DraftlingError
+from draftling.io import write_json
+from draftling.target import Target
+
+_CONFIG = re.compile(r"^(?:(chain|tree)-)?(\d+)-(\d+)-(\d+)$")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    name: str
+    steps: int
+    topk: int
+    draft_tokens: int  # counts the root, as SGLang does
+
+
+def parse_decode_config(name: str) -> DecodeConfig:
+    """``chain-3-1-4`` / ``tree-3-4-8`` / ``3-1-4``: steps-topk-num_draft_tokens (SGLang naming)."""
+    m = _CONFIG.match(name.strip())
+    if not m:
+        raise ConfigError(f"decode config {name!r}: expected steps-topk-draft_tokens, e.g. chain-3-1-4")
+    steps, topk, ndt = int(m.group(2)), int(m.group(3)), int(m.group(4))
+    if m.group(1) == "chain" and (topk != 1 or ndt != steps + 1):
+        raise ConfigError(f"decode config {name!r}: a chain has topk 1 and draft_tokens = steps + 1")
+    return DecodeConfig(name, steps, topk, ndt)
+
+
+def load_bench_prompts(path: str | Path, target: Target, n: int) -> list[tuple[str, list[int]]]:
+    """Prompts as token ids. Accepts prompt/conversation files (rendered with the chat
+    template, generation prompt added) or tokenized rows from `draftling data` (cut at the
+    first assistant token, so the reply is left for the engine to write)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: prompt file not found")
+    with open(path) as f:
+        first = next((l for l in f if l.strip()), "")
+    try:
+        tokenized = "input_ids" in json.loads(first)
+    except json.JSONDecodeError:
+        raise DataError(f"{path.name}:1: malformed JSON") from None
+    out = []
+    if tokenized:
+        from draftling.train.dataset import load_tokenized
+
+        for ex in load_tokenized(path):
+            start = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
+            out.append((ex.id, ex.input_ids[:start]))
+    else:
+        for conv in load_conversations(path):
+            text = render(target.tokenizer, prompt_messages(conv), tools=conv.tools,
+                          add_generation_prompt=True)
+            out.append((conv.id, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
+    out = [p for p in out if p[1]]
+    if not out:
+        raise DataError(f"{path}: no usable prompts")
+    return out[:n]
+
+
+def load_any_draft(path: str | Path, device, dtype):
+    """A draftling draft dir, a checkpoint dir, or an SGLang export dir."""
+    from draftling.draft.store import CONFIG_FILE, load_draft
+
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file():
+        return load_draft(path, device=device, dtype=dtype)
+    if (path / "config.json").is_file():
+        from draftling.export.formats import load_sglang_export
+
+        return load_sglang_export(path).to(device=device, dtype=dtype).eval()
+    raise DraftlingError(f"{path}: not a draft directory (no draft_config.json or config.json)")
+
+
+def build_engine(target: Target, draft, max_seq_len: int, cuda_graphs: bool = False):
+    from draftling.engine.draft_runner import DraftRunner
+    from draftling.engine.target_model import CachedTarget
+
+    # The draft decides which layers feed it; using the target's defaults here instead would
+    # be the silent off-by-one that collapses acceptance.
+    ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
+    engine_target = CachedTarget.from_hf(target.model, ids, max_seq_len, cuda_graphs=cuda_graphs)
+    runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, cuda_graphs=cuda_graphs)
+    return engine_target, runner
+
+
+def _timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str | Path | None = None,
+              quiet: bool = False) -> dict:
+    from draftling.engine.generate import greedy_generate, speculative_generate
+
+    bc = cfg.bench
+    configs = [parse_decode_config(c) for c in bc.configs]
+    device = target.device
+    dtype = next(target.model.parameters()).dtype
+    draft = load_any_draft(draft_path, device, dtype)
+    prompts = load_bench_prompts(prompts_path, target, bc.num_prompts)
+    max_draft = max(c.draft_tokens for c in configs)
+    max_len = max(len(p) for _, p in prompts) + bc.max_new_tokens + max_draft + 8
+    engine_target, runner = build_engine(target, draft, max_len)
+    eos = target.stop_token_ids()
+
+    def plain(ids):
+        return greedy_generate(engine_target, ids, bc.max_new_tokens, eos_ids=eos)
+
+    def spec(ids, c):
+        return speculative_generate(engine_target, runner, ids, bc.max_new_tokens, c.steps, c.topk,
+                                    c.draft_tokens, eos_ids=eos)
+
+    # Warm-up (allocator, lazy init) is excluded from every timing.
+    warm = torch.tensor([prompts[0][1]], device=device)
+    plain(warm)
+    for c in configs:
+        spec(warm, c)
+
+    per_prompt = []
+    plain_tokens = plain_time = 0.0
+    natural_stops = 0
+    totals = {c.name: {"tokens": 0, "time": 0.0, "accepted": 0, "verifies": 0, "identical": 0,
+                       "accept_counts": [0] * c.steps} for c in configs}
+    for pid, ids in prompts:
+        x = torch.tensor([ids], device=device)
+        ref, t_plain = _timed(lambda: plain(x))
+        ref = ref[0].tolist()
+        plain_tokens += len(ref)
+        plain_time += t_plain
+        natural_stops += int(len(ref) < bc.max_new_tokens)
+        row = {"id": pid, "prompt_tokens": len(ids), "plain_tokens": len(ref), "plain_s": t_plain}
+        for c in configs:
+            (toks, stats), t_spec = _timed(lambda: spec(x, c))
+            toks = toks[0].tolist()
+            tot = totals[c.name]
+            tot["tokens"] += len(toks)
+            tot["time"] += t_spec
+            tot["accepted"] += sum(stats.accept_lengths)
+            tot["verifies"] += len(stats.accept_lengths)
+            tot["identical"] += int(toks == ref)
+            tot["accept_counts"] = [a + b for a, b in zip(tot["accept_counts"], stats.accept_counts)]
+            row[c.name] = {"tau": stats.tau, "tokens": len(toks), "s": t_spec, "identical": toks == ref}
+        per_prompt.append(row)
+
+    plain_tok_s = plain_tokens / plain_time
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "device": _device_name(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "target": target.spec.name,
+        "draft": str(draft_path),
+        "prompts": str(prompts_path),
+        "num_prompts": len(prompts),
+        "max_new_tokens": bc.max_new_tokens,
+        "plain_tok_s": plain_tok_s,
+        "configs": [],
+        "per_prompt": per_prompt,
+    }
+    for c in configs:
+        tot = totals[c.name]
+        tok_s = tot["tokens"] / tot["time"]
+        results["configs"].append({
+            "name": c.name, "steps": c.steps, "topk": c.topk, "draft_tokens": c.draft_tokens,
+            # tau counts the bonus token: tokens emitted per verify step.
+            "tau": tot["accepted"] / max(1, tot["verifies"]),
+            "tok_s": tok_s, "speedup": tok_s / plain_tok_s,
+            "identical_to_greedy": tot["identical"] / len(prompts),
+            "accept_rate_by_depth": [a / max(1, tot["verifies"]) for a in tot["accept_counts"]],
+        })
+    results["caveats"] = caveats(results, natural_stops)
+    if not quiet:
+        print(format_table(results))
+    if out:
+        write_json(out, results)
+    return results
+
+
+def _device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def caveats(results: dict, natural_stops: int) -> list[str]:
+    n = results["num_prompts"]
+    notes = [f"n = {n} prompts, single run, batch 1, greedy; device {results['device']}, "
+             f"dtype {results['dtype']}"]
+    if n < 30:
+        notes.append(f"small n ({n}): treat tau and speedup as rough")
+    if natural_stops:
+        notes.append(f"{natural_stops} of {n} plain completions stopped naturally before "
+                     f"{results['max_new_tokens']} tokens")
+    if results["device"].startswith("cpu"):
+        notes.append("eager CPU engine: speedups here do not predict GPU speedups")
+    return notes
+
+
+def format_table(results: dict) -> str:
+    lines = [f"{'config':<14} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'identical':>10}",
+             f"{'plain':<14} {'1.00':>6} {results['plain_tok_s']:>8.1f} {'1.00x':>8} {'-':>10}"]
+    for c in results["configs"]:
+        lines.append(f"{c['name']:<14} {c['tau']:>6.2f} {c['tok_s']:>8.1f} {c['speedup']:>7.2f}x "
+                     f"{c['identical_to_greedy']:>9.0%}")
+    lines += [f"note: {n}" for n in results["caveats"]]
+    return "\n".join(lines)

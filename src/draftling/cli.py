@@ -1,0 +1,224 @@
+"""The `draftling` command. Each subcommand is one pipeline stage; `quickstart` runs them all.
+
+Errors in user input are printed as one line (`draftling: error: ...`) with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from draftling.errors import DraftlingError
+
+EPILOG_OVERRIDES = ("Config overrides: trailing KEY=VALUE pairs override the YAML config, e.g. "
+                    "train.lr=3e-4 data.regen.max_new_tokens=128 vocab.size=8192.")
+
+
+def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
+    p.add_argument("--target", help="HF hub id, local model directory, or .gguf file "
+                   "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: from config)")
+    if config:
+        p.add_argument("--config", help="YAML config file or built-in name "
+                       "(quickstart_cpu, default)", default=None)
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftling",
+        description="Train, measure and ship EAGLE-3 speculative-decoding draft heads for any "
+                    "Hugging Face causal LM. Stages: data -> vocab -> train -> bench -> export.",
+        epilog="Run `draftling quickstart` to do everything on the embedded default target.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("data", help="regenerate replies with the target, tokenize, split train/val",
+                       description="Read prompt files (project schema, ShareGPT or OpenAI messages), "
+                       "regenerate the assistant replies with the target itself, tokenize them with the "
+                       "target's chat template (loss on assistant tokens only) and split train/val by "
+                       "task id. Writes replies.jsonl, train.jsonl, val.jsonl and summary.json to --out.",
+                       epilog=EPILOG_OVERRIDES)
+    _common(p)
+    p.add_argument("--out", required=True, help="output data directory")
+    p.add_argument("--prompts", nargs="+", help="prompt jsonl files (overrides data.prompts)")
+    p.add_argument("--chat-template", help="jinja file to use when the target has no chat template")
+
+    p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from prepared data",
+                       description="Count loss-masked tokens in <data>/train.jsonl and keep the N most "
+                       "frequent as the draft vocabulary. Writes d2t (offsets) and t2d (mask) with a hash "
+                       "of the data, to <data>/vocab.safetensors unless --out is given.")
+    p.add_argument("--data", required=True, help="directory written by `draftling data`")
+    p.add_argument("--size", type=int, default=None, help="draft vocab size N (default: config vocab.size)")
+    p.add_argument("--target", help="target (only its vocab size is read)")
+    p.add_argument("--config", default=None, help="YAML config or built-in name")
+    p.add_argument("--out", help="output file (default <data>/vocab.safetensors)")
+
+    p = sub.add_parser("train", help="train the EAGLE-3 head (teacher resident, TTT unroll)",
+                       description="Online training: the target stays loaded and its aux hidden states "
+                       "are recomputed for each batch. Logs per-step and conditional accuracy and a "
+                       "simulated acceptance length to <run>/metrics.jsonl and stdout; checkpoints "
+                       "atomically to <run>/checkpoints; writes the final head to <run>/draft.",
+                       epilog=EPILOG_OVERRIDES)
+    _common(p)
+    p.add_argument("--data", required=True, help="directory written by `draftling data`")
+    p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
+    p.add_argument("--run-dir", required=True, help="run directory (config, metrics, checkpoints)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+
+    p = sub.add_parser("bench", help="speculative decoding: acceptance length, speed, exactness",
+                       description="Greedy speculative decoding with the draft against the same engine "
+                       "without speculation. Reports tau (tokens per verify step, bonus token counted), "
+                       "tokens/s for both, and checks the output equals plain greedy token for token.",
+                       epilog=EPILOG_OVERRIDES)
+    _common(p)
+    p.add_argument("--draft", required=True, help="draft directory (<run>/draft, a checkpoint, or an SGLang export)")
+    p.add_argument("--prompts", required=True, help="jsonl of prompts or tokenized rows (e.g. <data>/val.jsonl)")
+    p.add_argument("--configs", nargs="+", help="decode configs steps-topk-draft_tokens, e.g. chain-3-1-4 tree-3-4-8")
+    p.add_argument("--num-prompts", type=int, help="how many prompts (default: config bench.num_prompts)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default: config)")
+    p.add_argument("--out", help="write the results JSON here")
+
+    p = sub.add_parser("export", help="write the head in SGLang (EAGLE) or vLLM speculators format",
+                       description="Export a trained head for serving. By default embedding-free, with "
+                       "the d2t/t2d vocab maps, and with the aux layer ids translated to the engine's "
+                       "convention (omitted when they are the defaults).")
+    p.add_argument("--draft", required=True, help="draft directory written by `draftling train`")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", choices=["sglang", "speculators"], default="sglang")
+    p.add_argument("--with-embedding", action="store_true", help="include the target's embedding")
+    p.add_argument("--target", help="target (needed for --with-embedding and as the verifier name)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 | keep")
+
+    p = sub.add_parser("quickstart", help="run every stage on the embedded default target",
+                       description="data -> vocab -> train -> bench -> export on SmolLM2-135M-Instruct "
+                       "and the shared prompts, with the CPU profile (configs/quickstart_cpu.yaml). "
+                       "Writes <out>/summary.json and prints a table.", epilog=EPILOG_OVERRIDES)
+    _common(p)
+    p.add_argument("--out", default="runs/quickstart", help="output directory (default runs/quickstart)")
+    return parser
+
+
+def _run_config(args):
+    from draftling.config import load_config
+
+    overrides = list(getattr(args, "overrides", None) or [])
+    for flag, key in (("target", "target"), ("device", "device"), ("dtype", "dtype")):
+        value = getattr(args, flag, None)
+        if value:
+            overrides.append(f"{key}={value}")
+    return load_config(getattr(args, "config", None), overrides)
+
+
+def _load_target(cfg, chat_template=None):
+    from draftling.target import load_target
+
+    return load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                       aux_layer_ids=cfg.aux_layer_ids, chat_template=chat_template or cfg.chat_template)
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def cmd_data(args) -> None:
+    from draftling.data.prepare import prepare_data
+
+    cfg = _run_config(args)
+    if args.prompts:
+        cfg.data.prompts = list(args.prompts)
+    prepare_data(cfg, _load_target(cfg, args.chat_template), args.out)
+
+
+def cmd_vocab(args) -> None:
+    from draftling.config import load_config
+    from draftling.draft.vocab import build_vocab_file
+    from draftling.target.load import load_target_config
+
+    cfg = load_config(args.config, [f"target={args.target}"] if args.target else [])
+    size = args.size or cfg.vocab.size
+    data = Path(args.data)
+    out = Path(args.out) if args.out else data / "vocab.safetensors"
+    vocab = build_vocab_file(data / "train.jsonl", load_target_config(cfg.target).vocab_size, size, out)
+    print(f"vocab: {vocab.size} draft tokens ({vocab.num_distinct} distinct in data), "
+          f"coverage {vocab.coverage:.1%} of loss tokens -> {out}")
+
+
+def cmd_train(args) -> None:
+    from draftling.train.trainer import train
+
+    cfg = _run_config(args)
+    data = Path(args.data)
+    train(cfg, _load_target(cfg), args.run_dir, data / "train.jsonl", data / "val.jsonl",
+          args.vocab or data / "vocab.safetensors", resume=args.resume)
+
+
+def cmd_bench(args) -> None:
+    from draftling.bench.simple import run_bench
+
+    cfg = _run_config(args)
+    if args.configs:
+        cfg.bench.configs = list(args.configs)
+    if args.num_prompts:
+        cfg.bench.num_prompts = args.num_prompts
+    if args.max_new_tokens:
+        cfg.bench.max_new_tokens = args.max_new_tokens
+    run_bench(cfg, _load_target(cfg), args.draft, args.prompts, out=args.out)
+
+
+def cmd_export(args) -> None:
+    from draftling.export.cli import export_from_cli
+
+    export_from_cli(args)
+
+
+def cmd_quickstart(args) -> None:
+    from draftling.recipes.quickstart import quickstart
+
+    overrides = list(args.overrides or [])
+    for flag in ("target", "device", "dtype"):
+        if getattr(args, flag, None):
+            overrides.append(f"{flag}={getattr(args, flag)}")
+    quickstart(args.out, config=args.config or "quickstart_cpu", overrides=overrides)
+
+
+COMMANDS = {"data": cmd_data, "vocab": cmd_vocab, "train": cmd_train, "bench": cmd_bench,
+            "export": cmd_export, "quickstart": cmd_quickstart}
+
+
+def quiet_libraries() -> None:
+    # transformers' per-tensor GGUF progress bars and deprecation chatter drown the run's own log.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    quiet_libraries()
+    try:
+        COMMANDS[args.command](args)
+    except DraftlingError as e:
+        print(f"draftling: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Recipes: plain functions that run pipeline stages in order, driven by a YAML config."""

@@ -1,0 +1,91 @@
+"""`draftling quickstart`: every stage on the embedded default target, in one process.
+
+It is the same code path as the separate commands; only the config (a named YAML
+profile, by default ``quickstart_cpu``) is smaller. The target is loaded once and shared.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from draftling.config import load_config, save_config
+from draftling.data.prepare import prepare_data
+from draftling.draft.vocab import build_vocab_file
+from draftling.io import write_json
+
+
+def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[str] | None = None) -> dict:
+    from draftling.bench.simple import run_bench
+    from draftling.cli import resolve_device
+    from draftling.export.cli import export_draft
+    from draftling.target import load_target
+    from draftling.train.trainer import train
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(config, overrides)
+    save_config(cfg, out / "config.yaml")
+    timings = {}
+
+    def stage(name):
+        print(f"\n== {name} ==", flush=True)
+        timings[name] = time.perf_counter()
+
+    def done(name):
+        timings[name] = round(time.perf_counter() - timings[name], 1)
+
+    stage("load target")
+    target = load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                         aux_layer_ids=cfg.aux_layer_ids, chat_template=cfg.chat_template)
+    print(f"target: {target.describe()}", flush=True)
+    done("load target")
+
+    stage("data")
+    data_dir = out / "data"
+    data_summary = prepare_data(cfg, target, data_dir)
+    done("data")
+
+    stage("vocab")
+    vocab = build_vocab_file(data_dir / "train.jsonl", target.config.vocab_size, cfg.vocab.size,
+                             data_dir / "vocab.safetensors")
+    print(f"vocab: {vocab.size} tokens, coverage {vocab.coverage:.1%} of loss tokens", flush=True)
+    done("vocab")
+
+    stage("train")
+    run_dir = out / "run"
+    train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
+                         data_dir / "vocab.safetensors")
+    done("train")
+
+    stage("bench")
+    # Bench prompts come from the validation split: tasks the head never trained on.
+    bench = run_bench(cfg, target, run_dir / "draft", data_dir / "val.jsonl", out=out / "bench.json")
+    done("bench")
+
+    stage("export")
+    export_dir = export_draft(run_dir / "draft", out / "export-sglang", "sglang", target=target)
+    done("export")
+
+    chain3 = next((c for c in bench["configs"] if (c["steps"], c["topk"]) == (3, 1)), bench["configs"][0])
+    summary = {
+        "tau_chain3": round(chain3["tau"], 4),
+        "identical_to_greedy": chain3["identical_to_greedy"],
+        "speedup_chain3": round(chain3["speedup"], 4),
+        "plain_tok_s": round(bench["plain_tok_s"], 2),
+        "spec_tok_s": round(chain3["tok_s"], 2),
+        "bench_prompts": bench["num_prompts"],
+        "val_sim_tau": round(train_result.get("val", {}).get("sim_tau", 0.0), 4),
+        "val_acc": [round(a, 4) for a in train_result.get("val", {}).get("acc", [])],
+        "train_steps": train_result["steps"],
+        "train_sequences": data_summary["train_sequences"],
+        "export_dir": str(export_dir),
+        "stage_seconds": timings,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "config": config,
+        "caveats": bench["caveats"],
+    }
+    write_json(out / "summary.json", summary)
+    print("\n" + "\n".join(f"{k:<20} {v}" for k, v in summary.items() if k not in ("caveats",)))
+    return summary

@@ -1,0 +1,35 @@
+import types
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftling.target.load import wrap_target
+
+TINY_VOCAB = 300
+
+
+def tiny_llama(layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def tiny_target():
+    """A 6-layer random Llama wrapped as a Target, with a stub tokenizer (pad id 0)."""
+    tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    return wrap_target(tiny_llama(), tokenizer, name="tiny-llama")
+
+
+def random_batch(n: int = 4, t: int = 24, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = t - (i % 3)
+        ids = torch.randint(2, TINY_VOCAB, (length,), generator=g).tolist()
+        mask = [0] * (length // 3) + [1] * (length - length // 3)  # prompt, then reply
+        rows.append({"id": f"ex{i}", "source": "test", "input_ids": ids, "loss_mask": mask})
+    return rows

@@ -1,0 +1,33 @@
+"""The aux-layer convention: id i == HF output_hidden_states[i] == output of layer i-1."""
+
+import pytest
+import torch
+
+from draftling.errors import TargetError
+from draftling.target import aux_hidden_states, default_aux_layer_ids, validate_aux_layer_ids
+from tests.conftest import tiny_llama
+
+
+def test_default_ids_follow_eagle3():
+    assert default_aux_layer_ids(30) == [2, 15, 27]  # SmolLM2-135M
+    assert default_aux_layer_ids(36) == [2, 18, 33]  # Qwen3-8B
+
+
+@pytest.mark.parametrize("ids", [[2, 3, 3], [1, 4, 5], [5, 1, 2]])
+def test_hooks_match_output_hidden_states(ids):
+    model = tiny_llama(layers=6)
+    x = torch.randint(0, 300, (2, 11))
+    ref = model(x, output_hidden_states=True).hidden_states
+    _, aux = aux_hidden_states(model, ids, input_ids=x)
+    for i, h in zip(ids, aux):
+        torch.testing.assert_close(h, ref[i], rtol=0, atol=0)
+    # And via the decoder alone, which the trainer uses to skip the full-vocab head.
+    _, aux2 = aux_hidden_states(model.get_decoder(), ids, input_ids=x)
+    for a, b in zip(aux, aux2):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [[0, 2, 3], [2, 3, 6], [2, 3, 99], [2, 3]])
+def test_out_of_range_layer_ids_are_refused(bad):
+    with pytest.raises(TargetError, match="aux_layer_ids"):
+        validate_aux_layer_ids(bad, 6)
