@@ -1,0 +1,101 @@
+"""The EAGLE-3 draft over its own static KV cache.
+
+Cache layout, one layer: ``[B, nkv, max_seq_len + max_spec_nodes, d]``.
+
+* Slots ``0 .. max_seq_len-1`` are the committed context, slot = position. Position t
+  holds the draft's K/V for (embed(x_{t+1}), fused target feature at t). They are written
+  only by ``extend`` with real target features, after each verification.
+* Slots from ``max_seq_len`` on are scratch for speculative tree nodes. A tree step writes
+  there and nowhere else, so a rejected branch never touches the committed context; the
+  next round simply overwrites the scratch. Queries see the scratch only through the mask.
+
+``extend`` may be padded to a fixed length (for graphs): the padded rows write past the
+committed length, where nothing reads until the next ``extend`` overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftling.draft.model import Eagle3Draft
+from draftling.engine.target_model import StaticFn, causal_mask
+
+
+class DraftRunner(nn.Module):
+    def __init__(self, draft: Eagle3Draft, embed: nn.Embedding, max_seq_len: int,
+                 max_spec_nodes: int = 64, batch_size: int = 1, compile: bool = False,
+                 cuda_graphs: bool = False):
+        super().__init__()
+        self.draft = draft
+        self.embed = embed  # the target's, frozen and shared
+        self.max_seq_len = int(max_seq_len)
+        self.max_spec_nodes = int(max_spec_nodes)
+        cfg = draft.config
+        w = draft.fc.weight
+        shape = (batch_size, cfg.num_key_value_heads, self.max_seq_len + self.max_spec_nodes,
+                 cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=w.dtype, device=w.device),
+                             persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device),
+                             persistent=False)
+        self.graphed = cuda_graphs or compile
+        self._extend_fn = StaticFn(self._extend, compile=compile, cuda_graphs=cuda_graphs)
+        self._step_fn = StaticFn(self.forward, compile=compile, cuda_graphs=cuda_graphs)
+
+    @property
+    def spec_base(self) -> int:
+        return self.max_seq_len
+
+    @property
+    def cache_size(self) -> int:
+        return self.k_cache.shape[2]
+
+    def forward(self, input_ids, hidden, positions, cache_positions, attn_mask):
+        """One draft layer pass. ``hidden`` is the fused target feature or the draft's own
+        previous output. Returns (pre-norm hidden [B,T,H], draft logits [B,T,Vd])."""
+        def attend(q, k, v):
+            self.k_cache.index_copy_(2, cache_positions, k)
+            self.v_cache.index_copy_(2, cache_positions, v)
+            return F.scaled_dot_product_attention(
+                q, self.k_cache, self.v_cache, attn_mask=attn_mask,
+                enable_gqa=self.k_cache.shape[1] != q.shape[1])
+
+        b, t = input_ids.shape
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(b, t)
+        out = self.draft.step(self.embed(input_ids), hidden, positions, attend)
+        return out, self.draft.compute_logits(out)
+
+    def _extend(self, input_ids, aux, positions, cache_positions, attn_mask):
+        return self.forward(input_ids, self.draft.fuse(aux), positions, cache_positions, attn_mask)
+
+    @torch.no_grad()
+    def extend(self, next_ids: torch.Tensor, aux: torch.Tensor, start: int, pad_to: int | None = None):
+        """Commit positions ``start .. start+T-1``: ``next_ids`` [B,T] are the tokens one
+        ahead (x_{t+1}), ``aux`` [B,T,3H] the target's aux states at t. Returns the last
+        row's (hidden [B,H], logits [B,Vd]), which propose the token at start+T+1."""
+        b, t = next_ids.shape
+        n = t
+        if pad_to is not None and self.graphed and t < pad_to:
+            # Fixed length for graphs; padded rows are causal too, so real rows never see them.
+            next_ids = F.pad(next_ids, (0, pad_to - t))
+            aux = F.pad(aux, (0, 0, 0, pad_to - t))
+            t = pad_to
+        dev = next_ids.device
+        slots = torch.arange(start, start + t, device=dev)
+        mask = causal_mask(start, t, self.cache_size, dev)
+        fn = self._extend_fn if pad_to is not None else self._extend  # unpadded prefill stays eager
+        hidden, logits = fn(next_ids, aux, slots, slots, mask)
+        return hidden[:, n - 1], logits[:, n - 1]
+
+    @torch.no_grad()
+    def tree_step(self, ids: torch.Tensor, hidden: torch.Tensor, position: int,
+                  slots: torch.Tensor, mask: torch.Tensor):
+        """Draft one level for K frontier nodes of one sequence: ``ids`` [K] (target ids),
+        ``hidden`` [K,H] (each parent's output), all at ``position``; K/V go to scratch
+        ``slots`` [K]; ``mask`` [K, cache_size]. Returns (hidden [K,H], logits [K,Vd])."""
+        pos = torch.full((ids.shape[0],), position, device=ids.device, dtype=torch.long)
+        h, logits = self._step_fn(ids[None], hidden[None], pos, slots, mask)
+        return h[0], logits[0]
