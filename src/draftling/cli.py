@@ -77,11 +77,25 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG_OVERRIDES)
     _common(p)
     p.add_argument("--draft", required=True, help="draft directory (<run>/draft, a checkpoint, or an SGLang export)")
-    p.add_argument("--prompts", required=True, help="jsonl of prompts or tokenized rows (e.g. <data>/val.jsonl)")
+    p.add_argument("--prompts", help="jsonl of prompts or tokenized rows (e.g. <data>/val.jsonl); "
+                   "required unless --release")
     p.add_argument("--configs", nargs="+", help="decode configs steps-topk-draft_tokens, e.g. chain-3-1-4 tree-3-4-8")
     p.add_argument("--num-prompts", type=int, help="how many prompts (default: config bench.num_prompts)")
-    p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default: config)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default: config; --release: 256)")
     p.add_argument("--out", help="write the results JSON here")
+    r = p.add_argument_group("release bench", "per-workload speedup on a fixed prompt set, with HF "
+                             "baselines, a cost account, JSON + markdown + plots (bench/release.py)")
+    r.add_argument("--release", action="store_true", help="run the release bench instead of the simple "
+                   "one (default configs chain-3-1-4,tree-3-4-8,tree-5-8-16; 256 new tokens)")
+    r.add_argument("--prompt-set", help="built-in prompt set name (v1, the default) or a jsonl path")
+    r.add_argument("--baselines", help="comma list of engine_plain,hf_static,hf_prompt_lookup,hf_eager "
+                   "(default: all four)")
+    r.add_argument("--baseline-prompts-per-workload", type=int, metavar="N",
+                   help="run the slow HF baselines on the first N prompts of each workload (default: all)")
+    r.add_argument("--results-dir", help="where results go (default bench/results)")
+    r.add_argument("--tag", help="suffix for the results file names")
+    r.add_argument("--update-benchmarks-md", nargs="?", const="BENCHMARKS.md", metavar="FILE",
+                   help="rewrite the release-bench section of FILE (default BENCHMARKS.md)")
 
     p = sub.add_parser("export", help="write the head in SGLang (EAGLE) or vLLM speculators format",
                        description="Export a trained head for serving. By default embedding-free, with "
@@ -164,6 +178,38 @@ def cmd_train(args) -> None:
 def cmd_bench(args) -> None:
     from draftling.bench.simple import run_bench
 
+    if args.release:
+        from draftling.bench import release
+
+        misplaced = [f for f, v in (("--num-prompts", args.num_prompts), ("--out", args.out)) if v]
+        if misplaced:
+            raise DraftlingError(f"bench --release: {', '.join(misplaced)} do not apply (the prompt set "
+                                 "fixes n; outputs go to --results-dir)")
+        if args.prompts and args.prompt_set:
+            raise DraftlingError("bench --release: give --prompt-set or --prompts, not both")
+        cfg = _run_config(args)
+        results_dir = args.results_dir or "bench/results"
+        results = release.run_release_bench(
+            _load_target(cfg), args.draft, prompt_set=args.prompt_set or args.prompts or "v1",
+            configs=args.configs or release.DEFAULT_CONFIGS,  # a comma string or a list
+            max_new_tokens=args.max_new_tokens or 256,
+            baselines=[b for b in (args.baselines or "").split(",") if b] or release.BASELINES,
+            baseline_prompts_per_workload=args.baseline_prompts_per_workload,
+            out_dir=results_dir, tag=args.tag)
+        if args.update_benchmarks_md:
+            stem = release.release_stem(results_dir, results["date"], results["gpu"], args.tag)
+            md = release.update_benchmarks_md(f"{stem}.json", args.update_benchmarks_md)
+            print(f"updated {md}")
+        return
+    release_only = [f for f, v in (("--prompt-set", args.prompt_set), ("--baselines", args.baselines),
+                                   ("--baseline-prompts-per-workload", args.baseline_prompts_per_workload),
+                                   ("--results-dir", args.results_dir), ("--tag", args.tag),
+                                   ("--update-benchmarks-md", args.update_benchmarks_md)) if v is not None]
+    if release_only:
+        raise DraftlingError(f"{', '.join(release_only)} only apply with --release")
+    if not args.prompts:
+        raise DraftlingError("bench needs --prompts FILE (or --release to run the release bench "
+                             "on a fixed prompt set)")
     cfg = _run_config(args)
     if args.configs:
         cfg.bench.configs = list(args.configs)

@@ -1,0 +1,276 @@
+"""Release bench: results contract, reports, plots, BENCHMARKS.md section, prompt set v1, CLI.
+
+Tiny random fp32 Llama on CPU, pre-tokenized prompts (no tokenizer or chat template needed).
+"""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftling.bench import release
+from draftling.draft.model import Eagle3Draft, draft_config_from_target
+from draftling.draft.store import save_draft
+from draftling.target.load import wrap_target
+
+AUX = [1, 2, 3]
+V, H = 300, 64
+WORKLOADS = ("prose", "code", "math")
+SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
+V1_WORKLOADS = ("prose", "code", "repetitive", "chat", "math", "summarize", "tool")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def tiny_target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=2, get_vocab=lambda: {})
+    return wrap_target(model, tok, name="tiny-llama", aux_layer_ids=AUX)
+
+
+def tiny_draft_dir(target, path: Path, draft_vocab=64, seed=0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(draft_config_from_target(target.config, draft_vocab, AUX)).eval()
+    ids = torch.randperm(V, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(draft_vocab), t2d)  # target_id = draft_id + d2t[draft_id]
+    path.mkdir(parents=True)
+    save_draft(draft, path)
+    return path
+
+
+def token_prompt_set(path: Path, per_workload=2, seed=0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for w in WORKLOADS:
+            for i in range(per_workload):
+                n = int(torch.randint(4, 16, (1,), generator=g))
+                ids = torch.randint(3, V, (n,), generator=g).tolist()
+                f.write(json.dumps({"id": f"{w}-{i}", "workload": w, "input_ids": ids}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("release")
+    target = tiny_target()
+    draft = tiny_draft_dir(target, tmp / "draft")
+    ps = token_prompt_set(tmp / "set.jsonl")
+    out = tmp / "results"
+    results = release.run_release_bench(
+        target, draft, prompt_set=ps, max_new_tokens=12, baselines=("engine_plain", "hf_eager"),
+        baseline_prompts_per_workload=1, out_dir=out, tag="test", command="pytest", quiet=True)
+    stem = release.release_stem(out, results["date"], results["gpu"], "test")
+    return types.SimpleNamespace(results=results, stem=stem, target=target, draft=draft, ps=ps, tmp=tmp)
+
+
+def test_json_contract(bench_run):
+    r = bench_run.results
+    on_disk = json.loads(Path(f"{bench_run.stem}.json").read_text())
+    assert on_disk == json.loads(json.dumps(r))
+    assert set(on_disk) == {"date", "gpu", "target", "draft", "prompt_set", "baselines",
+                            "baseline_details", "configs", "caveats", "command", "dtype"}
+    assert bench_run.stem.name == f"{r['date']}-cpu-test"
+    assert r["gpu"] == "cpu" and r["dtype"] == "float32" and r["command"] == "pytest"
+    assert set(r["baselines"]) == set(release.BASELINES) == set(r["baseline_details"])
+    assert r["baselines"]["engine_plain"] > 0 and r["baselines"]["hf_eager"] > 0
+    for skipped in ("hf_static", "hf_prompt_lookup"):
+        assert r["baselines"][skipped] is None and r["baseline_details"][skipped] is None
+        assert any(c.startswith(f"{skipped}: not run") for c in r["caveats"])
+    d = r["baseline_details"]
+    assert d["engine_plain"]["n"] == 6 and d["hf_eager"]["n"] == 3  # 1 per workload
+    assert any("hf_eager: n = 3 prompts (1 per workload)" in c for c in r["caveats"])
+    assert any("stopped naturally" in c for c in r["caveats"])
+    # fp32 on CPU: HF's own greedy decode and the engine agree token for token.
+    assert d["hf_eager"]["identical_to_engine_plain"] == 1.0
+
+    assert [c["name"] for c in r["configs"]] == list(release.DEFAULT_CONFIGS)
+    keys = {"name", "steps", "topk", "draft_tokens", "per_workload", "mean_speedup", "mean_tau",
+            "identical_fraction", "accept_rate_by_depth", "cost"}
+    for c in r["configs"]:
+        assert set(c) == keys
+        assert c["identical_fraction"] == 1.0
+        assert set(c["per_workload"]) == set(WORKLOADS)
+        for v in c["per_workload"].values():
+            assert set(v) == {"tau", "tok_s", "speedup"}
+            assert v["tau"] >= 1.0 and v["tok_s"] > 0 and v["speedup"] > 0
+        assert len(c["accept_rate_by_depth"]) == c["steps"]
+        assert all(0 <= a <= 1 for a in c["accept_rate_by_depth"])
+        assert c["accept_rate_by_depth"] == sorted(c["accept_rate_by_depth"], reverse=True)
+        cost = c["cost"]
+        assert {"free_speedup", "drafting_share"} <= set(cost)
+        assert cost["free_speedup"] == pytest.approx(
+            c["mean_tau"] * cost["plain_step_ms"] / cost["verify_step_ms"])
+        assert cost["drafting_share"] == pytest.approx(1 - c["mean_speedup"] / cost["free_speedup"])
+    assert r["prompt_set"]["workloads"] == {w: 2 for w in WORKLOADS}
+
+
+def test_markdown_and_plots(bench_run):
+    md = Path(f"{bench_run.stem}.md").read_text()
+    rows = [l for l in md.splitlines() if l.startswith("| ")]
+    for w in WORKLOADS:
+        row = next(l for l in rows if l.startswith(f"| {w} |"))
+        assert row.count("x (") == len(release.DEFAULT_CONFIGS)
+    assert any(l.startswith("| **mean** |") for l in rows)
+    for section in ("## Baselines", "## Acceptance rate by depth", "## Cost account", "## Caveats"):
+        assert section in md
+    assert "| hf_static | not run |" in md
+    for suffix in ("-grid.png", "-tau-vs-speedup.png"):
+        png = Path(f"{bench_run.stem}{suffix}")
+        assert png.is_file() and png.stat().st_size > 1000
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    per_prompt = Path(f"{bench_run.stem}-per-prompt.jsonl").read_text().splitlines()
+    assert len(per_prompt) == 6
+
+
+def test_update_benchmarks_md(bench_run, tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    js = Path(f"{bench_run.stem}.json")
+    release.update_benchmarks_md(js, md)  # creates the file
+    first = md.read_text()
+    assert release.MARK_START in first and release.MARK_END in first and "x (" in first
+    md.write_text("# Benchmarks\n\nintro kept\n\n" + release.MARK_START + "\nstale table\n"
+                  + release.MARK_END + "\n\n## Older results\n\nkept too\n")
+    release.update_benchmarks_md(js, md)
+    text = md.read_text()
+    assert "stale table" not in text
+    assert text.startswith("# Benchmarks\n\nintro kept\n\n")
+    assert text.endswith("## Older results\n\nkept too\n")
+    assert text.count(release.MARK_START) == 1 and text.count(release.MARK_END) == 1
+    results = bench_run.results
+    for needle in ("pytest", results["date"], "cpu", "n = 6", "chain-3-1-4", "| prose | 2 |"):
+        assert needle in text
+    # a file without markers gets the section appended
+    other = tmp_path / "other.md"
+    other.write_text("# Mine\n")
+    release.update_benchmarks_md(js, other)
+    assert other.read_text().startswith("# Mine\n") and release.MARK_END in other.read_text()
+
+
+def test_all_four_baselines(bench_run, tmp_path):
+    r = release.run_release_bench(
+        bench_run.target, bench_run.draft, prompt_set=bench_run.ps, configs=["chain-2-1-3"],
+        max_new_tokens=6, baseline_prompts_per_workload=1, out_dir=tmp_path, command="x", quiet=True)
+    assert all(r["baselines"][b] > 0 for b in release.BASELINES)
+    for b in release.BASELINES[1:]:
+        assert r["baseline_details"][b]["identical_to_engine_plain"] == 1.0
+    assert not any("not run" in c for c in r["caveats"])
+
+
+def test_prompt_set_sources(tmp_path):
+    p = tmp_path / "mine.jsonl"
+    p.write_text(json.dumps({"id": "a", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}) + "\n"
+                 + json.dumps({"id": "b", "input_ids": [9, 10], "workload": "code"}) + "\n")
+    info, prompts = release.load_prompt_set(p, tiny_target())
+    assert [(q.id, q.workload, q.input_ids) for q in prompts] == [("a", "default", [5, 6]),
+                                                                  ("b", "code", [9, 10])]
+    assert info["workloads"] == {"default": 1, "code": 1} and not info["builtin"]
+    name, path = release.resolve_prompt_set("v1")
+    assert name == "v1" and path.is_file()
+    assert "v1" in release.builtin_prompt_sets()
+    with pytest.raises(release.DataError):
+        release.resolve_prompt_set("v999")
+    p.write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n" + json.dumps({"id": "a", "input_ids": [2]}) + "\n")
+    with pytest.raises(release.DataError, match="duplicate"):
+        release.read_prompt_set(p)
+
+
+def test_v1_prompt_set():
+    info, records = release.read_prompt_set("v1")
+    assert info["builtin"] and len(records) == 8 * len(V1_WORKLOADS)
+    counts = {w: sum(r["workload"] == w for r in records) for w in V1_WORKLOADS}
+    assert counts == {w: 8 for w in V1_WORKLOADS}
+    ids = [r["id"] for r in records]
+    assert len(set(ids)) == len(ids)
+    for r in records:
+        assert r["messages"] and r["source"] and r["messages"][-1]["role"] in ("user", "tool")
+    assert all(r.get("tools") for r in records if r["workload"] == "tool")
+    for r in records:
+        if r["workload"] == "summarize":
+            assert sum(len(m["content"]) for m in r["messages"]) <= 6000
+    if not SHARED_PROMPTS.is_dir():
+        pytest.skip("shared prompt corpus not present")
+    shared = {}
+    for f in SHARED_PROMPTS.glob("*.jsonl"):
+        for line in f.read_text(encoding="utf-8").split("\n"):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            shared[rec["id"]] = rec
+    for r in records:
+        assert r["id"] in shared, r["id"]
+        orig = shared[r["id"]]
+        assert r["source"] == orig["source"] and r["messages"] == orig["messages"]
+
+
+def test_cli_release(bench_run, tmp_path, monkeypatch, capsys):
+    from draftling import cli
+
+    monkeypatch.setattr(cli, "_load_target", lambda cfg, chat_template=None: bench_run.target)
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["bench", "--release", "--draft", str(bench_run.draft), "--prompt-set", str(bench_run.ps),
+                   "--configs", "chain-2-1-3", "--max-new-tokens", "5", "--baselines", "engine_plain",
+                   "--results-dir", "res", "--tag", "cli", "--update-benchmarks-md", "--device", "cpu",
+                   "--dtype", "float32"])
+    assert rc == 0
+    jsons = list((tmp_path / "res").glob("*-cpu-cli.json"))
+    assert len(jsons) == 1
+    r = json.loads(jsons[0].read_text())
+    assert [c["name"] for c in r["configs"]] == ["chain-2-1-3"]
+    assert r["baselines"]["hf_eager"] is None
+    assert release.MARK_START in (tmp_path / "BENCHMARKS.md").read_text()
+
+    capsys.readouterr()
+    assert cli.main(["bench", "--draft", str(bench_run.draft)]) == 2
+    assert "--prompts" in capsys.readouterr().err
+    assert cli.main(["bench", "--draft", "d", "--prompts", "p.jsonl", "--prompt-set", "v1"]) == 2
+    assert "only apply with --release" in capsys.readouterr().err
+    assert cli.main(["bench", "--release", "--draft", "d", "--out", "x.json"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert cli.main(["bench", "--release", "--draft", str(bench_run.draft), "--prompt-set",
+                     str(bench_run.ps), "--baselines", "hf_nope", "--device", "cpu"]) == 2
+    assert "unknown baselines" in capsys.readouterr().err
+
+
+class _ToyTokenizer:
+    """Chat template stand-in: renders 'role: content' lines and ignores tools."""
+
+    chat_template = "toy"
+    name_or_path = "toy"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, tools=None):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % (V - 3) for c in text]}
+
+
+def test_message_records_and_dropped_tools(tmp_path):
+    p = tmp_path / "msgs.jsonl"
+    p.write_text(json.dumps({"id": "t1", "source": "s", "workload": "tool", "tools": [{"name": "f"}],
+                             "messages": [{"role": "user", "content": "call f"}]}) + "\n"
+                 + json.dumps({"id": "c1", "messages": [{"role": "user", "content": "hi"},
+                                                        {"role": "assistant", "content": "dropped"}]}) + "\n")
+    target = tiny_target()
+    target.tokenizer = _ToyTokenizer()
+    info, prompts = release.load_prompt_set(p, target)
+    assert [q.workload for q in prompts] == ["tool", "default"]
+    text = "user: hi\nassistant:"  # trailing assistant turn dropped, generation prompt added
+    assert prompts[1].input_ids == _ToyTokenizer()(text)["input_ids"]
+    assert len(info["notes"]) == 1 and "ignores `tools`" in info["notes"][0]
