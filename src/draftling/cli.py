@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG_OVERRIDES)
     _common(p)
     p.add_argument("--out", required=True, help="output data directory")
-    p.add_argument("--prompts", nargs="+", help="prompt jsonl files (overrides data.prompts)")
+    p.add_argument("--prompts", action="append", metavar="FILE",
+                   help="prompt jsonl file; repeat for several (overrides data.prompts)")
     p.add_argument("--chat-template", help="jinja file to use when the target has no chat template")
 
     p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from prepared data",
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="draft directory (<run>/draft, a checkpoint, or an SGLang export)")
     p.add_argument("--prompts", help="jsonl of prompts or tokenized rows (e.g. <data>/val.jsonl); "
                    "required unless --release")
-    p.add_argument("--configs", nargs="+", help="decode configs steps-topk-draft_tokens, e.g. chain-3-1-4 tree-3-4-8")
+    p.add_argument("--configs", help="comma-separated decode configs steps-topk-draft_tokens, "
+                   "e.g. chain-3-1-4,tree-3-4-8")
     p.add_argument("--num-prompts", type=int, help="how many prompts (default: config bench.num_prompts)")
     p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default: config; --release: 256)")
     p.add_argument("--out", help="write the results JSON here")
@@ -212,7 +214,7 @@ def cmd_bench(args) -> None:
                              "on a fixed prompt set)")
     cfg = _run_config(args)
     if args.configs:
-        cfg.bench.configs = list(args.configs)
+        cfg.bench.configs = [c for c in args.configs.split(",") if c]
     if args.num_prompts:
         cfg.bench.num_prompts = args.num_prompts
     if args.max_new_tokens:

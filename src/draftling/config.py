@@ -52,7 +52,9 @@ class VocabConfig:
 
 @dataclass
 class DraftConfig:
-    init_from_target: bool = True  # copy the target's final norm and head rows for the draft vocab
+    # Copy the target's final norm and head rows for the draft vocab into the head. Off by
+    # default: on SmolLM2 it started confidently wrong and learned slower than a fresh head.
+    init_from_target: bool = False
 
 
 @dataclass
@@ -73,6 +75,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     val_every: int = 0  # 0 = only at the end
+    # Hybrid mode: keep teacher outputs of the first epoch in host RAM (GiB budget) and
+    # reuse them afterwards instead of recomputing. 0 = fully online.
+    teacher_cache_gb: float = 0.0
     max_val_batches: int = 16
 
 

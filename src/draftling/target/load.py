@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +128,8 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
         raise TargetError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     log.info("loading target %s", spec.name)
+    if spec.gguf_file and not sys.stderr.isatty():
+        _quiet_gguf_progress()
     tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=DTYPES[dtype], **kwargs)
     model.to(device).eval().requires_grad_(False)
@@ -140,6 +143,16 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
     n = model.config.num_hidden_layers
     ids = default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids
     return Target(spec, model, tokenizer, validate_aux_layer_ids(ids, n))
+
+
+def _quiet_gguf_progress() -> None:
+    # transformers' per-tensor GGUF bar is carriage-return noise in a log file.
+    import functools
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    gguf_utils.tqdm = functools.partial(tqdm, disable=True)
 
 
 def load_target_config(target: str | None = None):

