@@ -137,3 +137,10 @@ def test_bad_layer_id_and_oversized_vocab(tmp_path, tiny_target_dir):
 def test_unknown_config_field(tmp_path):
     r = run_cli("train", "--data", str(tmp_path), "--run-dir", str(tmp_path / "r"), "train.lrr=1")
     assert r.returncode == 2 and "unknown field" in r.stderr and "lrr" in r.stderr
+
+
+def test_bench_prompts_represent_every_source():
+    from draftling.bench.simple import round_robin_by_source
+
+    rows = [("a1", "a", [1]), ("a2", "a", [1]), ("a3", "a", [1]), ("b1", "b", [1]), ("c1", "c", [1])]
+    assert [r[0] for r in round_robin_by_source(rows)] == ["a1", "b1", "c1", "a2", "a3"]

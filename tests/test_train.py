@@ -99,3 +99,11 @@ def test_stale_vocab_is_refused(tmp_path, tiny_target):
     from draftling.errors import DataError
     with pytest.raises(DataError, match="different data"):
         run(tmp_path, tiny_target, "x", 2)
+
+
+def test_wall_clock_budget_stops_early_but_still_writes_the_draft(tmp_path, tiny_target, capsys):
+    setup_data(tmp_path)
+    result = run(tmp_path, tiny_target, "budget", 50, **{"train.max_minutes": 1e-6})
+    assert result["steps"] == 1
+    assert (tmp_path / "budget" / "draft" / "draft.safetensors").is_file()
+    assert "train.max_minutes" in capsys.readouterr().out

@@ -48,7 +48,7 @@ def test_roundtrip_and_stale_data_hash(tmp_path):
 def test_zeroed_d2t_is_caught():
     v = build_vocab(torch.arange(40), 10, "h")
     broken = DraftVocab(torch.zeros_like(v.d2t), v.t2d, "h", 10, 1.0)
-    with pytest.raises(DataError, match="disagree"):
+    with pytest.raises(DataError, match="all zeros"):
         check_vocab(broken, "broken.safetensors")
 
 

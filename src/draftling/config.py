@@ -78,6 +78,9 @@ class TrainConfig:
     # Hybrid mode: keep teacher outputs of the first epoch in host RAM (GiB budget) and
     # reuse them afterwards instead of recomputing. 0 = fully online.
     teacher_cache_gb: float = 0.0
+    # Wall-clock budget: stop after the step that crosses it (checkpoint and final draft
+    # are still written). 0 = no limit.
+    max_minutes: float = 0.0
     max_val_batches: int = 16
 
 

@@ -61,16 +61,30 @@ def load_bench_prompts(path: str | Path, target: Target, n: int) -> list[tuple[s
 
         for ex in load_tokenized(path):
             start = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
-            out.append((ex.id, ex.input_ids[:start]))
+            out.append((ex.id, ex.source, ex.input_ids[:start]))
     else:
         for conv in load_conversations(path):
             text = render(target.tokenizer, prompt_messages(conv), tools=conv.tools,
                           add_generation_prompt=True)
-            out.append((conv.id, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
-    out = [p for p in out if p[1]]
+            out.append((conv.id, conv.source, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
+    out = [p for p in out if p[2]]
     if not out:
         raise DataError(f"{path}: no usable prompts")
-    return out[:n]
+    return [(pid, ids) for pid, _, ids in round_robin_by_source(out)[:n]]
+
+
+def round_robin_by_source(rows: list[tuple]) -> list[tuple]:
+    """Interleave sources (file order kept within each), so the first n prompts represent
+    every source instead of whichever one sorts first (e.g. the shortest prompts)."""
+    groups: dict[str, list] = {}
+    for row in rows:
+        groups.setdefault(row[1], []).append(row)
+    out, queues = [], [list(g) for g in groups.values()]
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
 
 
 def load_any_draft(path: str | Path, device, dtype):

@@ -107,11 +107,44 @@ def check_vocab(vocab: DraftVocab, where: str, target_vocab_size: int | None = N
     if target_vocab_size is not None and len(vocab.t2d) != target_vocab_size:
         raise DataError(f"{where}: t2d covers {len(vocab.t2d)} tokens but the target vocab has "
                         f"{target_vocab_size}")
-    ids = vocab.draft_ids_in_target
-    if int(vocab.t2d.sum()) != vocab.size:
-        raise DataError(f"{where}: t2d marks {int(vocab.t2d.sum())} tokens but d2t has {vocab.size}")
-    if ids.min() < 0 or ids.max() >= len(vocab.t2d) or not bool(vocab.t2d[ids].all()):
-        raise DataError(f"{where}: d2t and t2d disagree (d2t maps outside the t2d set)")
+    check_vocab_maps(vocab.d2t, vocab.t2d, vocab.size, len(vocab.t2d), where)
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int,
+                     target_vocab_size: int, where: str = "draft") -> None:
+    """Refuse vocab maps that would serve garbage without an error.
+
+    ``d2t`` is an OFFSET table (target_id = draft_id + d2t[draft_id]); ``t2d`` marks the
+    target ids in the draft vocabulary. Engines use d2t only, so a zeroed d2t with a
+    reduced draft vocab silently maps draft ids to target ids 0..N-1.
+    """
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        raise DataError(f"{where}: d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab_size},)")
+    if tuple(t2d.shape) != (target_vocab_size,):
+        raise DataError(f"{where}: t2d has shape {tuple(t2d.shape)}, expected ({target_vocab_size},)")
+    d2t = d2t.detach().cpu().long()
+    t2d = t2d.detach().cpu().bool()
+    # All-zero offsets are legitimate only when the draft vocab really is ids 0..N-1.
+    if draft_vocab_size < target_vocab_size and not bool(d2t.any()) \
+            and not bool(t2d[:draft_vocab_size].all()):
+        raise DataError(
+            f"{where}: d2t is all zeros while draft_vocab_size ({draft_vocab_size}) < target vocab "
+            f"({target_vocab_size}); engines would map draft ids to target ids 0..{draft_vocab_size - 1} "
+            "and acceptance would collapse silently. Set the vocab maps (Eagle3Draft.set_vocab) "
+            "before exporting.")
+    count = int(t2d.sum())
+    if count != draft_vocab_size:
+        raise DataError(f"{where}: t2d marks {count} target tokens, expected draft_vocab_size "
+                             f"= {draft_vocab_size} (stale or unset vocab maps; see Eagle3Draft.set_vocab)")
+    targets = torch.arange(draft_vocab_size) + d2t
+    if int(targets.min()) < 0 or int(targets.max()) >= target_vocab_size:
+        raise DataError(f"{where}: d2t maps draft ids outside the target vocab "
+                             f"[0, {target_vocab_size})")
+    if targets.unique().numel() != draft_vocab_size:
+        raise DataError(f"{where}: d2t maps several draft ids to the same target id")
+    if not bool(t2d[targets].all()):
+        raise DataError(f"{where}: d2t and t2d disagree (d2t maps to target ids that t2d "
+                             "does not mark); the vocab maps are stale or mismatched")
 
 
 def vocab_summary(vocab: DraftVocab) -> str:

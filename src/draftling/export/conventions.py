@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from draftling.draft.vocab import check_vocab_maps  # noqa: F401  (re-exported: one implementation)
 from draftling.errors import DraftlingError
 from draftling.target.aux import default_aux_layer_ids
 
@@ -81,38 +82,3 @@ def is_default_aux_layer_ids(ids: list[int], num_layers: int | None = None) -> b
     if num_layers is None:
         num_layers = ids[2] + 3
     return ids == default_aux_layer_ids(num_layers)
-
-
-def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int,
-                     target_vocab_size: int, where: str = "draft") -> None:
-    """Refuse vocab maps that would serve garbage without an error.
-
-    ``d2t`` is an OFFSET table (target_id = draft_id + d2t[draft_id]); ``t2d`` marks the
-    target ids in the draft vocabulary. Engines use d2t only, so a zeroed d2t with a
-    reduced draft vocab silently maps draft ids to target ids 0..N-1.
-    """
-    if tuple(d2t.shape) != (draft_vocab_size,):
-        raise DraftlingError(f"{where}: d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab_size},)")
-    if tuple(t2d.shape) != (target_vocab_size,):
-        raise DraftlingError(f"{where}: t2d has shape {tuple(t2d.shape)}, expected ({target_vocab_size},)")
-    d2t = d2t.detach().cpu().long()
-    t2d = t2d.detach().cpu().bool()
-    if draft_vocab_size < target_vocab_size and not bool(d2t.any()):
-        raise DraftlingError(
-            f"{where}: d2t is all zeros while draft_vocab_size ({draft_vocab_size}) < target vocab "
-            f"({target_vocab_size}); engines would map draft ids to target ids 0..{draft_vocab_size - 1} "
-            "and acceptance would collapse silently. Set the vocab maps (Eagle3Draft.set_vocab) "
-            "before exporting.")
-    count = int(t2d.sum())
-    if count != draft_vocab_size:
-        raise DraftlingError(f"{where}: t2d marks {count} target tokens, expected draft_vocab_size "
-                             f"= {draft_vocab_size} (stale or unset vocab maps; see Eagle3Draft.set_vocab)")
-    targets = torch.arange(draft_vocab_size) + d2t
-    if int(targets.min()) < 0 or int(targets.max()) >= target_vocab_size:
-        raise DraftlingError(f"{where}: d2t maps draft ids outside the target vocab "
-                             f"[0, {target_vocab_size})")
-    if targets.unique().numel() != draft_vocab_size:
-        raise DraftlingError(f"{where}: d2t maps several draft ids to the same target id")
-    if not bool(t2d[targets].all()):
-        raise DraftlingError(f"{where}: d2t and t2d disagree (d2t maps to target ids that t2d "
-                             "does not mark); the vocab maps are stale or mismatched")

