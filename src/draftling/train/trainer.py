@@ -92,7 +92,8 @@ def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
 
 
 @torch.no_grad()
-def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batches: int) -> dict:
+def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batches: int,
+             teacher_source=None) -> dict:
     draft.eval()
     counts = StepCounts(cfg.train.ttt_steps)
     loss = 0.0
@@ -101,7 +102,11 @@ def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batche
     for i in range(0, min(len(examples), max_batches * bs), bs):
         batch = {k: v.to(device) for k, v in
                  collate(examples[i:i + bs], target.tokenizer.pad_token_id).items()}
-        teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
+        chunk = examples[i:i + bs]
+        teacher = teacher_source.get(list(range(i, i + len(chunk))), [len(e.input_ids) for e in chunk],
+                                     device) if teacher_source is not None else None
+        if teacher is None:
+            teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
         l, c = ttt_unroll(draft, target.input_embeddings(), teacher, batch["input_ids"],
                           batch["loss_mask"], batch["attention_mask"], cfg.train.ttt_steps,
                           cfg.train.step_weight_decay)
@@ -115,7 +120,11 @@ def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batche
 
 
 def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
-          val_path: str | Path | None, vocab_path: str | Path, resume: bool = False) -> dict:
+          val_path: str | Path | None, vocab_path: str | Path, resume: bool = False,
+          teacher_source=None) -> dict:
+    """``teacher_source``: an object with ``get(keys, lengths, device) -> TeacherBatch`` (e.g. an
+    offline.OfflineTeacher) used instead of running the teacher; its ``for_split("val", hash)``,
+    when it has one, serves validation."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -126,6 +135,9 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
 
     examples = load_tokenized(train_path)
     val_examples = load_tokenized(val_path) if val_path and Path(val_path).exists() else []
+    val_source = None
+    if teacher_source is not None and val_examples and hasattr(teacher_source, "for_split"):
+        val_source = teacher_source.for_split("val", hash_dataset_file(val_path))
     vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path),
                        target_vocab_size=target.config.vocab_size)
     draft = build_draft(cfg, target, vocab).to(device)
@@ -172,7 +184,10 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         examples_now = [examples[i] for i in keys]
         lengths = [len(e.input_ids) for e in examples_now]
         batch = {k: v.to(device) for k, v in collate(examples_now, target.tokenizer.pad_token_id).items()}
-        teacher = cache.get(keys, lengths, device) if cache else None
+        if teacher_source is not None:
+            teacher = teacher_source.get(keys, lengths, device)
+        else:
+            teacher = cache.get(keys, lengths, device) if cache else None
         if teacher is None:
             teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
             if cache:
@@ -200,7 +215,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
             window = StepCounts(tc.ttt_steps)
             window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
         if tc.val_every and step % tc.val_every == 0 and val_examples:
-            vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches)
+            vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches, val_source)
             vm.update(step=step, split="val")
             metrics_log.write(vm, format_line(f"val @ {step}", vm))
         out_of_time = tc.max_minutes > 0 and time.perf_counter() - t_start > 60 * tc.max_minutes
@@ -218,7 +233,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     if torch.cuda.is_available() and device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if val_examples:
-        vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches)
+        vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches, val_source)
         vm.update(step=step, split="val")
         metrics_log.write(vm, format_line("validation", vm))
         result["val"] = vm

@@ -1,0 +1,378 @@
+"""Offline teacher: run the target once over the prepared data, write its outputs to sharded
+safetensors, and train later from those shards instead of recomputing the teacher per batch.
+
+Layout of a cache directory::
+
+    CACHE/manifest.json
+    CACHE/train/shard_00000.safetensors   rows [0, shard_size) of train.jsonl
+    CACHE/train/shard_00001.safetensors   ...
+    CACHE/val/shard_00000.safetensors     (when the data dir has val.jsonl)
+
+Each shard holds its sequences concatenated along tokens, unpadded:
+
+    offsets        int64 [n_seq + 1]   sequence j is rows offsets[j]:offsets[j+1]
+    example_index  int64 [n_seq]       row index in <split>.jsonl (as load_tokenized numbers them)
+    target_argmax  int64 [N_tokens]    argmax over the FULL target vocab
+    aux            [N_tokens, 3*H]     low/mid/high aux states, in the target's dtype
+    draft_logits   [N_tokens, V_d]     target logits at the draft-vocab ids, in the target's
+                                       compute dtype by default (lossless; bf16 for a bf16 target)
+    in_draft       bool [N_tokens]
+
+A shard is written to a temporary name beside it and renamed only when complete, so a kill
+never leaves a half-written shard under a shard name; rerunning `extract` skips the shards
+that exist and recomputes the rest. Shards are streamed to disk batch by batch (the header is
+known up front from the token counts), so host memory stays at one batch, not one shard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+from pathlib import Path
+
+import torch
+
+from draftling.draft.vocab import hash_dataset_file, load_vocab
+from draftling.errors import DataError
+from draftling.io import atomic_path, write_json
+from draftling.train.dataset import collate, load_tokenized
+from draftling.train.teacher import TeacherBatch, teacher_forward
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.int64: "I64", torch.bool: "BOOL"}
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.safetensors"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPE_NAMES:
+        raise DataError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
+
+
+def bytes_per_token(hidden: int, aux_dtype: torch.dtype, draft_vocab: int,
+                    logits_dtype: torch.dtype) -> int:
+    """aux (3*H) + draft_logits (V_d) + target_argmax (int64) + in_draft (bool)."""
+    return 3 * hidden * _itemsize(aux_dtype) + draft_vocab * _itemsize(logits_dtype) + 8 + 1
+
+
+class _ShardWriter:
+    """Write a safetensors file whose tensor shapes are known in advance, filling the data
+    region piecewise (seek + write) so a shard never has to sit in memory whole."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]],
+                 metadata: dict[str, str]):
+        header: dict = {}
+        self.base: dict[str, int] = {}
+        self.row_bytes: dict[str, int] = {}
+        self.dtype: dict[str, torch.dtype] = {}
+        off = 0
+        for name, dtype, shape in specs:
+            size = math.prod(shape) * _itemsize(dtype)
+            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + size]}
+            self.base[name] = off
+            self.row_bytes[name] = math.prod(shape[1:]) * _itemsize(dtype)
+            self.dtype[name] = dtype
+            off += size
+        header["__metadata__"] = metadata
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keep the data region 8-byte aligned
+        self.f = open(path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)))
+        self.f.write(raw)
+        self.start = 8 + len(raw)
+        self.f.truncate(self.start + off)
+
+    def write(self, name: str, first_row: int, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu", self.dtype[name]).contiguous().reshape(-1)
+        if t.numel() == 0:
+            return
+        self.f.seek(self.start + self.base[name] + first_row * self.row_bytes[name])
+        self.f.write(t.view(torch.uint8).numpy().tobytes())
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def _shard_metadata(split: str, index: int, n_seq: int, n_tokens: int, data_hash: str,
+                    vocab_hash: str) -> dict[str, str]:
+    return {"format": str(FORMAT), "split": split, "shard": str(index), "num_sequences": str(n_seq),
+            "num_tokens": str(n_tokens), "data_hash": data_hash, "vocab_data_hash": vocab_hash}
+
+
+def _shard_ok(path: Path, expected: dict[str, str]) -> bool:
+    """A shard under its final name is complete by construction (atomic rename); also check
+    it belongs to this data and vocab, so a foreign file is recomputed, not trusted."""
+    if not path.is_file():
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # unreadable: recompute it
+        return False
+    return meta == expected
+
+
+def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str | Path | None = None,
+            shard_size: int = 256, batch_size: int = 8, dtype: str | torch.dtype | None = None,
+            echo=print) -> dict:
+    """Run the teacher over <data_dir>/train.jsonl (and val.jsonl) and write the shards.
+
+    ``dtype`` is the storage dtype of draft_logits; None keeps the target's compute dtype,
+    which is lossless. Returns {"manifest", "written": {split: [shard ids]},
+    "skipped": {split: [shard ids]}, "estimate_bytes", "bytes"}.
+    """
+    if shard_size < 1 or batch_size < 1:
+        raise DataError(f"shard_size and batch_size must be >= 1 (got {shard_size}, {batch_size})")
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    vocab_path = Path(vocab_path) if vocab_path else data_dir / "vocab.safetensors"
+    files = {s: data_dir / f"{s}.jsonl" for s in SPLITS}
+    examples = {"train": load_tokenized(files["train"])}
+    if files["val"].is_file():
+        examples["val"] = load_tokenized(files["val"])
+    hashes = {s: hash_dataset_file(files[s]) for s in examples}
+    vocab = load_vocab(vocab_path, expect_data_hash=hashes["train"],
+                       target_vocab_size=target.config.vocab_size)
+    head = target.output_head()
+    aux_dtype = head.weight.dtype
+    logits_dtype = parse_dtype(dtype) or aux_dtype
+    hidden = target.input_embeddings().weight.shape[1]
+    device = target.device
+    pad_id = target.tokenizer.pad_token_id
+
+    splits = {}
+    for s, rows in examples.items():
+        n = len(rows)
+        splits[s] = {"file": files[s].name, "data_hash": hashes[s], "num_examples": n,
+                     "num_tokens": sum(len(e.input_ids) for e in rows),
+                     "num_shards": math.ceil(n / shard_size), "complete": []}
+    manifest = {"format": FORMAT, "target": target.spec.name, "aux_layer_ids": list(target.aux_layer_ids),
+                "hidden_size": int(hidden), "target_vocab_size": int(target.config.vocab_size),
+                "draft_vocab_size": vocab.size, "vocab_data_hash": vocab.data_hash,
+                "aux_dtype": _dtype_name(aux_dtype), "logits_dtype": _dtype_name(logits_dtype),
+                "shard_size": shard_size, "splits": splits}
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.is_file():
+        old = json.loads(manifest_path.read_text())
+        for key in ("format", "target", "aux_layer_ids", "hidden_size", "target_vocab_size",
+                    "draft_vocab_size", "vocab_data_hash", "aux_dtype", "logits_dtype", "shard_size"):
+            if old.get(key) != manifest[key]:
+                raise DataError(f"{manifest_path}: this cache was extracted with {key}={old.get(key)!r}, "
+                                f"now {manifest[key]!r}; delete {out_dir} or choose another --out")
+        for s, info in splits.items():
+            prev = old.get("splits", {}).get(s)
+            if prev is not None and prev.get("data_hash") != info["data_hash"]:
+                raise DataError(f"{manifest_path}: {info['file']} changed since this cache was "
+                                f"extracted; delete {out_dir} or choose another --out")
+            if prev is not None:
+                info["complete"] = sorted(int(i) for i in prev.get("complete", []))
+
+    per_token = bytes_per_token(hidden, aux_dtype, vocab.size, logits_dtype)
+    tokens = sum(info["num_tokens"] for info in splits.values())
+    n_seq = sum(info["num_examples"] for info in splits.values())
+    estimate = tokens * per_token + 16 * n_seq
+    logits_kb = vocab.size * _itemsize(logits_dtype) / 1024
+    echo(f"extract: estimated disk {estimate / 2**30:.2f} GiB ({estimate} bytes) = {tokens} tokens x "
+         f"{per_token} bytes/token [aux 3x{hidden} {_dtype_name(aux_dtype)}, draft_logits {vocab.size} "
+         f"{_dtype_name(logits_dtype)} = {logits_kb:.1f} KB/token]; draft_logits dominate at a large "
+         f"draft vocab (32000 x bf16 = 64 KB/token); top-k logit storage is not implemented yet")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(manifest_path, manifest)
+    t2d = vocab.t2d.to(device)
+    written = {s: [] for s in splits}
+    skipped = {s: [] for s in splits}
+    for s, rows in examples.items():
+        info = splits[s]
+        split_dir = out_dir / s
+        split_dir.mkdir(parents=True, exist_ok=True)
+        for tmp in split_dir.glob(".shard_*.tmp"):  # left by a killed run; never a shard
+            tmp.unlink()
+        for k in range(info["num_shards"]):
+            ids = list(range(k * shard_size, min((k + 1) * shard_size, len(rows))))
+            lens = [len(rows[i].input_ids) for i in ids]
+            offsets = [0]
+            for n in lens:
+                offsets.append(offsets[-1] + n)
+            meta = _shard_metadata(s, k, len(ids), offsets[-1], info["data_hash"], vocab.data_hash)
+            path = split_dir / shard_name(k)
+            if _shard_ok(path, meta):
+                skipped[s].append(k)
+            else:
+                t0 = time.perf_counter()
+                _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, device,
+                             batch_size, hidden, aux_dtype, vocab.size, logits_dtype)
+                written[s].append(k)
+                echo(f"extract {s} shard {k + 1}/{info['num_shards']}: {len(ids)} sequences, "
+                     f"{offsets[-1]} tokens, {time.perf_counter() - t0:.1f}s")
+            if k not in info["complete"]:
+                info["complete"] = sorted(info["complete"] + [k])
+                write_json(manifest_path, manifest)
+    actual = sum(p.stat().st_size for s in splits for p in (out_dir / s).glob("shard_*.safetensors"))
+    echo(f"extract: done, {actual / 2**30:.2f} GiB in {out_dir} "
+         f"({sum(map(len, written.values()))} shards written, {sum(map(len, skipped.values()))} "
+         "already there)")
+    return {"manifest": manifest, "written": written, "skipped": skipped, "estimate_bytes": estimate,
+            "bytes": actual}
+
+
+def _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, device, batch_size,
+                 hidden, aux_dtype, draft_vocab, logits_dtype) -> None:
+    n_tok = offsets[-1]
+    specs = [("offsets", torch.int64, [len(ids) + 1]), ("example_index", torch.int64, [len(ids)]),
+             ("target_argmax", torch.int64, [n_tok]), ("aux", aux_dtype, [n_tok, 3 * hidden]),
+             ("draft_logits", logits_dtype, [n_tok, draft_vocab]), ("in_draft", torch.bool, [n_tok])]
+    with atomic_path(path) as tmp:
+        w = _ShardWriter(tmp, specs, meta)
+        try:
+            w.write("offsets", 0, torch.tensor(offsets, dtype=torch.int64))
+            w.write("example_index", 0, torch.tensor(ids, dtype=torch.int64))
+            order = sorted(range(len(ids)), key=lambda j: lens[j])  # less padding per batch
+            for b in range(0, len(order), batch_size):
+                js = [j for j in order[b:b + batch_size] if lens[j] > 0]
+                if not js:
+                    continue
+                batch = collate([rows[ids[j]] for j in js], pad_id)
+                tb = teacher_forward(target, batch["input_ids"].to(device),
+                                     batch["attention_mask"].to(device), t2d)
+                for r, j in enumerate(js):
+                    a, n = offsets[j], lens[j]
+                    w.write("aux", a, tb.aux[r, :n])
+                    w.write("draft_logits", a, tb.draft_logits[r, :n])
+                    w.write("target_argmax", a, tb.target_argmax[r, :n])
+                    w.write("in_draft", a, tb.in_draft[r, :n])
+        finally:
+            w.close()
+
+
+class OfflineTeacher:
+    """Teacher outputs read back from an `extract` cache, in the shape of TeacherCache.get.
+
+    Shards are memory-mapped on first use (safetensors safe_open) and only the rows of the
+    requested examples are read. ``vocab_hash`` is the draft vocab's data hash and
+    ``data_hash`` the hash of this split's jsonl; both are checked against the manifest.
+    """
+
+    def __init__(self, cache_dir: str | Path, split: str = "train", vocab_hash: str | None = None,
+                 data_hash: str | None = None):
+        self.dir = Path(cache_dir)
+        self.split = split
+        self.manifest_path = self.dir / MANIFEST
+        if not self.manifest_path.is_file():
+            raise DataError(f"{self.manifest_path}: no offline teacher cache here "
+                            "(run `draftling extract` first)")
+        try:
+            m = json.loads(self.manifest_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"{self.manifest_path}: unreadable manifest: {e}") from None
+        if m.get("format") != FORMAT:
+            raise DataError(f"{self.manifest_path}: cache format {m.get('format')!r}, expected {FORMAT}; "
+                            "re-run `draftling extract`")
+        info = m.get("splits", {}).get(split)
+        if info is None:
+            raise DataError(f"{self.manifest_path}: no {split!r} split in this cache")
+        if vocab_hash is not None and m.get("vocab_data_hash") != vocab_hash:
+            raise DataError(f"{self.manifest_path}: stale offline cache: it was extracted with a vocab built "
+                            f"from different data (hash {str(m.get('vocab_data_hash'))[:12]} != "
+                            f"{vocab_hash[:12]}); re-run `draftling extract` into a fresh directory")
+        if data_hash is not None and info.get("data_hash") != data_hash:
+            raise DataError(f"{self.manifest_path}: stale offline cache: {info.get('file')} changed since "
+                            "extraction; re-run `draftling extract` into a fresh directory")
+        missing = sorted(set(range(info["num_shards"])) - set(info.get("complete", [])))
+        if missing:
+            raise DataError(f"{self.manifest_path}: extraction of {split!r} is incomplete "
+                            f"({len(missing)} of {info['num_shards']} shards missing); re-run "
+                            "`draftling extract` to finish it")
+        self.manifest = m
+        self.info = info
+        self.shard_size = int(m["shard_size"])
+        self.aux_dtype = parse_dtype(m["aux_dtype"])
+        self.aux_width = 3 * int(m["hidden_size"])
+        self.draft_vocab = int(m["draft_vocab_size"])
+        self._shards: dict[int, tuple] = {}
+
+    def __repr__(self) -> str:
+        return f"OfflineTeacher({str(self.dir)!r}, split={self.split!r})"
+
+    def for_split(self, split: str, data_hash: str | None = None) -> "OfflineTeacher | None":
+        """The same cache's other split (e.g. val), or None when it was not extracted."""
+        if split not in self.manifest.get("splits", {}):
+            return None
+        return OfflineTeacher(self.dir, split, self.manifest.get("vocab_data_hash"), data_hash)
+
+    def check_target(self, target) -> None:
+        """Refuse a cache made with other aux layers or another hidden size than `target`."""
+        m = self.manifest
+        hidden = target.input_embeddings().weight.shape[1]
+        if list(m.get("aux_layer_ids", [])) != list(target.aux_layer_ids) or m.get("hidden_size") != hidden:
+            raise DataError(f"{self.manifest_path}: cache was extracted from {m.get('target')!r} with aux "
+                            f"layers {m.get('aux_layer_ids')} and hidden size {m.get('hidden_size')}; this "
+                            f"target has aux layers {list(target.aux_layer_ids)} and hidden size {hidden}")
+
+    def _shard(self, k: int):
+        if k not in self._shards:
+            from safetensors import safe_open
+
+            path = self.dir / self.split / shard_name(k)
+            if not path.is_file():
+                raise DataError(f"{path}: shard missing from the offline cache; re-run `draftling extract`")
+            f = safe_open(str(path), "pt")
+            offsets = f.get_tensor("offsets").tolist()
+            index = f.get_tensor("example_index").tolist()
+            slices = {n: f.get_slice(n) for n in ("aux", "draft_logits", "target_argmax", "in_draft")}
+            self._shards[k] = (path, f, offsets, index, slices)
+        return self._shards[k]
+
+    def rows(self, key: int) -> tuple[Path, dict, int, int]:
+        if not 0 <= key < self.info["num_examples"]:
+            raise DataError(f"{self.manifest_path}: example {key} is outside the {self.split!r} split "
+                            f"({self.info['num_examples']} examples)")
+        k, j = divmod(key, self.shard_size)
+        path, _, offsets, index, slices = self._shard(k)
+        if index[j] != key:
+            raise DataError(f"{path}: row {j} holds example {index[j]}, expected {key}; the cache is corrupt")
+        return path, slices, offsets[j], offsets[j + 1]
+
+    def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
+        t = max(lengths)
+        b = len(keys)
+        aux = torch.zeros(b, t, self.aux_width, dtype=self.aux_dtype)
+        logits = torch.zeros(b, t, self.draft_vocab, dtype=torch.float32)
+        argmax = torch.zeros(b, t, dtype=torch.long)
+        in_draft = torch.zeros(b, t, dtype=torch.bool)
+        for i, (key, n) in enumerate(zip(keys, lengths)):
+            path, sl, start, end = self.rows(key)
+            if end - start != n:
+                raise DataError(f"{path}: example {key} has {end - start} tokens in the cache but {n} in "
+                                "the data; the cache is stale, re-run `draftling extract`")
+            if n == 0:
+                continue
+            aux[i, :n] = sl["aux"][start:end]
+            logits[i, :n] = sl["draft_logits"][start:end]
+            argmax[i, :n] = sl["target_argmax"][start:end]
+            in_draft[i, :n] = sl["in_draft"][start:end]
+        return TeacherBatch(aux=aux.to(device), draft_logits=logits.to(device),
+                            target_argmax=argmax.to(device), in_draft=in_draft.to(device))
