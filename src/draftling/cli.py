@@ -70,6 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
     p.add_argument("--run-dir", required=True, help="run directory (config, metrics, checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.add_argument("--offline", metavar="CACHE", help="read the teacher's outputs from a cache written by "
+                   "`draftling extract` instead of running the teacher per batch (the target is still "
+                   "loaded, for its embedding and pad id); the cache must match --data and --vocab")
+
+    p = sub.add_parser("extract", help="run the teacher once and cache its outputs for offline training",
+                       description="Offline mode, step 1: run the target over <data>/train.jsonl (and "
+                       "val.jsonl when present) and write what the loss needs (aux hidden states, "
+                       "target logits at the draft-vocab ids, full-vocab argmax) to sharded safetensors "
+                       "under CACHE/{train,val}/shard_NNNNN.safetensors with CACHE/manifest.json. Prints a "
+                       "disk estimate first: draft_logits dominate (a 32000-token draft vocab in bf16 is "
+                       "64 KB per token). Each shard is written under a temporary name and renamed when "
+                       "complete, so after a kill just rerun the same command: finished shards are "
+                       "skipped. Then train with `draftling train --offline CACHE`.",
+                       epilog=EPILOG_OVERRIDES)
+    _common(p)
+    p.add_argument("--data", required=True, help="directory written by `draftling data`")
+    p.add_argument("--out", required=True, metavar="CACHE", help="cache directory to write (or resume)")
+    p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
+    p.add_argument("--shard-size", type=int, default=256, metavar="N",
+                   help="sequences per shard (default 256)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="sequences per teacher forward pass (default 8)")
+    p.add_argument("--logits-dtype", choices=["float32", "bfloat16", "float16"],
+                   help="storage dtype of the draft-vocab logits (default: the target's dtype, lossless)")
 
     p = sub.add_parser("bench", help="speculative decoding: acceptance length, speed, exactness",
                        description="Greedy speculative decoding with the draft against the same engine "
@@ -173,8 +197,28 @@ def cmd_train(args) -> None:
 
     cfg = _run_config(args)
     data = Path(args.data)
-    train(cfg, _load_target(cfg), args.run_dir, data / "train.jsonl", data / "val.jsonl",
-          args.vocab or data / "vocab.safetensors", resume=args.resume)
+    vocab_path = args.vocab or data / "vocab.safetensors"
+    target = _load_target(cfg)
+    source = None
+    if args.offline:
+        from draftling.draft.vocab import hash_dataset_file, load_vocab
+        from draftling.train.offline import OfflineTeacher
+
+        vocab = load_vocab(vocab_path)
+        source = OfflineTeacher(args.offline, "train", vocab_hash=vocab.data_hash,
+                                data_hash=hash_dataset_file(data / "train.jsonl"))
+        source.check_target(target)
+        print(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)", flush=True)
+    train(cfg, target, args.run_dir, data / "train.jsonl", data / "val.jsonl", vocab_path,
+          resume=args.resume, teacher_source=source)
+
+
+def cmd_extract(args) -> None:
+    from draftling.train.offline import extract
+
+    cfg = _run_config(args)
+    extract(_load_target(cfg), args.data, args.out, args.vocab, shard_size=args.shard_size,
+            batch_size=args.batch_size, dtype=args.logits_dtype)
 
 
 def cmd_bench(args) -> None:
@@ -238,8 +282,8 @@ def cmd_quickstart(args) -> None:
     quickstart(args.out, config=args.config or "quickstart_cpu", overrides=overrides)
 
 
-COMMANDS = {"data": cmd_data, "vocab": cmd_vocab, "train": cmd_train, "bench": cmd_bench,
-            "export": cmd_export, "quickstart": cmd_quickstart}
+COMMANDS = {"data": cmd_data, "vocab": cmd_vocab, "extract": cmd_extract, "train": cmd_train,
+            "bench": cmd_bench, "export": cmd_export, "quickstart": cmd_quickstart}
 
 
 def quiet_libraries() -> None:

@@ -88,7 +88,8 @@ class _ShardWriter:
         off = 0
         for name, dtype, shape in specs:
             size = math.prod(shape) * _itemsize(dtype)
-            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + size]}
+            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
+                            "data_offsets": [off, off + size]}
             self.base[name] = off
             self.row_bytes[name] = math.prod(shape[1:]) * _itemsize(dtype)
             self.dtype[name] = dtype
@@ -138,13 +139,14 @@ def _shard_ok(path: Path, expected: dict[str, str]) -> bool:
 
 def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str | Path | None = None,
             shard_size: int = 256, batch_size: int = 8, dtype: str | torch.dtype | None = None,
-            echo=print) -> dict:
+            echo=None) -> dict:
     """Run the teacher over <data_dir>/train.jsonl (and val.jsonl) and write the shards.
 
     ``dtype`` is the storage dtype of draft_logits; None keeps the target's compute dtype,
     which is lossless. Returns {"manifest", "written": {split: [shard ids]},
     "skipped": {split: [shard ids]}, "estimate_bytes", "bytes"}.
     """
+    echo = echo or (lambda msg: print(msg, flush=True))
     if shard_size < 1 or batch_size < 1:
         raise DataError(f"shard_size and batch_size must be >= 1 (got {shard_size}, {batch_size})")
     data_dir, out_dir = Path(data_dir), Path(out_dir)
