@@ -33,19 +33,21 @@ def run(tmp_path, target, run_name, steps, resume=False, **extra):
                  tmp_path / "val.jsonl", tmp_path / "vocab.safetensors", resume=resume)
 
 
-def test_resume_equals_uninterrupted_run(tmp_path, tiny_target):
+@pytest.mark.parametrize("offload", [False, True], ids=["adamw", "offloaded-adamw"])
+def test_resume_equals_uninterrupted_run(tmp_path, tiny_target, offload):
     setup_data(tmp_path)
-    run(tmp_path, tiny_target, "full", 8)
+    opts = {"train.optimizer_offload": str(offload).lower()}
+    run(tmp_path, tiny_target, "full", 8, **opts)
     # Interrupted: stop at step 4 (max_steps=4 with the SAME schedule length would differ,
     # so simulate a kill by deleting the later checkpoints of a full run).
-    run(tmp_path, tiny_target, "cut", 8)
+    run(tmp_path, tiny_target, "cut", 8, **opts)
     for ckpt in list_checkpoints(tmp_path / "cut"):
         if int(ckpt.name.split("_")[1]) > 4:
             import shutil
             shutil.rmtree(ckpt)
     import shutil
     shutil.rmtree(tmp_path / "cut" / "draft")
-    run(tmp_path, tiny_target, "cut", 8, resume=True)
+    run(tmp_path, tiny_target, "cut", 8, resume=True, **opts)
     a = load_file(str(tmp_path / "full" / "draft" / "draft.safetensors"))
     b = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
     assert a.keys() == b.keys()

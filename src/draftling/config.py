@@ -82,6 +82,26 @@ class TrainConfig:
     # are still written). 0 = no limit.
     max_minutes: float = 0.0
     max_val_batches: int = 16
+    # --- Memory (train/ttt.py, train/optim.py, train/host_embed.py). Each is exact against
+    # the plain path up to float summation order; tests/test_train_memory.py checks that.
+    # Draft head, log-softmax, soft CE and argmax over chunks of this many valid positions,
+    # each recomputed in backward (checkpointed), so no [tokens, draft_vocab] fp32 tensor
+    # exists for the whole batch. 0 = off (one full-batch head).
+    loss_chunk_tokens: int = 2048
+    # Recompute each TTT step's decoder layer in backward instead of keeping its
+    # activations. null = auto: on for CUDA, off on CPU (there it only costs time).
+    grad_checkpoint: bool | None = None
+    # TTT attention: "flex" (flex_attention with the TTT mask_mod, compiled; CUDA only for
+    # training: torch 2.13 has no flex backward on CPU), "sdpa" (explicit scores, any
+    # device), or "auto" = flex on CUDA, sdpa elsewhere.
+    attention: str = "auto"
+    # fp32 master weights and AdamW moments in host RAM, stepped there; the device keeps
+    # only params and grads. null = auto: on for CUDA, off on CPU (nothing to offload).
+    optimizer_offload: bool | None = None
+    # The target's embedding table in host RAM; per batch only the rows of its ids go to
+    # the device. Saves device memory only when the target is not resident (offline
+    # teacher); off by default.
+    embedding_on_host: bool = False
 
 
 @dataclass

@@ -7,21 +7,25 @@ import logging
 import math
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from draftling.config import RunConfig, save_config
+from draftling.config import RunConfig, TrainConfig, save_config
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
+from draftling.errors import ConfigError
 from draftling.io import atomic_dir, atomic_path, write_json
 from draftling.target import Target
 from draftling.train.checkpoint import latest_checkpoint, load_train_state, save_checkpoint, set_rng_state
 from draftling.train.dataset import EpochBatches, collate, load_tokenized
+from draftling.train.host_embed import HostEmbedding
+from draftling.train.optim import build_optimizer
 from draftling.train.teacher import TeacherCache, teacher_forward
-from draftling.train.ttt import StepCounts, ttt_unroll
+from draftling.train.ttt import ATTENTION_BACKENDS, StepCounts, flex_usable, ttt_unroll
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,47 @@ def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
     return draft
 
 
+def memory_options(tc: TrainConfig, device, training: bool = True) -> dict:
+    """The ``ttt_unroll`` keyword options for this device, with the config's auto values
+    (null / "auto") resolved: see TrainConfig for what each one does."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    attention = tc.attention
+    if attention == "auto":
+        attention = "flex" if cuda and flex_usable(device, training)[0] else "sdpa"
+    elif attention == "flex":
+        ok, why = flex_usable(device, training)
+        if not ok:
+            raise ConfigError(f"train.attention=flex: {why}; use train.attention=sdpa (or auto)")
+    elif attention not in ATTENTION_BACKENDS:
+        raise ConfigError(f"train.attention={attention!r}: expected auto, {' or '.join(ATTENTION_BACKENDS)}")
+    if tc.loss_chunk_tokens < 0:
+        raise ConfigError(f"train.loss_chunk_tokens={tc.loss_chunk_tokens}: expected >= 0 (0 = off)")
+    grad_checkpoint = tc.grad_checkpoint if tc.grad_checkpoint is not None else cuda
+    return {"loss_chunk_tokens": tc.loss_chunk_tokens, "grad_checkpoint": grad_checkpoint,
+            "attention": attention}
+
+
+def optimizer_offload(tc: TrainConfig, device) -> bool:
+    return tc.optimizer_offload if tc.optimizer_offload is not None else torch.device(device).type == "cuda"
+
+
+_HOST_EMBEDDINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def draft_embedding(cfg: RunConfig, target: Target, device):
+    """What ``ttt_unroll`` embeds tokens with: the target's embedding module, or with
+    ``train.embedding_on_host`` a HostEmbedding over it (built once per module and device)."""
+    module = target.input_embeddings()
+    if not cfg.train.embedding_on_host:
+        return module
+    host = _HOST_EMBEDDINGS.get(module)
+    if host is None or host.device != torch.device(device):
+        host = HostEmbedding.from_module(module, device)
+        _HOST_EMBEDDINGS[module] = host
+    return host
+
+
 @torch.no_grad()
 def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batches: int,
              teacher_source=None) -> dict:
@@ -107,9 +152,10 @@ def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batche
                                      device) if teacher_source is not None else None
         if teacher is None:
             teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
-        l, c = ttt_unroll(draft, target.input_embeddings(), teacher, batch["input_ids"],
+        l, c = ttt_unroll(draft, draft_embedding(cfg, target, device), teacher, batch["input_ids"],
                           batch["loss_mask"], batch["attention_mask"], cfg.train.ttt_steps,
-                          cfg.train.step_weight_decay)
+                          cfg.train.step_weight_decay,
+                          **memory_options(cfg.train, device, training=False))
         counts.add(c)
         loss += l.item()
         n += 1
@@ -140,14 +186,31 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         val_source = teacher_source.for_split("val", hash_dataset_file(val_path))
     vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path),
                        target_vocab_size=target.config.vocab_size)
-    draft = build_draft(cfg, target, vocab).to(device)
+    # Build order: the teacher (the target) is already loaded and resident when train()
+    # runs. The draft is built on the CPU (random init, vocab maps, optional warm start
+    # from the target's head) and moved to the device once, after the teacher, so none of
+    # its build-time temporaries touch device memory.
+    with torch.device("cpu"):
+        draft = build_draft(cfg, target, vocab)
+    draft = draft.to(device)
+    # One process: the draft trains as the bare module. No DDP/FSDP wrapper at world size
+    # 1: it would only add gradient buckets (a second copy of the grads) and hooks.
+    dist = torch.distributed
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world_size == 1:
+        assert isinstance(draft, Eagle3Draft) and not isinstance(
+            draft, torch.nn.parallel.DistributedDataParallel) and "FSDP" not in type(draft).__name__, \
+            "no data-parallel wrapper at world size 1"
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    mem_opts = memory_options(tc, device)
+    offload = optimizer_offload(tc, device)
+    # With offload the scheduler drives the inner torch AdamW over the host masters.
+    optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
     batches = EpochBatches(examples, tc.batch_size, tc.seed)
     total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio))
+        scheduled, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio))
 
     start_step = 0
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -156,7 +219,10 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     if ckpt is not None:
         state = load_train_state(ckpt)
         draft.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE), device=str(device)), strict=False)
-        optimizer.load_state_dict(state["optimizer"])
+        opt_state = dict(state["optimizer"])
+        if not offload:  # a checkpoint of an offloaded run also carries its fp32 masters
+            opt_state.pop("master_params", None)
+        optimizer.load_state_dict(opt_state)
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_step = state["step"]
@@ -167,6 +233,9 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     print(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(examples)} train / "
           f"{len(val_examples)} val sequences, {total_steps} steps of {tc.batch_size}, "
           f"TTT {tc.ttt_steps}, device {device}", flush=True)
+    print(f"memory: loss_chunk_tokens {mem_opts['loss_chunk_tokens']}, grad_checkpoint "
+          f"{mem_opts['grad_checkpoint']}, attention {mem_opts['attention']}, optimizer_offload "
+          f"{offload}, embedding_on_host {tc.embedding_on_host}", flush=True)
     progress = None
     if sys.stderr.isatty():
         from tqdm import tqdm
@@ -174,7 +243,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
 
     window = StepCounts(tc.ttt_steps)
     window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
-    embed = target.input_embeddings()
+    embed = draft_embedding(cfg, target, device)
     cache = TeacherCache(int(tc.teacher_cache_gb * 2**30)) if tc.teacher_cache_gb > 0 else None
     step = start_step
     t_start = time.perf_counter()
@@ -193,7 +262,8 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
             if cache:
                 cache.put(keys, lengths, teacher)
         loss, counts = ttt_unroll(draft, embed, teacher, batch["input_ids"], batch["loss_mask"],
-                                  batch["attention_mask"], tc.ttt_steps, tc.step_weight_decay)
+                                  batch["attention_mask"], tc.ttt_steps, tc.step_weight_decay,
+                                  **mem_opts)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()

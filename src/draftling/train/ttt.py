@@ -8,18 +8,37 @@ at decode time, where step j extends the chain one token past step j-1.
 
 Attention at step j: the query at t sees the step-0 keys at positions <= t (causal) and
 the keys of steps 1..j at position t only (the diagonal), as a tree branch would.
+
+Memory options (all exact up to float summation order; see TrainConfig for defaults):
+
+- ``loss_chunk_tokens``: the head, log-softmax, soft cross-entropy and argmax run over
+  chunks of the valid positions, each under activation checkpointing, so no
+  [B*T, V_draft] fp32 tensor exists for the whole batch, in forward or backward.
+- ``grad_checkpoint``: each TTT step's decoder layer runs under
+  ``torch.utils.checkpoint`` (non-reentrant) and is recomputed in backward. The
+  attention state is explicit (earlier steps' keys/values go in, this step's come out),
+  so recomputation cannot append to a shared cache twice.
+- ``attention``: "sdpa" (explicit scores; works everywhere, with backward on CPU) or
+  "flex" (``flex_attention`` over the concatenated keys with a TTT ``mask_mod``;
+  torch 2.13 has no flex backward on CPU, so "flex" is for CUDA training and CPU
+  inference only).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from draftling.draft.model import Eagle3Draft, repeat_kv
 from draftling.train.teacher import TeacherBatch
+
+ATTENTION_BACKENDS = ("sdpa", "flex")
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -30,33 +49,140 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-class TTTAttention:
-    """Holds the step-0 keys and the diagonal keys of later steps across the unroll."""
+# --- attention -------------------------------------------------------------------------
 
-    def __init__(self):
-        self.k0 = self.v0 = None
-        self.diag_k: list[torch.Tensor] = []
-        self.diag_v: list[torch.Tensor] = []
+def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  backend: str = "sdpa") -> torch.Tensor:
+    """Attention of TTT step j = len(keys) - 1, stateless.
+
+    q: [B, nh, T, d]; keys[0]/values[0]: the step-0 keys/values [B, nkv, T, d] (causal);
+    keys[i]/values[i] for i > 0: step i's keys/values, seen at the query's own position only.
+    """
+    if backend == "flex":
+        return flex_ttt_attention(q, keys, values)
+    if backend != "sdpa":
+        raise ValueError(f"unknown TTT attention backend {backend!r}; known: {ATTENTION_BACKENDS}")
+    n_rep = q.shape[1] // keys[0].shape[1]
+    k0, v0 = repeat_kv(keys[0], n_rep), repeat_kv(values[0], n_rep)
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    t = q.shape[2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    s0 = (q @ k0.transpose(-1, -2)) * scale
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    sd = torch.stack([(q * repeat_kv(dk, n_rep)).sum(-1) for dk in keys[1:]], dim=-1) * scale  # [B,h,T,j]
+    p = torch.cat([s0, sd], dim=-1).float().softmax(-1).to(q.dtype)
+    out = p[..., :t] @ v0
+    dv = torch.stack([repeat_kv(dv, n_rep) for dv in values[1:]], dim=-2)  # [B,h,T,j,d]
+    return out + (p[..., t:, None] * dv).sum(-2)
+
+
+def ttt_mask_mod(t: int | torch.Tensor):
+    """The TTT mask over keys [K0 (T), K1 (T), ..., Kj (T)] concatenated: block 0 causal
+    (kv <= q), block i > 0 diagonal (kv - i*T == q). ``t`` may be a 0-dim tensor, so a
+    compiled kernel does not specialise (and recompile) on every sequence length."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | ((kv_idx >= t) & (kv_idx % t == q_idx))
+    return mask_mod
+
+
+_BLOCK_MASKS: dict = {}
+_FLEX_FNS: dict = {}
+
+
+def ttt_block_mask(t: int, n_blocks: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (t, n_blocks, str(device))
+    mask = _BLOCK_MASKS.get(key)
+    if mask is None:
+        if len(_BLOCK_MASKS) > 256:  # batch lengths vary; keep the cache bounded
+            _BLOCK_MASKS.clear()
+        t_value = torch.tensor(t, device=device)
+        mask = create_block_mask(ttt_mask_mod(t_value), None, None, t, n_blocks * t, device=device,
+                                 _compile=torch.device(device).type == "cuda")
+        _BLOCK_MASKS[key] = mask
+    return mask
+
+
+def _flex_fn(device_type: str):
+    """flex_attention itself: compiled on CUDA (a fused kernel with a backward); on other
+    devices the eager reference path (forward only on CPU in torch 2.13)."""
+    fn = _FLEX_FNS.get(device_type)
+    if fn is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = torch.compile(flex_attention, dynamic=None) if device_type == "cuda" else flex_attention
+        _FLEX_FNS[device_type] = fn
+    return fn
+
+
+def flex_ttt_attention(q, keys, values) -> torch.Tensor:
+    t = q.shape[2]
+    mask = ttt_block_mask(t, len(keys), q.device)
+    k = keys[0] if len(keys) == 1 else torch.cat(list(keys), dim=2)
+    v = values[0] if len(values) == 1 else torch.cat(list(values), dim=2)
+    return _flex_fn(q.device.type)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_usable(device: torch.device | str, training: bool = True) -> tuple[bool, str]:
+    """Whether the flex backend can run here, and why not."""
+    device = torch.device(device)
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError as e:  # pragma: no cover - torch without flex
+        return False, f"torch.nn.attention.flex_attention is not available ({e})"
+    if device.type == "cpu" and training:
+        return False, "flex_attention has no backward on CPU in this torch"
+    if device.type not in ("cuda", "cpu"):
+        return False, f"flex_attention is not used on {device.type}"
+    return True, ""
+
+
+class TTTAttention:
+    """Stateful convenience wrapper around :func:`ttt_attention`: remembers the keys and
+    values of every call. The unroll itself keeps that state explicit instead, so a step
+    can be recomputed under activation checkpointing."""
+
+    def __init__(self, backend: str = "sdpa"):
+        self.backend = backend
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
 
     def __call__(self, q, k, v):
-        n_rep = q.shape[1] // k.shape[1]
-        if self.k0 is None:
-            self.k0, self.v0 = k, v
-            return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
-                                                  is_causal=True)
-        self.diag_k.append(repeat_kv(k, n_rep))
-        self.diag_v.append(repeat_kv(v, n_rep))
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        t = q.shape[2]
-        k0, v0 = repeat_kv(self.k0, n_rep), repeat_kv(self.v0, n_rep)
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        s0 = (q @ k0.transpose(-1, -2)) * scale
-        s0 = s0.masked_fill(~causal, float("-inf"))
-        sd = torch.stack([(q * dk).sum(-1) for dk in self.diag_k], dim=-1) * scale  # [B,h,T,j]
-        p = torch.cat([s0, sd], dim=-1).float().softmax(-1).to(q.dtype)
-        out = p[..., :t] @ v0
-        dv = torch.stack(self.diag_v, dim=-2)  # [B,h,T,j,d]
-        return out + (p[..., t:, None] * dv).sum(-2)
+        self.keys.append(k)
+        self.values.append(v)
+        return ttt_attention(q, self.keys, self.values, self.backend)
+
+
+def _draft_step(draft: Eagle3Draft, backend: str, embeds, hidden, positions,
+                keys: tuple, values: tuple):
+    """One TTT step as a pure function of its inputs: returns (hidden, k, v) of this step."""
+    new: dict = {}
+
+    def attend(q, k, v):
+        new["k"], new["v"] = k, v
+        return ttt_attention(q, (*keys, k), (*values, v), backend)
+
+    out = draft.step(embeds, hidden, positions, attend)
+    return out, new["k"], new["v"]
+
+
+# --- loss and metrics ------------------------------------------------------------------
+
+def _soft_ce_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, hidden: torch.Tensor,
+                   rows_b: torch.Tensor, rows_t: torch.Tensor):
+    """Summed soft cross-entropy of the draft head on ``hidden`` [C, H] against
+    softmax(teacher_logits[rows_b, rows_t]), plus the draft argmax per row.
+
+    The teacher rows are gathered in here (from indices), not passed in, so a checkpoint
+    of this function keeps only indices alive until backward, not [C, V] logits."""
+    logits = draft.compute_logits(hidden).float()
+    logp = logits.log_softmax(-1)
+    target_p = teacher_logits[rows_b, rows_t].float().softmax(-1)
+    token_loss = -(target_p * logp).sum(-1)
+    return token_loss.sum(), logits.argmax(-1)
 
 
 @dataclass
@@ -91,16 +217,27 @@ class StepCounts:
                 "tokens": self.valid[0] if self.valid else 0}
 
 
-def ttt_unroll(draft: Eagle3Draft, embed: torch.nn.Module, teacher: TeacherBatch,
+def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
                input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor,
-               steps: int, step_weight_decay: float = 0.8) -> tuple[torch.Tensor, StepCounts]:
+               steps: int, step_weight_decay: float = 0.8, *, loss_chunk_tokens: int = 0,
+               grad_checkpoint: bool = False, attention: str = "sdpa") -> tuple[torch.Tensor, StepCounts]:
     """Run the k-step unroll. Returns the weighted loss (mean over valid tokens per step)
-    and the counts behind the per-step and conditional accuracies."""
+    and the counts behind the per-step and conditional accuracies.
+
+    ``embed`` maps token ids to embeddings: the target's embedding module, or anything
+    with ``for_batch(input_ids) -> lookup`` (see ``HostEmbedding``), which is asked once
+    per batch. The keyword options are the memory options described in the module doc;
+    their defaults here are the plain path.
+    """
     device = input_ids.device
     b, t = input_ids.shape
     positions = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
+    lookup = embed.for_batch(input_ids) if hasattr(embed, "for_batch") else embed
     hidden = draft.fuse(teacher.aux)
-    attend = TTTAttention()
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    use_ckpt = grad_checkpoint and torch.is_grad_enabled()
+    chunk_fn = functools.partial(_soft_ce_chunk, draft, teacher.draft_logits)
     loss_mask = loss_mask.bool() & attention_mask.bool()
     draft_argmax = teacher.draft_logits.argmax(-1)
     counts = StepCounts(steps)
@@ -108,21 +245,51 @@ def ttt_unroll(draft: Eagle3Draft, embed: torch.nn.Module, teacher: TeacherBatch
     total = hidden.new_zeros((), dtype=torch.float32)
     for j in range(steps):
         with torch.no_grad():
-            embeds = embed(shift_left(input_ids, 1 + j))
-        hidden = draft.step(embeds, hidden, positions + j, attend)
-        logits = draft.compute_logits(hidden).float()
+            embeds = lookup(shift_left(input_ids, 1 + j))
+        step_args = (embeds, hidden, positions + j, tuple(keys), tuple(values))
+        if use_ckpt:
+            hidden, k, v = checkpoint(_draft_step, draft, attention, *step_args, use_reentrant=False)
+        else:
+            hidden, k, v = _draft_step(draft, attention, *step_args)
+        keys.append(k)
+        values.append(v)
         # The label for position t at step j is the target's prediction at t+1+j.
         valid = shift_left(loss_mask, 2 + j, False) & shift_left(teacher.in_draft, 1 + j, False)
-        target_p = shift_left(teacher.draft_logits, 1 + j).softmax(-1)
-        logp = logits.log_softmax(-1)
-        token_loss = -(target_p * logp).sum(-1)
-        n_valid = int(valid.sum())
-        step_loss = (token_loss * valid).sum() / max(n_valid, 1)
+        if loss_chunk_tokens > 0:
+            vb, vt = valid.nonzero(as_tuple=True)
+            n_valid = int(vb.numel())
+            rows = hidden[vb, vt]  # [N, H]: only the valid positions ever reach the head
+            loss_sum = hidden.new_zeros((), dtype=torch.float32)
+            argmax = []
+            # At least one (possibly empty) chunk, so the head always joins the graph.
+            for s in range(0, max(n_valid, 1), loss_chunk_tokens):
+                args = (rows[s:s + loss_chunk_tokens], vb[s:s + loss_chunk_tokens],
+                        vt[s:s + loss_chunk_tokens] + 1 + j)
+                if torch.is_grad_enabled():
+                    part, am = checkpoint(chunk_fn, *args, use_reentrant=False)
+                else:
+                    part, am = chunk_fn(*args)
+                loss_sum = loss_sum + part
+                argmax.append(am)
+            step_loss = loss_sum / max(n_valid, 1)
+            with torch.no_grad():
+                correct = torch.zeros(b, t, dtype=torch.bool, device=device)
+                correct[vb, vt] = torch.cat(argmax) == draft_argmax[vb, vt + 1 + j]
+            loss_sum_value = float(loss_sum.detach())
+        else:
+            logits = draft.compute_logits(hidden).float()
+            target_p = shift_left(teacher.draft_logits, 1 + j).softmax(-1)
+            logp = logits.log_softmax(-1)
+            token_loss = -(target_p * logp).sum(-1)
+            n_valid = int(valid.sum())
+            step_loss = (token_loss * valid).sum() / max(n_valid, 1)
+            with torch.no_grad():
+                correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
+                loss_sum_value = float((token_loss * valid).sum())
         total = total + (step_weight_decay ** j) * step_loss
         with torch.no_grad():
-            correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
             chain_valid = chain_ok & valid
-            counts.loss_sum[j] = float((token_loss * valid).sum())
+            counts.loss_sum[j] = loss_sum_value
             counts.valid[j] = n_valid
             counts.correct[j] = int(correct.sum())
             counts.chain_valid[j] = int(chain_valid.sum())
