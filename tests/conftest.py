@@ -33,3 +33,14 @@ def random_batch(n: int = 4, t: int = 24, seed: int = 0) -> list[dict]:
         mask = [0] * (length // 3) + [1] * (length - length // 3)  # prompt, then reply
         rows.append({"id": f"ex{i}", "source": "test", "input_ids": ids, "loss_mask": mask})
     return rows
+
+
+def setup_data(tmp_path, n: int = 16) -> None:
+    """A tiny prepared dataset (train/val jsonl) and its 64-token draft vocab in tmp_path."""
+    from draftling.draft.vocab import build_vocab_file
+    from draftling.io import write_jsonl
+
+    rows = random_batch(n=n, t=20)
+    write_jsonl(tmp_path / "train.jsonl", rows[: n - 4])
+    write_jsonl(tmp_path / "val.jsonl", rows[n - 4:])
+    build_vocab_file(tmp_path / "train.jsonl", TINY_VOCAB, 64, tmp_path / "vocab.safetensors")

@@ -15,16 +15,9 @@ from draftling.io import write_jsonl
 from draftling.train import offline
 from draftling.train.offline import OfflineTeacher, extract
 from draftling.train.trainer import train
-from tests.conftest import random_batch
+from tests.conftest import random_batch, setup_data
 
 SHARD = 5  # 12 train rows -> shards of 5, 5, 2; 4 val rows -> 1 shard
-
-
-def setup_data(tmp_path, n=16):
-    rows = random_batch(n=n, t=20)
-    write_jsonl(tmp_path / "train.jsonl", rows[: n - 4])
-    write_jsonl(tmp_path / "val.jsonl", rows[n - 4:])
-    build_vocab_file(tmp_path / "train.jsonl", 300, 64, tmp_path / "vocab.safetensors")
 
 
 def cfg_for(steps, **extra):

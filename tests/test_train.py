@@ -7,18 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.config import load_config
-from draftling.draft.vocab import build_vocab_file
 from draftling.io import write_jsonl
 from draftling.train.checkpoint import list_checkpoints, load_train_state
 from draftling.train.trainer import train
-from tests.conftest import random_batch
-
-
-def setup_data(tmp_path, n=16):
-    rows = random_batch(n=n, t=20)
-    write_jsonl(tmp_path / "train.jsonl", rows[: n - 4])
-    write_jsonl(tmp_path / "val.jsonl", rows[n - 4:])
-    build_vocab_file(tmp_path / "train.jsonl", 300, 64, tmp_path / "vocab.safetensors")
+from tests.conftest import random_batch, setup_data
 
 
 def cfg_for(steps, **extra):
