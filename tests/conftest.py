@@ -17,6 +17,15 @@ def tiny_llama(layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    # Tiny models: intra-op threads only add contention (10x slower on a busy 2-core box).
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture
 def tiny_target():
     """A 6-layer random Llama wrapped as a Target, with a stub tokenizer (pad id 0)."""

@@ -23,12 +23,7 @@ SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" 
 V1_WORKLOADS = ("prose", "code", "repetitive", "chat", "math", "summarize", "tool")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_target():

@@ -41,13 +41,7 @@ V, H = 300, 64
 TREES = [(3, 1, 4), (3, 4, 8), (5, 8, 16)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: intra-op threads only add contention (10x slower on a busy 2-core box).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(cls, cfg_cls, seed=0, **kw):
