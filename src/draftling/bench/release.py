@@ -24,7 +24,6 @@ import hashlib
 import importlib.resources
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from draftling.bench.simple import build_engine, load_any_draft, parse_decode_config
+from draftling.bench.simple import build_engine, device_name, load_any_draft, parse_decode_config
 from draftling.errors import ConfigError, DataError
 from draftling.io import atomic_path, write_json
 from draftling.target import Target
@@ -165,13 +164,6 @@ def gpu_slug(device) -> str:
     if device.type != "cuda":
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
-
-
-def _device_desc(device) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def release_stem(out_dir: str | Path, date: str, gpu: str, tag: str | None = None) -> Path:
@@ -458,7 +450,7 @@ def release_caveats(results: dict, device, graphs: bool, requested) -> list[str]
     per_w = ps["workloads"]
     notes = [
         f"n = {n} prompts ({', '.join(f'{w} {k}' for w, k in per_w.items())}); single run, batch 1, "
-        f"greedy, warm-up excluded, up to {cap} new tokens; device {_device_desc(device)}, "
+        f"greedy, warm-up excluded, up to {cap} new tokens; device {device_name(device)}, "
         f"dtype {results['dtype']}, engine CUDA graphs {'on' if graphs else 'off'}",
         f"engine_plain: {plain['natural_stops']} of {n} completions stopped naturally (eos) before "
         f"the {cap}-token cap",

@@ -180,7 +180,7 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
     plain_tok_s = plain_tokens / plain_time
     results = {
         "date": datetime.date.today().isoformat(),
-        "device": _device_name(device),
+        "device": device_name(device),
         "dtype": str(dtype).replace("torch.", ""),
         "target": target.spec.name,
         "draft": str(draft_path),
@@ -210,10 +210,10 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
     return results
 
 
-def _device_name(device) -> str:
+def device_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return torch.cuda.getdevice_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
