@@ -358,7 +358,8 @@ def test_train_with_all_memory_options_matches_plain(tmp_path, tiny_target, caps
     run(tmp_path, tiny_target, "plain", 4, **{"train.loss_chunk_tokens": 0})
     run(tmp_path, tiny_target, "mem", 4, **{
         "train.loss_chunk_tokens": 7, "train.grad_checkpoint": "true",
-        "train.optimizer_offload": "true", "train.embedding_on_host": "true"})
+        "train.optimizer_offload": "true", "train.embedding_on_host": "true",
+        "train.draft_dtype": "float32"})  # exactness is checked at one precision
     out = capsys.readouterr().out
     assert "grad_checkpoint True" in out and "optimizer_offload True" in out
     a = load_file(str(tmp_path / "plain" / "draft" / "draft.safetensors"))
@@ -366,3 +367,18 @@ def test_train_with_all_memory_options_matches_plain(tmp_path, tiny_target, caps
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=1e-4, msg=k)
+
+
+def test_auto_draft_dtype_is_bf16_only_with_offload_and_keeps_rotary_fp32(tiny_target):
+    from draftling.config import TrainConfig
+    from draftling.draft.model import Eagle3Draft, draft_config_from_target
+    from draftling.train.trainer import draft_param_dtype, place_draft
+
+    assert draft_param_dtype(TrainConfig(), "cpu") == torch.float32
+    assert draft_param_dtype(TrainConfig(optimizer_offload=True), "cpu") == torch.bfloat16
+    assert draft_param_dtype(TrainConfig(optimizer_offload=True, draft_dtype="float32"), "cpu") == torch.float32
+    draft = Eagle3Draft(draft_config_from_target(tiny_target.config, 64, [1, 3, 4]))
+    place_draft(draft, "cpu", torch.bfloat16)
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
+    assert draft.rotary_emb.inv_freq.dtype == torch.float32
+    assert draft.d2t.dtype == torch.long

@@ -96,12 +96,17 @@ class TrainConfig:
     # device), or "auto" = flex on CUDA, sdpa elsewhere.
     attention: str = "auto"
     # fp32 master weights and AdamW moments in host RAM, stepped there; the device keeps
-    # only params and grads. null = auto: on for CUDA, off on CPU (nothing to offload).
+    # only params and grads. null = auto: on for CUDA when the fp32 optimizer state (12
+    # bytes/param) exceeds 2% of the device's memory, off otherwise and on CPU.
     optimizer_offload: bool | None = None
     # The target's embedding table in host RAM; per batch only the rows of its ids go to
     # the device. Saves device memory only when the target is not resident (offline
     # teacher); off by default.
     embedding_on_host: bool = False
+    # dtype of the draft's device params: "float32", "bfloat16", or "auto" = bfloat16 when
+    # the optimizer is offloaded (its fp32 masters keep full precision on the host), else
+    # float32.
+    draft_dtype: str = "auto"
 
 
 @dataclass

@@ -116,8 +116,42 @@ def memory_options(tc: TrainConfig, device, training: bool = True) -> dict:
             "attention": attention}
 
 
-def optimizer_offload(tc: TrainConfig, device) -> bool:
-    return tc.optimizer_offload if tc.optimizer_offload is not None else torch.device(device).type == "cuda"
+# "auto" offloads the optimizer once its fp32 state (masters and two moments, 12 bytes per
+# param) would take more than this share of the device's memory; below that the host
+# round trip costs more step time than the memory is worth.
+OFFLOAD_AUTO_SHARE = 0.02
+
+
+def optimizer_offload(tc: TrainConfig, device, n_params: int | None = None) -> bool:
+    if tc.optimizer_offload is not None:
+        return tc.optimizer_offload
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    if n_params is None:
+        return True
+    total = torch.cuda.get_device_properties(device).total_memory
+    return 12 * n_params > OFFLOAD_AUTO_SHARE * total
+
+
+DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def draft_param_dtype(tc: TrainConfig, device, n_params: int | None = None) -> torch.dtype:
+    """The dtype of the draft's device params (``train.draft_dtype``, "auto" resolved)."""
+    if tc.draft_dtype == "auto":
+        return torch.bfloat16 if optimizer_offload(tc, device, n_params) else torch.float32
+    if tc.draft_dtype not in DRAFT_DTYPES:
+        raise ConfigError(f"train.draft_dtype={tc.draft_dtype!r}: expected auto, {', '.join(DRAFT_DTYPES)}")
+    return DRAFT_DTYPES[tc.draft_dtype]
+
+
+def place_draft(draft: Eagle3Draft, device, dtype: torch.dtype) -> Eagle3Draft:
+    """Move the draft to the device and cast its weights; the rotary table stays fp32."""
+    draft.to(device)
+    for module in (draft.fc, draft.midlayer, draft.norm, draft.lm_head):
+        module.to(dtype)
+    return draft
 
 
 _HOST_EMBEDDINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -192,7 +226,9 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     # its build-time temporaries touch device memory.
     with torch.device("cpu"):
         draft = build_draft(cfg, target, vocab)
-    draft = draft.to(device)
+    n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    offload = optimizer_offload(tc, device, n_params)
+    draft = place_draft(draft, device, draft_param_dtype(tc, device, n_params))
     # One process: the draft trains as the bare module. No DDP/FSDP wrapper at world size
     # 1: it would only add gradient buckets (a second copy of the grads) and hooks.
     dist = torch.distributed
@@ -204,7 +240,6 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
     mem_opts = memory_options(tc, device)
-    offload = optimizer_offload(tc, device)
     # With offload the scheduler drives the inner torch AdamW over the host masters.
     optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
     batches = EpochBatches(examples, tc.batch_size, tc.seed)

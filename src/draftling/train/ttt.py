@@ -217,10 +217,25 @@ class StepCounts:
                 "tokens": self.valid[0] if self.valid else 0}
 
 
+def step_valid_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor,
+                      in_draft: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps] int64: how many positions carry a loss at each TTT step (as ttt_unroll counts)."""
+    mask = loss_mask.bool() & attention_mask.bool()
+    return torch.stack([(shift_left(mask, 2 + j, False) & shift_left(in_draft, 1 + j, False)).sum()
+                        for j in range(steps)])
+
+
+def _denominator(denominators, j: int, n_valid: int) -> float:
+    if denominators is None:
+        return max(n_valid, 1)
+    return max(float(denominators[j]), 1e-12)
+
+
 def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
                input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor,
                steps: int, step_weight_decay: float = 0.8, *, loss_chunk_tokens: int = 0,
-               grad_checkpoint: bool = False, attention: str = "sdpa") -> tuple[torch.Tensor, StepCounts]:
+               grad_checkpoint: bool = False, attention: str = "sdpa",
+               loss_denominators: Sequence[float] | None = None) -> tuple[torch.Tensor, StepCounts]:
     """Run the k-step unroll. Returns the weighted loss (mean over valid tokens per step)
     and the counts behind the per-step and conditional accuracies.
 
@@ -228,6 +243,10 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     with ``for_batch(input_ids) -> lookup`` (see ``HostEmbedding``), which is asked once
     per batch. The keyword options are the memory options described in the module doc;
     their defaults here are the plain path.
+
+    ``loss_denominators``: step j's summed loss is divided by ``loss_denominators[j]``
+    instead of this batch's valid count. Data parallelism passes the global count over
+    world size, so averaged gradients equal those of one process on the whole batch.
     """
     device = input_ids.device
     b, t = input_ids.shape
@@ -271,7 +290,7 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
                     part, am = chunk_fn(*args)
                 loss_sum = loss_sum + part
                 argmax.append(am)
-            step_loss = loss_sum / max(n_valid, 1)
+            step_loss = loss_sum / _denominator(loss_denominators, j, n_valid)
             with torch.no_grad():
                 correct = torch.zeros(b, t, dtype=torch.bool, device=device)
                 correct[vb, vt] = torch.cat(argmax) == draft_argmax[vb, vt + 1 + j]
@@ -282,7 +301,7 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
             logp = logits.log_softmax(-1)
             token_loss = -(target_p * logp).sum(-1)
             n_valid = int(valid.sum())
-            step_loss = (token_loss * valid).sum() / max(n_valid, 1)
+            step_loss = (token_loss * valid).sum() / _denominator(loss_denominators, j, n_valid)
             with torch.no_grad():
                 correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
                 loss_sum_value = float((token_loss * valid).sum())
