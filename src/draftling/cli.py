@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offline", metavar="CACHE", help="read the teacher's outputs from a cache written by "
                    "`draftling extract` instead of running the teacher per batch (the target is still "
                    "loaded, for its embedding and pad id); the cache must match --data and --vocab")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="data-parallel over N processes on this host: relaunches this command under "
+                   "torchrun (same as `torchrun --nproc_per_node N -m draftling train ...`). Each rank "
+                   "loads the teacher on its own GPU (cuda:<local rank>); train.batch_size stays the "
+                   "global batch; train.parallel=ddp|fsdp picks the wrapper")
 
     p = sub.add_parser("extract", help="run the teacher once and cache its outputs for offline training",
                        description="Offline mode, step 1: run the target over <data>/train.jsonl (and "
@@ -192,12 +197,39 @@ def cmd_vocab(args) -> None:
           f"coverage {vocab.coverage:.1%} of loss tokens -> {out}")
 
 
-def cmd_train(args) -> None:
+def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run `draftling train` with the same arguments (minus --nproc) on nproc local ranks."""
+    import subprocess
+
+    from draftling.train.distributed import NO_MULTICAST_ENV
+
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "draftling", *rest]
+    print("launching: " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, env={**os.environ, **NO_MULTICAST_ENV})
+
+
+def cmd_train(args) -> int | None:
+    from draftling.train.distributed import init_distributed, launched_by_torchrun
     from draftling.train.trainer import train
 
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise DraftlingError(f"--nproc {args.nproc}: expected a positive number of processes")
+        if not launched_by_torchrun():
+            return relaunch_under_torchrun(args.nproc, args.argv)
     cfg = _run_config(args)
     data = Path(args.data)
     vocab_path = args.vocab or data / "vocab.safetensors"
+    ctx, cfg.device = init_distributed(resolve_device(cfg.device))
     target = _load_target(cfg)
     source = None
     if args.offline:
@@ -208,7 +240,8 @@ def cmd_train(args) -> None:
         source = OfflineTeacher(args.offline, "train", vocab_hash=vocab.data_hash,
                                 data_hash=hash_dataset_file(data / "train.jsonl"))
         source.check_target(target)
-        print(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)", flush=True)
+        if ctx.is_main:
+            print(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)", flush=True)
     train(cfg, target, args.run_dir, data / "train.jsonl", data / "val.jsonl", vocab_path,
           resume=args.resume, teacher_source=source)
 
@@ -300,16 +333,18 @@ def quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries()
     try:
-        COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except DraftlingError as e:
         print(f"draftling: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -107,6 +107,10 @@ class TrainConfig:
     # the optimizer is offloaded (its fp32 masters keep full precision on the host), else
     # float32.
     draft_dtype: str = "auto"
+    # Under torchrun: "ddp" replicates the draft (DistributedDataParallel); "fsdp" shards
+    # it and its optimizer state with FSDP2 fully_shard, for drafts too big to replicate.
+    # batch_size stays the global batch at any world size.
+    parallel: str = "ddp"
 
 
 @dataclass
@@ -123,6 +127,9 @@ class RunConfig:
     device: str = "auto"
     aux_layer_ids: list[int] | None = None
     chat_template: str | None = None
+    # Quantize the target on load (bnb-4bit, bnb-8bit, quanto-int8, quanto-int4, torchao-int8);
+    # needs the matching optional extra. null = load as stored. See docs/teachers.md.
+    quantization: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)

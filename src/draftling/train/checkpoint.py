@@ -29,12 +29,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, draft, optimizer, scheduler, step: int, epoch: int,
+def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step: int, epoch: int,
                     batch_index: int, keep: int, extra: dict | None = None) -> Path:
+    """``draft``: a plain draft with full weights; ``optimizer_state``: the full optimizer
+    state in the single-process layout (see distributed.full_optimizer_state)."""
     final = Path(run_dir) / "checkpoints" / f"step_{step:07d}"
     with atomic_dir(final) as tmp:
         save_draft(draft, tmp)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                     "step": step, "epoch": epoch, "batch_index": batch_index, "rng": rng_state()},
                    tmp / STATE_FILE)
         write_json(tmp / "meta.json", {"step": step, "epoch": epoch, "batch_index": batch_index,

@@ -22,10 +22,13 @@ from draftling.io import atomic_dir, atomic_path, write_json
 from draftling.target import Target
 from draftling.train.checkpoint import latest_checkpoint, load_train_state, save_checkpoint, set_rng_state
 from draftling.train.dataset import EpochBatches, collate, load_tokenized
+from draftling.train.distributed import (PARALLEL_MODES, DistContext, TTTObjective, all_reduce_sum, any_rank,
+                                         barrier, current, full_model_state, full_optimizer_state, is_sharded,
+                                         load_optimizer_state, rank_share, unwrap, wrap)
 from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import build_optimizer
 from draftling.train.teacher import TeacherCache, teacher_forward
-from draftling.train.ttt import ATTENTION_BACKENDS, StepCounts, flex_usable, ttt_unroll
+from draftling.train.ttt import ATTENTION_BACKENDS, StepCounts, flex_usable, step_valid_counts
 
 log = logging.getLogger(__name__)
 
@@ -170,33 +173,91 @@ def draft_embedding(cfg: RunConfig, target: Target, device):
     return host
 
 
+def _global_counts(counts: StepCounts, extras: list[float], ctx: DistContext, device):
+    """Sum the step counts and extra scalars over ranks (one collective)."""
+    if not ctx.active:
+        return counts, extras
+    fields = ("loss_sum", "valid", "correct", "chain_valid", "chain_correct")
+    flat = [float(x) for f in fields for x in getattr(counts, f)] + [float(x) for x in extras]
+    total = all_reduce_sum(torch.tensor(flat, dtype=torch.float64, device=device), ctx).tolist()
+    out = StepCounts(counts.steps)
+    for i, f in enumerate(fields):
+        values = total[i * counts.steps:(i + 1) * counts.steps]
+        setattr(out, f, values if f == "loss_sum" else [int(round(v)) for v in values])
+    return out, total[len(fields) * counts.steps:]
+
+
+def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[int], device,
+              ctx: DistContext, teacher_source=None, cache: TeacherCache | None = None):
+    """This rank's share of one global batch through the teacher and the TTT unroll.
+    Returns (loss, counts, tokens) of the share; the loss is normalized over the whole
+    global batch, so gradients averaged over ranks are the single-process gradients."""
+    tc = cfg.train
+    share, stand_in = rank_share(keys, ctx)
+    chunk = [examples[k] for k in share]
+    lengths = [len(e.input_ids) for e in chunk]
+    batch = {k: v.to(device) for k, v in collate(chunk, target.tokenizer.pad_token_id).items()}
+    if stand_in:
+        batch["loss_mask"].zero_()
+    draft = unwrap(objective)
+    if teacher_source is not None:
+        teacher = teacher_source.get(share, lengths, device)
+    else:
+        teacher = cache.get(share, lengths, device) if cache else None
+    if teacher is None:
+        teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
+        if cache:
+            cache.put(share, lengths, teacher)
+    denominators = None
+    if ctx.active:
+        valid = step_valid_counts(batch["loss_mask"], batch["attention_mask"], teacher.in_draft,
+                                  tc.ttt_steps).to(torch.float64)
+        denominators = (all_reduce_sum(valid, ctx) / ctx.world_size).tolist()
+    training = torch.is_grad_enabled()
+    loss, counts = objective(draft_embedding(cfg, target, device), teacher, batch["input_ids"],
+                             batch["loss_mask"], batch["attention_mask"], tc.ttt_steps,
+                             tc.step_weight_decay, memory_options(tc, device, training=training),
+                             denominators)
+    tokens = 0 if stand_in else int(batch["attention_mask"].sum())
+    return loss, counts, tokens
+
+
 @torch.no_grad()
-def evaluate(draft, target: Target, examples, cfg: RunConfig, device, max_batches: int,
-             teacher_source=None) -> dict:
-    draft.eval()
+def evaluate(objective, target: Target, examples, cfg: RunConfig, device, max_batches: int,
+             teacher_source=None, ctx: DistContext | None = None) -> dict:
+    """Validation metrics over the first ``max_batches`` batches, exact over any world size.
+    ``objective`` is what ``distributed.wrap`` returns, or a bare draft."""
+    ctx = ctx or current()
+    if isinstance(objective, Eagle3Draft):
+        objective = TTTObjective(objective)
+    objective.eval()
     counts = StepCounts(cfg.train.ttt_steps)
     loss = 0.0
     n = 0
     bs = cfg.train.batch_size
     for i in range(0, min(len(examples), max_batches * bs), bs):
-        batch = {k: v.to(device) for k, v in
-                 collate(examples[i:i + bs], target.tokenizer.pad_token_id).items()}
-        chunk = examples[i:i + bs]
-        teacher = teacher_source.get(list(range(i, i + len(chunk))), [len(e.input_ids) for e in chunk],
-                                     device) if teacher_source is not None else None
-        if teacher is None:
-            teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
-        l, c = ttt_unroll(draft, draft_embedding(cfg, target, device), teacher, batch["input_ids"],
-                          batch["loss_mask"], batch["attention_mask"], cfg.train.ttt_steps,
-                          cfg.train.step_weight_decay,
-                          **memory_options(cfg.train, device, training=False))
+        keys = list(range(i, min(i + bs, len(examples))))
+        l, c, _ = run_batch(objective, cfg, target, examples, keys, device, ctx, teacher_source)
+        c, (l_sum,) = _global_counts(c, [l.item()], ctx, device)
         counts.add(c)
-        loss += l.item()
+        loss += l_sum / ctx.world_size
         n += 1
-    draft.train()
+    if hasattr(objective, "reshard"):  # FSDP: a forward without backward leaves params gathered
+        objective.reshard()
+    objective.train()
     m = counts.metrics()
     m["loss"] = loss / max(n, 1)
     return m
+
+
+def host_draft(objective, config) -> Eagle3Draft:
+    """A plain draft with the full weights, for saving (gathers shards on every rank)."""
+    draft = unwrap(objective)
+    if not is_sharded(draft):
+        return draft
+    copy = Eagle3Draft(config)
+    copy.load_state_dict(full_model_state(objective), strict=False)
+    return copy
 
 
 def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
@@ -204,14 +265,28 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
           teacher_source=None) -> dict:
     """``teacher_source``: an object with ``get(keys, lengths, device) -> TeacherBatch`` (e.g. an
     offline.OfflineTeacher) used instead of running the teacher; its ``for_split("val", hash)``,
-    when it has one, serves validation."""
+    when it has one, serves validation.
+
+    Under torchrun (``distributed.init_distributed`` called first) every rank runs this
+    with its own resident teacher and its share of each global batch; rank 0 writes."""
+    ctx = current()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    if ctx.is_main:
+        save_config(cfg, run_dir / "config.yaml")
     tc = cfg.train
     device = target.device
     torch.manual_seed(tc.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 draft trains against a bf16 teacher
+    if tc.parallel not in PARALLEL_MODES:
+        raise ConfigError(f"train.parallel={tc.parallel!r}: expected {' or '.join(PARALLEL_MODES)}")
+    if tc.batch_size < ctx.world_size:
+        raise ConfigError(f"train.batch_size={tc.batch_size} is the global batch; it must be at least "
+                          f"the world size ({ctx.world_size})")
+
+    def say(line: str) -> None:
+        if ctx.is_main:
+            print(line, flush=True)
 
     examples = load_tokenized(train_path)
     val_examples = load_tokenized(val_path) if val_path and Path(val_path).exists() else []
@@ -228,86 +303,84 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         draft = build_draft(cfg, target, vocab)
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     offload = optimizer_offload(tc, device, n_params)
-    draft = place_draft(draft, device, draft_param_dtype(tc, device, n_params))
-    # One process: the draft trains as the bare module. No DDP/FSDP wrapper at world size
-    # 1: it would only add gradient buckets (a second copy of the grads) and hooks.
-    dist = torch.distributed
-    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world_size == 1:
-        assert isinstance(draft, Eagle3Draft) and not isinstance(
-            draft, torch.nn.parallel.DistributedDataParallel) and "FSDP" not in type(draft).__name__, \
-            "no data-parallel wrapper at world size 1"
-    draft.train()
-    params = [p for p in draft.parameters() if p.requires_grad]
+    param_dtype = draft_param_dtype(tc, device, n_params)
+    sharded = ctx.active and tc.parallel == "fsdp"
+    # FSDP keeps fp32 shards and casts for compute itself (its mixed-precision policy).
+    place_draft(draft, device, torch.float32 if sharded else param_dtype)
+
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        log.warning("--resume: no checkpoint in %s, starting from scratch", run_dir)
+    state = load_train_state(ckpt) if ckpt is not None else None
+    if ckpt is not None:  # weights before wrapping: DDP broadcasts them, FSDP shards them
+        draft.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE), device=str(device)), strict=False)
+    objective = wrap(draft, ctx, tc.parallel, param_dtype, offload)
+    if not ctx.active:  # one process: the bare module, no data-parallel wrapper
+        assert type(objective) is TTTObjective and not is_sharded(objective)
+    objective.train()
+    params = [p for p in objective.parameters() if p.requires_grad]
     mem_opts = memory_options(tc, device)
-    # With offload the scheduler drives the inner torch AdamW over the host masters.
-    optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
+    # With offload the scheduler drives the inner torch AdamW over the host masters. Under
+    # FSDP, offload is its CPUOffloadPolicy and the plain optimizer steps the host shards.
+    optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not sharded)
     batches = EpochBatches(examples, tc.batch_size, tc.seed)
     total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         scheduled, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio))
 
     start_step = 0
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume and ckpt is None:
-        log.warning("--resume: no checkpoint in %s, starting from scratch", run_dir)
-    if ckpt is not None:
-        state = load_train_state(ckpt)
-        draft.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE), device=str(device)), strict=False)
+    if state is not None:
         opt_state = dict(state["optimizer"])
-        if not offload:  # a checkpoint of an offloaded run also carries its fp32 masters
+        if not offload or sharded:  # a checkpoint of an offloaded run also carries its fp32 masters
             opt_state.pop("master_params", None)
-        optimizer.load_state_dict(opt_state)
+        load_optimizer_state(objective, optimizer, opt_state)
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_step = state["step"]
-        print(f"resumed from {ckpt} at step {start_step}", flush=True)
+        say(f"resumed from {ckpt} at step {start_step}")
 
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl", start_step if ckpt is not None else None)
-    n_params = sum(p.numel() for p in params)
-    print(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(examples)} train / "
-          f"{len(val_examples)} val sequences, {total_steps} steps of {tc.batch_size}, "
-          f"TTT {tc.ttt_steps}, device {device}", flush=True)
-    print(f"memory: loss_chunk_tokens {mem_opts['loss_chunk_tokens']}, grad_checkpoint "
-          f"{mem_opts['grad_checkpoint']}, attention {mem_opts['attention']}, optimizer_offload "
-          f"{offload}, embedding_on_host {tc.embedding_on_host}", flush=True)
+    metrics_log = (MetricsLog(run_dir / "metrics.jsonl", start_step if ckpt is not None else None)
+                   if ctx.is_main else None)
+    parallel = (f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ "
+                f"sequences per rank" if ctx.active else "")
+    say(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(examples)} train / "
+        f"{len(val_examples)} val sequences, {total_steps} steps of {tc.batch_size}, "
+        f"TTT {tc.ttt_steps}, device {device}{parallel}")
+    say(f"memory: loss_chunk_tokens {mem_opts['loss_chunk_tokens']}, grad_checkpoint "
+        f"{mem_opts['grad_checkpoint']}, attention {mem_opts['attention']}, optimizer_offload "
+        f"{offload}, draft_dtype {str(param_dtype).replace('torch.', '')}, embedding_on_host "
+        f"{tc.embedding_on_host}")
     progress = None
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() and ctx.is_main:
         from tqdm import tqdm
         progress = tqdm(total=total_steps, initial=start_step, desc="train", leave=False)
 
+    def validate(prefix: str, step: int) -> dict:
+        vm = evaluate(objective, target, val_examples, cfg, device, tc.max_val_batches, val_source, ctx)
+        vm.update(step=step, split="val")
+        if metrics_log:
+            metrics_log.write(vm, format_line(prefix, vm))
+        return vm
+
     window = StepCounts(tc.ttt_steps)
     window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
-    embed = draft_embedding(cfg, target, device)
     cache = TeacherCache(int(tc.teacher_cache_gb * 2**30)) if tc.teacher_cache_gb > 0 else None
     step = start_step
     t_start = time.perf_counter()
     while step < total_steps:
         epoch, index = batches.position(step)
-        keys = batches.indices(epoch, index)
-        examples_now = [examples[i] for i in keys]
-        lengths = [len(e.input_ids) for e in examples_now]
-        batch = {k: v.to(device) for k, v in collate(examples_now, target.tokenizer.pad_token_id).items()}
-        if teacher_source is not None:
-            teacher = teacher_source.get(keys, lengths, device)
-        else:
-            teacher = cache.get(keys, lengths, device) if cache else None
-        if teacher is None:
-            teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
-            if cache:
-                cache.put(keys, lengths, teacher)
-        loss, counts = ttt_unroll(draft, embed, teacher, batch["input_ids"], batch["loss_mask"],
-                                  batch["attention_mask"], tc.ttt_steps, tc.step_weight_decay,
-                                  **mem_opts)
+        loss, counts, tokens = run_batch(objective, cfg, target, examples, batches.indices(epoch, index),
+                                         device, ctx, teacher_source, cache)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        counts, (loss_sum, tokens) = _global_counts(counts, [loss.item(), tokens], ctx, device)
         window.add(counts)
-        window_loss += loss.item()
-        window_tokens += int(batch["attention_mask"].sum())
+        window_loss += loss_sum / ctx.world_size
+        window_tokens += int(tokens)
         if progress is not None:
             progress.update(1)
         if step % tc.log_every == 0 or step == total_steps:
@@ -315,35 +388,38 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
             n_logged = tc.log_every if step % tc.log_every == 0 else step % tc.log_every
             m.update(step=step, epoch=epoch, loss=window_loss / n_logged, lr=scheduler.get_last_lr()[0],
                      tok_s=window_tokens / (time.perf_counter() - window_t0), split="train")
-            metrics_log.write(m, format_line(f"step {step}/{total_steps}", m)
-                              + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s")
+            if metrics_log:
+                metrics_log.write(m, format_line(f"step {step}/{total_steps}", m)
+                                  + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s")
             window = StepCounts(tc.ttt_steps)
             window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
         if tc.val_every and step % tc.val_every == 0 and val_examples:
-            vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches, val_source)
-            vm.update(step=step, split="val")
-            metrics_log.write(vm, format_line(f"val @ {step}", vm))
+            validate(f"val @ {step}", step)
         out_of_time = tc.max_minutes > 0 and time.perf_counter() - t_start > 60 * tc.max_minutes
-        if out_of_time and step < total_steps:
-            print(f"stopping at step {step}/{total_steps}: train.max_minutes={tc.max_minutes} reached",
-                  flush=True)
+        if tc.max_minutes > 0 and any_rank(out_of_time, ctx, device) and step < total_steps:
+            say(f"stopping at step {step}/{total_steps}: train.max_minutes={tc.max_minutes} reached")
             total_steps = step
         if step % tc.ckpt_every == 0 or step == total_steps:
             e, i = batches.position(step)
-            save_checkpoint(run_dir, draft, optimizer, scheduler, step, e, i, tc.keep_checkpoints)
+            weights = host_draft(objective, draft.config)
+            opt_state = full_optimizer_state(objective, optimizer)
+            if ctx.is_main:
+                save_checkpoint(run_dir, weights, opt_state, scheduler, step, e, i, tc.keep_checkpoints)
+            barrier(ctx)
     if progress is not None:
         progress.close()
 
-    result = {"steps": total_steps, "train_wall_s": time.perf_counter() - t_start}
+    result = {"steps": total_steps, "train_wall_s": time.perf_counter() - t_start,
+              "world_size": ctx.world_size}
     if torch.cuda.is_available() and device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if val_examples:
-        vm = evaluate(draft, target, val_examples, cfg, device, tc.max_val_batches, val_source)
-        vm.update(step=step, split="val")
-        metrics_log.write(vm, format_line("validation", vm))
-        result["val"] = vm
-    metrics_log.close()
-    with atomic_dir(run_dir / "draft") as tmp:
-        save_draft(draft, tmp)
-    write_json(run_dir / "train_result.json", result)
+        result["val"] = validate("validation", step)
+    final = host_draft(objective, draft.config)
+    if ctx.is_main:
+        metrics_log.close()
+        with atomic_dir(run_dir / "draft") as tmp:
+            save_draft(final, tmp)
+        write_json(run_dir / "train_result.json", result)
+    barrier(ctx)
     return result
