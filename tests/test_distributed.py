@@ -163,3 +163,19 @@ def test_two_ranks_train_from_an_offline_cache(tmp_path, tiny_target_dir, dp_dat
     out = torchrun_train(common(tiny_target_dir, dp_data, run) + ["--offline", str(cache)])
     assert "offline teacher" in out and "2 ranks (ddp)" in out
     assert_same_run(single_run, run)  # fp32 cache: the online single-process run, to fp tolerance
+
+
+def test_scaling_summary_skips_warmup_window_and_computes_efficiency(tmp_path):
+    from draftling.bench.ddp_scaling import summarize
+
+    for world, rates in ((1, [10.0, 100.0, 100.0]), (2, [5.0, 180.0, 160.0])):
+        run = tmp_path / f"run{world}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"split": "train", "tok_s": r, "step": i}) + "\n" for i, r in enumerate(rates))
+            + json.dumps({"split": "val", "sim_tau": 1.5, "step": 3}) + "\n")
+        (run / "train_result.json").write_text(json.dumps({"steps": 3, "train_wall_s": 1.0}))
+    out = summarize({1: tmp_path / "run1", 2: tmp_path / "run2"}, "test-gpu")
+    two = out["per_world_size"]["2"]
+    assert out["per_world_size"]["1"]["tok_s"] == 100.0 and two["tok_s"] == 170.0
+    assert two["speedup_vs_1"] == pytest.approx(1.7) and two["scaling_efficiency"] == pytest.approx(0.85)
