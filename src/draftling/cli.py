@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", action="append", metavar="FILE",
                    help="prompt jsonl file; repeat for several (overrides data.prompts)")
     p.add_argument("--chat-template", help="jinja file to use when the target has no chat template")
+    p.add_argument("--server", metavar="URL", help="regenerate through an OpenAI-compatible server "
+                   "(vLLM / SGLang `serve`, e.g. http://localhost:8000) instead of loading the target's "
+                   "weights; only its tokenizer is loaded, for the chat template and loss masks. Key "
+                   "from $OPENAI_API_KEY (data.regen.api_key_env), data.regen.concurrency requests at once")
+    p.add_argument("--server-model", metavar="NAME", help="model name the server serves "
+                   "(default: the only one /v1/models lists)")
 
     p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from prepared data",
                        description="Count loss-masked tokens in <data>/train.jsonl and keep the N most "
@@ -163,7 +169,8 @@ def _load_target(cfg, chat_template=None):
     from draftling.target import load_target
 
     return load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                       aux_layer_ids=cfg.aux_layer_ids, chat_template=chat_template or cfg.chat_template)
+                       aux_layer_ids=cfg.aux_layer_ids, chat_template=chat_template or cfg.chat_template,
+                       quantization=cfg.quantization)
 
 
 def resolve_device(device: str) -> str:
@@ -180,7 +187,18 @@ def cmd_data(args) -> None:
     cfg = _run_config(args)
     if args.prompts:
         cfg.data.prompts = list(args.prompts)
-    prepare_data(cfg, _load_target(cfg, args.chat_template), args.out)
+    if args.server:
+        cfg.data.regen.server_url = args.server
+    if args.server_model:
+        cfg.data.regen.server_model = args.server_model
+    if cfg.data.regen.server_url:
+        from draftling.target.load import load_target_tokenizer
+
+        # The server generates; the weights would only cost memory and load time here.
+        target = load_target_tokenizer(cfg.target, args.chat_template or cfg.chat_template)
+    else:
+        target = _load_target(cfg, args.chat_template)
+    prepare_data(cfg, target, args.out)
 
 
 def cmd_vocab(args) -> None:

@@ -26,6 +26,14 @@ class RegenConfig:
     top_p: float = 1.0
     batch_size: int = 16
     seed: int = 0
+    # Regenerate through an OpenAI-compatible server (vLLM / SGLang `serve`) instead of the local
+    # target, e.g. "http://localhost:8000". Then only the target's tokenizer is loaded.
+    server_url: str | None = None
+    server_model: str | None = None  # null = the one model the server lists
+    concurrency: int = 16  # requests in flight; the server batches them
+    api_key_env: str = "OPENAI_API_KEY"  # env var holding the key (the key is never written)
+    request_timeout_s: float = 600.0
+    max_retries: int = 5  # on connection errors, HTTP 429 and 5xx
 
 
 @dataclass
@@ -107,6 +115,9 @@ class TrainConfig:
     # the optimizer is offloaded (its fp32 masters keep full precision on the host), else
     # float32.
     draft_dtype: str = "auto"
+    # torch.compile each checkpointed loss chunk (head, softmaxes, soft CE, argmax fused into a
+    # few kernels; needs loss_chunk_tokens > 0). null = auto: on for CUDA, off on CPU.
+    compile: bool | None = None
     # Under torchrun: "ddp" replicates the draft (DistributedDataParallel); "fsdp" shards
     # it and its optimizer state with FSDP2 fully_shard, for drafts too big to replicate.
     # batch_size stays the global batch at any world size.

@@ -18,8 +18,10 @@ from draftling.data.prompts import Conversation, has_tool_calls, load_conversati
 from draftling.data.regen import regenerate
 from draftling.data.split import split_by_task
 from draftling.data.template import tokenize_conversation
+from draftling.errors import DataError
 from draftling.io import write_json, write_jsonl
 from draftling.target import Target
+from draftling.target.load import TargetTokenizer
 
 
 def load_prompt_files(cfg: RunConfig) -> list[Conversation]:
@@ -36,7 +38,8 @@ def load_prompt_files(cfg: RunConfig) -> list[Conversation]:
     return convs
 
 
-def tokenize_records(target: Target, records: list[dict], min_tokens: int, max_tokens: int) -> list[dict]:
+def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_tokens: int,
+                     max_tokens: int) -> list[dict]:
     rows = []
     for r in records:
         ids, mask = tokenize_conversation(target.tokenizer, r["messages"], tools=r.get("tools"),
@@ -47,7 +50,9 @@ def tokenize_records(target: Target, records: list[dict], min_tokens: int, max_t
     return rows
 
 
-def prepare_data(cfg: RunConfig, target: Target, out_dir: str | Path) -> dict:
+def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path) -> dict:
+    """With ``data.regen.server_url`` set the replies come from that server and ``target``
+    may be just the tokenizer (``load_target_tokenizer``)."""
     out_dir = Path(out_dir)
     dc = cfg.data
     convs = load_prompt_files(cfg)
@@ -57,7 +62,19 @@ def prepare_data(cfg: RunConfig, target: Target, out_dir: str | Path) -> dict:
           f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
     # Leave room for a reply inside the sequence cap.
     max_prompt = max(1, dc.max_tokens - dc.regen.max_new_tokens)
-    records = list(regenerate(target, train_convs + val_convs, dc.regen, max_prompt_tokens=max_prompt))
+    server = None
+    if dc.regen.server_url:
+        from draftling.data.openai_client import ChatServer, regenerate_via_server
+
+        server = ChatServer.from_config(dc.regen)
+        print(f"data: replies from {server.base_url} ({server.model})", flush=True)
+        records = list(regenerate_via_server(target.tokenizer, train_convs + val_convs, dc.regen,
+                                             max_prompt_tokens=max_prompt, server=server))
+    elif isinstance(target, Target):
+        records = list(regenerate(target, train_convs + val_convs, dc.regen, max_prompt_tokens=max_prompt))
+    else:
+        raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
+                        "the model or a server (data.regen.server_url)")
     for r in records:
         r["split"] = "val" if r["id"] in val_ids else "train"
     write_jsonl(out_dir / "replies.jsonl", records)
@@ -70,6 +87,7 @@ def prepare_data(cfg: RunConfig, target: Target, out_dir: str | Path) -> dict:
     stopped = [r["provenance"]["stopped"] for r in records]
     summary = {
         "target": target.spec.name,
+        **({"server": server.base_url, "server_model": server.model} if server else {}),
         "prompts": len(convs),
         "regenerated": len(records),
         "skipped_long_prompts": len(convs) - len(records),

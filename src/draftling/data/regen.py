@@ -14,7 +14,7 @@ from draftling.data.template import render
 from draftling.target import Target
 
 
-def _render_prompt(tokenizer, conv: Conversation) -> list[int]:
+def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
     text = render(tokenizer, prompt_messages(conv), tools=conv.tools, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -25,7 +25,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
     """Yield one record per conversation: the prompt messages plus the target's reply,
     with provenance (target, generation parameters, and whether the reply hit the cap)."""
     tok, model = target.tokenizer, target.model
-    prompts = [(c, _render_prompt(tok, c)) for c in convs]
+    prompts = [(c, render_prompt_ids(tok, c)) for c in convs]
     if max_prompt_tokens:
         prompts = [(c, ids) for c, ids in prompts if len(ids) <= max_prompt_tokens]
     # Similar lengths per batch waste less padding; the output order does not matter.

@@ -38,7 +38,8 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     stage("load target")
     target = load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                         aux_layer_ids=cfg.aux_layer_ids, chat_template=cfg.chat_template)
+                         aux_layer_ids=cfg.aux_layer_ids, chat_template=cfg.chat_template,
+                         quantization=cfg.quantization)
     print(f"target: {target.describe()}", flush=True)
     done("load target")
 

@@ -119,20 +119,98 @@ class Target:
 
 
 def load_target(target: str | None = None, dtype: str = "float32", device: str = "cpu",
-                aux_layer_ids: list[int] | None = None, chat_template: str | None = None) -> Target:
-    """Load a target model and tokenizer for any of the accepted ``--target`` forms."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                aux_layer_ids: list[int] | None = None, chat_template: str | None = None,
+                quantization: str | None = None) -> Target:
+    """Load a target model and tokenizer for any of the accepted ``--target`` forms.
 
+    ``quantization`` names an on-the-fly method of :mod:`draftling.target.quant`. A GGUF
+    target is dequantized to ``dtype`` by transformers on load, so it runs as a plain model.
+    """
     spec = resolve_target(target)
     if dtype not in DTYPES:
         raise TargetError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-    log.info("loading target %s", spec.name)
+    tokenizer = _load_tokenizer(spec, chat_template)
+    kwargs = {"dtype": DTYPES[dtype]}
+    if quantization:
+        from draftling.target.quant import quantization_config
+
+        kwargs["quantization_config"] = quantization_config(quantization, DTYPES[dtype])
+    # Quantized weights must be placed by from_pretrained: bitsandbytes models refuse .to(),
+    # and moving tensor subclasses afterwards is not supported by every backend.
+    place_on_load = bool(quantization) or _checkpoint_is_quantized(spec)
+    if place_on_load:
+        kwargs["device_map"] = {"": device}
+    log.info("loading target %s%s", spec.name, f" ({quantization})" if quantization else "")
+    try:
+        if quantization and spec.gguf_file:
+            model = _quantize_gguf(spec, kwargs)
+        else:
+            model = _from_pretrained(spec.path, **kwargs, **_gguf_kwargs(spec))
+    except (ImportError, ValueError, RuntimeError, NotImplementedError) as e:
+        if not place_on_load:
+            raise
+        # A quantization backend that is missing a kernel for this device fails deep inside
+        # transformers; say which method and device it was.
+        what = quantization or "its quantized checkpoint"
+        raise TargetError(f"loading {spec.name} with {what} on {device} failed: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    if not place_on_load:
+        model.to(device)
+    model.eval().requires_grad_(False)
+    n = model.config.num_hidden_layers
+    ids = default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids
+    return Target(spec, model, tokenizer, validate_aux_layer_ids(ids, n))
+
+
+def _from_pretrained(path: str, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def _quantize_gguf(spec: TargetSpec, kwargs: dict):
+    """transformers refuses a quantization_config together with a GGUF file, so write the
+    dequantized model to a temporary safetensors checkpoint and quantize while loading that.
+    Costs its full-precision size on disk (under $TMPDIR) for the duration of the load."""
+    import tempfile
+
+    log.info("%s: GGUF is dequantized on load; writing a %s copy to quantize it",
+             spec.name, kwargs["dtype"])
+    with tempfile.TemporaryDirectory(prefix="draftling-gguf-") as tmp:
+        plain = _from_pretrained(spec.path, dtype=kwargs["dtype"], **_gguf_kwargs(spec))
+        # The weights are plain tensors by now; only the GGUF marker stops save_pretrained.
+        plain.hf_quantizer = None
+        if hasattr(plain.config, "quantization_config"):
+            del plain.config.quantization_config
+        plain.save_pretrained(tmp)
+        del plain
+        return _from_pretrained(tmp, **kwargs)
+
+
+@dataclass
+class TargetTokenizer:
+    """A target's tokenizer without its weights: enough to render prompts and loss masks
+    when a server generates the replies (``draftling data --server``)."""
+
+    spec: TargetSpec
+    tokenizer: object
+
+
+def load_target_tokenizer(target: str | None = None, chat_template: str | None = None) -> TargetTokenizer:
+    spec = resolve_target(target)
+    return TargetTokenizer(spec, _load_tokenizer(spec, chat_template))
+
+
+def _gguf_kwargs(spec: TargetSpec) -> dict:
+    return {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+
+
+def _load_tokenizer(spec: TargetSpec, chat_template: str | None):
+    from transformers import AutoTokenizer
+
     if spec.gguf_file and not sys.stderr.isatty():
         _quiet_gguf_progress()
-    tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=DTYPES[dtype], **kwargs)
-    model.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, **_gguf_kwargs(spec))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template:
@@ -140,9 +218,20 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
         if not path.is_file():
             raise TargetError(f"--chat-template {chat_template}: file not found")
         tokenizer.chat_template = path.read_text()
-    n = model.config.num_hidden_layers
-    ids = default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids
-    return Target(spec, model, tokenizer, validate_aux_layer_ids(ids, n))
+    return tokenizer
+
+
+def _checkpoint_is_quantized(spec: TargetSpec) -> bool:
+    """A checkpoint saved quantized (AWQ, GPTQ, bitsandbytes, ...) names its method in its config."""
+    if spec.gguf_file:
+        return False  # transformers dequantizes GGUF weights on load
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec.path)
+    except (OSError, ValueError):
+        return False  # from_pretrained will report why it cannot read the model
+    return getattr(config, "quantization_config", None) is not None
 
 
 def _quiet_gguf_progress() -> None:
@@ -160,8 +249,7 @@ def load_target_config(target: str | None = None):
     from transformers import AutoConfig
 
     spec = resolve_target(target)
-    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-    return AutoConfig.from_pretrained(spec.path, **kwargs)
+    return AutoConfig.from_pretrained(spec.path, **_gguf_kwargs(spec))
 
 
 def wrap_target(model, tokenizer, name: str = "in-memory", aux_layer_ids=None) -> Target:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from draftling.target import Target, aux_hidden_states
+from draftling.target.quant import plain_weight
 
 
 @dataclass
@@ -31,14 +32,18 @@ def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: tor
     final = out.last_hidden_state  # already final-normed
     head = target.output_head()
     t2d = t2d.to(final.device)
-    draft_rows = head.weight[t2d]  # [V_d, H]
+    weight = plain_weight(head)
+    # A quantized head (bitsandbytes, torchao, quanto) has no float rows to slice: its
+    # draft-vocab logits are the columns of its own full output instead.
+    draft_rows = weight[t2d] if weight is not None else None  # [V_d, H]
     b, t, h = final.shape
     flat = final.reshape(-1, h)
     draft_logits, argmax = [], []
     for start in range(0, flat.shape[0], chunk_tokens):
         part = flat[start:start + chunk_tokens]
-        argmax.append(head(part).argmax(-1))
-        draft_logits.append(part @ draft_rows.T)
+        logits = head(part)
+        argmax.append(logits.argmax(-1))
+        draft_logits.append(part @ draft_rows.T if draft_rows is not None else logits[:, t2d])
     argmax = torch.cat(argmax).view(b, t)
     return TeacherBatch(
         aux=torch.cat(aux, dim=-1),
