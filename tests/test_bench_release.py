@@ -96,9 +96,10 @@ def test_json_contract(bench_run):
 
     assert [c["name"] for c in r["configs"]] == list(release.DEFAULT_CONFIGS)
     keys = {"name", "steps", "topk", "draft_tokens", "per_workload", "mean_speedup", "mean_tau",
-            "identical_fraction", "accept_rate_by_depth", "cost"}
+            "identical_fraction", "accept_rate_by_depth", "cost", "round_split_ms"}
     for c in r["configs"]:
         assert set(c) == keys
+        assert c["round_split_ms"] is None  # measured on CUDA only unless asked for
         assert c["identical_fraction"] == 1.0
         assert set(c["per_workload"]) == set(WORKLOADS)
         for v in c["per_workload"].values():
@@ -159,12 +160,24 @@ def test_update_benchmarks_md(bench_run, tmp_path):
 
 def test_all_four_baselines(bench_run, tmp_path):
     r = release.run_release_bench(
-        bench_run.target, bench_run.draft, prompt_set=bench_run.ps, configs=["chain-2-1-3"],
-        max_new_tokens=6, baseline_prompts_per_workload=1, out_dir=tmp_path, command="x", quiet=True)
+        bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
+        configs=["chain-2-1-3", "tree-2-2-4"],
+        max_new_tokens=6, baseline_prompts_per_workload=1, out_dir=tmp_path, command="x", quiet=True,
+        round_timing=True)
     assert all(r["baselines"][b] > 0 for b in release.BASELINES)
     for b in release.BASELINES[1:]:
         assert r["baseline_details"][b]["identical_to_engine_plain"] == 1.0
     assert not any("not run" in c for c in r["caveats"])
+    # The per-round phase split (wall-clock marks on CPU), pooled over 2 prompts per workload.
+    for c in r["configs"]:
+        split = c["round_split_ms"]
+        assert set(split) == {*release.ROUND_PHASES, "total", "rounds", "prompts"}
+        assert split["prompts"] == 2 * len(WORKLOADS) and split["rounds"] >= split["prompts"]
+        assert all(split[p] > 0 for p in release.ROUND_PHASES)
+        assert split["total"] == pytest.approx(sum(split[p] for p in release.ROUND_PHASES))
+    assert any(n.startswith("round split:") for n in r["caveats"])
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert "## Round split" in md and "| tree-2-2-4 |" in md
 
 
 def test_prompt_set_sources(tmp_path):

@@ -14,7 +14,11 @@ JSON contract (top-level keys, exactly): date, gpu, target, draft, prompt_set, d
 baselines ({engine_plain, hf_static, hf_prompt_lookup, hf_eager} -> tok/s or null when not run),
 baseline_details (same keys -> {n, tokens, ...} or null), configs (list of {name, steps, topk,
 draft_tokens, per_workload: {workload: {tau, tok_s, speedup}}, mean_speedup, mean_tau,
-identical_fraction, accept_rate_by_depth, cost: {free_speedup, drafting_share, ...}}), caveats.
+identical_fraction, accept_rate_by_depth, cost: {free_speedup, drafting_share, ...},
+round_split_ms: {draft, verify, accept, commit, total, rounds, prompts} or null}), caveats.
+``round_split_ms`` (on CUDA by default) is the mean ms per speculative round by phase, from a
+separate instrumented pass (see ``engine.spec_round.RoundTimer``), so the timed runs stay
+uninstrumented.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ BASELINES = ("engine_plain", "hf_static", "hf_prompt_lookup", "hf_eager")
 DEFAULT_CONFIGS = ("chain-3-1-4", "tree-3-4-8", "tree-5-8-16")
 DEFAULT_WORKLOAD = "default"
 PROMPT_LOOKUP_TOKENS = 10
+ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
+ROUND_PHASES = ("draft", "verify", "accept", "commit")
 MARK_START = "<!-- release-bench:start -->"
 MARK_END = "<!-- release-bench:end -->"
 RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
@@ -233,13 +239,15 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
                       baselines=BASELINES, baseline_prompts_per_workload: int | None = None,
                       cuda_graphs: bool | str = "auto", out_dir: str | Path = "bench/results",
                       tag: str | None = None, command: str | None = None,
-                      quiet: bool = False) -> dict:
+                      quiet: bool = False, round_timing: bool | str = "auto") -> dict:
     """Run the release bench and write its outputs (see the module docstring). Returns the
     results dict as written to ``<release_stem(out_dir, date, gpu, tag)>.json``.
 
     ``baselines``: any of BASELINES; engine_plain always runs (speedups need it); the others
     left out are null in the results, with a caveat. ``baseline_prompts_per_workload``: run the
-    HF baselines on the first N prompts of each workload only (they are slow); None = all."""
+    HF baselines on the first N prompts of each workload only (they are slow); None = all.
+    ``round_timing``: also measure the per-round phase split (``round_split_ms``) on the first
+    ROUND_TIMING_PROMPTS prompts of each workload; "auto" = on CUDA."""
     from draftling.engine.generate import greedy_generate, speculative_generate
 
     t_start = time.perf_counter()
@@ -263,6 +271,7 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     device = target.device
     dtype = next(target.model.parameters()).dtype
     graphs = device.type == "cuda" if cuda_graphs in ("auto", None) else bool(cuda_graphs)
+    timed_rounds = device.type == "cuda" if round_timing in ("auto", None) else bool(round_timing)
     clock = _Clock(device)
     info, prompts = load_prompt_set(prompt_set, target)
     workloads = _workloads(prompts)
@@ -284,9 +293,9 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     def plain(x):
         return greedy_generate(engine_target, x, max_new_tokens, eos_ids=eos)
 
-    def spec(x, c):
+    def spec(x, c, timing=False):
         return speculative_generate(engine_target, runner, x, max_new_tokens, c.steps, c.topk,
-                                    c.draft_tokens, eos_ids=eos)
+                                    c.draft_tokens, eos_ids=eos, timing=timing)
 
     def tensor(p):
         return torch.tensor([p.input_ids], device=device)
@@ -316,6 +325,18 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
         rows.append(row)
         if (i + 1) % 8 == 0 or i + 1 == len(prompts):
             log(f"engine: {i + 1}/{len(prompts)} prompts")
+
+    # Per-round phase split: a separate pass with CUDA events, so the runs above stay
+    # uninstrumented. Its warm-up captures the two graphs that timing replays instead of one.
+    splits = {c.name: None for c in cfgs}
+    if timed_rounds:
+        timing_prompts = [p for w in workloads
+                          for p in [q for q in prompts if q.workload == w][:ROUND_TIMING_PROMPTS]]
+        for c in cfgs:
+            spec(warm, c, timing=True)
+            runs = [spec(tensor(p), c, timing=True)[1].timing for p in timing_prompts]
+            splits[c.name] = _round_split([t for t in runs if t])
+        log(f"round timing: {len(timing_prompts)} prompts x {len(cfgs)} configs")
 
     # HF baselines: the first N prompts of each workload; warm-up on the longest of them, so
     # the static cache is allocated (and the compiled decode step traced) at its largest size.
@@ -350,7 +371,7 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
 
     results = _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, baselines,
                         hf_runs, subset, baseline_prompts_per_workload, max_new_tokens, step_s, ctx,
-                        graphs, command)
+                        graphs, command, splits)
     stem = release_stem(out_dir, results["date"], results["gpu"], tag)
     write_release_outputs(results, stem, rows)
     log(f"wrote {stem}.json/.md/-grid.png/-tau-vs-speedup.png")
@@ -360,7 +381,8 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
 
 
 def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, baselines, hf_runs,
-              subset, per_workload_n, max_new_tokens, step_s, ctx, graphs, command) -> dict:
+              subset, per_workload_n, max_new_tokens, step_s, ctx, graphs, command,
+              splits=None) -> dict:
     def agg(rs, key):
         tokens = sum(r[key]["tokens"] for r in rs)
         secs = sum(r[key]["s"] for r in rs)
@@ -422,7 +444,8 @@ def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, ba
             "cost": {"free_speedup": free, "drafting_share": 1.0 - mean_speedup / free,
                      "verify_q": c.draft_tokens, "plain_step_ms": t1 * 1e3, "verify_step_ms": tq * 1e3,
                      "round_ms": sum(r[c.name]["s"] for r in rows) / max(1, verifies) * 1e3,
-                     "context_tokens": ctx}})
+                     "context_tokens": ctx},
+            "round_split_ms": (splits or {}).get(c.name)})
 
     results = {
         "date": datetime.date.today().isoformat(),
@@ -440,6 +463,17 @@ def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, ba
     results["caveats"] = release_caveats(results, device, graphs, baselines)
     assert tuple(results) == RESULT_KEYS
     return results
+
+
+def _round_split(timings: list[dict]) -> dict | None:
+    """Pool ``SpecStats.timing`` of several generations: mean ms per round by phase."""
+    rounds = sum(t["rounds"] for t in timings)
+    if not rounds:
+        return None
+    out = {p: sum(t[f"{p}_ms"] * t["rounds"] for t in timings) / rounds for p in ROUND_PHASES}
+    out["total"] = sum(out[p] for p in ROUND_PHASES)
+    out.update(rounds=rounds, prompts=len(timings))
+    return out
 
 
 def release_caveats(results: dict, device, graphs: bool, requested) -> list[str]:
@@ -483,6 +517,13 @@ def release_caveats(results: dict, device, graphs: bool, requested) -> list[str]
                  f"(q=1 and q=draft_tokens, context ~{results['configs'][0]['cost']['context_tokens']} "
                  "tokens); drafting share = 1 - measured/free-drafter speedup, which lumps draft passes "
                  "with tree building, acceptance and KV compaction")
+    split = next((c["round_split_ms"] for c in results["configs"] if c.get("round_split_ms")), None)
+    if split:
+        notes.append(f"round split: mean ms per round by phase from a separate pass with "
+                     f"{'CUDA events' if torch.device(device).type == 'cuda' else 'wall-clock marks'} "
+                     f"({split['prompts']} prompts per config); draft and verify replay there as "
+                     "two graphs instead of one. accept = device->host read + Python acceptance; "
+                     "commit = move_kv + draft extend, up to the next round's start")
     notes += ps.get("notes", [])
     if ps.get("builtin"):
         notes.append(f"prompt set {ps['name']} is drawn from the shared training corpus: a draft "
@@ -548,6 +589,20 @@ def format_cost_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def format_round_split_table(results: dict) -> str:
+    """Markdown: mean ms per speculative round by phase, or "" when not measured."""
+    cfgs = [c for c in results["configs"] if c.get("round_split_ms")]
+    if not cfgs:
+        return ""
+    lines = ["| config | rounds | " + " | ".join(f"{p} ms" for p in ROUND_PHASES) + " | round ms |",
+             "|---|---:|" + "---:|" * (len(ROUND_PHASES) + 1)]
+    for c in cfgs:
+        k = c["round_split_ms"]
+        lines.append(f"| {c['name']} | {k['rounds']} | " + " | ".join(f"{k[p]:.2f}" for p in ROUND_PHASES)
+                     + f" | {k['total']:.2f} |")
+    return "\n".join(lines)
+
+
 def format_report(results: dict, stem_name: str | None = None) -> str:
     ps = results["prompt_set"]
     cap = results["baseline_details"]["engine_plain"]["max_new_tokens"]
@@ -564,8 +619,14 @@ def format_report(results: dict, stem_name: str | None = None) -> str:
            "## Cost account", "",
            "Free-drafter speedup = mean tau x (plain step / verify step): the speedup if drafting cost "
            "nothing. Drafting share = 1 - measured / free.", "",
-           format_cost_table(results), "",
-           "## Caveats", ""]
+           format_cost_table(results), ""]
+    split = format_round_split_table(results)
+    if split:
+        out += ["## Round split (mean ms per speculative round)", "",
+                "Where a round's time goes: draft = tree drafting, verify = target pass on the tree, "
+                "accept = reading the tree back + acceptance on the host, commit = KV compaction + "
+                "draft extend.", "", split, ""]
+    out += ["## Caveats", ""]
     out += [f"- {n}" for n in results["caveats"]]
     if stem_name:
         out += ["", f"![speedup grid]({stem_name}-grid.png)", "",

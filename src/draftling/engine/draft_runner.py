@@ -43,6 +43,9 @@ class DraftRunner(nn.Module):
         self.graphed = cuda_graphs or compile
         self._extend_fn = StaticFn(self._extend, compile=compile, cuda_graphs=cuda_graphs)
         self._step_fn = StaticFn(self.forward, compile=compile, cuda_graphs=cuda_graphs)
+        # spec_round.SpecRound per (target, steps, topk, num_draft_tokens): its graphs are
+        # captured once and replayed by every later generation with that config.
+        self.rounds: dict = {}
 
     @property
     def spec_base(self) -> int:
@@ -68,14 +71,18 @@ class DraftRunner(nn.Module):
         out = self.draft.step(self.embed(input_ids), hidden, positions, attend)
         return out, self.draft.compute_logits(out)
 
-    def _extend(self, input_ids, aux, positions, cache_positions, attn_mask):
-        return self.forward(input_ids, self.draft.fuse(aux), positions, cache_positions, attn_mask)
+    def _extend(self, input_ids, aux, start):
+        # Slots and mask from the device tensor ``start``: nothing here depends on host values.
+        slots = start + torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = causal_mask(start, input_ids.shape[1], self.cache_size, input_ids.device)
+        return self.forward(input_ids, self.draft.fuse(aux), slots, slots, mask)
 
     @torch.no_grad()
-    def extend(self, next_ids: torch.Tensor, aux: torch.Tensor, start: int, pad_to: int | None = None):
+    def extend(self, next_ids: torch.Tensor, aux: torch.Tensor, start, pad_to: int | None = None):
         """Commit positions ``start .. start+T-1``: ``next_ids`` [B,T] are the tokens one
-        ahead (x_{t+1}), ``aux`` [B,T,3H] the target's aux states at t. Returns the last
-        row's (hidden [B,H], logits [B,Vd]), which propose the token at start+T+1."""
+        ahead (x_{t+1}), ``aux`` [B,T,3H] the target's aux states at t. ``start`` is an int or
+        a [1] long tensor on the device (no host sync). Returns the last row's
+        (hidden [B,H], logits [B,Vd]), which propose the token at start+T+1."""
         b, t = next_ids.shape
         n = t
         if pad_to is not None and self.graphed and t < pad_to:
@@ -83,11 +90,10 @@ class DraftRunner(nn.Module):
             next_ids = F.pad(next_ids, (0, pad_to - t))
             aux = F.pad(aux, (0, 0, 0, pad_to - t))
             t = pad_to
-        dev = next_ids.device
-        slots = torch.arange(start, start + t, device=dev)
-        mask = causal_mask(start, t, self.cache_size, dev)
+        if not torch.is_tensor(start):
+            start = torch.full((1,), start, dtype=torch.long, device=next_ids.device)
         fn = self._extend_fn if pad_to is not None else self._extend  # unpadded prefill stays eager
-        hidden, logits = fn(next_ids, aux, slots, slots, mask)
+        hidden, logits = fn(next_ids, aux, start)
         return hidden[:, n - 1], logits[:, n - 1]
 
     @torch.no_grad()

@@ -6,6 +6,8 @@ Layout of one speculative round, with ``n`` = tokens in the target cache:
   depth-d node runs at position n+d-1 (EAGLE: position t sees embed(x_{t+1})).
   Verify feeds [root, nodes...] (``num_draft_tokens`` queries) at positions n+depth, writing
   K/V to slots n, n+1, ... in node order; the accepted path is then moved to n, n+1, ...
+The device side of a round (drafting, tree, verify, commit) is ``spec_round.SpecRound``;
+this loop holds the host side: one read of the tree per round, acceptance, stopping.
 
 SGLang names: ``steps`` = tree depth, ``topk`` = children per frontier node,
 ``num_draft_tokens`` = verified tokens including the root (chain 3-1-4).
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftling.engine.draft_runner import DraftRunner
+from draftling.engine.spec_round import RoundTimer, SpecRound
 from draftling.engine.target_model import CachedTarget, causal_mask
 from draftling.errors import ConfigError
 
@@ -30,6 +33,7 @@ class SpecStats:
     accept_counts: list[int] = field(default_factory=list)  # [depth-1]: times depth was accepted
     compactions: int = 0  # verify steps whose accepted path had to be moved in the target cache
     cache_len: int = 0  # positions valid in both caches at the end (for checks)
+    timing: dict | None = None  # mean ms per round by phase (RoundTimer.summary), if asked for
 
     @property
     def tau(self) -> float:
@@ -39,7 +43,8 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"verify_steps": self.verify_steps, "tokens": self.tokens, "tau": self.tau,
                 "accept_lengths": list(self.accept_lengths),
-                "accept_counts": list(self.accept_counts), "compactions": self.compactions}
+                "accept_counts": list(self.accept_counts), "compactions": self.compactions,
+                "timing": self.timing}
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0,
@@ -119,82 +124,13 @@ def greedy_generate(target: CachedTarget, input_ids: torch.Tensor, max_new_token
     return torch.tensor([out], dtype=torch.long)
 
 
-@dataclass
-class Tree:
-    tokens: torch.Tensor  # [q] target ids, node 0 = root
-    parents: torch.Tensor  # [q] node index of the parent (root: 0)
-    depths: torch.Tensor  # [q]
-
-
-@torch.no_grad()
-def build_tree(draft: DraftRunner, root_token: int, root_hidden: torch.Tensor,
-               root_logits: torch.Tensor, n: int, steps: int, topk: int,
-               num_draft_tokens: int) -> Tree:
-    """EAGLE-2 dynamic tree: expand ``topk`` children per frontier node for ``steps``
-    levels, score = cumulative draft log-prob, keep the best ``num_draft_tokens - 1``."""
-    d2t = draft.draft.draft_to_target
-    dev = root_logits.device
-    logp = torch.log_softmax(root_logits.float(), -1)
-    score, ids = logp.topk(topk)
-    tok = d2t(ids)
-    c_tok, c_score, c_parent, c_depth = [tok], [score], [torch.full_like(ids, -1)], [1]
-    front = torch.arange(topk, device=dev)  # candidate index of each frontier node
-    f_tok, f_score, f_hidden = tok, score, root_hidden.expand(topk, -1)
-    f_mask = (torch.arange(draft.cache_size, device=dev) < n).expand(topk, -1).clone()
-    n_cand, rows = topk, torch.arange(topk, device=dev)
-    for level in range(1, steps):
-        slots = draft.spec_base + (level - 1) * topk + rows
-        f_mask[rows, slots] = True  # a node sees the context, its ancestors and itself
-        h, logits = draft.tree_step(f_tok, f_hidden, n + level - 1, slots, f_mask)
-        s, ids = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)  # [K, K]
-        # min() keeps scores monotone along a path even under rounding; with the stable
-        # sort below a parent then always ranks before its children: the kept set is connected.
-        child = torch.minimum(f_score[:, None] + s, f_score[:, None]).flatten()
-        child_tok = d2t(ids).flatten()
-        c_tok.append(child_tok)
-        c_score.append(child)
-        c_depth.append(level + 1)
-        c_parent.append(front.repeat_interleave(topk))
-        if level + 1 < steps:
-            f_score, best = child.topk(topk)
-            parent_row = best // topk
-            front, f_tok = n_cand + best, child_tok[best]
-            f_hidden, f_mask = h[parent_row], f_mask[parent_row]
-        n_cand += topk * topk
-    scores = torch.cat(c_score)
-    keep = num_draft_tokens - 1
-    sel = torch.sort(scores, descending=True, stable=True).indices[:keep].sort().values
-    depth = torch.cat([torch.full((len(t),), d, device=dev) for t, d in zip(c_tok, c_depth)])
-    node_of = torch.full((n_cand + 1,), -1, device=dev, dtype=torch.long)  # -1: not kept
-    node_of[n_cand] = 0  # the root, parent of the depth-1 candidates
-    node_of[sel] = torch.arange(1, keep + 1, device=dev)
-    cand_parent = torch.cat(c_parent)[sel]
-    parents = node_of[torch.where(cand_parent < 0, n_cand, cand_parent)]
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
-    return Tree(tokens=torch.cat([torch.tensor([root_token], device=dev), torch.cat(c_tok)[sel]]),
-                parents=torch.cat([zero, parents]), depths=torch.cat([zero, depth[sel]]))
-
-
-def tree_mask(tree: Tree, n: int, size: int, steps: int) -> torch.Tensor:
-    """[q, size]: every node sees slots < n and the slots n+j of its ancestors and itself."""
-    q = tree.tokens.shape[0]
-    eye = torch.eye(q, dtype=torch.bool, device=tree.tokens.device)
-    anc = eye
-    for _ in range(steps):
-        anc = eye | anc[tree.parents]
-    mask = torch.zeros(q, size, dtype=torch.bool, device=anc.device)
-    mask[:, :n] = True
-    mask[:, n:n + q] = anc
-    return mask
-
-
-def _accept_greedy(logits, toks, children):
-    target = logits.argmax(-1).tolist()
+def _accept_greedy(best, toks, children):
+    """Walk down while some child holds the target's argmax (``best``) at its parent."""
     path, cur = [0], 0
     while True:
-        nxt = next((c for c in children[cur] if toks[c] == target[cur]), None)
+        nxt = next((c for c in children[cur] if toks[c] == best[cur]), None)
         if nxt is None:
-            return path, target[cur]
+            return path, best[cur]
         path.append(nxt)
         cur = nxt
 
@@ -223,11 +159,13 @@ def _accept_sample(logits, toks, children, temperature, top_k, top_p, generator)
 def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: torch.Tensor,
                          max_new_tokens: int, steps: int, topk: int, num_draft_tokens: int,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                         eos_ids=None, generator: torch.Generator | None = None):
+                         eos_ids=None, generator: torch.Generator | None = None,
+                         timing: bool = False):
     """EAGLE speculative decoding. Returns (new tokens [1, m], SpecStats).
 
     At temperature 0 the tokens equal ``greedy_generate``'s; above it they follow the
-    target's processed distribution exactly (see ``_accept_sample``)."""
+    target's processed distribution exactly (see ``_accept_sample``). ``timing``: fill
+    ``SpecStats.timing`` with the mean per-round phase split (see ``RoundTimer``)."""
     if steps < 1 or topk < 1 or not 2 <= num_draft_tokens <= 1 + topk + (steps - 1) * topk * topk:
         raise ConfigError(f"tree steps={steps} topk={topk} num_draft_tokens={num_draft_tokens}: "
                           "need steps, topk >= 1 and 2 <= num_draft_tokens <= 1 + candidates")
@@ -246,22 +184,24 @@ def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: to
     root = _pick(logits[0, -1], temperature, top_k, top_p, generator)
     n = input_ids.shape[1]
     done = _emit(out, [root], max_new_tokens, eos)
+    timer = RoundTimer(dev) if timing else None
     if not done:
+        rnd = SpecRound.cached(target, draft, steps, topk, num_draft_tokens)
         next_ids = torch.cat([input_ids[:, 1:], torch.tensor([[root]], device=dev)], dim=1)
         r_hidden, r_logits = draft.extend(next_ids, aux, 0)
-    q = num_draft_tokens
+        ctrl = rnd.upload([n, root])
+        n_t, root_t = ctrl[0:1], ctrl[1:2]  # the round's varying inputs live on the device
     while not done:
-        tree = build_tree(draft, root, r_hidden[0], r_logits[0], n, steps, topk, q)
-        mask = tree_mask(tree, n, target.max_seq_len, steps)
-        slots = n + torch.arange(q, device=dev)
-        logits, aux = target.fast(tree.tokens[None], n + tree.depths, slots, mask)
-        toks, parents = tree.tokens.tolist(), tree.parents.tolist()
-        children = [[] for _ in range(q)]
-        for i in range(1, q):
+        if timer:
+            timer.start()
+        packed, aux, logits = rnd.propose(n_t, root_t, r_hidden, r_logits, timer)
+        toks, parents, best = packed.tolist()  # the round's one device->host sync
+        children = [[] for _ in toks]
+        for i in range(1, len(toks)):
             assert 0 <= parents[i] < i, "tree must be connected, parents before children"
             children[parents[i]].append(i)
         if temperature <= 0:
-            path, bonus = _accept_greedy(logits[0], toks, children)
+            path, bonus = _accept_greedy(best, toks, children)
         else:
             path, bonus = _accept_sample(logits[0], toks, children, temperature, top_k, top_p,
                                          generator)
@@ -271,17 +211,15 @@ def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: to
         for d in range(len(path) - 1):
             stats.accept_counts[d] += 1
         done = _emit(out, new, max_new_tokens, eos)
+        if timer:
+            timer.mark()
         if done:
             break
-        k = len(path)  # root + accepted drafts: the positions n .. n+k-1 to commit
-        path_t = torch.tensor(path, device=dev)
-        if path != list(range(k)):
-            target.move_kv(n + path_t, n + torch.arange(k, device=dev))
-            stats.compactions += 1
-        r_hidden, r_logits = draft.extend(torch.tensor([new], device=dev), aux[:, path_t], n,
-                                          pad_to=min(steps, q - 1) + 1)
-        n += k
-        root = bonus
+        # root + accepted drafts: positions n .. n+len(path)-1 to commit; bonus is the next root
+        moved, n_t, root_t, r_hidden, r_logits = rnd.commit(n, path, new, aux)
+        stats.compactions += int(moved)
+        n += len(path)
     stats.cache_len = n
     stats.tokens = len(out)
+    stats.timing = timer.summary() if timer else None
     return torch.tensor([out], dtype=torch.long), stats

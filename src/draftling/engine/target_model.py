@@ -91,7 +91,10 @@ class CachedTarget(nn.Module):
                                  persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=wdtype, device=device),
                                  persistent=False)
+        self.compile, self.cuda_graphs = compile, cuda_graphs
         self.fast = StaticFn(self.forward, compile=compile, cuda_graphs=cuda_graphs)
+        self._gather_fn = StaticFn(self._gather_kv, compile=compile, cuda_graphs=cuda_graphs)
+        self._scatter_fn = StaticFn(self._scatter_kv, compile=compile, cuda_graphs=cuda_graphs)
 
     @classmethod
     def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, **kwargs) -> "CachedTarget":
@@ -135,16 +138,30 @@ class CachedTarget(nn.Module):
         logits = self.lm_head(self.norm(x))
         return logits, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)
 
+    def _caches(self) -> list[torch.Tensor]:
+        return [c for i in range(len(self.layers)) for c in self.kv(i)]
+
+    def _gather_kv(self, src):
+        return (torch.stack([c.index_select(2, src) for c in self._caches()]),)
+
+    def _scatter_kv(self, dst, rows):
+        for cache, r in zip(self._caches(), rows):
+            cache.index_copy_(2, dst, r)
+        return ()
+
     @torch.no_grad()
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy cache slots ``src`` to ``dst`` in every layer (accepted tree path -> contiguous)."""
-        for i in range(len(self.layers)):
-            for cache in self.kv(i):
-                cache.index_copy_(2, dst, cache.index_select(2, src))  # select copies first: overlap-safe
+        """Copy cache slots ``src`` to ``dst`` in every layer (accepted tree path -> contiguous).
+
+        Two static functions (one graph each on a GPU), all rows read before any is written:
+        src and dst overlap, so a single read-and-write function would not survive the repeat
+        that graph warm-up makes; each half alone is safe to repeat."""
+        rows, = self._gather_fn(src)
+        self._scatter_fn(dst, rows)
 
 
-def causal_mask(start: int, q: int, size: int, device) -> torch.Tensor:
-    """[q, size] bool: query i (at slot start+i) sees slots 0..start+i."""
+def causal_mask(start, q: int, size: int, device) -> torch.Tensor:
+    """[q, size] bool: query i (at slot start+i) sees slots 0..start+i (start: int or [1] tensor)."""
     return torch.arange(size, device=device)[None, :] <= (start + torch.arange(q, device=device))[:, None]
 
 
@@ -152,9 +169,10 @@ class StaticFn:
     """Run ``fn(*tensors) -> tuple of tensors`` eagerly, compiled, and/or as CUDA graphs.
 
     One graph per input signature (shapes and dtypes); inputs are copied into static
-    buffers before replay and outputs cloned after it. ``fn`` may write to caches: the
-    warm-up calls repeat the real call's writes, so they do no harm. ``cuda_graphs`` is a
-    no-op for CPU tensors; ``compile`` uses ``torch.compile(dynamic=False)`` on any device.
+    buffers before replay and outputs cloned after it. ``fn`` may write to caches but must be
+    safe to repeat: the warm-up calls repeat the real call's writes (so it must not read slots
+    it overwrote, see ``move_kv``). ``cuda_graphs`` is a no-op for CPU tensors; ``compile``
+    uses ``torch.compile(dynamic=False)`` on any device.
     """
 
     def __init__(self, fn, compile: bool = False, cuda_graphs: bool = False):
