@@ -225,10 +225,14 @@ def test_auto_defaults_resolve_per_device():
     tc = load_config(None, []).train
     assert tc.loss_chunk_tokens == 2048 and tc.embedding_on_host is False
     cpu = memory_options(tc, "cpu")
-    assert cpu == {"loss_chunk_tokens": 2048, "grad_checkpoint": False, "attention": "sdpa"}
+    assert cpu == {"loss_chunk_tokens": 2048, "grad_checkpoint": False, "attention": "sdpa",
+                   "compile": False}
     assert optimizer_offload(tc, "cpu") is False
     assert optimizer_offload(tc, "cuda") is True
     assert memory_options(tc, "cuda")["grad_checkpoint"] is True
+    assert memory_options(tc, "cuda")["compile"] is True
+    unchunked = load_config(None, ["train.loss_chunk_tokens=0"]).train
+    assert memory_options(unchunked, "cuda")["compile"] is False  # only chunks are compiled
     forced = load_config(None, ["train.grad_checkpoint=true", "train.optimizer_offload=true"]).train
     assert memory_options(forced, "cpu")["grad_checkpoint"] is True and optimizer_offload(forced, "cpu")
 
@@ -382,3 +386,38 @@ def test_auto_draft_dtype_is_bf16_only_with_offload_and_keeps_rotary_fp32(tiny_t
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     assert draft.rotary_emb.inv_freq.dtype == torch.float32
     assert draft.d2t.dtype == torch.long
+
+
+# --- 6. compiled loss chunks (train.compile) ---------------------------------------------
+
+def test_compiled_loss_chunks_match_eager_with_one_graph_for_all_sizes():
+    """compile= runs the checkpointed chunk through torch.compile (aot_eager here: the same
+    dynamo capture and autograd split as inductor, without codegen). Loss, grads and counts
+    equal the eager chunks, and chunks of other sizes or batches of other lengths reuse the
+    one dynamic graph instead of recompiling."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model, draft, teacher, ids, loss_mask, attn = setup_unroll(b=4, t=24)
+    embed = model.get_input_embeddings()
+    opts = {"loss_chunk_tokens": 7, "grad_checkpoint": True}
+    ref = run_unroll(draft, embed, teacher, ids, loss_mask, attn, **opts)
+    got = run_unroll(draft, embed, teacher, ids, loss_mask, attn, compile=counter, **opts)
+    assert_same(ref, got)
+    assert counter.frame_count == 1
+    # Another chunk size and another batch shape: still the same graph.
+    model2, draft2, teacher2, ids2, loss_mask2, attn2 = setup_unroll(b=3, t=17, seed=5)
+    ref2 = run_unroll(draft2, model2.get_input_embeddings(), teacher2, ids2, loss_mask2, attn2,
+                      loss_chunk_tokens=5)
+    got2 = run_unroll(draft2, model2.get_input_embeddings(), teacher2, ids2, loss_mask2, attn2,
+                      loss_chunk_tokens=5, compile=counter)
+    assert_same(ref2, got2)
+    assert counter.frame_count == 1
+    # Without grad (evaluation) the chunks run eagerly: no graph for no_grad.
+    with torch.no_grad():
+        l0, _ = ttt_unroll(draft, embed, teacher, ids, loss_mask, attn, 3, loss_chunk_tokens=7)
+        l1, _ = ttt_unroll(draft, embed, teacher, ids, loss_mask, attn, 3, loss_chunk_tokens=7,
+                           compile=counter)
+    torch.testing.assert_close(l1, l0)
+    assert counter.frame_count == 1

@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "loads the teacher on its own GPU (cuda:<local rank>); train.batch_size stays the "
                    "global batch; train.parallel=ddp|fsdp picks the wrapper")
 
+    from draftling.train.plan import add_plan_parser
+
+    add_plan_parser(sub)
+
     p = sub.add_parser("extract", help="run the teacher once and cache its outputs for offline training",
                        description="Offline mode, step 1: run the target over <data>/train.jsonl (and "
                        "val.jsonl when present) and write what the loss needs (aux hidden states, "
@@ -264,6 +268,12 @@ def cmd_train(args) -> int | None:
           resume=args.resume, teacher_source=source)
 
 
+def cmd_plan(args) -> int:
+    from draftling.train.plan import cmd_plan as plan
+
+    return plan(args)
+
+
 def cmd_extract(args) -> None:
     from draftling.train.offline import extract
 
@@ -333,7 +343,7 @@ def cmd_quickstart(args) -> None:
     quickstart(args.out, config=args.config or "quickstart_cpu", overrides=overrides)
 
 
-COMMANDS = {"data": cmd_data, "vocab": cmd_vocab, "extract": cmd_extract, "train": cmd_train,
+COMMANDS = {"plan": cmd_plan, "data": cmd_data, "vocab": cmd_vocab, "extract": cmd_extract, "train": cmd_train,
             "bench": cmd_bench, "export": cmd_export, "quickstart": cmd_quickstart}
 
 

@@ -213,7 +213,7 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
 def device_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.getdevice_name(device)
+        return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 

@@ -130,8 +130,9 @@ def wrap(draft: torch.nn.Module, ctx: DistContext, mode: str, param_dtype: torch
 
     # FSDP keeps fp32 shards (the masters) and computes in param_dtype; with offload the
     # shards and the optimizer step live on the host.
-    fully_shard(objective, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                          reduce_dtype=torch.float32),
+    # cast_forward_inputs off: the teacher's fp32 logits must reach the loss unrounded.
+    fully_shard(objective, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                          cast_forward_inputs=False),
                 offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     return objective
 

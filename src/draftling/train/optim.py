@@ -27,8 +27,9 @@ class OffloadedAdamW:
         self.masters = [self._host_buffer(p).requires_grad_(True) for p in self.params]
         self._grads = [self._host_buffer(p) for p in self.params]
         self.sync_masters_from_params()
+        # fused: one multi-threaded kernel over all host masters, not a loop of small ops.
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=tuple(betas),
-                                           weight_decay=weight_decay, eps=eps)
+                                           weight_decay=weight_decay, eps=eps, fused=True)
 
     def _host_buffer(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=self.pinned)

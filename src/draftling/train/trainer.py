@@ -115,8 +115,10 @@ def memory_options(tc: TrainConfig, device, training: bool = True) -> dict:
     if tc.loss_chunk_tokens < 0:
         raise ConfigError(f"train.loss_chunk_tokens={tc.loss_chunk_tokens}: expected >= 0 (0 = off)")
     grad_checkpoint = tc.grad_checkpoint if tc.grad_checkpoint is not None else cuda
+    # Only the chunked loss is compiled; evaluation runs it eagerly (no graph for no_grad).
+    compile = tc.compile if tc.compile is not None else cuda
     return {"loss_chunk_tokens": tc.loss_chunk_tokens, "grad_checkpoint": grad_checkpoint,
-            "attention": attention}
+            "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0)}
 
 
 # "auto" offloads the optimizer once its fp32 state (masters and two moments, 12 bytes per
@@ -150,11 +152,11 @@ def draft_param_dtype(tc: TrainConfig, device, n_params: int | None = None) -> t
 
 
 def place_draft(draft: Eagle3Draft, device, dtype: torch.dtype) -> Eagle3Draft:
-    """Move the draft to the device and cast its weights; the rotary table stays fp32."""
-    draft.to(device)
+    """Cast the draft's weights (on the host, so the device never holds an fp32 copy of a
+    bf16 draft) and move it to the device; the rotary table stays fp32."""
     for module in (draft.fc, draft.midlayer, draft.norm, draft.lm_head):
         module.to(dtype)
-    return draft
+    return draft.to(device)
 
 
 _HOST_EMBEDDINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -349,7 +351,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     say(f"memory: loss_chunk_tokens {mem_opts['loss_chunk_tokens']}, grad_checkpoint "
         f"{mem_opts['grad_checkpoint']}, attention {mem_opts['attention']}, optimizer_offload "
         f"{offload}, draft_dtype {str(param_dtype).replace('torch.', '')}, embedding_on_host "
-        f"{tc.embedding_on_host}")
+        f"{tc.embedding_on_host}, compile {mem_opts.get('compile', False)}")
     progress = None
     if sys.stderr.isatty() and ctx.is_main:
         from tqdm import tqdm

@@ -22,6 +22,10 @@ Memory options (all exact up to float summation order; see TrainConfig for defau
   "flex" (``flex_attention`` over the concatenated keys with a TTT ``mask_mod``;
   torch 2.13 has no flex backward on CPU, so "flex" is for CUDA training and CPU
   inference only).
+- ``compile``: with ``loss_chunk_tokens``, each checkpointed loss chunk (head, log-softmax,
+  soft cross-entropy, argmax) runs as one ``torch.compile``d function, so the [C, V_draft]
+  softmax math is a few fused passes instead of a dozen eager kernels. The chunk's row
+  count is marked dynamic up front: one compiled graph serves every chunk size.
 """
 
 from __future__ import annotations
@@ -185,6 +189,44 @@ def _soft_ce_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, hidden: tor
     return token_loss.sum(), logits.argmax(-1)
 
 
+def _checkpointed_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, hidden: torch.Tensor,
+                        rows_b: torch.Tensor, rows_t: torch.Tensor):
+    """One loss chunk recomputed in backward: only its inputs (and indices) stay alive. The
+    teacher logits are bound, not passed, so the checkpoint does not count them as saved."""
+    chunk = functools.partial(_soft_ce_chunk, draft, teacher_logits)
+    return checkpoint(chunk, hidden, rows_b, rows_t, use_reentrant=False)
+
+
+_COMPILED_CHUNKS: dict = {}
+
+
+def compiled_chunk_fn(backend="inductor"):
+    """:func:`_checkpointed_chunk` under ``torch.compile``. The checkpoint sits inside the
+    compiled region, so the compiler recomputes the chunk in its own backward graph."""
+    fn = _COMPILED_CHUNKS.get(backend)
+    if fn is None:
+        fn = torch.compile(_checkpointed_chunk, backend=backend, dynamic=None)
+        _COMPILED_CHUNKS[backend] = fn
+    return fn
+
+
+def _loss_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, hidden: torch.Tensor,
+                rows_b: torch.Tensor, rows_t: torch.Tensor, compile):
+    if not torch.is_grad_enabled():
+        return _soft_ce_chunk(draft, teacher_logits, hidden, rows_b, rows_t)
+    # Sizes 0 and 1 would each get a specialised graph; such chunks are rare and tiny.
+    if compile and hidden.shape[0] >= 2:
+        # Dynamic from the first call: the last chunk of every step has another size, and
+        # batches have other lengths; without this each new size costs a recompile.
+        for x in (hidden, rows_b, rows_t):
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+        torch._dynamo.maybe_mark_dynamic(teacher_logits, 0)
+        torch._dynamo.maybe_mark_dynamic(teacher_logits, 1)
+        backend = "inductor" if compile is True else compile
+        return compiled_chunk_fn(backend)(draft, teacher_logits, hidden, rows_b, rows_t)
+    return _checkpointed_chunk(draft, teacher_logits, hidden, rows_b, rows_t)
+
+
 @dataclass
 class StepCounts:
     """Summed counts over batches, so metrics are exact over any number of batches."""
@@ -234,7 +276,7 @@ def _denominator(denominators, j: int, n_valid: int) -> float:
 def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
                input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor,
                steps: int, step_weight_decay: float = 0.8, *, loss_chunk_tokens: int = 0,
-               grad_checkpoint: bool = False, attention: str = "sdpa",
+               grad_checkpoint: bool = False, attention: str = "sdpa", compile=False,
                loss_denominators: Sequence[float] | None = None) -> tuple[torch.Tensor, StepCounts]:
     """Run the k-step unroll. Returns the weighted loss (mean over valid tokens per step)
     and the counts behind the per-step and conditional accuracies.
@@ -242,7 +284,8 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     ``embed`` maps token ids to embeddings: the target's embedding module, or anything
     with ``for_batch(input_ids) -> lookup`` (see ``HostEmbedding``), which is asked once
     per batch. The keyword options are the memory options described in the module doc;
-    their defaults here are the plain path.
+    their defaults here are the plain path. ``compile``: False, True (inductor), or another
+    ``torch.compile`` backend (a name or a callable; the CPU tests use "aot_eager").
 
     ``loss_denominators``: step j's summed loss is divided by ``loss_denominators[j]``
     instead of this batch's valid count. Data parallelism passes the global count over
@@ -256,7 +299,7 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     use_ckpt = grad_checkpoint and torch.is_grad_enabled()
-    chunk_fn = functools.partial(_soft_ce_chunk, draft, teacher.draft_logits)
+    chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, compile=compile)
     loss_mask = loss_mask.bool() & attention_mask.bool()
     draft_argmax = teacher.draft_logits.argmax(-1)
     counts = StepCounts(steps)
@@ -282,12 +325,8 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
             argmax = []
             # At least one (possibly empty) chunk, so the head always joins the graph.
             for s in range(0, max(n_valid, 1), loss_chunk_tokens):
-                args = (rows[s:s + loss_chunk_tokens], vb[s:s + loss_chunk_tokens],
-                        vt[s:s + loss_chunk_tokens] + 1 + j)
-                if torch.is_grad_enabled():
-                    part, am = checkpoint(chunk_fn, *args, use_reentrant=False)
-                else:
-                    part, am = chunk_fn(*args)
+                part, am = chunk_fn(rows[s:s + loss_chunk_tokens], vb[s:s + loss_chunk_tokens],
+                                    vt[s:s + loss_chunk_tokens] + 1 + j)
                 loss_sum = loss_sum + part
                 argmax.append(am)
             step_loss = loss_sum / _denominator(loss_denominators, j, n_valid)

@@ -1,0 +1,564 @@
+"""Peak device memory of one draft training step, estimated from shapes and options alone.
+
+``estimate_train_memory`` is a pure function of the draft's shape (it is the target's width:
+hidden, intermediate, heads, kv heads, head_dim, vocab), the draft vocab, batch, sequence
+length, TTT steps and the memory options. It counts what ``ttt_unroll`` actually keeps for
+backward under each option (see the per-term comments), walks the phases of a step (draft
+placement, teacher forward, the loss backward of the last TTT step, the layer backward, the
+optimizer step) and reports the components at the peak phase, in bytes.
+
+``draftling plan`` (``add_plan_parser`` / ``cmd_plan``) reads only the target's config, adds
+the teacher's weights (param count from the config x bytes per param) and prints whether a
+run fits on a GPU of a given size, without loading any weights.
+
+Accounting notes, all from reading the code paths the trainer runs:
+
+- Params and grads are in the draft dtype ``a`` (2 bytes for bf16 over host fp32 masters,
+  4 for fp32). ``RMSNorm`` upcasts to fp32 and saves that copy (4 bytes/element) plus its
+  normalized output in ``a``.
+- With ``grad_checkpoint`` a TTT step keeps only its inputs (token embeddings, the hidden
+  state it reads, earlier steps' keys/values); its activations come back, for one step at
+  a time, while that step is back-propagated (the "layer backward" phase).
+- With ``loss_chunk_tokens`` a step keeps only the gathered valid rows [N, H] and indices;
+  one chunk of [C, V_draft] softmax math exists at a time, in the loss backward.
+- The optimizer's fp32 masters and moments are on the host with offload (16 bytes/param of
+  pinned + pageable host RAM); otherwise AdamW keeps two moments in the param dtype on the
+  device and its foreach step allocates one more param-sized buffer.
+- The teacher's weights: param count from its config x bytes per param of the run's dtype
+  (a GGUF file is dequantized to that dtype by transformers on load) or of its on-load
+  quantization (~4.5 bits for 4-bit, ~8.5 for 8-bit; embedding and head stay unquantized).
+
+``bench/train_bench.py`` measures these numbers on a GPU and records the estimate's error
+beside each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+# Bits per quantized weight including scales (e.g. nf4 with blockwise absmax ~ 4.5).
+QUANT_BITS = {"bnb-4bit": 4.5, "quanto-int4": 4.5, "bnb-8bit": 8.5, "quanto-int8": 8.5,
+              "torchao-int8": 8.5}
+# What max_memory_allocated does not see but the device still needs: the CUDA context and
+# the caching allocator's fragmentation.
+RESERVE_FIXED_BYTES = int(0.5 * GIB)
+RESERVE_SHARE = 0.05
+# Bytes per (row x draft-vocab entry) of one loss chunk at its widest: eager, four fp32
+# [C, V_draft] tensors (logits, log-softmax, teacher softmax, product); compiled, the head's
+# logits and their gradient in the draft dtype plus one fp32 buffer (EXTRA).
+EAGER_CHUNK_BYTES = 16
+COMPILED_CHUNK_EXTRA_BYTES = 4
+
+
+def _dtype_bytes(name: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """The draft's shape: one decoder layer of the target's width over a draft vocab."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int  # the TARGET vocab (the embedding table)
+    draft_vocab: int
+    target_hidden: int | None = None  # the aux states' width; the draft's hidden by default
+
+    @classmethod
+    def from_config(cls, config, draft_vocab: int) -> "DraftShape":
+        config = getattr(config, "text_config", None) or config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(hidden=config.hidden_size, intermediate=config.intermediate_size, heads=heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                   vocab=config.vocab_size, draft_vocab=min(int(draft_vocab), config.vocab_size))
+
+    @property
+    def ht(self) -> int:
+        return self.target_hidden or self.hidden
+
+    def param_counts(self) -> dict[str, int]:
+        """Trainable params by module, as ``Eagle3Draft`` builds them (no biases)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "fc": 3 * self.ht * h,
+            "attention": 2 * h * q + 2 * (2 * h * kv) + q * h,
+            "mlp": 3 * h * self.intermediate,
+            "layer_norms": 3 * h,
+            "norm": h,
+            "lm_head": h * self.draft_vocab,
+        }
+
+    def num_params(self) -> int:
+        return sum(self.param_counts().values())
+
+    def largest_param(self) -> int:
+        h, q = self.hidden, self.heads * self.head_dim
+        return max(3 * self.ht * h, 2 * h * q, h * self.intermediate, h * self.draft_vocab)
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The memory features, resolved (no auto values). Defaults: everything on."""
+
+    optimizer_offload: bool = True
+    # Draft built on the host and moved after the teacher. Either way place_draft holds the
+    # fp32 weights on the device before the cast, so the estimate does not change with it.
+    build_on_cpu: bool = True
+    fsdp: bool = False  # an FSDP2 wrapper (mixed precision, fp32 grad reduce) even at world size 1
+    embedding_on_host: bool = True
+    loss_chunk_tokens: int = 2048
+    grad_checkpoint: bool = True
+    attention: str = "flex"  # "flex" or "sdpa"
+    compile: bool = True  # the loss chunks compiled (only with loss_chunk_tokens)
+    draft_dtype: str = "bfloat16"
+    embed_dtype: str = "bfloat16"  # the target's dtype: aux states and embedding rows
+
+
+def estimate_train_memory(shape: DraftShape, batch: int, seq: int, ttt_steps: int,
+                          options: MemoryOptions = MemoryOptions(), *, valid_fraction: float = 1.0,
+                          teacher_weight_bytes: int = 0, teacher_forward_bytes: int = 0,
+                          embedding_in_teacher: bool = False) -> dict:
+    """Peak device bytes of one training step, with the components at the peak phase.
+
+    ``valid_fraction``: the share of positions with a loss (the chunked head only sees those);
+    ``teacher_weight_bytes``: the resident teacher (0 when it is stubbed or absent);
+    ``teacher_forward_bytes``: the teacher forward's working memory (0 = no teacher forward
+    phase, e.g. offline); ``embedding_in_teacher``: the token embedding is the resident
+    teacher's own table, so it costs nothing extra on the device.
+
+    Returns a dict of ints (bytes): draft_params, draft_grads, optimizer_state, embedding,
+    teacher_weights, teacher_outputs, activations, transient, total: what is resident at the
+    peak phase, so they add up to the total (e.g. in the layer backward the last step's loss
+    rows are already freed, and in the teacher forward no grads exist yet). Plus
+    peak_phase, phases (each phase's total), activations_saved (everything the forward keeps
+    for backward), host (host RAM the options move there) and num_params.
+    """
+    o = options
+    if o.attention not in ("flex", "sdpa"):
+        raise ValueError(f"attention {o.attention!r}: expected flex or sdpa")
+    a, e = _dtype_bytes(o.draft_dtype), _dtype_bytes(o.embed_dtype)
+    s, S, T = shape, ttt_steps, seq
+    H, I, Ht, Vd = s.hidden, s.intermediate, s.ht, s.draft_vocab
+    nh, q, kv = s.heads, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    tok = batch * seq
+    n_valid = int(tok * valid_fraction)
+    counts = s.param_counts()
+    P = sum(counts.values())
+    P_head = counts["lm_head"] + counts["norm"]
+
+    def attention_saved(j: int) -> float:
+        """Bytes per token the attention of step j saves for backward (beyond q, k, v)."""
+        if o.attention == "flex":
+            out = a * q + 4 * nh  # output and logsumexp
+            return out + (2 * (j + 1) * a * kv if j > 0 else 0)  # keys/values of steps 0..j, concatenated
+        rep = s.heads > s.kv_heads  # GQA: keys/values repeated to the query heads
+        if j == 0:  # F.scaled_dot_product_attention, causal: repeated k/v, output, logsumexp
+            return (2 * a * q if rep else 0) + a * q + 4 * nh
+        out = 2 * a * q if rep else 0  # repeated step-0 keys/values
+        out += (j * a * q if rep else 0) + j * a * q  # repeated diagonal keys, stacked diagonal values
+        out += (4 + (a if a != 4 else 0)) * nh * (T + j)  # softmax probabilities in fp32, cast back
+        return out + T / batch  # the [T, T] bool causal mask, per token
+
+    def layer_saved(j: int) -> float:
+        """Bytes per token one decoder-layer call keeps for backward (no checkpointing)."""
+        b = a * H  # input_layernorm(embeds): the normalized embeds (the embeds need no grad)
+        b += 4 * H + a * H  # hidden_norm: fp32 copy of the hidden state, normalized output
+        b += 2 * a * H  # cat(...) of width 2H, saved once by q/k/v_proj
+        b += a * (q + 2 * kv) + 2 * a * s.head_dim  # q, k after RoPE, v; cos and sin
+        b += attention_saved(j)
+        b += a * q  # o_proj input (the attention output made contiguous)
+        b += 4 * H + 2 * a * H  # post_attention_layernorm: fp32 copy, normalized, weighted
+        return b + 4 * a * I  # MLP: gate, silu(gate), up, silu(gate) * up
+
+    # --- what the forward leaves alive for backward, summed over the TTT steps -----------
+    saved_step = []
+    for j in range(S):
+        if o.grad_checkpoint:  # the checkpoint's inputs only; positions + j is int64
+            per_tok = e * H + a * H + 8 + (2 * a * kv if j < S - 1 else 0)
+        else:
+            per_tok = layer_saved(j)
+        saved_step.append(per_tok * tok)
+    if o.loss_chunk_tokens > 0:  # gathered valid rows, their indices
+        loss_saved = n_valid * (a * H + 24)
+    else:  # head norm (fp32 copy, y, output), log-softmax and teacher softmax in fp32
+        loss_saved = tok * (4 * H + 2 * a * H + 8 * Vd + 1)
+    fuse_saved = tok * 3 * Ht * a if a != e else 0  # fc's input cast to the draft dtype
+    embed_rows = min(tok + 1, s.vocab) * (H * e + 8) if o.embedding_on_host else 0
+    activations = sum(saved_step) + S * loss_saved + fuse_saved + embed_rows
+
+    teacher_outputs = tok * (3 * Ht * e + 4 * Vd + 8 + 1) + tok * 8  # aux, draft logits, argmaxes, mask
+
+    # --- working memory of each phase ---------------------------------------------------
+    grad_of_hidden = a * H * (tok + n_valid)  # index backward's [B, T, H] and the rows' grads
+    if o.loss_chunk_tokens > 0:
+        c = min(o.loss_chunk_tokens, max(n_valid, 1))
+        per_vocab = 2 * a + COMPILED_CHUNK_EXTRA_BYTES if o.compile else EAGER_CHUNK_BYTES
+        loss_transient = c * (4 * H + 2 * a * H + per_vocab * Vd) + a * H * Vd + grad_of_hidden
+    else:  # grads of log-softmax in fp32, of the logits in fp32 and in the draft dtype
+        loss_transient = tok * (8 + a) * Vd + a * H * Vd + grad_of_hidden
+    # Backward of one decoder-layer call, on top of what it saved: the MLP part first (the
+    # grads of the output and of two [I]-wide tensors, and the weight grad being formed),
+    # then the attention part, by which time the MLP's saved tensors are gone.
+    if o.attention == "flex":
+        attn_grads = a * (q + 2 * S * kv) + 4 * nh  # dq, dk/dv of all concatenated steps, delta
+    else:  # grads of the probabilities (draft dtype, fp32) and of the scores, dq/dk/dv repeated
+        attn_grads = (8 + a) * nh * (T + S) + a * (q + 2 * S * q)
+    freed_by_attention = 4 * a * I + 4 * H + 2 * a * H
+    weight_grad = a * max(H * I, 2 * H * q)
+    grad_flow = max(tok * (2 * a * H + 2 * a * I) + weight_grad,
+                    tok * (2 * a * H + attn_grads - freed_by_attention))
+
+    def layer_transient(j: int) -> float:
+        return grad_flow + (layer_saved(j) * tok if o.grad_checkpoint else 0)
+
+    params = a * P
+    if o.fsdp:
+        # distributed.wrap's layout: fp32 shards (on the host with offload, else on the device
+        # with fp32 moments and sharded grads); the device holds the gathered params in the
+        # compute dtype through forward and backward.
+        opt_state = 0 if o.optimizer_offload else (4 + 8 + 4) * P
+        optimizer_transient = 0 if o.optimizer_offload else 4 * P
+    else:
+        opt_state = 0 if o.optimizer_offload else 2 * a * P
+        if o.optimizer_offload:  # each grad goes to the pinned fp32 buffer through an fp32 copy
+            optimizer_transient = 4 * s.largest_param() if a != 4 else 0
+        else:  # foreach AdamW: sqrt of the second moments for all params at once
+            optimizer_transient = a * P
+    embedding = 0 if (o.embedding_on_host or embedding_in_teacher) else s.vocab * H * e
+
+    def phase(**parts) -> dict:
+        out = {"draft_params": 0, "draft_grads": 0, "optimizer_state": opt_state, "embedding": embedding,
+               "teacher_weights": teacher_weight_bytes, "teacher_outputs": 0, "activations": 0,
+               "transient": 0}
+        out.update(parts)
+        out = {k: int(v) for k, v in out.items()}
+        out["total"] = sum(out.values())
+        return out
+
+    phases = {}
+    if o.fsdp:  # placed in fp32, then sharded
+        phases["build"] = phase(draft_params=4 * P, optimizer_state=0)
+        # The cast all-gather inputs beside the gathered output, plus (offload) one fp32 shard
+        # on its way from the host.
+        copy_in = a * P + (4 * s.largest_param() if o.optimizer_offload else 0)
+        phases["fsdp_unshard"] = phase(draft_params=params, teacher_outputs=teacher_outputs,
+                                       transient=copy_in)
+    else:  # place_draft moves fp32 weights, then casts one param at a time
+        phases["build"] = phase(draft_params=4 * P, optimizer_state=0,
+                                transient=a * s.largest_param() if a != 4 else 0)
+    if teacher_forward_bytes:  # the previous batch's outputs died with its graph (run_batch's locals)
+        phases["teacher_forward"] = phase(draft_params=params, teacher_outputs=teacher_outputs,
+                                          transient=teacher_forward_bytes)
+    phases["loss_backward"] = phase(draft_params=params, draft_grads=a * P_head,
+                                    teacher_outputs=teacher_outputs, activations=activations,
+                                    transient=loss_transient)
+    # The last step's layer: its own loss is done; of the layer's grads the MLP's exist
+    # once its backward is under way.
+    phases["layer_backward"] = phase(draft_params=params, draft_grads=a * (P_head + counts["mlp"]),
+                                     teacher_outputs=teacher_outputs, activations=activations - loss_saved,
+                                     transient=layer_transient(S - 1))
+    if S > 1:  # the next one down: every layer grad exists, one more step's saved state is gone
+        phases["layer_backward_2"] = phase(
+            draft_params=params, draft_grads=a * (P - counts["fc"]), teacher_outputs=teacher_outputs,
+            activations=activations - 2 * loss_saved - saved_step[S - 1], transient=layer_transient(S - 2))
+    if o.fsdp:  # grads cast to fp32 for the reduce; the gathered params are already freed
+        phases["fsdp_reduce"] = phase(draft_grads=a * P, teacher_outputs=teacher_outputs,
+                                      transient=max(4 * P, 8 * P - a * P))
+    phases["optimizer_step"] = phase(draft_params=0 if o.fsdp and o.optimizer_offload else params,
+                                     draft_grads=0 if o.fsdp else a * P, teacher_outputs=teacher_outputs,
+                                     transient=optimizer_transient)
+    peak_phase = max(phases, key=lambda k: phases[k]["total"])
+    result = dict(phases[peak_phase])
+    result["peak_phase"] = peak_phase
+    result["activations_saved"] = int(activations)  # all steps' saved state at the end of forward
+    result["phases"] = {k: v["total"] for k, v in phases.items()}
+    result["num_params"] = P
+    result["host"] = {"optimizer": 16 * P if o.optimizer_offload else 0,
+                      "embedding": s.vocab * H * e if o.embedding_on_host else 0}
+    return result
+
+
+# --- the teacher -----------------------------------------------------------------------------
+
+def _first(config, *names, default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def target_param_counts(config) -> dict[str, int]:
+    """Params of an HF causal LM from its config: embedding, output head (0 when tied) and
+    the decoder layers (dense or mixture-of-experts MLPs, biases where the config has them)."""
+    c = getattr(config, "text_config", None) or config
+    h, layers, v = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    nh = c.num_attention_heads
+    nkv = _first(c, "num_key_value_heads", default=nh)
+    d = _first(c, "head_dim", default=h // nh)
+    model_type = getattr(c, "model_type", "")
+    attn = 2 * h * nh * d + 2 * h * nkv * d
+    if getattr(c, "attention_bias", False):  # Llama-style: on all four projections
+        attn += nh * d + 2 * nkv * d + h
+    elif model_type in ("qwen2", "qwen2_moe"):  # q/k/v biases, not configurable
+        attn += nh * d + 2 * nkv * d
+    if model_type.startswith("qwen3"):  # per-head RMSNorm of q and k
+        attn += 2 * d
+    dense_mlp = 3 * h * c.intermediate_size + (2 * c.intermediate_size + h if getattr(c, "mlp_bias", False) else 0)
+    experts = _first(c, "num_local_experts", "num_experts", "n_routed_experts")
+    if experts:
+        moe_i = _first(c, "moe_intermediate_size", default=c.intermediate_size)
+        shared = _first(c, "n_shared_experts", default=0) * 3 * h * moe_i
+        shared += 3 * h * _first(c, "shared_expert_intermediate_size", default=0)
+        moe_mlp = experts * 3 * h * moe_i + h * experts + shared
+        n_dense = min(layers, _first(c, "first_k_dense_replace", default=0))
+        mlp = n_dense * dense_mlp + (layers - n_dense) * moe_mlp
+    else:
+        mlp = layers * dense_mlp
+    tied = getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))
+    return {"embedding": v * h, "lm_head": 0 if tied else v * h,
+            "layers": layers * (attn + 2 * h) + mlp, "final_norm": h}
+
+
+def teacher_weight_bytes(config, dtype: str, quantization: str | None = None,
+                         bits: float | None = None) -> int:
+    """Device bytes of the teacher's weights. A GGUF target is dequantized by transformers on
+    load, so it takes ``dtype`` bytes per param like any other. ``quantization`` (the run's
+    on-load quantization) or ``bits`` set the bits of the decoder weights; the embedding and
+    output head stay in ``dtype`` (the quantizers skip them)."""
+    counts = target_param_counts(config)
+    dense = _dtype_bytes(dtype)
+    if bits is None and quantization:
+        bits = QUANT_BITS.get(quantization)
+        if bits is None:
+            raise ValueError(f"quantization {quantization!r}: no bits-per-weight estimate; pass bits")
+    if bits is None:
+        return sum(counts.values()) * dense
+    kept = counts["embedding"] + counts["lm_head"] + counts["final_norm"]
+    return int(counts["layers"] * bits / 8 + kept * dense)
+
+
+def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype: str,
+                          chunk_tokens: int = 2048) -> int:
+    """Working memory of ``teacher_forward`` (no grad, no KV cache): one decoder layer's
+    temporaries, or the output head's chunk of full-vocab logits and the draft-vocab rows."""
+    c = getattr(config, "text_config", None) or config
+    e = _dtype_bytes(dtype)
+    tok = batch * seq
+    nh = c.num_attention_heads
+    d = _first(c, "head_dim", default=c.hidden_size // nh)
+    nkv = _first(c, "num_key_value_heads", default=nh)
+    inter = _first(c, "moe_intermediate_size", default=c.intermediate_size) \
+        if _first(c, "num_local_experts", "num_experts", "n_routed_experts") else c.intermediate_size
+    layer = tok * e * (3 * c.hidden_size + 2 * nh * d + 2 * nkv * d + 3 * inter)
+    head = min(chunk_tokens, tok) * (c.vocab_size * e + 8) + draft_vocab * c.hidden_size * e
+    assemble = tok * draft_vocab * 2 * e  # chunks, then their concatenation, before the fp32 cast
+    aux_capture = 3 * tok * c.hidden_size * e
+    return int(max(layer, head, assemble) + aux_capture)
+
+
+# --- resolving a run config ------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """'80GiB', '24GB', '24G', '512MiB', '141' (GiB) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"size {text!r}: expected e.g. 80GiB, 24GB or 141 (GiB)")
+    value, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    if not unit:
+        return int(value * GIB)
+    power = "KMGT".index(unit) + 1
+    return int(value * (1024 if binary or not m.group(0).strip().upper().endswith("B") else 1000) ** power)
+
+
+def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> MemoryOptions:
+    """The trainer's choices for one CUDA process (trainer.memory_options and the offload
+    and dtype rules), with the device's size given instead of queried."""
+    from draftling.train.trainer import DRAFT_DTYPES, OFFLOAD_AUTO_SHARE, memory_options
+
+    mem = memory_options(tc, "cuda")
+    offload = tc.optimizer_offload
+    if offload is None:
+        offload = 12 * n_params > OFFLOAD_AUTO_SHARE * gpu_bytes
+    if tc.draft_dtype == "auto":
+        draft_dtype = "bfloat16" if offload else "float32"
+    elif tc.draft_dtype in DRAFT_DTYPES:
+        draft_dtype = tc.draft_dtype
+    else:
+        raise ValueError(f"train.draft_dtype={tc.draft_dtype!r}: expected auto, {', '.join(DRAFT_DTYPES)}")
+    return MemoryOptions(optimizer_offload=bool(offload), build_on_cpu=True, fsdp=False,
+                         embedding_on_host=tc.embedding_on_host,
+                         loss_chunk_tokens=mem["loss_chunk_tokens"], grad_checkpoint=mem["grad_checkpoint"],
+                         attention=mem["attention"], compile=mem.get("compile", False),
+                         draft_dtype=draft_dtype, embed_dtype=embed_dtype)
+
+
+def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offline: bool = False,
+             teacher_bits: float | None = None) -> dict:
+    """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``."""
+    embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
+    shape = DraftShape.from_config(target_config, cfg.vocab.size)
+    options = resolve_options(cfg.train, gpu_bytes, shape.num_params(), embed_dtype)
+    quantization = getattr(cfg, "quantization", None)
+    weights = teacher_weight_bytes(target_config, embed_dtype, quantization, teacher_bits)
+    forward = 0 if offline else teacher_forward_bytes(target_config, batch, seq, shape.draft_vocab, embed_dtype)
+    est = estimate_train_memory(shape, batch, seq, cfg.train.ttt_steps, options,
+                                teacher_weight_bytes=weights, teacher_forward_bytes=forward,
+                                embedding_in_teacher=True)
+    reserve = RESERVE_FIXED_BYTES + int(RESERVE_SHARE * est["total"])
+    return {"shape": shape, "options": options, "estimate": est, "reserve": reserve,
+            "gpu_bytes": gpu_bytes, "headroom": gpu_bytes - est["total"] - reserve,
+            "fits": est["total"] + reserve <= gpu_bytes, "batch": batch, "seq": seq,
+            "teacher_params": sum(target_param_counts(target_config).values()),
+            "quantization": quantization, "teacher_dtype": embed_dtype}
+
+
+def largest_fitting_batch(cfg, target_config, gpu_bytes: int, seq: int, offline: bool = False,
+                          teacher_bits: float | None = None, limit: int = 4096) -> int:
+    """The largest batch size that fits at this sequence length (0 if none)."""
+    def fits(b: int) -> bool:
+        return plan_run(cfg, target_config, gpu_bytes, seq, b, offline=offline, teacher_bits=teacher_bits)["fits"]
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="will a training run fit on this GPU? (reads only the target's config)",
+        description="Estimate the peak GPU memory of `draftling train` from the target's config and "
+        "the run config, without loading weights: teacher weights, draft params, grads and optimizer "
+        "state, the teacher's outputs, activations and the largest transient. Prints a table and a "
+        "verdict; exit code 0 if it fits, 1 if not. The memory options are resolved as the trainer "
+        "resolves them on CUDA (train.optimizer_offload, train.grad_checkpoint, train.attention, "
+        "train.loss_chunk_tokens, train.compile, train.embedding_on_host, train.draft_dtype). The "
+        "estimate is for one process; under torchrun every rank holds its own teacher, so pass the "
+        "per-rank share of the batch as --batch-size.",
+        epilog="Config overrides: trailing KEY=VALUE pairs, e.g. train.batch_size=4 "
+        "train.optimizer_offload=false vocab.size=16000.")
+    p.add_argument("--target", help="HF hub id, local model directory, or .gguf file (default: the "
+                   "config's target)")
+    p.add_argument("--gpu-mem", required=True, metavar="SIZE",
+                   help="memory of one GPU, e.g. 80GiB, 24GB, 141 (a bare number is GiB)")
+    p.add_argument("--config", default=None, help="YAML config file or built-in name")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="sequences per step (default: train.batch_size)")
+    p.add_argument("--dtype", help="the target's dtype (default: from config)")
+    p.add_argument("--offline", action="store_true", help="plan for `train --offline` (no teacher forward; "
+                   "the target is still loaded)")
+    p.add_argument("--teacher-bits", type=float, default=None, metavar="BITS",
+                   help="bits per teacher decoder weight, e.g. 4.5 for a 4-bit quantized teacher "
+                   "(default: the dtype, or the config's quantization)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    return p
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> str:
+    est, opts, shape = plan["estimate"], plan["options"], plan["shape"]
+    on = {True: "on", False: "off"}
+    q = plan["quantization"] or plan["teacher_dtype"]
+    lines = [
+        f"target {target_name}: {plan['teacher_params'] / 1e6:.1f}M params ({q}), hidden {shape.hidden}, "
+        f"vocab {shape.vocab}",
+        f"draft: {est['num_params'] / 1e6:.1f}M params ({opts.draft_dtype}), draft vocab {shape.draft_vocab}; "
+        f"batch {plan['batch']} x seq {plan['seq']}",
+        f"options: optimizer_offload {on[opts.optimizer_offload]}, grad_checkpoint {on[opts.grad_checkpoint]}, "
+        f"attention {opts.attention}, loss_chunk_tokens {opts.loss_chunk_tokens}, compile {on[opts.compile]}, "
+        f"embedding_on_host {on[opts.embedding_on_host]}",
+        "",
+        f"  {'GiB':>43}",
+    ]
+    rows = [("teacher weights", est["teacher_weights"]), ("draft params", est["draft_params"]),
+            ("draft grads", est["draft_grads"]), ("optimizer state (device)", est["optimizer_state"]),
+            ("embedding (device, beyond the teacher)", est["embedding"]),
+            ("teacher outputs", est["teacher_outputs"]), ("activations", est["activations"]),
+            ("transient", est["transient"])]
+    for name, value in rows:
+        lines.append(f"  {name:<38}{_gib(value)}")
+    lines += [f"  {'total (peak: ' + est['peak_phase'].replace('_', ' ') + ')':<38}{_gib(est['total'])}",
+              f"  {'reserve (CUDA context, fragmentation)':<38}{_gib(plan['reserve'])}",
+              f"  {'GPU memory':<38}{_gib(plan['gpu_bytes'])}",
+              f"  {'headroom':<38}{_gib(plan['headroom'])}"]
+    lines.append("  phases (GiB): " + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in est["phases"].items()))
+    lines.append(f"  activations saved for backward over all TTT steps: {est['activations_saved'] / GIB:.2f} GiB")
+    host = est["host"]["optimizer"] + est["host"]["embedding"]
+    if host:
+        lines.append(f"  (host RAM for offloaded state: {host / GIB:.2f} GiB)")
+    lines.append("")
+    need = (est["total"] + plan["reserve"]) / GIB
+    if plan["fits"]:
+        lines.append(f"fits: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
+                     f"({plan['headroom'] / GIB:.2f} GiB headroom)")
+    else:
+        lines.append(f"does NOT fit: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
+                     f"(short by {-plan['headroom'] / GIB:.2f} GiB)")
+    if max_batch == 0:
+        lines.append(f"no batch size fits at seq {plan['seq']}")
+    elif max_batch is not None:
+        lines.append(f"largest batch size that fits at seq {plan['seq']}: {max_batch}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    """``draftling plan``: prints the table and verdict; returns 0 if it fits, 1 if not."""
+    from draftling.config import load_config
+    from draftling.errors import ConfigError
+    from draftling.target.load import load_target_config
+
+    overrides = list(args.overrides or [])
+    for flag in ("target", "dtype"):
+        if getattr(args, flag, None):
+            overrides.append(f"{flag}={getattr(args, flag)}")
+    cfg = load_config(args.config, overrides)
+    try:
+        gpu_bytes = parse_size(args.gpu_mem)
+    except ValueError as e:
+        raise ConfigError(f"--gpu-mem: {e}") from None
+    if args.seq < 1 or (args.batch_size is not None and args.batch_size < 1):
+        raise ConfigError("--seq and --batch-size must be positive")
+    batch = args.batch_size or cfg.train.batch_size
+    target_config = load_target_config(cfg.target)
+    try:
+        plan = plan_run(cfg, target_config, gpu_bytes, args.seq, batch, offline=args.offline,
+                        teacher_bits=args.teacher_bits)
+        max_batch = largest_fitting_batch(cfg, target_config, gpu_bytes, args.seq, args.offline,
+                                          args.teacher_bits)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(format_plan(plan, cfg.target, max_batch), flush=True)
+    return 0 if plan["fits"] else 1
+
+
+def options_dict(options: MemoryOptions) -> dict:
+    return dataclasses.asdict(options)
+
+
+__all__ = ["DraftShape", "MemoryOptions", "estimate_train_memory", "teacher_weight_bytes",
+           "target_param_counts", "teacher_forward_bytes", "parse_size", "plan_run", "add_plan_parser",
+           "cmd_plan", "format_plan", "largest_fitting_batch"]
