@@ -19,7 +19,7 @@ def write_prompts(path: Path, n: int = 12) -> Path:
 
 
 def test_every_subcommand_has_help():
-    for cmd in ("data", "vocab", "train", "bench", "export", "quickstart"):
+    for cmd in ("data", "vocab", "train", "plan", "extract", "bench", "export", "quickstart"):
         r = subprocess.run([sys.executable, "-m", "draftling", cmd, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and "usage: draftling " + cmd in r.stdout
         assert len(r.stdout) > 300  # explains, not just lists flags

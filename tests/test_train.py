@@ -101,3 +101,17 @@ def test_wall_clock_budget_stops_early_but_still_writes_the_draft(tmp_path, tiny
     assert result["steps"] == 1
     assert (tmp_path / "budget" / "draft" / "draft.safetensors").is_file()
     assert "train.max_minutes" in capsys.readouterr().out
+
+
+def test_loss_on_prompt_trains_on_every_position_but_validates_on_replies(tmp_path, tiny_target):
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "reply", 2)
+    run(tmp_path, tiny_target, "all", 2, **{"train.loss_on_prompt": "true"})
+
+    def rows(name, split):
+        return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                if json.loads(l)["split"] == split]
+
+    # The same batches: a third of each example is prompt, so far more positions carry a loss.
+    assert rows("all", "train")[0]["tokens"] > 1.3 * rows("reply", "train")[0]["tokens"]
+    assert rows("all", "val")[-1]["tokens"] == rows("reply", "val")[-1]["tokens"]

@@ -83,6 +83,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     val_every: int = 0  # 0 = only at the end
+    # Also learn at prompt (user/system) positions, against the teacher's predictions there.
+    # More signal per teacher pass for small data; decoding only ever drafts replies, so
+    # validation metrics stay on assistant tokens.
+    loss_on_prompt: bool = False
     # Hybrid mode: keep teacher outputs of the first epoch in host RAM (GiB budget) and
     # reuse them afterwards instead of recomputing. 0 = fully online.
     teacher_cache_gb: float = 0.0

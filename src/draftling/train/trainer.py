@@ -201,6 +201,9 @@ def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[in
     batch = {k: v.to(device) for k, v in collate(chunk, target.tokenizer.pad_token_id).items()}
     if stand_in:
         batch["loss_mask"].zero_()
+    elif tc.loss_on_prompt and torch.is_grad_enabled():
+        # Every real position has a teacher label; validation keeps the assistant-only mask.
+        batch["loss_mask"] = batch["attention_mask"].clone()
     draft = unwrap(objective)
     if teacher_source is not None:
         teacher = teacher_source.get(share, lengths, device)
