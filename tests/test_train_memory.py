@@ -421,3 +421,23 @@ def test_compiled_loss_chunks_match_eager_with_one_graph_for_all_sizes():
                            compile=counter)
     torch.testing.assert_close(l1, l0)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_build_order_flag_decides_whether_the_device_sees_the_fp32_build(tmp_path, tiny_target,
+                                                                       monkeypatch, on_host):
+    from draftling.draft.model import Eagle3Draft
+
+    moves = []
+    original = Eagle3Draft.to
+
+    def recording_to(self, *args, **kwargs):
+        moves.append(self.fc.weight.dtype)  # the weights' dtype when the draft is moved
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Eagle3Draft, "to", recording_to)
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "r", 1, **{"train.optimizer_offload": "true",
+                                          "train.build_on_host": str(on_host).lower()})
+    # On the host the draft is cast to bf16 before its first move; off, it moves as built (fp32).
+    assert moves[0] == (torch.bfloat16 if on_host else torch.float32)

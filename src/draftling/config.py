@@ -115,6 +115,11 @@ class TrainConfig:
     # the device. Saves device memory only when the target is not resident (offline
     # teacher); off by default.
     embedding_on_host: bool = False
+    # Build order: build the draft on the host and move it (cast to draft_dtype first) after
+    # the teacher has claimed its memory, so no fp32 build copy ever sits on the device.
+    # false = move it to the device as built, before the cast. (No DDP/FSDP wrapper at world
+    # size 1 is not a flag: one process always trains the bare module.)
+    build_on_host: bool = True
     # dtype of the draft's device params: "float32", "bfloat16", or "auto" = bfloat16 when
     # the optimizer is offloaded (its fp32 masters keep full precision on the host), else
     # float32.

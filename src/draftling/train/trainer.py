@@ -303,9 +303,12 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     # Build order: the teacher (the target) is already loaded and resident when train()
     # runs. The draft is built on the CPU (random init, vocab maps, optional warm start
     # from the target's head) and moved to the device once, after the teacher, so none of
-    # its build-time temporaries touch device memory.
+    # its build-time temporaries touch device memory. train.build_on_host=false builds it
+    # on the device instead (same weights: the init runs on the host RNG either way).
     with torch.device("cpu"):
         draft = build_draft(cfg, target, vocab)
+    if not tc.build_on_host:
+        draft = draft.to(device)
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     offload = optimizer_offload(tc, device, n_params)
     param_dtype = draft_param_dtype(tc, device, n_params)
