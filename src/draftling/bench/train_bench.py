@@ -44,7 +44,7 @@ from draftling.train.optim import build_optimizer
 from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.teacher import TeacherBatch, teacher_forward
 from draftling.train.trainer import (build_draft, draft_embedding, draft_param_dtype, memory_options,
-                                     optimizer_offload, place_draft)
+                                     optimizer_offload, place_draft, prepare_draft)
 from draftling.train.ttt import ttt_unroll
 
 SHAPE_36B = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128,
@@ -338,14 +338,10 @@ class MemoryBench:
         """The draft as distributed.wrap shards it (FSDP2 over the whole TTT objective: fp32
         shards, compute in the draft dtype, fp32 reduce, the host shards stepped by a plain
         AdamW under CPUOffloadPolicy), here at world size 1."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        from draftling.train.distributed import TTTObjective
+        from draftling.train.distributed import TTTObjective, shard
 
         place_draft(draft, self.device, torch.float32)
-        objective = TTTObjective(draft)
-        fully_shard(objective, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-                    offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        objective = shard(TTTObjective(draft), dtype, offload)
         objective.train()
         params = [p for p in objective.parameters() if p.requires_grad]
         optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, False)
@@ -382,12 +378,8 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     """tokens/s of training steps as the trainer runs them, each step timed in three parts."""
     cfg = RunConfig(train=tc)
     torch.manual_seed(0)
-    with torch.device("cpu"):
-        draft = build_draft(cfg, target, vocab)
+    draft, offload, dtype = prepare_draft(cfg, target, vocab, device)
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    offload = optimizer_offload(tc, device, n_params)
-    dtype = draft_param_dtype(tc, device, n_params)
-    place_draft(draft, device, dtype)
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
@@ -518,10 +510,10 @@ def caveats(results: dict, settings: Settings) -> list[str]:
         f"{settings.tp_warmup} warm-up + {settings.tp_measured} measured), single run",
         "optimizer_offload_off uses the trainer's auto dtype for it: fp32 params, AdamW on the device",
         "build_order_off builds the draft on the device in fp32 and casts it; place_draft moves the host-"
-        "built draft in fp32 and casts on the device too, so both orders reach the fp32 size at placement",
-        "fsdp_world_size_1 shards as distributed.wrap does: fully_shard over TTTObjective, compute in the "
-        "draft dtype, fp32 reduce, CPUOffloadPolicy (plain AdamW steps the host shards); its "
-        "cast_forward_inputs also casts the TeacherBatch's fp32 draft-vocab logits to the draft dtype",
+        "built draft after casting it on the host",
+        "fsdp_world_size_1 shards with distributed.shard, as the trainer does: fully_shard over "
+        "TTTObjective, compute in the draft dtype, fp32 reduce, forward inputs left uncast (the fp32 "
+        "teacher logits stay fp32), CPUOffloadPolicy (plain AdamW steps the host shards)",
         "throughput: synthetic batches of random token ids; the draft vocab holds the teacher's argmax "
         "tokens on them, so nearly every position carries a loss (see valid_fraction_step0)",
         "the LR scheduler is not stepped in the bench (it costs nothing measurable)",

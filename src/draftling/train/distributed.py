@@ -126,10 +126,15 @@ def wrap(draft: torch.nn.Module, ctx: DistContext, mode: str, param_dtype: torch
         device = next(draft.parameters()).device
         return torch.nn.parallel.DistributedDataParallel(
             objective, device_ids=[device.index] if device.type == "cuda" else None)
+    return shard(objective, param_dtype, offload)
+
+
+def shard(objective: TTTObjective, param_dtype: torch.dtype, offload: bool) -> TTTObjective:
+    """FSDP2 over the whole objective (needs a process group, of any size): fp32 shards (the
+    masters), compute in ``param_dtype``, fp32 gradient reduction; with offload the shards
+    and the optimizer step live on the host."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    # FSDP keeps fp32 shards (the masters) and computes in param_dtype; with offload the
-    # shards and the optimizer step live on the host.
     # cast_forward_inputs off: the teacher's fp32 logits must reach the loss unrounded.
     fully_shard(objective, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                                           cast_forward_inputs=False),

@@ -159,6 +159,28 @@ def place_draft(draft: Eagle3Draft, device, dtype: torch.dtype) -> Eagle3Draft:
     return draft.to(device)
 
 
+def prepare_draft(cfg: RunConfig, target: Target, vocab, device, sharded: bool = False):
+    """Build the draft and place it on the device as training needs it. Returns
+    (draft, optimizer offload on?, the draft's compute dtype).
+
+    Build order: the teacher (the target) is already loaded and resident. The draft is built
+    on the CPU (random init, vocab maps, optional warm start from the target's head) and moved
+    to the device once, after the teacher, so none of its build-time temporaries touch device
+    memory. train.build_on_host=false moves it as built instead (same weights: the init runs
+    on the host RNG either way)."""
+    tc = cfg.train
+    with torch.device("cpu"):
+        draft = build_draft(cfg, target, vocab)
+    if not tc.build_on_host:
+        draft = draft.to(device)
+    n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    offload = optimizer_offload(tc, device, n_params)
+    param_dtype = draft_param_dtype(tc, device, n_params)
+    # FSDP keeps fp32 shards and casts for compute itself (its mixed-precision policy).
+    place_draft(draft, device, torch.float32 if sharded else param_dtype)
+    return draft, offload, param_dtype
+
+
 _HOST_EMBEDDINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -179,7 +201,7 @@ def _global_counts(counts: StepCounts, extras: list[float], ctx: DistContext, de
     """Sum the step counts and extra scalars over ranks (one collective)."""
     if not ctx.active:
         return counts, extras
-    fields = ("loss_sum", "valid", "correct", "chain_valid", "chain_correct")
+    fields = StepCounts.FIELDS
     flat = [float(x) for f in fields for x in getattr(counts, f)] + [float(x) for x in extras]
     total = all_reduce_sum(torch.tensor(flat, dtype=torch.float64, device=device), ctx).tolist()
     out = StepCounts(counts.steps)
@@ -300,21 +322,9 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         val_source = teacher_source.for_split("val", hash_dataset_file(val_path))
     vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path),
                        target_vocab_size=target.config.vocab_size)
-    # Build order: the teacher (the target) is already loaded and resident when train()
-    # runs. The draft is built on the CPU (random init, vocab maps, optional warm start
-    # from the target's head) and moved to the device once, after the teacher, so none of
-    # its build-time temporaries touch device memory. train.build_on_host=false builds it
-    # on the device instead (same weights: the init runs on the host RNG either way).
-    with torch.device("cpu"):
-        draft = build_draft(cfg, target, vocab)
-    if not tc.build_on_host:
-        draft = draft.to(device)
-    n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    offload = optimizer_offload(tc, device, n_params)
-    param_dtype = draft_param_dtype(tc, device, n_params)
     sharded = ctx.active and tc.parallel == "fsdp"
-    # FSDP keeps fp32 shards and casts for compute itself (its mixed-precision policy).
-    place_draft(draft, device, torch.float32 if sharded else param_dtype)
+    draft, offload, param_dtype = prepare_draft(cfg, target, vocab, device, sharded)
+    n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
 
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:

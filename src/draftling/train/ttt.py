@@ -238,13 +238,15 @@ class StepCounts:
     chain_valid: list[int] = field(default_factory=list)  # valid and all earlier steps correct
     chain_correct: list[int] = field(default_factory=list)
 
+    FIELDS = ("loss_sum", "valid", "correct", "chain_valid", "chain_correct")  # the per-step sums
+
     def __post_init__(self):
-        for name in ("loss_sum", "valid", "correct", "chain_valid", "chain_correct"):
+        for name in self.FIELDS:
             if not getattr(self, name):
                 setattr(self, name, [0] * self.steps)
 
     def add(self, other: "StepCounts") -> None:
-        for name in ("loss_sum", "valid", "correct", "chain_valid", "chain_correct"):
+        for name in self.FIELDS:
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
 
     def metrics(self) -> dict:
