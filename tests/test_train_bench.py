@@ -63,6 +63,10 @@ def test_bench_runs_end_to_end_and_writes_the_contract(tmp_path, tiny_target, on
         assert on_disk["throughput"][path]["valid_fraction_step0"] > 0.5
     assert on_disk["throughput"]["eager"]["memory_options"]["attention"] == "sdpa"
     assert on_disk["throughput"]["eager"]["memory_options"]["compile"] is False
+    assert on_disk["throughput"]["eager"]["memory_options"]["autocast"] is None
+    assert on_disk["throughput"]["eager_bf16"]["memory_options"]["autocast"] == "bfloat16"
+    profiled = on_disk["throughput"]["default"]["profile"]
+    assert profiled["wall_s"] > 0 and len(profiled["top_ops"]) > 0
     assert any("not run on CUDA" in c for c in on_disk["caveats"])
 
 

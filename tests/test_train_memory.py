@@ -127,6 +127,25 @@ def test_grad_checkpoint_matches_plain():
     assert_same(ref, got, loss_exact=True)
 
 
+def test_autocast_computes_in_bf16_and_stays_close_to_fp32():
+    model, draft, teacher, ids, loss_mask, attn = setup_unroll()
+    embed = model.get_input_embeddings()
+    seen = []
+    hook = draft.midlayer.self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    ref = run_unroll(draft, embed, teacher, ids, loss_mask, attn)
+    got = run_unroll(draft, embed, teacher, ids, loss_mask, attn, autocast="bfloat16")
+    hook.remove()
+    assert seen == [torch.float32] * 4 + [torch.bfloat16] * 4
+    (l0, c0, g0), (l1, c1, g1) = ref, got
+    assert not torch.equal(l0, l1)  # bf16 really ran
+    torch.testing.assert_close(l1, l0, rtol=2e-2, atol=0)
+    assert c1.valid == c0.valid and c1.valid[0] > 0
+    assert all(g.dtype == torch.float32 for g in g1.values())  # params and grads stay fp32
+    for name in g0:
+        cos = F.cosine_similarity(g1[name].flatten(), g0[name].flatten(), dim=0)
+        assert cos > 0.98, name
+
+
 def test_all_memory_options_together_match_plain():
     model, draft, teacher, ids, loss_mask, attn = setup_unroll()
     ref = run_unroll(draft, model.get_input_embeddings(), teacher, ids, loss_mask, attn)
@@ -226,11 +245,17 @@ def test_auto_defaults_resolve_per_device():
     assert tc.loss_chunk_tokens == 2048 and tc.embedding_on_host is False
     cpu = memory_options(tc, "cpu")
     assert cpu == {"loss_chunk_tokens": 2048, "grad_checkpoint": False, "attention": "sdpa",
-                   "compile": False}
+                   "compile": False, "autocast": None}
     assert optimizer_offload(tc, "cpu") is False
     assert optimizer_offload(tc, "cuda") is True
     assert memory_options(tc, "cuda")["grad_checkpoint"] is True
     assert memory_options(tc, "cuda")["compile"] is True
+    # bf16 autocast on CUDA over fp32 params only; bf16 params compute in bf16 already.
+    assert memory_options(tc, "cuda")["autocast"] == "bfloat16"
+    assert memory_options(tc, "cuda", param_dtype=torch.bfloat16)["autocast"] is None
+    assert memory_options(load_config(None, ["train.compute_dtype=float32"]).train, "cuda")["autocast"] is None
+    with pytest.raises(ConfigError, match="compute_dtype"):
+        memory_options(load_config(None, ["train.compute_dtype=fp8"]).train, "cuda")
     unchunked = load_config(None, ["train.loss_chunk_tokens=0"]).train
     assert memory_options(unchunked, "cuda")["compile"] is False  # only chunks are compiled
     forced = load_config(None, ["train.grad_checkpoint=true", "train.optimizer_offload=true"]).train

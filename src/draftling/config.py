@@ -127,6 +127,11 @@ class TrainConfig:
     # torch.compile each checkpointed loss chunk (head, softmaxes, soft CE, argmax fused into a
     # few kernels; needs loss_chunk_tokens > 0). null = auto: on for CUDA, off on CPU.
     compile: bool | None = None
+    # Compute dtype of the draft's forward: "bfloat16" runs it under torch.autocast (bf16
+    # matmuls and attention over the params' own dtype; softmaxes and the loss stay fp32),
+    # "float32" runs it in the params' own dtype, "auto" = bfloat16 on CUDA over fp32 params
+    # (bf16 params, as with optimizer offload, already compute in bf16), float32 elsewhere.
+    compute_dtype: str = "auto"
     # Under torchrun: "ddp" replicates the draft (DistributedDataParallel); "fsdp" shards
     # it and its optimizer state with FSDP2 fully_shard, for drafts too big to replicate.
     # batch_size stays the global batch at any world size.

@@ -83,6 +83,7 @@ class Settings:
     tp_draft_vocab: int = 32000
     tp_warmup: int = 2
     tp_measured: int = 3
+    tp_profile: bool = True  # one extra profiled step of the default path (not in the tok/s)
     aux_dtype: torch.dtype = torch.bfloat16  # the stub teacher's dtype (aux states, embedding)
     caveats: list[str] = field(default_factory=list)
 
@@ -245,8 +246,8 @@ class MemoryBench:
 
     def options(self, tc: TrainConfig, *, build_on_device: bool = False, fsdp: bool = False) -> MemoryOptions:
         """The run's features as train.plan sees them, resolved the way the trainer resolves them."""
-        mem = memory_options(tc, self.device)
         dtype = draft_param_dtype(tc, self.device, self.num_params)
+        mem = memory_options(tc, self.device, param_dtype=dtype)
         return MemoryOptions(
             optimizer_offload=optimizer_offload(tc, self.device, self.num_params), build_on_cpu=not build_on_device,
             fsdp=fsdp, embedding_on_host=tc.embedding_on_host, loss_chunk_tokens=mem["loss_chunk_tokens"],
@@ -278,7 +279,7 @@ class MemoryBench:
             else:
                 draft = copy.deepcopy(self.base_draft)
             dtype = draft_param_dtype(tc, dev, self.num_params)
-            mem_opts = memory_options(tc, dev)
+            mem_opts = memory_options(tc, dev, param_dtype=dtype)
             if fsdp:
                 made_group = _single_process_group(dev)
                 forward, params, optimizer = self._fsdp(draft, tc, dtype, opts.optimizer_offload, mem_opts)
@@ -373,8 +374,28 @@ def synthetic_vocab(target, batches: list[torch.Tensor], size: int, device: torc
     return build_vocab(counts, min(size, vocab_size), "synthetic")
 
 
+def profile_step(step, device: torch.device, top: int = 15) -> dict:
+    """One more step under torch.profiler: where the device time goes, and how much of the
+    step's wall time the device is busy (the rest is host overhead and syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    t0 = time.perf_counter()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda(device) else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    busy_us = sum(e.self_device_time_total for e in events)
+    ranked = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return {"wall_s": round(wall, 4), "device_busy_s": round(busy_us / 1e6, 4),
+            "top_ops": [{"name": e.key[:80], "calls": e.count, "device_ms": round(e.self_device_time_total / 1e3, 2)}
+                        for e in ranked]}
+
+
 def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[torch.Tensor],
-                    warmup: int, device: torch.device) -> dict:
+                    warmup: int, device: torch.device, profile: bool = False) -> dict:
     """tokens/s of training steps as the trainer runs them, each step timed in three parts."""
     cfg = RunConfig(train=tc)
     torch.manual_seed(0)
@@ -383,35 +404,43 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
-    mem_opts = memory_options(tc, device)
+    mem_opts = memory_options(tc, device, param_dtype=dtype)
     embed = draft_embedding(cfg, target, device)
     log(f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {offload}, {mem_opts}")
     split = []
     valid = 0.0
-    for i, ids in enumerate(batches):
-        ids = ids.to(device)
+
+    def step(ids, times):
         mask = torch.ones_like(ids)
-        _sync(device)
-        t0 = time.perf_counter()
+        times.append(time.perf_counter())
         teacher = teacher_forward(target, ids, mask, draft.t2d)
         _sync(device)
-        t1 = time.perf_counter()
+        times.append(time.perf_counter())
         loss, counts = ttt_unroll(draft, embed, teacher, ids, mask, mask, tc.ttt_steps, tc.step_weight_decay,
                                   **mem_opts)
         loss.backward()
         _sync(device)
-        t2 = time.perf_counter()
+        times.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
-        t3 = time.perf_counter()
+        times.append(time.perf_counter())
+        return counts
+
+    for i, ids in enumerate(batches):
+        ids = ids.to(device)
+        _sync(device)
+        t = []
+        counts = step(ids, t)
+        t0, t1, t2, t3 = t
         split.append((t1 - t0, t2 - t1, t3 - t2))
         valid = counts.valid[0] / ids.numel()
         log(f"  {name} step {i + 1}/{len(batches)}: {t3 - t0:.3f}s (teacher {t1 - t0:.3f}, "
             f"draft fwd+bwd {t2 - t1:.3f}, optimizer {t3 - t2:.3f})" + (" [warm-up]" if i < warmup else ""))
     measured = split[warmup:] or split
     mean = [statistics.fmean(x[k] for x in measured) for k in range(3)]
+    profiled = profile_step(lambda: step(batches[-1].to(device), []), device) if profile else None
     step = sum(mean)
     tokens = batches[0].numel()
     del draft, optimizer, params, embed
@@ -423,7 +452,8 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
             "measured_steps": len(measured), "tokens_per_step": tokens,
             "valid_fraction_step0": round(valid, 4), "draft_dtype": str(dtype).replace("torch.", ""),
             "optimizer_offload": offload, "memory_options": mem_opts,
-            "peak_gib": _round(_peak_gib(device))}
+            "peak_gib": _round(_peak_gib(device)),
+            **({"profile": profiled} if profiled else {})}
 
 
 def run_throughput(target, settings: Settings, device: torch.device) -> dict:
@@ -438,13 +468,19 @@ def run_throughput(target, settings: Settings, device: torch.device) -> dict:
     default = TrainConfig(ttt_steps=s.ttt_steps, batch_size=s.tp_batch)
     paths = {
         "default": default,  # the trainer's defaults, resolved on this device
-        "eager": dataclasses.replace(default, attention="sdpa", compile=False),
-        "flex_no_compile": dataclasses.replace(default, compile=False),  # attribution of the gain
+        # The baseline: the plain eager path (SDPA with explicit TTT scores, no compile, the
+        # params' fp32 compute). The memory features stay as the default resolves them.
+        "eager": dataclasses.replace(default, attention="sdpa", compile=False, compute_dtype="float32"),
+        # Attribution of the gain, one change at a time from each end.
+        "eager_bf16": dataclasses.replace(default, attention="sdpa", compile=False, compute_dtype="bfloat16"),
+        "flex_no_compile": dataclasses.replace(default, compile=False),
+        "default_fp32": dataclasses.replace(default, compute_dtype="float32"),
     }
     out = {}
     for name, tc in paths.items():
         _reset_peak(device)
-        out[name] = guarded(device, throughput_path, name, target, vocab, tc, batches, s.tp_warmup, device)
+        out[name] = guarded(device, throughput_path, name, target, vocab, tc, batches, s.tp_warmup, device,
+                            profile=s.tp_profile and name == "default")
     return out
 
 
@@ -508,7 +544,8 @@ def caveats(results: dict, settings: Settings) -> list[str]:
         f"few steps per measurement (all-on: {settings.warmup} warm-up + {settings.measured} measured; "
         f"ablation/seq runs: {settings.case_steps}, 2 without optimizer offload; throughput: "
         f"{settings.tp_warmup} warm-up + {settings.tp_measured} measured), single run",
-        "optimizer_offload_off uses the trainer's auto dtype for it: fp32 params, AdamW on the device",
+        "optimizer_offload_off uses the trainer's auto dtypes for it: fp32 params (so bf16 autocast "
+        "compute), AdamW on the device",
         "build_order_off builds the draft on the device in fp32 and casts it; place_draft moves the host-"
         "built draft after casting it on the host",
         "fsdp_world_size_1 shards with distributed.shard, as the trainer does: fully_shard over "

@@ -85,6 +85,8 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        # Under autocast the projections are bf16 but RoPE (fp32 tables) promotes q and k.
+        q, k = q.to(v.dtype), k.to(v.dtype)
         out = attend(q, k, v)  # [B, nh, T, d]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 

@@ -98,9 +98,11 @@ def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
     return draft
 
 
-def memory_options(tc: TrainConfig, device, training: bool = True) -> dict:
+def memory_options(tc: TrainConfig, device, training: bool = True,
+                   param_dtype: torch.dtype = torch.float32) -> dict:
     """The ``ttt_unroll`` keyword options for this device, with the config's auto values
-    (null / "auto") resolved: see TrainConfig for what each one does."""
+    (null / "auto") resolved: see TrainConfig for what each one does. ``param_dtype``: the
+    draft's device params (autocast only pays over fp32 params)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     attention = tc.attention
@@ -117,8 +119,14 @@ def memory_options(tc: TrainConfig, device, training: bool = True) -> dict:
     grad_checkpoint = tc.grad_checkpoint if tc.grad_checkpoint is not None else cuda
     # Only the chunked loss is compiled; evaluation runs it eagerly (no graph for no_grad).
     compile = tc.compile if tc.compile is not None else cuda
+    if tc.compute_dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"train.compute_dtype={tc.compute_dtype!r}: expected auto, float32 or bfloat16")
+    compute = tc.compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if cuda and param_dtype == torch.float32 else "float32"
     return {"loss_chunk_tokens": tc.loss_chunk_tokens, "grad_checkpoint": grad_checkpoint,
-            "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0)}
+            "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
+            "autocast": None if compute == "float32" else compute}
 
 
 # "auto" offloads the optimizer once its fp32 state (masters and two moments, 12 bytes per
@@ -243,7 +251,8 @@ def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[in
     training = torch.is_grad_enabled()
     loss, counts = objective(draft_embedding(cfg, target, device), teacher, batch["input_ids"],
                              batch["loss_mask"], batch["attention_mask"], tc.ttt_steps,
-                             tc.step_weight_decay, memory_options(tc, device, training=training),
+                             tc.step_weight_decay,
+                             memory_options(tc, device, training, next(draft.parameters()).dtype),
                              denominators)
     tokens = 0 if stand_in else int(batch["attention_mask"].sum())
     return loss, counts, tokens
@@ -337,7 +346,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         assert type(objective) is TTTObjective and not is_sharded(objective)
     objective.train()
     params = [p for p in objective.parameters() if p.requires_grad]
-    mem_opts = memory_options(tc, device)
+    mem_opts = memory_options(tc, device, param_dtype=param_dtype)
     # With offload the scheduler drives the inner torch AdamW over the host masters. Under
     # FSDP, offload is its CPUOffloadPolicy and the plain optimizer steps the host shards.
     optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not sharded)

@@ -279,6 +279,7 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
                input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor,
                steps: int, step_weight_decay: float = 0.8, *, loss_chunk_tokens: int = 0,
                grad_checkpoint: bool = False, attention: str = "sdpa", compile=False,
+               autocast: torch.dtype | str | None = None,
                loss_denominators: Sequence[float] | None = None) -> tuple[torch.Tensor, StepCounts]:
     """Run the k-step unroll. Returns the weighted loss (mean over valid tokens per step)
     and the counts behind the per-step and conditional accuracies.
@@ -288,11 +289,22 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     per batch. The keyword options are the memory options described in the module doc;
     their defaults here are the plain path. ``compile``: False, True (inductor), or another
     ``torch.compile`` backend (a name or a callable; the CPU tests use "aot_eager").
+    ``autocast``: run the forward under ``torch.autocast`` in this dtype (a dtype or its
+    name): matmuls and attention in bf16 over fp32 params; the softmaxes and loss stay fp32.
 
     ``loss_denominators``: step j's summed loss is divided by ``loss_denominators[j]``
     instead of this batch's valid count. Data parallelism passes the global count over
     world size, so averaged gradients equal those of one process on the whole batch.
     """
+    if isinstance(autocast, str):
+        autocast = getattr(torch, autocast)
+    with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        return _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, step_weight_decay,
+                       loss_chunk_tokens, grad_checkpoint, attention, compile, loss_denominators)
+
+
+def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, step_weight_decay,
+            loss_chunk_tokens, grad_checkpoint, attention, compile, loss_denominators):
     device = input_ids.device
     b, t = input_ids.shape
     positions = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
@@ -304,7 +316,9 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, compile=compile)
     loss_mask = loss_mask.bool() & attention_mask.bool()
     draft_argmax = teacher.draft_logits.argmax(-1)
-    counts = StepCounts(steps)
+    # The counts stay on the device until the end: one host sync per unroll, not five per
+    # step, so the host keeps queueing kernels ahead of the device.
+    per_step: list[torch.Tensor] = []
     chain_ok = torch.ones(b, t, dtype=torch.bool, device=device)
     total = hidden.new_zeros((), dtype=torch.float32)
     for j in range(steps):
@@ -320,8 +334,8 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
         # The label for position t at step j is the target's prediction at t+1+j.
         valid = shift_left(loss_mask, 2 + j, False) & shift_left(teacher.in_draft, 1 + j, False)
         if loss_chunk_tokens > 0:
-            vb, vt = valid.nonzero(as_tuple=True)
-            n_valid = int(vb.numel())
+            vb, vt = valid.nonzero(as_tuple=True)  # syncs: chunk sizes are host numbers
+            n_valid = vb.numel()
             rows = hidden[vb, vt]  # [N, H]: only the valid positions ever reach the head
             loss_sum = hidden.new_zeros((), dtype=torch.float32)
             argmax = []
@@ -335,24 +349,26 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
             with torch.no_grad():
                 correct = torch.zeros(b, t, dtype=torch.bool, device=device)
                 correct[vb, vt] = torch.cat(argmax) == draft_argmax[vb, vt + 1 + j]
-            loss_sum_value = float(loss_sum.detach())
+                n_valid = torch.tensor(n_valid, device=device)
         else:
             logits = draft.compute_logits(hidden).float()
             target_p = shift_left(teacher.draft_logits, 1 + j).softmax(-1)
             logp = logits.log_softmax(-1)
             token_loss = -(target_p * logp).sum(-1)
-            n_valid = int(valid.sum())
-            step_loss = (token_loss * valid).sum() / _denominator(loss_denominators, j, n_valid)
+            loss_sum = (token_loss * valid).sum()
+            n_valid = valid.sum()
+            denominator = (n_valid.clamp(min=1) if loss_denominators is None
+                           else _denominator(loss_denominators, j, 0))
+            step_loss = loss_sum / denominator
             with torch.no_grad():
                 correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
-                loss_sum_value = float((token_loss * valid).sum())
         total = total + (step_weight_decay ** j) * step_loss
         with torch.no_grad():
             chain_valid = chain_ok & valid
-            counts.loss_sum[j] = loss_sum_value
-            counts.valid[j] = n_valid
-            counts.correct[j] = int(correct.sum())
-            counts.chain_valid[j] = int(chain_valid.sum())
-            counts.chain_correct[j] = int((chain_valid & correct).sum())
             chain_ok = chain_valid & correct
+            per_step.append(torch.stack([loss_sum.detach().double(), n_valid.double(), correct.sum().double(),
+                                         chain_valid.sum().double(), chain_ok.sum().double()]))
+    rows = torch.stack(per_step).T.tolist()  # [field][step], in StepCounts.FIELDS order
+    counts = StepCounts(steps, loss_sum=rows[0], **{name: [int(x) for x in col]
+                                                    for name, col in zip(StepCounts.FIELDS[1:], rows[1:])})
     return total, counts
