@@ -245,7 +245,7 @@ def test_auto_defaults_resolve_per_device():
     assert tc.loss_chunk_tokens == 2048 and tc.embedding_on_host is False
     cpu = memory_options(tc, "cpu")
     assert cpu == {"loss_chunk_tokens": 2048, "grad_checkpoint": False, "attention": "sdpa",
-                   "compile": False, "autocast": None}
+                   "compile": False, "compile_layer": False, "autocast": None}
     assert optimizer_offload(tc, "cpu") is False
     assert optimizer_offload(tc, "cuda") is True
     assert memory_options(tc, "cuda")["grad_checkpoint"] is True
@@ -257,7 +257,8 @@ def test_auto_defaults_resolve_per_device():
     with pytest.raises(ConfigError, match="compute_dtype"):
         memory_options(load_config(None, ["train.compute_dtype=fp8"]).train, "cuda")
     unchunked = load_config(None, ["train.loss_chunk_tokens=0"]).train
-    assert memory_options(unchunked, "cuda")["compile"] is False  # only chunks are compiled
+    assert memory_options(unchunked, "cuda")["compile"] is False  # no chunks to compile
+    assert memory_options(unchunked, "cuda")["compile_layer"] is True
     forced = load_config(None, ["train.grad_checkpoint=true", "train.optimizer_offload=true"]).train
     assert memory_options(forced, "cpu")["grad_checkpoint"] is True and optimizer_offload(forced, "cpu")
 
@@ -446,6 +447,32 @@ def test_compiled_loss_chunks_match_eager_with_one_graph_for_all_sizes():
                            compile=counter)
     torch.testing.assert_close(l1, l0)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_compiled_layer_halves_match_eager_with_one_graph_per_half(ckpt):
+    """compile_layer= compiles the decoder layer around its attention. Loss, grads and counts
+    equal the eager layer, with or without checkpointing, and a batch of another length
+    reuses the two dynamic graphs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model, draft, teacher, ids, loss_mask, attn = setup_unroll(b=3, t=20)
+    embed = model.get_input_embeddings()
+    ref = run_unroll(draft, embed, teacher, ids, loss_mask, attn, grad_checkpoint=ckpt)
+    got = run_unroll(draft, embed, teacher, ids, loss_mask, attn, grad_checkpoint=ckpt, compile_layer=counter)
+    assert_same(ref, got)
+    # attention_inputs and attention_to_output; SDPA's step-0 output has other strides than
+    # the later steps' explicit attention, which costs the output half one more graph.
+    frames = counter.frame_count
+    assert 2 <= frames <= 3
+    short = (teacher_forward(type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4],
+                                            "output_head": lambda self: model.lm_head})(),
+                             ids[:, :13], attn[:, :13], draft.t2d), ids[:, :13], loss_mask[:, :13], attn[:, :13])
+    assert_same(run_unroll(draft, embed, *short, grad_checkpoint=ckpt),
+                run_unroll(draft, embed, *short, grad_checkpoint=ckpt, compile_layer=counter))
+    assert counter.frame_count == frames
 
 
 @pytest.mark.parametrize("on_host", [True, False])

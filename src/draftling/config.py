@@ -125,7 +125,8 @@ class TrainConfig:
     # float32.
     draft_dtype: str = "auto"
     # torch.compile each checkpointed loss chunk (head, softmaxes, soft CE, argmax fused into a
-    # few kernels; needs loss_chunk_tokens > 0). null = auto: on for CUDA, off on CPU.
+    # few kernels; needs loss_chunk_tokens > 0) and the decoder layer around its attention
+    # (norms, projections, RoPE, MLP). null = auto: on for CUDA, off on CPU.
     compile: bool | None = None
     # Compute dtype of the draft's forward: "bfloat16" runs it under torch.autocast (bf16
     # matmuls and attention over the params' own dtype; softmaxes and the loss stay fp32),

@@ -79,16 +79,21 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos, sin, attend: Attend) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         # Under autocast the projections are bf16 but RoPE (fp32 tables) promotes q and k.
-        q, k = q.to(v.dtype), k.to(v.dtype)
-        out = attend(q, k, v)  # [B, nh, T, d]
+        return q.to(v.dtype), k.to(v.dtype), v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = out.shape  # [B, nh, T, d]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor, cos, sin, attend: Attend) -> torch.Tensor:
+        return self.output(attend(*self.qkv(x, cos, sin)))
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -101,11 +106,18 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, attend: Attend) -> torch.Tensor:
-        residual = hidden
+    # The layer in two attention-free halves around ``attend``, so training can compile them
+    # (one graph each, whatever the attention does) and leave the attention to flex.
+    def attention_inputs(self, embeds, hidden, cos, sin):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = residual + self.self_attn(x, cos, sin, attend)
+        return self.self_attn.qkv(x, cos, sin)
+
+    def attention_to_output(self, hidden, attn_out):
+        hidden = hidden + self.self_attn.output(attn_out)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, embeds, hidden, cos, sin, attend: Attend) -> torch.Tensor:
+        return self.attention_to_output(hidden, attend(*self.attention_inputs(embeds, hidden, cos, sin)))
 
 
 class Eagle3Draft(nn.Module):

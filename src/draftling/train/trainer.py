@@ -117,7 +117,7 @@ def memory_options(tc: TrainConfig, device, training: bool = True,
     if tc.loss_chunk_tokens < 0:
         raise ConfigError(f"train.loss_chunk_tokens={tc.loss_chunk_tokens}: expected >= 0 (0 = off)")
     grad_checkpoint = tc.grad_checkpoint if tc.grad_checkpoint is not None else cuda
-    # Only the chunked loss is compiled; evaluation runs it eagerly (no graph for no_grad).
+    # The chunked loss and the layer's halves; evaluation runs the loss eagerly (no_grad).
     compile = tc.compile if tc.compile is not None else cuda
     if tc.compute_dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"train.compute_dtype={tc.compute_dtype!r}: expected auto, float32 or bfloat16")
@@ -126,6 +126,7 @@ def memory_options(tc: TrainConfig, device, training: bool = True,
         compute = "bfloat16" if cuda and param_dtype == torch.float32 else "float32"
     return {"loss_chunk_tokens": tc.loss_chunk_tokens, "grad_checkpoint": grad_checkpoint,
             "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
+            "compile_layer": bool(compile),
             "autocast": None if compute == "float32" else compute}
 
 

@@ -26,6 +26,9 @@ Memory options (all exact up to float summation order; see TrainConfig for defau
   soft cross-entropy, argmax) runs as one ``torch.compile``d function, so the [C, V_draft]
   softmax math is a few fused passes instead of a dozen eager kernels. The chunk's row
   count is marked dynamic up front: one compiled graph serves every chunk size.
+- ``compile_layer``: the decoder layer's two attention-free halves (norms, q/k/v, RoPE; and
+  o_proj, residuals, MLP) each run as one compiled function; the attention between them
+  is flex's own kernel (or SDPA). The sequence length is marked dynamic.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from draftling.draft.model import Eagle3Draft, repeat_kv
+from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft, repeat_kv
 from draftling.train.teacher import TeacherBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
@@ -160,17 +163,46 @@ class TTTAttention:
         return ttt_attention(q, self.keys, self.values, self.backend)
 
 
-def _draft_step(draft: Eagle3Draft, backend: str, embeds, hidden, positions,
+_COMPILED_HALVES: dict = {}
+
+
+def compiled_layer_halves(backend="inductor"):
+    """The decoder layer's two attention-free halves (norms, projections, RoPE; output
+    projection, residuals, MLP) under ``torch.compile``: their dozens of small elementwise
+    kernels fuse into a few. Compiled as plain functions of (layer, ...), so one cache
+    entry serves every draft (dynamo guards on the module it is given)."""
+    fns = _COMPILED_HALVES.get(backend)
+    if fns is None:
+        fns = tuple(torch.compile(f, backend=backend, dynamic=None)
+                    for f in (Eagle3DecoderLayer.attention_inputs, Eagle3DecoderLayer.attention_to_output))
+        _COMPILED_HALVES[backend] = fns
+    return fns
+
+
+def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, positions,
                 keys: tuple, values: tuple):
-    """One TTT step as a pure function of its inputs: returns (hidden, k, v) of this step."""
-    new: dict = {}
+    """One TTT step as a pure function of its inputs: returns (hidden, k, v) of this step.
+    ``compile``: False, or a torch.compile backend (True = inductor) for the layer's halves."""
+    if not compile:
+        new: dict = {}
 
-    def attend(q, k, v):
-        new["k"], new["v"] = k, v
-        return ttt_attention(q, (*keys, k), (*values, v), backend)
+        def attend(q, k, v):
+            new["k"], new["v"] = k, v
+            return ttt_attention(q, (*keys, k), (*values, v), backend)
 
-    out = draft.step(embeds, hidden, positions, attend)
-    return out, new["k"], new["v"]
+        out = draft.step(embeds, hidden, positions, attend)  # the very call decoding makes
+        return out, new["k"], new["v"]
+    # The same computation as draft.step, with the layer's halves compiled.
+    layer = draft.midlayer
+    cos, sin = draft.rotary_emb(hidden, positions)
+    embeds = embeds.to(hidden.dtype)
+    inputs_fn, output_fn = compiled_layer_halves("inductor" if compile is True else compile)
+    for x in (embeds, hidden, cos, sin):  # batch lengths vary: one graph for all of them
+        torch._dynamo.maybe_mark_dynamic(x, 1)
+    q, k, v = inputs_fn(layer, embeds, hidden, cos, sin)
+    out = ttt_attention(q, (*keys, k), (*values, v), backend)
+    torch._dynamo.maybe_mark_dynamic(out, 2)
+    return output_fn(layer, hidden, out), k, v
 
 
 # --- loss and metrics ------------------------------------------------------------------
@@ -279,7 +311,7 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
                input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor,
                steps: int, step_weight_decay: float = 0.8, *, loss_chunk_tokens: int = 0,
                grad_checkpoint: bool = False, attention: str = "sdpa", compile=False,
-               autocast: torch.dtype | str | None = None,
+               compile_layer=False, autocast: torch.dtype | str | None = None,
                loss_denominators: Sequence[float] | None = None) -> tuple[torch.Tensor, StepCounts]:
     """Run the k-step unroll. Returns the weighted loss (mean over valid tokens per step)
     and the counts behind the per-step and conditional accuracies.
@@ -289,6 +321,7 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     per batch. The keyword options are the memory options described in the module doc;
     their defaults here are the plain path. ``compile``: False, True (inductor), or another
     ``torch.compile`` backend (a name or a callable; the CPU tests use "aot_eager").
+    ``compile_layer``: the same for the decoder layer's two attention-free halves.
     ``autocast``: run the forward under ``torch.autocast`` in this dtype (a dtype or its
     name): matmuls and attention in bf16 over fp32 params; the softmaxes and loss stay fp32.
 
@@ -300,11 +333,11 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
         autocast = getattr(torch, autocast)
     with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         return _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, step_weight_decay,
-                       loss_chunk_tokens, grad_checkpoint, attention, compile, loss_denominators)
+                       loss_chunk_tokens, grad_checkpoint, attention, compile, compile_layer, loss_denominators)
 
 
 def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, step_weight_decay,
-            loss_chunk_tokens, grad_checkpoint, attention, compile, loss_denominators):
+            loss_chunk_tokens, grad_checkpoint, attention, compile, compile_layer, loss_denominators):
     device = input_ids.device
     b, t = input_ids.shape
     positions = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
@@ -326,9 +359,10 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
             embeds = lookup(shift_left(input_ids, 1 + j))
         step_args = (embeds, hidden, positions + j, tuple(keys), tuple(values))
         if use_ckpt:
-            hidden, k, v = checkpoint(_draft_step, draft, attention, *step_args, use_reentrant=False)
+            hidden, k, v = checkpoint(_draft_step, draft, attention, compile_layer, *step_args,
+                                      use_reentrant=False)
         else:
-            hidden, k, v = _draft_step(draft, attention, *step_args)
+            hidden, k, v = _draft_step(draft, attention, compile_layer, *step_args)
         keys.append(k)
         values.append(v)
         # The label for position t at step j is the target's prediction at t+1+j.
