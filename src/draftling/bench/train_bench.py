@@ -203,7 +203,8 @@ def stub_batch(shape: DraftShape, batch: int, seq: int, device: torch.device, au
     """A teacher's outputs as random tensors, and token ids / masks (every position a loss)."""
     g = torch.Generator(device=device).manual_seed(seed)
     aux = torch.randn(batch, seq, 3 * shape.ht, generator=g, device=device).to(aux_dtype)
-    logits = torch.randn(batch, seq, shape.draft_vocab, generator=g, device=device) * 3
+    # The draft-vocab logits in the teacher's dtype, as teacher_forward returns them.
+    logits = (torch.randn(batch, seq, shape.draft_vocab, generator=g, device=device) * 3).to(aux_dtype)
     teacher = TeacherBatch(aux=aux, draft_logits=logits, target_argmax=logits.argmax(-1),
                            in_draft=torch.ones(batch, seq, dtype=torch.bool, device=device))
     ids = torch.randint(0, shape.vocab, (batch, seq), generator=g, device=device)
@@ -418,6 +419,8 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
         times.append(time.perf_counter())
         loss, counts = ttt_unroll(draft, embed, teacher, ids, mask, mask, tc.ttt_steps, tc.step_weight_decay,
                                   **mem_opts)
+        _sync(device)
+        times.append(time.perf_counter())
         loss.backward()
         _sync(device)
         times.append(time.perf_counter())
@@ -433,22 +436,22 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
         _sync(device)
         t = []
         counts = step(ids, t)
-        t0, t1, t2, t3 = t
-        split.append((t1 - t0, t2 - t1, t3 - t2))
+        t0, t1, t_fwd, t2, t3 = t
+        split.append((t1 - t0, t2 - t1, t3 - t2, t_fwd - t1))
         valid = counts.valid[0] / ids.numel()
         log(f"  {name} step {i + 1}/{len(batches)}: {t3 - t0:.3f}s (teacher {t1 - t0:.3f}, "
-            f"draft fwd+bwd {t2 - t1:.3f}, optimizer {t3 - t2:.3f})" + (" [warm-up]" if i < warmup else ""))
+            f"draft fwd+bwd {t2 - t1:.3f} of which fwd {t_fwd - t1:.3f}, optimizer {t3 - t2:.3f})" + (" [warm-up]" if i < warmup else ""))
     measured = split[warmup:] or split
-    mean = [statistics.fmean(x[k] for x in measured) for k in range(3)]
+    mean = [statistics.fmean(x[k] for x in measured) for k in range(4)]
     profiled = profile_step(lambda: step(batches[-1].to(device), []), device) if profile else None
-    step = sum(mean)
+    step = sum(mean[:3])
     tokens = batches[0].numel()
     del draft, optimizer, params, embed
     _free(device)
     return {"tok_s": round(tokens / step, 1), "step_s": round(step, 4),
             "time_split": {"teacher_prefill_s": round(mean[0], 4), "draft_fwd_bwd_s": round(mean[1], 4),
-                           "optimizer_s": round(mean[2], 4)},
-            "warmup_step_s": [round(sum(x), 3) for x in split[:warmup]],
+                           "optimizer_s": round(mean[2], 4), "draft_forward_s": round(mean[3], 4)},
+            "warmup_step_s": [round(sum(x[:3]), 3) for x in split[:warmup]],
             "measured_steps": len(measured), "tokens_per_step": tokens,
             "valid_fraction_step0": round(valid, 4), "draft_dtype": str(dtype).replace("torch.", ""),
             "optimizer_offload": offload, "memory_options": mem_opts,
@@ -524,7 +527,7 @@ def new_results(settings: Settings, device: torch.device) -> dict:
         "memory_config": {"seq": s.seq, "batch": s.batch, "ttt_steps": s.ttt_steps, "dtype": "bfloat16",
                           "warmup_steps": s.warmup, "measured_steps": s.measured,
                           "ablation_steps": s.case_steps, "teacher": "stubbed: random aux (bf16) and "
-                          "draft-vocab logits (fp32); embedding table random"},
+                          "draft-vocab logits (bf16, the teacher dtype); embedding table random"},
         "throughput_config": {"seq": s.tp_seq, "batch": s.tp_batch, "ttt_steps": s.ttt_steps,
                               "draft_vocab": s.tp_draft_vocab, "warmup_steps": s.tp_warmup,
                               "measured_steps": s.tp_measured, "teacher_dtype": "bfloat16",
@@ -538,7 +541,7 @@ def new_results(settings: Settings, device: torch.device) -> dict:
 def caveats(results: dict, settings: Settings) -> list[str]:
     notes = [
         "memory runs stub the teacher with random tensors: no teacher weights or teacher forward on the "
-        "device, so the peak is the draft's own (aux states bf16, draft-vocab logits fp32 are included)",
+        "device, so the peak is the draft's own (aux states and draft-vocab logits, both bf16 as a bf16 teacher gives them, are included)",
         "peak = torch.cuda.max_memory_allocated over placement and all steps of a run; the CUDA context "
         "and allocator fragmentation come on top (reserved_peak_gib is recorded beside it)",
         f"few steps per measurement (all-on: {settings.warmup} warm-up + {settings.measured} measured; "
@@ -549,8 +552,8 @@ def caveats(results: dict, settings: Settings) -> list[str]:
         "build_order_off builds the draft on the device in fp32 and casts it; place_draft moves the host-"
         "built draft after casting it on the host",
         "fsdp_world_size_1 shards with distributed.shard, as the trainer does: fully_shard over "
-        "TTTObjective, compute in the draft dtype, fp32 reduce, forward inputs left uncast (the fp32 "
-        "teacher logits stay fp32), CPUOffloadPolicy (plain AdamW steps the host shards)",
+        "TTTObjective, compute in the draft dtype, fp32 reduce, forward inputs left uncast (the "
+        "teacher logits keep the teacher's dtype), CPUOffloadPolicy (plain AdamW steps the host shards)",
         "throughput: synthetic batches of random token ids; the draft vocab holds the teacher's argmax "
         "tokens on them, so nearly every position carries a loss (see valid_fraction_step0)",
         "the LR scheduler is not stepped in the bench (it costs nothing measurable)",

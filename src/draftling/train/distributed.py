@@ -135,7 +135,8 @@ def shard(objective: TTTObjective, param_dtype: torch.dtype, offload: bool) -> T
     and the optimizer step live on the host."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    # cast_forward_inputs off: the teacher's fp32 logits must reach the loss unrounded.
+    # cast_forward_inputs off: the teacher's logits (fp32 from an fp32 teacher) must reach the
+    # loss unrounded.
     fully_shard(objective, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                                           cast_forward_inputs=False),
                 offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())

@@ -197,7 +197,7 @@ def estimate_train_memory(shape: DraftShape, batch: int, seq: int, ttt_steps: in
     embed_rows = min(tok + 1, s.vocab) * (H * e + 8) if o.embedding_on_host else 0
     activations = sum(saved_step) + S * loss_saved + fuse_saved + embed_rows
 
-    teacher_outputs = tok * (3 * Ht * e + 4 * Vd + 8 + 1) + tok * 8  # aux, draft logits, argmaxes, mask
+    teacher_outputs = tok * (3 * Ht * e + e * Vd + 8 + 1) + tok * 8  # aux, draft logits, argmaxes, mask
 
     # --- working memory of each phase ---------------------------------------------------
     grad_of_hidden = a * H * (tok + n_valid)  # index backward's [B, T, H] and the rows' grads
@@ -363,7 +363,7 @@ def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype:
         if _first(c, "num_local_experts", "num_experts", "n_routed_experts") else c.intermediate_size
     layer = tok * e * (3 * c.hidden_size + 2 * nh * d + 2 * nkv * d + 3 * inter)
     head = min(chunk_tokens, tok) * (c.vocab_size * e + 8) + draft_vocab * c.hidden_size * e
-    assemble = tok * draft_vocab * 2 * e  # chunks, then their concatenation, before the fp32 cast
+    assemble = tok * draft_vocab * 2 * e  # chunks, then their concatenation
     aux_capture = 3 * tok * c.hidden_size * e
     return int(max(layer, head, assemble) + aux_capture)
 

@@ -18,7 +18,7 @@ from draftling.target.quant import plain_weight
 @dataclass
 class TeacherBatch:
     aux: torch.Tensor  # [B, T, 3*H_t], low/mid/high concatenated
-    draft_logits: torch.Tensor  # [B, T, V_d] target logits at the draft-vocab ids
+    draft_logits: torch.Tensor  # [B, T, V_d] target logits at the draft-vocab ids (target dtype)
     target_argmax: torch.Tensor  # [B, T] argmax over the FULL target vocab
     in_draft: torch.Tensor  # [B, T] bool: that argmax is in the draft vocab
 
@@ -47,7 +47,9 @@ def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: tor
     argmax = torch.cat(argmax).view(b, t)
     return TeacherBatch(
         aux=torch.cat(aux, dim=-1),
-        draft_logits=torch.cat(draft_logits).view(b, t, -1).float(),
+        # In the target's dtype: a bf16 head's logits carry no more precision as fp32, and
+        # the loss reads them at every TTT step (it upcasts per chunk).
+        draft_logits=torch.cat(draft_logits).view(b, t, -1),
         target_argmax=argmax,
         in_draft=t2d[argmax],
     )

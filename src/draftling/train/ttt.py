@@ -349,8 +349,15 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
     chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, compile=compile)
     loss_mask = loss_mask.bool() & attention_mask.bool()
     draft_argmax = teacher.draft_logits.argmax(-1)
-    # The counts stay on the device until the end: one host sync per unroll, not five per
-    # step, so the host keeps queueing kernels ahead of the device.
+    # The counts stay on the device until the end, and the chunked loss's row indices for
+    # all steps come from one nonzero up front: two host syncs per unroll, none inside it,
+    # so the host keeps queueing kernels ahead of the device.
+    valid_steps = torch.stack([shift_left(loss_mask, 2 + j, False) & shift_left(teacher.in_draft, 1 + j, False)
+                               for j in range(steps)])
+    if loss_chunk_tokens > 0:
+        js, vbs, vts = valid_steps.nonzero(as_tuple=True)  # ordered by step
+        sizes = torch.bincount(js, minlength=steps).tolist()
+        step_rows = list(zip(vbs.split(sizes), vts.split(sizes)))
     per_step: list[torch.Tensor] = []
     chain_ok = torch.ones(b, t, dtype=torch.bool, device=device)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -366,9 +373,9 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
         keys.append(k)
         values.append(v)
         # The label for position t at step j is the target's prediction at t+1+j.
-        valid = shift_left(loss_mask, 2 + j, False) & shift_left(teacher.in_draft, 1 + j, False)
+        valid = valid_steps[j]
         if loss_chunk_tokens > 0:
-            vb, vt = valid.nonzero(as_tuple=True)  # syncs: chunk sizes are host numbers
+            vb, vt = step_rows[j]
             n_valid = vb.numel()
             rows = hidden[vb, vt]  # [N, H]: only the valid positions ever reach the head
             loss_sum = hidden.new_zeros((), dtype=torch.float32)
@@ -386,7 +393,7 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
                 n_valid = torch.tensor(n_valid, device=device)
         else:
             logits = draft.compute_logits(hidden).float()
-            target_p = shift_left(teacher.draft_logits, 1 + j).softmax(-1)
+            target_p = shift_left(teacher.draft_logits, 1 + j).float().softmax(-1)
             logp = logits.log_softmax(-1)
             token_loss = -(target_p * logp).sum(-1)
             loss_sum = (token_loss * valid).sum()
