@@ -263,6 +263,36 @@ def test_auto_defaults_resolve_per_device():
     assert memory_options(forced, "cpu")["grad_checkpoint"] is True and optimizer_offload(forced, "cpu")
 
 
+def test_memory_policy_trades_recompute_for_speed_only_when_the_plan_says_it_fits(monkeypatch):
+    from transformers import LlamaConfig
+
+    from draftling.train.trainer import resolve_memory_policy
+
+    target_config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                                num_key_value_heads=3, vocab_size=49152)
+    tc = load_config(None, []).train
+    args = (target_config, 32000, 8, 2048, torch.float32, False, "bfloat16")
+    # On the CPU nothing changes.
+    assert resolve_memory_policy(tc, "cpu", *args)[0] is tc
+    gib = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * gib, 141 * gib))
+    fast, why = resolve_memory_policy(tc, "cuda:0", *args)
+    assert fast.grad_checkpoint is False and fast.loss_chunk_tokens == 8192 and why.startswith("fast")
+    assert memory_options(fast, "cuda")["grad_checkpoint"] is False
+    # Too little free memory for the fast settings: as configured (recompute on, 2048 rows).
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib, 32 * gib))
+    kept, why = resolve_memory_policy(tc, "cuda:0", *args)
+    assert kept is tc and memory_options(kept, "cuda")["grad_checkpoint"] is True and "as configured" in why
+    # An explicit grad_checkpoint and policy "config" are respected.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * gib, 141 * gib))
+    forced = load_config(None, ["train.grad_checkpoint=true"]).train
+    assert resolve_memory_policy(forced, "cuda:0", *args)[0].grad_checkpoint is True
+    as_set = load_config(None, ["train.memory_policy=config"]).train
+    assert resolve_memory_policy(as_set, "cuda:0", *args)[0] is as_set
+    with pytest.raises(ConfigError, match="memory_policy"):
+        resolve_memory_policy(load_config(None, ["train.memory_policy=fastest"]).train, "cuda:0", *args)
+
+
 # --- 4. optimizer offload ----------------------------------------------------------------
 
 def _params(dtype, seed=0):

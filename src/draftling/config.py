@@ -133,6 +133,12 @@ class TrainConfig:
     # "float32" runs it in the params' own dtype, "auto" = bfloat16 on CUDA over fp32 params
     # (bf16 params, as with optimizer offload, already compute in bf16), float32 elsewhere.
     compute_dtype: str = "auto"
+    # "auto": on CUDA, when train/plan.py estimates the draft's peak without recomputation
+    # (grad_checkpoint off unless set) and with loss chunks of 8192 rows under half the free
+    # device memory, train that way (faster: a small draft is bound by host overhead, and each
+    # recompute and each chunk adds to it); otherwise, and on CPU, as configured. "config":
+    # always as configured.
+    memory_policy: str = "auto"
     # Under torchrun: "ddp" replicates the draft (DistributedDataParallel); "fsdp" shards
     # it and its optimizer state with FSDP2 fully_shard, for drafts too big to replicate.
     # batch_size stays the global batch at any world size.

@@ -44,7 +44,7 @@ from draftling.train.optim import build_optimizer
 from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.teacher import TeacherBatch, teacher_forward
 from draftling.train.trainer import (build_draft, draft_embedding, draft_param_dtype, memory_options,
-                                     optimizer_offload, place_draft, prepare_draft)
+                                     optimizer_offload, place_draft, prepare_draft, resolve_memory_policy)
 from draftling.train.ttt import ttt_unroll
 
 SHAPE_36B = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128,
@@ -101,7 +101,8 @@ def log(msg: str) -> None:
 def all_on_config(ttt_steps: int, **changes) -> TrainConfig:
     """Every memory feature on. attention/compile stay auto: flex and compiled on CUDA."""
     tc = TrainConfig(ttt_steps=ttt_steps, optimizer_offload=True, draft_dtype="auto", embedding_on_host=True,
-                     loss_chunk_tokens=2048, grad_checkpoint=True, attention="auto", compile=None)
+                     loss_chunk_tokens=2048, grad_checkpoint=True, attention="auto", compile=None,
+                     memory_policy="config")
     return dataclasses.replace(tc, **changes)
 
 
@@ -398,16 +399,20 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
 def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[torch.Tensor],
                     warmup: int, device: torch.device, profile: bool = False) -> dict:
     """tokens/s of training steps as the trainer runs them, each step timed in three parts."""
-    cfg = RunConfig(train=tc)
     torch.manual_seed(0)
-    draft, offload, dtype = prepare_draft(cfg, target, vocab, device)
+    draft, offload, dtype = prepare_draft(RunConfig(train=tc), target, vocab, device)
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    tc, policy = resolve_memory_policy(tc, device, target.config, vocab.size, batches[0].shape[0],
+                                       batches[0].shape[1], dtype, offload,
+                                       str(target.input_embeddings().weight.dtype).replace("torch.", ""))
+    cfg = RunConfig(train=tc)
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
     mem_opts = memory_options(tc, device, param_dtype=dtype)
     embed = draft_embedding(cfg, target, device)
-    log(f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {offload}, {mem_opts}")
+    log(f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {offload}, {mem_opts}; "
+        f"memory policy {policy}")
     split = []
     valid = 0.0
 
@@ -454,7 +459,7 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
             "warmup_step_s": [round(sum(x[:3]), 3) for x in split[:warmup]],
             "measured_steps": len(measured), "tokens_per_step": tokens,
             "valid_fraction_step0": round(valid, 4), "draft_dtype": str(dtype).replace("torch.", ""),
-            "optimizer_offload": offload, "memory_options": mem_opts,
+            "optimizer_offload": offload, "memory_options": mem_opts, "memory_policy": policy,
             "peak_gib": _round(_peak_gib(device)),
             **({"profile": profiled} if profiled else {})}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -128,6 +129,45 @@ def memory_options(tc: TrainConfig, device, training: bool = True,
             "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
             "compile_layer": bool(compile),
             "autocast": None if compute == "float32" else compute}
+
+
+# train.memory_policy=auto: when the draft's estimated peak (train/plan.py) without activation
+# recomputation and with large loss chunks stays under this share of the device's free
+# memory, train that way: each recompute and each chunk costs host time, and a small draft
+# beside a small teacher is bound by the host, not by the device.
+FAST_MEMORY_SHARE = 0.5
+FAST_LOSS_CHUNK_TOKENS = 8192
+
+
+def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: int, batch: int, seq: int,
+                          param_dtype: torch.dtype, offload: bool, embed_dtype: str) -> tuple[TrainConfig, str]:
+    """The TrainConfig to train with, and why. ``batch``: sequences per process and step;
+    ``seq``: the longest sequence."""
+    from draftling.train.plan import DraftShape, MemoryOptions, estimate_train_memory
+
+    if tc.memory_policy not in ("auto", "config"):
+        raise ConfigError(f"train.memory_policy={tc.memory_policy!r}: expected auto or config")
+    device = torch.device(device)
+    if tc.memory_policy == "config" or device.type != "cuda":
+        return tc, "as configured"
+    fast = dataclasses.replace(
+        tc, grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
+        loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0)
+    mem = memory_options(fast, device, param_dtype=param_dtype)
+    options = MemoryOptions(optimizer_offload=offload, build_on_cpu=True, fsdp=False,
+                            embedding_on_host=tc.embedding_on_host, loss_chunk_tokens=mem["loss_chunk_tokens"],
+                            grad_checkpoint=mem["grad_checkpoint"], attention=mem["attention"],
+                            compile=mem["compile"], draft_dtype=str(param_dtype).replace("torch.", ""),
+                            embed_dtype=embed_dtype)
+    shape = DraftShape.from_config(target_config, draft_vocab)
+    need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, options)["total"]
+    free = torch.cuda.mem_get_info(device)[0]
+    gib = 2 ** 30
+    if need <= FAST_MEMORY_SHARE * free:
+        return fast, (f"fast: estimated draft peak {need / gib:.1f} GiB of {free / gib:.1f} GiB free, so no "
+                      f"recompute and loss chunks of {fast.loss_chunk_tokens}")
+    return tc, (f"as configured: the fast settings would need ~{need / gib:.1f} GiB, over "
+                f"{FAST_MEMORY_SHARE:.0%} of the {free / gib:.1f} GiB free")
 
 
 # "auto" offloads the optimizer once its fp32 state (masters and two moments, 12 bytes per
@@ -335,6 +375,12 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     sharded = ctx.active and tc.parallel == "fsdp"
     draft, offload, param_dtype = prepare_draft(cfg, target, vocab, device, sharded)
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    longest = max((len(e.input_ids) for e in examples + val_examples), default=1)
+    tc, policy = resolve_memory_policy(tc, device, target.config, vocab.size, -(-tc.batch_size // ctx.world_size),
+                                       longest, param_dtype, offload,
+                                       str(target.input_embeddings().weight.dtype).replace("torch.", ""))
+    cfg = dataclasses.replace(cfg, train=tc)
+    say(f"memory policy: {policy}")
 
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
