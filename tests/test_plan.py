@@ -116,8 +116,10 @@ def test_grad_checkpoint_keeps_only_step_inputs():
     ckpt = est()["activations_saved"], est(shape=wide)["activations_saved"]
     full = est(grad_checkpoint=False)["activations_saved"], est(shape=wide, grad_checkpoint=False)["activations_saved"]
     assert ckpt[0] == ckpt[1]  # the MLP's activations are recomputed, not kept
-    assert full[1] - full[0] == S * B * T * 4 * 2 * SHAPE.intermediate  # gate, silu, up, product in bf16
-    assert ckpt[0] < full[0]
+    assert full[1] - full[0] == S * B * T * 2 * 2 * SHAPE.intermediate  # compiled: gate and up in bf16
+    eager = [est(shape=x, grad_checkpoint=False, compile_layer=False)["activations_saved"] for x in (SHAPE, wide)]
+    assert eager[1] - eager[0] == S * B * T * 4 * 2 * SHAPE.intermediate  # gate, silu, up, product
+    assert ckpt[0] < full[0] < eager[0]
 
 
 def test_flex_avoids_the_quadratic_scores_of_sdpa():
@@ -219,7 +221,7 @@ def test_estimate_tracks_what_the_unroll_keeps(ckpt, chunk, one_thread):
     _, bwd_peak = _profiled(lambda: out["loss"].backward())
     measured_peak = max(fwd_peak, saved + bwd_peak)
     opts = MemoryOptions(embedding_on_host=False, loss_chunk_tokens=chunk, grad_checkpoint=ckpt, attention="sdpa",
-                         compile=False, draft_dtype="float32", embed_dtype="float32")
+                         compile=False, compile_layer=False, draft_dtype="float32", embed_dtype="float32")
     e = estimate_train_memory(shape, b, t, steps, opts, embedding_in_teacher=True)
     # Measured from the start of the step: params and the teacher's outputs were there before
     # (the unroll's own argmax of the teacher logits, 8 bytes/token, is new).

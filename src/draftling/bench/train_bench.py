@@ -254,6 +254,7 @@ class MemoryBench:
             optimizer_offload=optimizer_offload(tc, self.device, self.num_params), build_on_cpu=not build_on_device,
             fsdp=fsdp, embedding_on_host=tc.embedding_on_host, loss_chunk_tokens=mem["loss_chunk_tokens"],
             grad_checkpoint=mem["grad_checkpoint"], attention=mem["attention"], compile=mem.get("compile", False),
+            compile_layer=mem.get("compile_layer", False),
             draft_dtype=str(dtype).replace("torch.", ""),
             embed_dtype=str(self.s.aux_dtype).replace("torch.", ""))
 

@@ -121,6 +121,7 @@ class MemoryOptions:
     grad_checkpoint: bool = True
     attention: str = "flex"  # "flex" or "sdpa"
     compile: bool = True  # the loss chunks compiled (only with loss_chunk_tokens)
+    compile_layer: bool = True  # the decoder layer's two halves compiled (train.compile)
     draft_dtype: str = "bfloat16"
     embed_dtype: str = "bfloat16"  # the target's dtype: aux states and embedding rows
 
@@ -172,6 +173,12 @@ def estimate_train_memory(shape: DraftShape, batch: int, seq: int, ttt_steps: in
 
     def layer_saved(j: int) -> float:
         """Bytes per token one decoder-layer call keeps for backward (no checkpointing)."""
+        if o.compile_layer:
+            # Compiled halves keep what the matmul backwards need and recompute the cheap rest:
+            # the 2H-wide q/k/v input and the two norms' fp32 rstd; q, k, v, cos and sin; the
+            # attention's own state; o_proj's input; the residual and the MLP input; gate and up.
+            b = 2 * a * H + 8 + a * (q + 2 * kv) + 2 * a * s.head_dim + attention_saved(j)
+            return b + a * q + 2 * a * H + 4 + 2 * a * I
         b = a * H  # input_layernorm(embeds): the normalized embeds (the embeds need no grad)
         b += 4 * H + a * H  # hidden_norm: fp32 copy of the hidden state, normalized output
         b += 2 * a * H  # cat(...) of width 2H, saved once by q/k/v_proj
@@ -401,6 +408,7 @@ def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> Memo
                          embedding_on_host=tc.embedding_on_host,
                          loss_chunk_tokens=mem["loss_chunk_tokens"], grad_checkpoint=mem["grad_checkpoint"],
                          attention=mem["attention"], compile=mem.get("compile", False),
+                         compile_layer=mem.get("compile_layer", False),
                          draft_dtype=draft_dtype, embed_dtype=embed_dtype)
 
 

@@ -157,7 +157,8 @@ def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: i
     options = MemoryOptions(optimizer_offload=offload, build_on_cpu=True, fsdp=False,
                             embedding_on_host=tc.embedding_on_host, loss_chunk_tokens=mem["loss_chunk_tokens"],
                             grad_checkpoint=mem["grad_checkpoint"], attention=mem["attention"],
-                            compile=mem["compile"], draft_dtype=str(param_dtype).replace("torch.", ""),
+                            compile=mem["compile"], compile_layer=mem["compile_layer"],
+                            draft_dtype=str(param_dtype).replace("torch.", ""),
                             embed_dtype=embed_dtype)
     shape = DraftShape.from_config(target_config, draft_vocab)
     need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, options)["total"]
