@@ -424,7 +424,8 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     say(f"memory: loss_chunk_tokens {mem_opts['loss_chunk_tokens']}, grad_checkpoint "
         f"{mem_opts['grad_checkpoint']}, attention {mem_opts['attention']}, optimizer_offload "
         f"{offload}, draft_dtype {str(param_dtype).replace('torch.', '')}, embedding_on_host "
-        f"{tc.embedding_on_host}, compile {mem_opts.get('compile', False)}")
+        f"{tc.embedding_on_host}, compile {mem_opts['compile']} (layer {mem_opts['compile_layer']}), "
+        f"autocast {mem_opts['autocast'] or 'off'}")
     progress = None
     if sys.stderr.isatty() and ctx.is_main:
         from tqdm import tqdm
