@@ -349,9 +349,9 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
     chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, compile=compile)
     loss_mask = loss_mask.bool() & attention_mask.bool()
     draft_argmax = teacher.draft_logits.argmax(-1)
-    # The counts stay on the device until the end, and the chunked loss's row indices for
-    # all steps come from one nonzero up front: two host syncs per unroll, none inside it,
-    # so the host keeps queueing kernels ahead of the device.
+    # The chunked loss's row indices for all steps come from one nonzero up front and the
+    # counts stay on the device until the end: host syncs only before and after the step
+    # loop, none inside it, so the host keeps queueing kernels ahead of the device.
     valid_steps = torch.stack([shift_left(loss_mask, 2 + j, False) & shift_left(teacher.in_draft, 1 + j, False)
                                for j in range(steps)])
     if loss_chunk_tokens > 0:
