@@ -250,13 +250,10 @@ class MemoryBench:
         """The run's features as train.plan sees them, resolved the way the trainer resolves them."""
         dtype = draft_param_dtype(tc, self.device, self.num_params)
         mem = memory_options(tc, self.device, param_dtype=dtype)
-        return MemoryOptions(
-            optimizer_offload=optimizer_offload(tc, self.device, self.num_params), build_on_cpu=not build_on_device,
-            fsdp=fsdp, embedding_on_host=tc.embedding_on_host, loss_chunk_tokens=mem["loss_chunk_tokens"],
-            grad_checkpoint=mem["grad_checkpoint"], attention=mem["attention"], compile=mem.get("compile", False),
-            compile_layer=mem.get("compile_layer", False),
-            draft_dtype=str(dtype).replace("torch.", ""),
-            embed_dtype=str(self.s.aux_dtype).replace("torch.", ""))
+        return MemoryOptions.from_unroll_options(
+            mem, optimizer_offload=optimizer_offload(tc, self.device, self.num_params), draft_dtype=dtype,
+            embed_dtype=self.s.aux_dtype, embedding_on_host=tc.embedding_on_host, fsdp=fsdp,
+            build_on_cpu=not build_on_device)
 
     def run(self, name: str, tc: TrainConfig, *, seq: int | None = None, build_on_device: bool = False,
             fsdp: bool = False, warmup: int = 0, measured: int = 1) -> dict:
@@ -404,8 +401,7 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     draft, offload, dtype = prepare_draft(RunConfig(train=tc), target, vocab, device)
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     tc, policy = resolve_memory_policy(tc, device, target.config, vocab.size, batches[0].shape[0],
-                                       batches[0].shape[1], dtype, offload,
-                                       str(target.input_embeddings().weight.dtype).replace("torch.", ""))
+                                       batches[0].shape[1], dtype, offload, target.input_embeddings().weight.dtype)
     cfg = RunConfig(train=tc)
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -445,16 +441,17 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
         t0, t1, t_fwd, t2, t3 = t
         split.append((t1 - t0, t2 - t1, t3 - t2, t_fwd - t1))
         valid = counts.valid[0] / ids.numel()
-        log(f"  {name} step {i + 1}/{len(batches)}: {t3 - t0:.3f}s (teacher {t1 - t0:.3f}, "
-            f"draft fwd+bwd {t2 - t1:.3f} of which fwd {t_fwd - t1:.3f}, optimizer {t3 - t2:.3f})" + (" [warm-up]" if i < warmup else ""))
+        log(f"  {name} step {i + 1}/{len(batches)}: {t3 - t0:.3f}s (teacher {t1 - t0:.3f}, draft fwd+bwd "
+            f"{t2 - t1:.3f} of which fwd {t_fwd - t1:.3f}, optimizer {t3 - t2:.3f})"
+            + (" [warm-up]" if i < warmup else ""))
     measured = split[warmup:] or split
     mean = [statistics.fmean(x[k] for x in measured) for k in range(4)]
     profiled = profile_step(lambda: step(batches[-1].to(device), []), device) if profile else None
-    step = sum(mean[:3])
+    step_s = sum(mean[:3])
     tokens = batches[0].numel()
     del draft, optimizer, params, embed
     _free(device)
-    return {"tok_s": round(tokens / step, 1), "step_s": round(step, 4),
+    return {"tok_s": round(tokens / step_s, 1), "step_s": round(step_s, 4),
             "time_split": {"teacher_prefill_s": round(mean[0], 4), "draft_fwd_bwd_s": round(mean[1], 4),
                            "optimizer_s": round(mean[2], 4), "draft_forward_s": round(mean[3], 4)},
             "warmup_step_s": [round(sum(x[:3]), 3) for x in split[:warmup]],

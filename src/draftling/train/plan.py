@@ -125,6 +125,21 @@ class MemoryOptions:
     draft_dtype: str = "bfloat16"
     embed_dtype: str = "bfloat16"  # the target's dtype: aux states and embedding rows
 
+    @classmethod
+    def from_unroll_options(cls, mem: dict, *, optimizer_offload: bool, draft_dtype, embed_dtype,
+                            embedding_on_host: bool, fsdp: bool = False,
+                            build_on_cpu: bool = True) -> "MemoryOptions":
+        """From ``trainer.memory_options``'s dict plus the choices made outside the unroll;
+        dtypes may be torch dtypes or their names."""
+        def name(dtype) -> str:
+            return str(dtype).replace("torch.", "")
+
+        return cls(optimizer_offload=bool(optimizer_offload), build_on_cpu=build_on_cpu, fsdp=fsdp,
+                   embedding_on_host=embedding_on_host, loss_chunk_tokens=mem["loss_chunk_tokens"],
+                   grad_checkpoint=mem["grad_checkpoint"], attention=mem["attention"],
+                   compile=mem.get("compile", False), compile_layer=mem.get("compile_layer", False),
+                   draft_dtype=name(draft_dtype), embed_dtype=name(embed_dtype))
+
 
 def estimate_train_memory(shape: DraftShape, batch: int, seq: int, ttt_steps: int,
                           options: MemoryOptions = MemoryOptions(), *, valid_fraction: float = 1.0,
@@ -404,12 +419,8 @@ def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> Memo
         draft_dtype = tc.draft_dtype
     else:
         raise ValueError(f"train.draft_dtype={tc.draft_dtype!r}: expected auto, {', '.join(DRAFT_DTYPES)}")
-    return MemoryOptions(optimizer_offload=bool(offload), build_on_cpu=True, fsdp=False,
-                         embedding_on_host=tc.embedding_on_host,
-                         loss_chunk_tokens=mem["loss_chunk_tokens"], grad_checkpoint=mem["grad_checkpoint"],
-                         attention=mem["attention"], compile=mem.get("compile", False),
-                         compile_layer=mem.get("compile_layer", False),
-                         draft_dtype=draft_dtype, embed_dtype=embed_dtype)
+    return MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=draft_dtype,
+                                             embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
 
 
 def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offline: bool = False,

@@ -140,9 +140,9 @@ FAST_LOSS_CHUNK_TOKENS = 8192
 
 
 def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: int, batch: int, seq: int,
-                          param_dtype: torch.dtype, offload: bool, embed_dtype: str) -> tuple[TrainConfig, str]:
+                          param_dtype: torch.dtype, offload: bool, embed_dtype) -> tuple[TrainConfig, str]:
     """The TrainConfig to train with, and why. ``batch``: sequences per process and step;
-    ``seq``: the longest sequence."""
+    ``seq``: the longest sequence; ``embed_dtype``: the target's (a dtype or its name)."""
     from draftling.train.plan import DraftShape, MemoryOptions, estimate_train_memory
 
     if tc.memory_policy not in ("auto", "config"):
@@ -154,12 +154,8 @@ def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: i
         tc, grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
         loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0)
     mem = memory_options(fast, device, param_dtype=param_dtype)
-    options = MemoryOptions(optimizer_offload=offload, build_on_cpu=True, fsdp=False,
-                            embedding_on_host=tc.embedding_on_host, loss_chunk_tokens=mem["loss_chunk_tokens"],
-                            grad_checkpoint=mem["grad_checkpoint"], attention=mem["attention"],
-                            compile=mem["compile"], compile_layer=mem["compile_layer"],
-                            draft_dtype=str(param_dtype).replace("torch.", ""),
-                            embed_dtype=embed_dtype)
+    options = MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=param_dtype,
+                                                embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
     shape = DraftShape.from_config(target_config, draft_vocab)
     need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, options)["total"]
     free = torch.cuda.mem_get_info(device)[0]
@@ -378,8 +374,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     longest = max((len(e.input_ids) for e in examples + val_examples), default=1)
     tc, policy = resolve_memory_policy(tc, device, target.config, vocab.size, -(-tc.batch_size // ctx.world_size),
-                                       longest, param_dtype, offload,
-                                       str(target.input_embeddings().weight.dtype).replace("torch.", ""))
+                                       longest, param_dtype, offload, target.input_embeddings().weight.dtype)
     cfg = dataclasses.replace(cfg, train=tc)
     say(f"memory policy: {policy}")
 
