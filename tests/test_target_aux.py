@@ -31,3 +31,32 @@ def test_hooks_match_output_hidden_states(ids):
 def test_out_of_range_layer_ids_are_refused(bad):
     with pytest.raises(TargetError, match="aux_layer_ids"):
         validate_aux_layer_ids(bad, 6)
+
+
+def test_compiled_decoder_layers_match_eager_with_one_graph(tiny_target):
+    """The teacher's compiled layers give the eager aux states and logits, one graph serves
+    every layer, and the layers are eager again after the block."""
+    from draftling.target.aux import compiled_decoder_layers, decoder_layers
+    from draftling.train.teacher import teacher_forward
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a padded row: the layers get a real attention mask
+    t2d = torch.zeros(300, dtype=torch.bool)
+    t2d[::3] = True
+    eager = teacher_forward(tiny_target, ids, mask, t2d)
+    compiled = teacher_forward(tiny_target, ids, mask, t2d, compile=counting_backend)
+    torch.testing.assert_close(compiled.aux, eager.aux)
+    torch.testing.assert_close(compiled.draft_logits, eager.draft_logits)
+    assert torch.equal(compiled.target_argmax, eager.target_argmax)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for {len(decoder_layers(tiny_target.model))} layers"
+    layers = decoder_layers(tiny_target.model)
+    assert all("forward" not in vars(layer) for layer in layers)
+    with compiled_decoder_layers(tiny_target.model, counting_backend) as n:
+        assert n == len(layers)

@@ -52,12 +52,15 @@ def test_bench_runs_end_to_end_and_writes_the_contract(tmp_path, tiny_target, on
     assert list(on_disk["seq_scaling"]) == ["16", "32"]
     assert on_disk["seq_scaling"]["32"] == on_disk["all_on"]
     assert on_disk["seq_scaling"]["16"]["plan_estimate_gib"] < on_disk["seq_scaling"]["32"]["plan_estimate_gib"]
-    # Throughput: both paths measured, split in three parts that add up to the step.
+    # Throughput: both paths measured, split in three parts that add up to the synced step;
+    # tokens/s from the same batches back to back.
     assert on_disk["tok_s_default"] > 0 and on_disk["tok_s_eager"] > 0
     assert on_disk["speedup_vs_eager"] == pytest.approx(on_disk["tok_s_default"] / on_disk["tok_s_eager"], rel=1e-2)
     for path in ("default", "eager"):
         split = on_disk["time_split"][path]
-        step = on_disk["throughput"][path]["step_s"]
+        tp = on_disk["throughput"][path]
+        assert tp["tok_s"] == pytest.approx(tp["tokens_per_step"] / tp["step_s"], rel=1e-2)
+        step = tp["step_s_with_phase_syncs"]
         parts = {"teacher_prefill_s", "draft_fwd_bwd_s", "optimizer_s"}
         assert set(split) == parts | {"draft_forward_s"}
         assert sum(split[k] for k in parts) == pytest.approx(step, rel=1e-2)

@@ -63,6 +63,9 @@ class DraftConfig:
     # Copy the target's final norm and head rows for the draft vocab into the head. Off by
     # default: on SmolLM2 it started confidently wrong and learned slower than a fresh head.
     init_from_target: bool = False
+    # Keep the head frozen (needs init_from_target): the draft then only learns to produce
+    # the target's final hidden state, with 2 * H * draft_vocab fewer weights to fit.
+    freeze_head: bool = False
 
 
 @dataclass
@@ -128,6 +131,9 @@ class TrainConfig:
     # few kernels; needs loss_chunk_tokens > 0) and the decoder layer around its attention
     # (norms, projections, RoPE, MLP). null = auto: on for CUDA, off on CPU.
     compile: bool | None = None
+    # torch.compile the teacher's decoder layers for its forward (hooks stay eager).
+    # null = auto: follows ``compile``.
+    compile_teacher: bool | None = None
     # Compute dtype of the draft's forward: "bfloat16" runs it under torch.autocast (bf16
     # matmuls and attention over the params' own dtype; softmaxes and the loss stay fp32),
     # "float32" runs it in the params' own dtype, "auto" = bfloat16 on CUDA over fp32 params

@@ -14,8 +14,10 @@ each run also carries ``train.plan``'s estimate for it.
 
 Throughput: the real teacher (``--target``, loaded in bf16 on the GPU), synthetic batches of
 random token ids, the trainer's CUDA defaults against the eager SDPA path (attention sdpa,
-no compile, everything else the same), with the step split into teacher prefill, draft
-forward+backward and optimizer step.
+no compile, everything else the same). Each path runs its measured batches twice: once
+with a sync after every phase, for the time split into teacher prefill, draft
+forward+backward and optimizer step; then back to back with one sync at the end, as the
+trainer runs, which gives tokens/s.
 
 The results JSON is rewritten (atomically) after every run, so a bench cut off by a time
 limit still leaves what it finished.
@@ -43,7 +45,7 @@ from draftling.io import write_json
 from draftling.train.optim import build_optimizer
 from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.teacher import TeacherBatch, teacher_forward
-from draftling.train.trainer import (build_draft, draft_embedding, draft_param_dtype, memory_options,
+from draftling.train.trainer import (build_draft, compile_teacher, draft_embedding, draft_param_dtype, memory_options,
                                      optimizer_offload, place_draft, prepare_draft, resolve_memory_policy)
 from draftling.train.ttt import ttt_unroll
 
@@ -407,30 +409,34 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
     mem_opts = memory_options(tc, device, param_dtype=dtype)
+    teacher_compiled = compile_teacher(tc, device)
     embed = draft_embedding(cfg, target, device)
     log(f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {offload}, {mem_opts}; "
         f"memory policy {policy}")
     split = []
     valid = 0.0
 
-    def step(ids, times):
+    def step(ids, times, split=True):
+        """One training step. ``split``: sync after each phase and time it (the time split);
+        otherwise run it as the trainer does, without the phase syncs."""
+        def mark():
+            if split:
+                _sync(device)
+                times.append(time.perf_counter())
+
         mask = torch.ones_like(ids)
         times.append(time.perf_counter())
-        teacher = teacher_forward(target, ids, mask, draft.t2d)
-        _sync(device)
-        times.append(time.perf_counter())
+        teacher = teacher_forward(target, ids, mask, draft.t2d, compile=teacher_compiled)
+        mark()
         loss, counts = ttt_unroll(draft, embed, teacher, ids, mask, mask, tc.ttt_steps, tc.step_weight_decay,
                                   **mem_opts)
-        _sync(device)
-        times.append(time.perf_counter())
+        mark()
         loss.backward()
-        _sync(device)
-        times.append(time.perf_counter())
+        mark()
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        times.append(time.perf_counter())
+        mark()
         return counts
 
     for i, ids in enumerate(batches):
@@ -446,18 +452,28 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
             + (" [warm-up]" if i < warmup else ""))
     measured = split[warmup:] or split
     mean = [statistics.fmean(x[k] for x in measured) for k in range(4)]
+    # tokens/s as training runs: the measured batches again, back to back, one sync at the end.
+    flow_batches = [ids.to(device) for ids in batches[warmup:] or batches]
+    _sync(device)
+    t0 = time.perf_counter()
+    for ids in flow_batches:
+        step(ids, [], split=False)
+    _sync(device)
+    flow_step_s = (time.perf_counter() - t0) / len(flow_batches)
     profiled = profile_step(lambda: step(batches[-1].to(device), []), device) if profile else None
-    step_s = sum(mean[:3])
+    split_step_s = sum(mean[:3])
     tokens = batches[0].numel()
     del draft, optimizer, params, embed
     _free(device)
-    return {"tok_s": round(tokens / step_s, 1), "step_s": round(step_s, 4),
+    return {"tok_s": round(tokens / flow_step_s, 1), "step_s": round(flow_step_s, 4),
+            "tok_s_with_phase_syncs": round(tokens / split_step_s, 1), "step_s_with_phase_syncs": round(split_step_s, 4),
             "time_split": {"teacher_prefill_s": round(mean[0], 4), "draft_fwd_bwd_s": round(mean[1], 4),
                            "optimizer_s": round(mean[2], 4), "draft_forward_s": round(mean[3], 4)},
             "warmup_step_s": [round(sum(x[:3]), 3) for x in split[:warmup]],
             "measured_steps": len(measured), "tokens_per_step": tokens,
             "valid_fraction_step0": round(valid, 4), "draft_dtype": str(dtype).replace("torch.", ""),
-            "optimizer_offload": offload, "memory_options": mem_opts, "memory_policy": policy,
+            "optimizer_offload": offload, "memory_options": mem_opts, "teacher_compiled": teacher_compiled,
+            "memory_policy": policy,
             "peak_gib": _round(_peak_gib(device)),
             **({"profile": profiled} if profiled else {})}
 
@@ -481,6 +497,7 @@ def run_throughput(target, settings: Settings, device: torch.device) -> dict:
         "eager_bf16": dataclasses.replace(default, attention="sdpa", compile=False, compute_dtype="bfloat16"),
         "flex_no_compile": dataclasses.replace(default, compile=False),
         "default_fp32": dataclasses.replace(default, compute_dtype="float32"),
+        "default_eager_teacher": dataclasses.replace(default, compile_teacher=False),
     }
     out = {}
     for name, tc in paths.items():

@@ -16,6 +16,9 @@ per-architecture port, and the full hidden-state tuple is never materialised.
 
 from __future__ import annotations
 
+import functools
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -73,3 +76,34 @@ def aux_hidden_states(model: nn.Module, layer_ids: list[int], **forward_kwargs):
         for h in handles:
             h.remove()
     return out, [captured[i] for i in layer_ids]
+
+
+_COMPILED_LAYER_FORWARDS: dict = {}
+
+
+@contextmanager
+def compiled_decoder_layers(model: nn.Module, backend="inductor"):
+    """Run the decoder layers' ``forward`` under ``torch.compile`` inside this block.
+
+    Compiling the whole model would put the aux hooks (added per call) inside the graph and
+    recompile; compiling each layer's forward leaves the hooks outside, eager, where
+    ``aux_hidden_states`` expects them. The class's forward is compiled once as a plain
+    function, so one graph serves every layer (the layer is an argument). Layers whose
+    forward is already replaced on the instance (accelerate offload hooks, for one) are
+    left eager: compiling the class method would bypass that replacement."""
+    layers = decoder_layers(model)
+    patched = []
+    for layer in layers:
+        if "forward" in vars(layer):
+            continue
+        key = (type(layer).forward, str(backend))
+        fn = _COMPILED_LAYER_FORWARDS.get(key)
+        if fn is None:
+            fn = _COMPILED_LAYER_FORWARDS[key] = torch.compile(type(layer).forward, backend=backend)
+        layer.forward = functools.partial(fn, layer)
+        patched.append(layer)
+    try:
+        yield len(patched)
+    finally:
+        for layer in patched:
+            del layer.forward  # back to the class's own forward

@@ -7,11 +7,13 @@ never materialised for the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from draftling.target import Target, aux_hidden_states
+from draftling.target.aux import compiled_decoder_layers
 from draftling.target.quant import plain_weight
 
 
@@ -25,10 +27,16 @@ class TeacherBatch:
 
 @torch.no_grad()
 def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    t2d: torch.Tensor, chunk_tokens: int = 2048) -> TeacherBatch:
+                    t2d: torch.Tensor, chunk_tokens: int = 2048, compile=False) -> TeacherBatch:
+    """``compile``: False, True (inductor) or a torch.compile backend for the decoder layers
+    (see ``compiled_decoder_layers``); the fused elementwise work is most of a small
+    target's forward time on a GPU."""
     decoder = target.model.get_decoder()
-    out, aux = aux_hidden_states(decoder, target.aux_layer_ids, input_ids=input_ids,
-                                 attention_mask=attention_mask, use_cache=False)
+    layers = (compiled_decoder_layers(decoder, "inductor" if compile is True else compile)
+              if compile else contextlib.nullcontext())
+    with layers:
+        out, aux = aux_hidden_states(decoder, target.aux_layer_ids, input_ids=input_ids,
+                                     attention_mask=attention_mask, use_cache=False)
     final = out.last_hidden_state  # already final-normed
     head = target.output_head()
     t2d = t2d.to(final.device)

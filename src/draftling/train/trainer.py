@@ -96,6 +96,11 @@ def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
     draft.set_vocab(vocab.d2t, vocab.t2d)
     if cfg.draft.init_from_target:
         init_from_target(draft, target.model, vocab.t2d)
+    if cfg.draft.freeze_head:
+        if not cfg.draft.init_from_target:
+            raise ConfigError("draft.freeze_head needs draft.init_from_target: a frozen random head "
+                              "cannot learn")
+        draft.lm_head.weight.requires_grad_(False)
     return draft
 
 
@@ -129,6 +134,15 @@ def memory_options(tc: TrainConfig, device, training: bool = True,
             "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
             "compile_layer": bool(compile),
             "autocast": None if compute == "float32" else compute}
+
+
+def compile_teacher(tc: TrainConfig, device) -> bool:
+    """Whether the teacher's decoder layers run compiled: ``train.compile_teacher``, by
+    default as ``train.compile`` (auto: on CUDA). A small target's forward on a GPU is
+    mostly unfused elementwise kernels."""
+    if tc.compile_teacher is not None:
+        return tc.compile_teacher
+    return bool(tc.compile if tc.compile is not None else torch.device(device).type == "cuda")
 
 
 # train.memory_policy=auto: when the draft's estimated peak (train/plan.py) without activation
@@ -278,7 +292,8 @@ def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[in
     else:
         teacher = cache.get(share, lengths, device) if cache else None
     if teacher is None:
-        teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d)
+        teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d,
+                                  compile=compile_teacher(tc, device))
         if cache:
             cache.put(share, lengths, teacher)
     denominators = None
@@ -419,8 +434,8 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     say(f"memory: loss_chunk_tokens {mem_opts['loss_chunk_tokens']}, grad_checkpoint "
         f"{mem_opts['grad_checkpoint']}, attention {mem_opts['attention']}, optimizer_offload "
         f"{offload}, draft_dtype {str(param_dtype).replace('torch.', '')}, embedding_on_host "
-        f"{tc.embedding_on_host}, compile {mem_opts['compile']} (layer {mem_opts['compile_layer']}), "
-        f"autocast {mem_opts['autocast'] or 'off'}")
+        f"{tc.embedding_on_host}, compile {mem_opts['compile']} (layer {mem_opts['compile_layer']}, "
+        f"teacher {compile_teacher(tc, device)}), autocast {mem_opts['autocast'] or 'off'}")
     progress = None
     if sys.stderr.isatty() and ctx.is_main:
         from tqdm import tqdm

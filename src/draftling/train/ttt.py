@@ -207,25 +207,36 @@ def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, posit
 
 # --- loss and metrics ------------------------------------------------------------------
 
-def _soft_ce_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, hidden: torch.Tensor,
-                   rows_b: torch.Tensor, rows_t: torch.Tensor):
+def teacher_logsumexp(teacher_logits: torch.Tensor, rows_per_pass: int = 1024) -> torch.Tensor:
+    """[B, T] fp32 log-sum-exp of the teacher's draft-vocab logits, once per batch: every
+    TTT step reads the same teacher rows (shifted), so the loss chunks need not each redo
+    the teacher's max and sum passes. In row blocks, so no [B*T, V] fp32 copy exists."""
+    flat = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+    out = torch.cat([flat[s:s + rows_per_pass].float().logsumexp(-1)
+                     for s in range(0, flat.shape[0], rows_per_pass)])
+    return out.view(teacher_logits.shape[:-1])
+
+
+def _soft_ce_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
+                   hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor):
     """Summed soft cross-entropy of the draft head on ``hidden`` [C, H] against
-    softmax(teacher_logits[rows_b, rows_t]), plus the draft argmax per row.
+    softmax(teacher_logits[rows_b, rows_t]) (= exp(logits - teacher_lse)), plus the draft
+    argmax per row.
 
     The teacher rows are gathered in here (from indices), not passed in, so a checkpoint
     of this function keeps only indices alive until backward, not [C, V] logits."""
     logits = draft.compute_logits(hidden).float()
     logp = logits.log_softmax(-1)
-    target_p = teacher_logits[rows_b, rows_t].float().softmax(-1)
+    target_p = (teacher_logits[rows_b, rows_t].float() - teacher_lse[rows_b, rows_t, None]).exp()
     token_loss = -(target_p * logp).sum(-1)
     return token_loss.sum(), logits.argmax(-1)
 
 
-def _checkpointed_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, hidden: torch.Tensor,
-                        rows_b: torch.Tensor, rows_t: torch.Tensor):
+def _checkpointed_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
+                        hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor):
     """One loss chunk recomputed in backward: only its inputs (and indices) stay alive. The
     teacher logits are bound, not passed, so the checkpoint does not count them as saved."""
-    chunk = functools.partial(_soft_ce_chunk, draft, teacher_logits)
+    chunk = functools.partial(_soft_ce_chunk, draft, teacher_logits, teacher_lse)
     return checkpoint(chunk, hidden, rows_b, rows_t, use_reentrant=False)
 
 
@@ -242,10 +253,10 @@ def compiled_chunk_fn(backend="inductor"):
     return fn
 
 
-def _loss_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, hidden: torch.Tensor,
-                rows_b: torch.Tensor, rows_t: torch.Tensor, compile):
+def _loss_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
+                hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor, compile):
     if not torch.is_grad_enabled():
-        return _soft_ce_chunk(draft, teacher_logits, hidden, rows_b, rows_t)
+        return _soft_ce_chunk(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t)
     # Sizes 0 and 1 would each get a specialised graph; such chunks are rare and tiny.
     if compile and hidden.shape[0] >= 2:
         # Dynamic from the first call: the last chunk of every step has another size, and
@@ -254,9 +265,11 @@ def _loss_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, hidden: torch.
             torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(teacher_logits, 0)
         torch._dynamo.maybe_mark_dynamic(teacher_logits, 1)
+        torch._dynamo.maybe_mark_dynamic(teacher_lse, 0)
+        torch._dynamo.maybe_mark_dynamic(teacher_lse, 1)
         backend = "inductor" if compile is True else compile
-        return compiled_chunk_fn(backend)(draft, teacher_logits, hidden, rows_b, rows_t)
-    return _checkpointed_chunk(draft, teacher_logits, hidden, rows_b, rows_t)
+        return compiled_chunk_fn(backend)(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t)
+    return _checkpointed_chunk(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t)
 
 
 @dataclass
@@ -346,7 +359,10 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     use_ckpt = grad_checkpoint and torch.is_grad_enabled()
-    chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, compile=compile)
+    if loss_chunk_tokens > 0:
+        with torch.no_grad():
+            teacher_lse = teacher_logsumexp(teacher.draft_logits)
+        chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, teacher_lse, compile=compile)
     loss_mask = loss_mask.bool() & attention_mask.bool()
     draft_argmax = teacher.draft_logits.argmax(-1)
     # The chunked loss's row indices for all steps come from one nonzero up front and the
