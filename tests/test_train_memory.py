@@ -277,7 +277,7 @@ def test_memory_policy_trades_recompute_for_speed_only_when_the_plan_says_it_fit
     gib = 2 ** 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * gib, 141 * gib))
     fast, why = resolve_memory_policy(tc, "cuda:0", *args)
-    assert fast.grad_checkpoint is False and fast.loss_chunk_tokens == 8192 and why.startswith("fast")
+    assert fast.grad_checkpoint is False and fast.loss_chunk_tokens == 16384 and why.startswith("fast")
     assert memory_options(fast, "cuda")["grad_checkpoint"] is False
     # Too little free memory for the fast settings: as configured (recompute on, 2048 rows).
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib, 32 * gib))

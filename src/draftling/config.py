@@ -140,7 +140,7 @@ class TrainConfig:
     # (bf16 params, as with optimizer offload, already compute in bf16), float32 elsewhere.
     compute_dtype: str = "auto"
     # "auto": on CUDA, when train/plan.py estimates the draft's peak without recomputation
-    # (grad_checkpoint off unless set) and with loss chunks of 8192 rows under half the free
+    # (grad_checkpoint off unless set) and with loss chunks of 16384 rows under half the free
     # device memory, train that way (faster: a small draft is bound by host overhead, and each
     # recompute and each chunk adds to it); otherwise, and on CPU, as configured. "config":
     # always as configured.

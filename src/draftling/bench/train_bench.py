@@ -84,7 +84,7 @@ class Settings:
     tp_batch: int = 8  # TrainConfig's default batch_size
     tp_draft_vocab: int = 32000
     tp_warmup: int = 2
-    tp_measured: int = 3
+    tp_measured: int = 6
     tp_profile: bool = True  # one extra profiled step of the default path (not in the tok/s)
     aux_dtype: torch.dtype = torch.bfloat16  # the stub teacher's dtype (aux states, embedding)
     caveats: list[str] = field(default_factory=list)

@@ -150,7 +150,7 @@ def compile_teacher(tc: TrainConfig, device) -> bool:
 # memory, train that way: each recompute and each chunk costs host time, and a small draft
 # beside a small teacher is bound by the host, not by the device.
 FAST_MEMORY_SHARE = 0.5
-FAST_LOSS_CHUNK_TOKENS = 8192
+FAST_LOSS_CHUNK_TOKENS = 16384
 
 
 def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: int, batch: int, seq: int,
