@@ -116,19 +116,3 @@ def test_loss_on_prompt_trains_on_every_position_but_validates_on_replies(tmp_pa
     assert rows("all", "train")[0]["tokens"] > 1.3 * rows("reply", "train")[0]["tokens"]
     assert rows("all", "val")[-1]["tokens"] == rows("reply", "val")[-1]["tokens"]
 
-
-def test_frozen_head_keeps_the_targets_rows_and_the_rest_trains(tmp_path, tiny_target):
-    from draftling.draft.vocab import load_vocab
-    from draftling.errors import ConfigError
-
-    setup_data(tmp_path)
-    run(tmp_path, tiny_target, "frozen", 3, **{"draft.init_from_target": "true", "draft.freeze_head": "true"})
-    weights = load_file(str(tmp_path / "frozen" / "draft" / "draft.safetensors"))
-    t2d = load_vocab(tmp_path / "vocab.safetensors").t2d
-    head = tiny_target.model.get_output_embeddings().weight.detach()
-    assert torch.equal(weights["lm_head.weight"], head[t2d])  # untouched by three updates
-    run(tmp_path, tiny_target, "trained", 3, **{"draft.init_from_target": "true"})
-    trained = load_file(str(tmp_path / "trained" / "draft" / "draft.safetensors"))
-    assert not torch.equal(trained["lm_head.weight"], head[t2d])
-    with pytest.raises(ConfigError, match="init_from_target"):
-        run(tmp_path, tiny_target, "bad", 1, **{"draft.freeze_head": "true"})

@@ -63,9 +63,6 @@ class DraftConfig:
     # Copy the target's final norm and head rows for the draft vocab into the head. Off by
     # default: on SmolLM2 it started confidently wrong and learned slower than a fresh head.
     init_from_target: bool = False
-    # Keep the head frozen (needs init_from_target): the draft then only learns to produce
-    # the target's final hidden state, with 2 * H * draft_vocab fewer weights to fit.
-    freeze_head: bool = False
 
 
 @dataclass

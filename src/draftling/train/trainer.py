@@ -96,11 +96,6 @@ def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
     draft.set_vocab(vocab.d2t, vocab.t2d)
     if cfg.draft.init_from_target:
         init_from_target(draft, target.model, vocab.t2d)
-    if cfg.draft.freeze_head:
-        if not cfg.draft.init_from_target:
-            raise ConfigError("draft.freeze_head needs draft.init_from_target: a frozen random head "
-                              "cannot learn")
-        draft.lm_head.weight.requires_grad_(False)
     return draft
 
 
