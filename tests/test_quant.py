@@ -163,3 +163,20 @@ def test_real_quantized_teacher(method, tiny_target_dir, one_thread):
     # Quantization error only: the aux states still point the same way as the float model's.
     cos = nn.functional.cosine_similarity(batch.aux.float(), ref.aux.float(), dim=-1).mean()
     assert cos > 0.9, f"{method}: aux cosine to the float model {cos:.3f}"
+
+
+def test_teacher_compile_auto_skips_quantized_teachers():
+    """auto compiles a plain (or dequantized GGUF) teacher on CUDA, never a quantized one,
+    and never on the CPU; an explicit setting wins."""
+    from draftling.config import TrainConfig
+    from draftling.train.trainer import compile_teacher
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(layers=2)
+    auto = TrainConfig()
+    assert compile_teacher(auto, "cuda", model) is True
+    assert compile_teacher(auto, "cpu", model) is False
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.weight = torch.nn.Parameter(q_proj.weight.detach().to(torch.int8), requires_grad=False)
+    assert compile_teacher(auto, "cuda", model) is False
+    assert compile_teacher(TrainConfig(compile_teacher=True), "cuda", model) is True

@@ -409,7 +409,7 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
     mem_opts = memory_options(tc, device, param_dtype=dtype)
-    teacher_compiled = compile_teacher(tc, device)
+    teacher_compiled = compile_teacher(tc, device, target.model)
     embed = draft_embedding(cfg, target, device)
     log(f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {offload}, {mem_opts}; "
         f"memory policy {policy}")

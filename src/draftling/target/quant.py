@@ -86,3 +86,12 @@ def plain_weight(module: torch.nn.Module) -> torch.Tensor | None:
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return None
     return weight
+
+
+def has_plain_weights(model: torch.nn.Module) -> bool:
+    """Whether the first decoder layer's linear layers hold ordinary float weights (a GGUF
+    target, dequantized on load, does; an on-the-fly quantized one does not)."""
+    from draftling.target.aux import decoder_layers
+
+    linears = [m for m in decoder_layers(model)[0].modules() if isinstance(m, torch.nn.Linear)]
+    return bool(linears) and all(plain_weight(m) is not None for m in linears)

@@ -21,6 +21,7 @@ from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.errors import ConfigError
 from draftling.io import atomic_dir, atomic_path, write_json
 from draftling.target import Target
+from draftling.target.quant import has_plain_weights
 from draftling.train.checkpoint import latest_checkpoint, load_train_state, save_checkpoint, set_rng_state
 from draftling.train.dataset import EpochBatches, collate, load_tokenized
 from draftling.train.distributed import (PARALLEL_MODES, DistContext, TTTObjective, all_reduce_sum, any_rank,
@@ -131,12 +132,15 @@ def memory_options(tc: TrainConfig, device, training: bool = True,
             "autocast": None if compute == "float32" else compute}
 
 
-def compile_teacher(tc: TrainConfig, device) -> bool:
+def compile_teacher(tc: TrainConfig, device, target_model=None) -> bool:
     """Whether the teacher's decoder layers run compiled: ``train.compile_teacher``, by
-    default as ``train.compile`` (auto: on CUDA). A small target's forward on a GPU is
-    mostly unfused elementwise kernels."""
+    default as ``train.compile`` (auto: on CUDA), except for a quantized teacher (bitsandbytes
+    and friends bring their own kernels; a GGUF teacher is dequantized, so it is plain). A
+    small target's forward on a GPU is mostly unfused elementwise kernels."""
     if tc.compile_teacher is not None:
         return tc.compile_teacher
+    if target_model is not None and not has_plain_weights(target_model):
+        return False
     return bool(tc.compile if tc.compile is not None else torch.device(device).type == "cuda")
 
 
@@ -288,7 +292,7 @@ def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[in
         teacher = cache.get(share, lengths, device) if cache else None
     if teacher is None:
         teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d,
-                                  compile=compile_teacher(tc, device))
+                                  compile=compile_teacher(tc, device, target.model))
         if cache:
             cache.put(share, lengths, teacher)
     denominators = None
@@ -430,7 +434,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         f"{mem_opts['grad_checkpoint']}, attention {mem_opts['attention']}, optimizer_offload "
         f"{offload}, draft_dtype {str(param_dtype).replace('torch.', '')}, embedding_on_host "
         f"{tc.embedding_on_host}, compile {mem_opts['compile']} (layer {mem_opts['compile_layer']}, "
-        f"teacher {compile_teacher(tc, device)}), autocast {mem_opts['autocast'] or 'off'}")
+        f"teacher {compile_teacher(tc, device, target.model)}), autocast {mem_opts['autocast'] or 'off'}")
     progress = None
     if sys.stderr.isatty() and ctx.is_main:
         from tqdm import tqdm
