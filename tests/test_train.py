@@ -116,3 +116,18 @@ def test_loss_on_prompt_trains_on_every_position_but_validates_on_replies(tmp_pa
     assert rows("all", "train")[0]["tokens"] > 1.3 * rows("reply", "train")[0]["tokens"]
     assert rows("all", "val")[-1]["tokens"] == rows("reply", "val")[-1]["tokens"]
 
+
+
+def test_narrower_draft_mlp_trains_saves_and_loads(tmp_path, tiny_target):
+    from draftling.draft.store import load_draft
+    from draftling.errors import ConfigError
+
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "narrow", 2, **{"draft.intermediate_size": 32})
+    weights = load_file(str(tmp_path / "narrow" / "draft" / "draft.safetensors"))
+    assert tuple(weights["midlayer.mlp.up_proj.weight"].shape) == (32, 64)  # target's is 128
+    draft = load_draft(tmp_path / "narrow" / "draft")
+    assert draft.config.intermediate_size == 32
+    assert torch.equal(draft.midlayer.mlp.down_proj.weight, weights["midlayer.mlp.down_proj.weight"])
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        run(tmp_path, tiny_target, "bad", 1, **{"draft.intermediate_size": 0})

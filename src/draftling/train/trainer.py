@@ -92,7 +92,13 @@ def format_line(prefix: str, m: dict) -> str:
 
 
 def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
-    config = draft_config_from_target(target.config, vocab.size, target.aux_layer_ids)
+    overrides = {}
+    if cfg.draft.intermediate_size is not None:
+        if cfg.draft.intermediate_size < 1:
+            raise ConfigError(f"draft.intermediate_size={cfg.draft.intermediate_size}: expected a positive "
+                              "width or null (the target's)")
+        overrides["intermediate_size"] = cfg.draft.intermediate_size
+    config = draft_config_from_target(target.config, vocab.size, target.aux_layer_ids, **overrides)
     draft = Eagle3Draft(config)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     if cfg.draft.init_from_target:
