@@ -45,8 +45,9 @@ from draftling.io import write_json
 from draftling.train.optim import build_optimizer
 from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.teacher import TeacherBatch, teacher_forward
-from draftling.train.trainer import (build_draft, compile_teacher, draft_embedding, draft_param_dtype, memory_options,
-                                     optimizer_offload, place_draft, prepare_draft, resolve_memory_policy)
+from draftling.train.trainer import (build_draft, compile_teacher, draft_embedding, draft_param_dtype,
+                                     memory_options, optimizer_offload, place_draft, prepare_draft,
+                                     resolve_memory_policy)
 from draftling.train.ttt import ttt_unroll
 
 SHAPE_36B = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128,
@@ -416,11 +417,11 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     split = []
     valid = 0.0
 
-    def step(ids, times, split=True):
-        """One training step. ``split``: sync after each phase and time it (the time split);
-        otherwise run it as the trainer does, without the phase syncs."""
+    def step(ids, times, phase_syncs=True):
+        """One training step. ``phase_syncs``: sync after each phase and time it (the time
+        split); otherwise run it as the trainer does, without them."""
         def mark():
-            if split:
+            if phase_syncs:
                 _sync(device)
                 times.append(time.perf_counter())
 
@@ -457,7 +458,7 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     _sync(device)
     t0 = time.perf_counter()
     for ids in flow_batches:
-        step(ids, [], split=False)
+        step(ids, [], phase_syncs=False)
     _sync(device)
     flow_step_s = (time.perf_counter() - t0) / len(flow_batches)
     profiled = profile_step(lambda: step(batches[-1].to(device), []), device) if profile else None
@@ -466,7 +467,8 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     del draft, optimizer, params, embed
     _free(device)
     return {"tok_s": round(tokens / flow_step_s, 1), "step_s": round(flow_step_s, 4),
-            "tok_s_with_phase_syncs": round(tokens / split_step_s, 1), "step_s_with_phase_syncs": round(split_step_s, 4),
+            "tok_s_with_phase_syncs": round(tokens / split_step_s, 1),
+            "step_s_with_phase_syncs": round(split_step_s, 4),
             "time_split": {"teacher_prefill_s": round(mean[0], 4), "draft_fwd_bwd_s": round(mean[1], 4),
                            "optimizer_s": round(mean[2], 4), "draft_forward_s": round(mean[3], 4)},
             "warmup_step_s": [round(sum(x[:3]), 3) for x in split[:warmup]],
