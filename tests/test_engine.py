@@ -547,7 +547,8 @@ def _static_paths_match(device, configs=TREES, timing=True, **mode):
     ids = prompt().to(device)
     eager_t, eager_d = runners(model, draft)
     fast_t = CachedTarget.from_hf(model, AUX, 160, **mode)
-    fast_d = DraftRunner(draft, model.get_input_embeddings(), 160, **mode)
+    fast_d = DraftRunner(draft, model.get_input_embeddings(), 160,
+                         **{k: v for k, v in mode.items() if k != "query_pad"})
     want = greedy_generate(eager_t, ids, 24)
     assert torch.equal(greedy_generate(fast_t, ids, 24), want)
     for steps, topk, ndt in configs:
@@ -586,6 +587,52 @@ def test_compiled_steps_match_eager_cpu():
         runs.append((logits, aux1, target.kv(1)[0], *out, draft.k_cache))
     for eager, compiled in zip(*runs):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_query_pad_and_matmul_attention_match_eager():
+    """Every target pass padded to 16 queries, attention as matmuls: same tokens and
+    acceptance as the plain eager engine, for chain and trees, and a clean committed cache."""
+    _static_paths_match("cpu", timing=False, query_pad=16, attention="matmul")
+
+
+def test_padded_pass_equals_unpadded():
+    """Pad rows change nothing in the real rows' logits, aux states or committed K/V."""
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    plain = CachedTarget.from_hf(model, AUX, 64)
+    padded = CachedTarget.from_hf(model, AUX, 64, query_pad=8)
+    ids = prompt(10)
+    outs = []
+    for target in (plain, padded):
+        with torch.no_grad():
+            pos = torch.arange(7)
+            target(ids[:, :7], pos, pos, causal_mask(0, 7, 64, "cpu"))  # prefill: never padded
+            pos = torch.arange(7, 10)
+            outs.append(target(ids[:, 7:], pos, pos, causal_mask(7, 3, 64, "cpu")))
+    for got, want in zip(outs[1], outs[0]):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for i in range(len(plain.layers)):
+        for got, want in zip(padded.kv(i), plain.kv(i)):
+            torch.testing.assert_close(got[:, :, :10], want[:, :, :10], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernel choice is a GPU matter")
+def test_bf16_padded_speculative_equals_plain_exactly():
+    """In bf16 on a GPU a different matmul kernel per query count flips near-tied argmaxes.
+    With every pass padded to the same width, speculative greedy output must equal plain
+    greedy bit for bit (a random draft: every round's accepted path is the root, in place)."""
+    model = tiny(LlamaForCausalLM, LlamaConfig, hidden_size=256, intermediate_size=512,
+                 num_attention_heads=8, num_key_value_heads=2).to("cuda", torch.bfloat16)
+    draft = random_draft(model).to("cuda", torch.bfloat16)
+    mode = dict(cuda_graphs=True, compile=True, attention="matmul")
+    target = CachedTarget.from_hf(model, AUX, 200, query_pad=16, **mode)
+    runner = DraftRunner(draft, model.get_input_embeddings(), 200, **mode)
+    for seed in range(4):
+        ids = prompt(20, seed=seed).cuda()
+        want = greedy_generate(target, ids, 96)
+        for steps, topk, ndt in TREES:
+            out, _ = speculative_generate(target, runner, ids, 96, steps, topk, ndt)
+            assert torch.equal(out, want), (seed, steps, topk, ndt)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all four)")
     r.add_argument("--baseline-prompts-per-workload", type=int, metavar="N",
                    help="run the slow HF baselines on the first N prompts of each workload (default: all)")
+    r.add_argument("--engine-compile", choices=["auto", "on", "off"], default="auto",
+                   help="compile the target's and draft's layers (auto: on with CUDA)")
+    r.add_argument("--query-pad", default="auto", metavar="N",
+                   help="pad every target pass to N queries so plain and verify passes share kernels "
+                   "(auto: the largest config's draft tokens on CUDA, 0 = off on CPU)")
+    r.add_argument("--attention", choices=["auto", "sdpa", "matmul"], default="auto",
+                   help="engine attention kernel (auto: matmul on CUDA, sdpa on CPU)")
     r.add_argument("--results-dir", help="where results go (default bench/results)")
     r.add_argument("--tag", help="suffix for the results file names")
     r.add_argument("--update-benchmarks-md", nargs="?", const="BENCHMARKS.md", metavar="FILE",
@@ -282,6 +289,13 @@ def cmd_extract(args) -> None:
             batch_size=args.batch_size, dtype=args.logits_dtype)
 
 
+def _int_arg(flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise DraftlingError(f"{flag}: expected an integer or 'auto', got {value!r}") from None
+
+
 def cmd_bench(args) -> None:
     from draftling.bench.simple import run_bench
 
@@ -302,7 +316,10 @@ def cmd_bench(args) -> None:
             max_new_tokens=args.max_new_tokens or 256,
             baselines=[b for b in (args.baselines or "").split(",") if b] or release.BASELINES,
             baseline_prompts_per_workload=args.baseline_prompts_per_workload,
-            out_dir=results_dir, tag=args.tag)
+            out_dir=results_dir, tag=args.tag,
+            compile={"auto": "auto", "on": True, "off": False}[args.engine_compile],
+            query_pad=args.query_pad if args.query_pad == "auto" else _int_arg("--query-pad", args.query_pad),
+            attention=args.attention)
         if args.update_benchmarks_md:
             stem = release.release_stem(results_dir, results["date"], results["gpu"], args.tag)
             md = release.update_benchmarks_md(f"{stem}.json", args.update_benchmarks_md)
@@ -311,7 +328,10 @@ def cmd_bench(args) -> None:
     release_only = [f for f, v in (("--prompt-set", args.prompt_set), ("--baselines", args.baselines),
                                    ("--baseline-prompts-per-workload", args.baseline_prompts_per_workload),
                                    ("--results-dir", args.results_dir), ("--tag", args.tag),
-                                   ("--update-benchmarks-md", args.update_benchmarks_md)) if v is not None]
+                                   ("--update-benchmarks-md", args.update_benchmarks_md),
+                                   ("--engine-compile", None if args.engine_compile == "auto" else 1),
+                                   ("--query-pad", None if args.query_pad == "auto" else 1),
+                                   ("--attention", None if args.attention == "auto" else 1)) if v is not None]
     if release_only:
         raise DraftlingError(f"{', '.join(release_only)} only apply with --release")
     if not args.prompts:

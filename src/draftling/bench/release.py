@@ -48,6 +48,7 @@ DEFAULT_WORKLOAD = "default"
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
 ROUND_PHASES = ("draft", "verify", "accept", "commit")
+GPU_ATTENTION = "matmul"  # the engine's attention on CUDA (see bench/engine_profile.py)
 MARK_START = "<!-- release-bench:start -->"
 MARK_END = "<!-- release-bench:end -->"
 RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
@@ -239,7 +240,9 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
                       baselines=BASELINES, baseline_prompts_per_workload: int | None = None,
                       cuda_graphs: bool | str = "auto", out_dir: str | Path = "bench/results",
                       tag: str | None = None, command: str | None = None,
-                      quiet: bool = False, round_timing: bool | str = "auto") -> dict:
+                      quiet: bool = False, round_timing: bool | str = "auto",
+                      compile: bool | str = "auto", query_pad: int | str = "auto",
+                      attention: str = "auto") -> dict:
     """Run the release bench and write its outputs (see the module docstring). Returns the
     results dict as written to ``<release_stem(out_dir, date, gpu, tag)>.json``.
 
@@ -247,7 +250,13 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     left out are null in the results, with a caveat. ``baseline_prompts_per_workload``: run the
     HF baselines on the first N prompts of each workload only (they are slow); None = all.
     ``round_timing``: also measure the per-round phase split (``round_split_ms``) on the first
-    ROUND_TIMING_PROMPTS prompts of each workload; "auto" = on CUDA."""
+    ROUND_TIMING_PROMPTS prompts of each workload; "auto" = on CUDA.
+
+    Engine options ("auto" = the GPU settings on CUDA, plain eager on CPU): ``compile`` the
+    decoder layers; ``query_pad`` every target pass to that many rows (auto: the largest
+    config's draft tokens), so plain and verify passes share kernels and a token's logits do
+    not depend on the tree beside it; ``attention`` "sdpa" or "matmul". With padding on,
+    plain decoding also runs unpadded, and speedups are against the faster of the two."""
     from draftling.engine.generate import greedy_generate, speculative_generate
 
     t_start = time.perf_counter()
@@ -270,7 +279,10 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
 
     device = target.device
     dtype = next(target.model.parameters()).dtype
-    graphs = device.type == "cuda" if cuda_graphs in ("auto", None) else bool(cuda_graphs)
+    on_gpu = device.type == "cuda"
+    graphs = on_gpu if cuda_graphs in ("auto", None) else bool(cuda_graphs)
+    compile = on_gpu if compile in ("auto", None) else bool(compile)
+    attention = (GPU_ATTENTION if on_gpu else "sdpa") if attention in ("auto", None) else attention
     timed_rounds = device.type == "cuda" if round_timing in ("auto", None) else bool(round_timing)
     clock = _Clock(device)
     info, prompts = load_prompt_set(prompt_set, target)
@@ -283,14 +295,27 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     if limit and longest + max_new_tokens > limit:
         raise DataError(f"the longest prompt ({longest} tokens) + {max_new_tokens} new tokens exceeds "
                         f"the target's max_position_embeddings {limit}")
-    engine_target, runner = build_engine(target, draft, max_len, cuda_graphs=graphs)
+    query_pad = (max_draft if on_gpu else 0) if query_pad in ("auto", None) else int(query_pad)
+    if query_pad and query_pad < max_draft:
+        raise ConfigError(f"query_pad {query_pad} is below the largest config's {max_draft} draft tokens")
+    max_len += query_pad
+    engine = dict(cuda_graphs=graphs, compile=compile, query_pad=query_pad, attention=attention)
+    engine_target, runner = build_engine(target, draft, max_len, **engine)
+    # Unpadded plain decoding on its own cache (same weights): the honest speedup reference
+    # when padding costs the plain engine time.
+    unpadded = None
+    if query_pad:
+        from draftling.engine.target_model import CachedTarget
+
+        unpadded = CachedTarget.from_hf(target.model, engine_target.aux_layer_ids, max_len,
+                                        **{**engine, "query_pad": 0})
     eos = target.stop_token_ids()
 
     def log(msg):
         if not quiet:
             print(f"[release-bench {time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
-    def plain(x):
+    def plain(x, engine_target=engine_target):
         return greedy_generate(engine_target, x, max_new_tokens, eos_ids=eos)
 
     def spec(x, c, timing=False):
@@ -303,6 +328,8 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     # Warm-up, excluded from every timing: allocator, lazy init, CUDA-graph capture per shape.
     warm = tensor(prompts[0])
     plain(warm)
+    if unpadded is not None:
+        plain(warm, unpadded)
     for c in cfgs:
         spec(warm, c)
     log(f"warm-up done; {len(prompts)} prompts x (engine_plain + {len(cfgs)} configs)")
@@ -316,6 +343,11 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
         refs[p.id] = ref
         row = {"id": p.id, "workload": p.workload, "prompt_tokens": len(p.input_ids),
                "engine_plain": {"tokens": len(ref), "s": t, "natural_stop": len(ref) < max_new_tokens}}
+        if unpadded is not None:
+            out, t = clock.timed(lambda: plain(x, unpadded))
+            out = out[0].tolist()
+            row["engine_plain_unpadded"] = {"tokens": len(out), "s": t, "identical": out == ref,
+                                            "natural_stop": len(out) < max_new_tokens}
         for c in cfgs:
             (toks, stats), t = clock.timed(lambda: spec(x, c))
             toks = toks[0].tolist()
@@ -368,10 +400,12 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     tok0 = int(prompts[0].input_ids[-1])
     step_s = {q: _step_time(engine_target, q, ctx, tok0, clock, reps)
               for q in sorted({1} | {c.draft_tokens for c in cfgs})}
+    if unpadded is not None:
+        step_s["1_unpadded"] = _step_time(unpadded, 1, ctx, tok0, clock, reps)
 
     results = _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, baselines,
                         hf_runs, subset, baseline_prompts_per_workload, max_new_tokens, step_s, ctx,
-                        graphs, command, splits)
+                        engine, command, splits)
     stem = release_stem(out_dir, results["date"], results["gpu"], tag)
     write_release_outputs(results, stem, rows)
     log(f"wrote {stem}.json/.md/-grid.png/-tau-vs-speedup.png")
@@ -381,16 +415,24 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
 
 
 def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, baselines, hf_runs,
-              subset, per_workload_n, max_new_tokens, step_s, ctx, graphs, command,
+              subset, per_workload_n, max_new_tokens, step_s, ctx, engine, command,
               splits=None) -> dict:
     def agg(rs, key):
         tokens = sum(r[key]["tokens"] for r in rs)
         secs = sum(r[key]["s"] for r in rs)
         return tokens, secs
 
+    def tok_s(key):
+        tokens, secs = agg(rows, key)
+        return tokens / secs
+
+    # Speedups are against the faster plain engine: padded (the identity reference) or not.
+    ref = "engine_plain"
+    if "engine_plain_unpadded" in rows[0] and tok_s("engine_plain_unpadded") > tok_s("engine_plain"):
+        ref = "engine_plain_unpadded"
     by_w = {w: [r for r in rows if r["workload"] == w] for w in workloads}
-    plain_w = {w: agg(by_w[w], "engine_plain") for w in workloads}
-    plain_tokens, plain_secs = agg(rows, "engine_plain")
+    plain_w = {w: agg(by_w[w], ref) for w in workloads}
+    plain_tokens, plain_secs = agg(rows, ref)
     plain_tok_s = {w: t / s for w, (t, s) in plain_w.items()}
 
     base = {b: None for b in BASELINES}
@@ -398,14 +440,18 @@ def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, ba
     base["engine_plain"] = plain_tokens / plain_secs
     details["engine_plain"] = {
         "n": len(rows), "tokens": plain_tokens, "seconds": plain_secs,
-        "natural_stops": sum(r["engine_plain"]["natural_stop"] for r in rows),
-        "max_new_tokens": max_new_tokens, "cuda_graphs": graphs,
-        "per_workload_tok_s": plain_tok_s}
+        "natural_stops": sum(r[ref]["natural_stop"] for r in rows),
+        "max_new_tokens": max_new_tokens, "cuda_graphs": engine["cuda_graphs"], "engine": engine,
+        "speedup_reference": ref, "per_workload_tok_s": plain_tok_s}
+    if ref != "engine_plain" or "engine_plain_unpadded" in rows[0]:
+        details["engine_plain"].update(
+            padded_tok_s=tok_s("engine_plain"), unpadded_tok_s=tok_s("engine_plain_unpadded"),
+            unpadded_identical_to_padded=sum(r["engine_plain_unpadded"]["identical"] for r in rows) / len(rows))
     subset_ids = {p.id for p in subset}
     sub_rows = [r for r in rows if r["id"] in subset_ids]
     for name in hf_runs:
         tokens, secs = agg(sub_rows, name)
-        pt, ps = agg(sub_rows, "engine_plain")
+        pt, ps = agg(sub_rows, ref)
         base[name] = tokens / secs
         details[name] = {
             "n": len(sub_rows), "prompts_per_workload": per_workload_n, "tokens": tokens,
@@ -415,7 +461,7 @@ def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, ba
             "engine_plain_tok_s_same_prompts": pt / ps,
             "prompt_ids": [r["id"] for r in sub_rows]}
 
-    t1 = step_s[1]
+    t1 = step_s["1_unpadded"] if ref == "engine_plain_unpadded" else step_s[1]
     out_cfgs = []
     for c in cfgs:
         per_w = {}
@@ -460,7 +506,7 @@ def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, ba
         "configs": out_cfgs,
         "caveats": [],
     }
-    results["caveats"] = release_caveats(results, device, graphs, baselines)
+    results["caveats"] = release_caveats(results, device, engine["cuda_graphs"], baselines)
     assert tuple(results) == RESULT_KEYS
     return results
 
@@ -485,10 +531,17 @@ def release_caveats(results: dict, device, graphs: bool, requested) -> list[str]
     notes = [
         f"n = {n} prompts ({', '.join(f'{w} {k}' for w, k in per_w.items())}); single run, batch 1, "
         f"greedy, warm-up excluded, up to {cap} new tokens; device {device_name(device)}, "
-        f"dtype {results['dtype']}, engine CUDA graphs {'on' if graphs else 'off'}",
+        f"dtype {results['dtype']}, engine CUDA graphs {'on' if graphs else 'off'}, "
+        f"compiled layers {'on' if plain.get('engine', {}).get('compile') else 'off'}",
         f"engine_plain: {plain['natural_stops']} of {n} completions stopped naturally (eos) before "
         f"the {cap}-token cap",
     ]
+    if "padded_tok_s" in plain:
+        pad = plain["engine"]["query_pad"]
+        notes.append(f"engine_plain: every target pass padded to {pad} queries (the identity reference) "
+                     f"ran {plain['padded_tok_s']:.1f} tok/s, unpadded {plain['unpadded_tok_s']:.1f} tok/s; "
+                     f"speedups are against the faster ({plain['speedup_reference']}); unpadded output "
+                     f"equals padded on {plain['unpadded_identical_to_padded']:.0%} of prompts")
     small = min(per_w.values())
     if small < 30:
         notes.append(f"small n: {small} prompt(s) per workload at the least; per-workload tau and "

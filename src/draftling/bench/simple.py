@@ -101,15 +101,19 @@ def load_any_draft(path: str | Path, device, dtype):
     raise DraftlingError(f"{path}: not a draft directory (no draft_config.json or config.json)")
 
 
-def build_engine(target: Target, draft, max_seq_len: int, cuda_graphs: bool = False):
+def build_engine(target: Target, draft, max_seq_len: int, cuda_graphs: bool = False,
+                 compile: bool = False, query_pad: int = 0, attention: str = "sdpa"):
+    """The decode engine for a target and a draft (see engine/target_model.py for the options)."""
     from draftling.engine.draft_runner import DraftRunner
     from draftling.engine.target_model import CachedTarget
 
     # The draft decides which layers feed it; using the target's defaults here instead would
     # be the silent off-by-one that collapses acceptance.
     ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
-    engine_target = CachedTarget.from_hf(target.model, ids, max_seq_len, cuda_graphs=cuda_graphs)
-    runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, cuda_graphs=cuda_graphs)
+    engine_target = CachedTarget.from_hf(target.model, ids, max_seq_len, cuda_graphs=cuda_graphs,
+                                         compile=compile, query_pad=query_pad, attention=attention)
+    runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, cuda_graphs=cuda_graphs,
+                         compile=compile, attention=attention)
     return engine_target, runner
 
 

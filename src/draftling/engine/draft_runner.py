@@ -19,14 +19,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftling.draft.model import Eagle3Draft
-from draftling.engine.target_model import StaticFn, causal_mask
+from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft
+from draftling.engine.target_model import StaticFn, _compiled, causal_mask, matmul_attention
+
+
+def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul: bool):
+    """The draft layer after its cache write: attention, o_proj, MLP, then the head.
+    Returns (pre-norm hidden, draft logits)."""
+    if use_matmul:
+        o = matmul_attention(q, k_cache, v_cache, attn_mask, q.shape[-1] ** -0.5)
+    else:
+        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attn_mask,
+                                           enable_gqa=k_cache.shape[1] != q.shape[1])
+    out = draft.midlayer.attention_to_output(hidden, o)
+    return out, draft.compute_logits(out)
 
 
 class DraftRunner(nn.Module):
     def __init__(self, draft: Eagle3Draft, embed: nn.Embedding, max_seq_len: int,
                  max_spec_nodes: int = 64, batch_size: int = 1, compile: bool = False,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, attention: str = "sdpa"):
         super().__init__()
         self.draft = draft
         self.embed = embed  # the target's, frozen and shared
@@ -41,8 +53,10 @@ class DraftRunner(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device),
                              persistent=False)
         self.graphed = cuda_graphs or compile
-        self._extend_fn = StaticFn(self._extend, compile=compile, cuda_graphs=cuda_graphs)
-        self._step_fn = StaticFn(self.forward, compile=compile, cuda_graphs=cuda_graphs)
+        # Compiled like the target's layers: the two halves around the eager cache write.
+        self.compile, self.use_matmul = compile, attention == "matmul"
+        self._extend_fn = StaticFn(self._extend, cuda_graphs=cuda_graphs)
+        self._step_fn = StaticFn(self.forward, cuda_graphs=cuda_graphs)
         # spec_round.SpecRound per (target, steps, topk, num_draft_tokens): its graphs are
         # captured once and replayed by every later generation with that config.
         self.rounds: dict = {}
@@ -58,18 +72,18 @@ class DraftRunner(nn.Module):
     def forward(self, input_ids, hidden, positions, cache_positions, attn_mask):
         """One draft layer pass. ``hidden`` is the fused target feature or the draft's own
         previous output. Returns (pre-norm hidden [B,T,H], draft logits [B,T,Vd])."""
-        def attend(q, k, v):
-            self.k_cache.index_copy_(2, cache_positions, k)
-            self.v_cache.index_copy_(2, cache_positions, v)
-            return F.scaled_dot_product_attention(
-                q, self.k_cache, self.v_cache, attn_mask=attn_mask,
-                enable_gqa=self.k_cache.shape[1] != q.shape[1])
-
         b, t = input_ids.shape
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(b, t)
-        out = self.draft.step(self.embed(input_ids), hidden, positions, attend)
-        return out, self.draft.compute_logits(out)
+        layer = self.draft.midlayer
+        fast = self.compile and t <= 64  # not the prompt's extend: its length varies
+        attn_in = _compiled(Eagle3DecoderLayer.attention_inputs) if fast else type(layer).attention_inputs
+        attn_out = _compiled(draft_outputs) if fast else draft_outputs
+        cos, sin = self.draft.rotary_emb(hidden, positions)
+        q, k, v = attn_in(layer, self.embed(input_ids).to(hidden.dtype), hidden, cos, sin)
+        self.k_cache.index_copy_(2, cache_positions, k)
+        self.v_cache.index_copy_(2, cache_positions, v)
+        return attn_out(self.draft, hidden, q, self.k_cache, self.v_cache, attn_mask, self.use_matmul)
 
     def _extend(self, input_ids, aux, start):
         # Slots and mask from the device tensor ``start``: nothing here depends on host values.

@@ -108,7 +108,7 @@ def greedy_generate(target: CachedTarget, input_ids: torch.Tensor, max_new_token
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """Decode without speculation on the same own-cache target (the speedup baseline).
     Returns the new tokens, [1, m] with m <= max_new_tokens (eos included if hit)."""
-    input_ids = _prepare(target, input_ids, max_new_tokens)
+    input_ids = _prepare(target, input_ids, max_new_tokens + target.query_pad)
     eos, out = _eos_set(eos_ids), []
     if max_new_tokens <= 0:
         return torch.zeros(1, 0, dtype=torch.long)
@@ -172,7 +172,7 @@ def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: to
     if (steps - 1) * topk > draft.max_spec_nodes:
         raise ConfigError(f"the draft cache has {draft.max_spec_nodes} scratch slots; "
                           f"steps={steps} topk={topk} needs {(steps - 1) * topk}")
-    input_ids = _prepare(target, input_ids, max_new_tokens + num_draft_tokens)
+    input_ids = _prepare(target, input_ids, max_new_tokens + max(num_draft_tokens, target.query_pad))
     if draft.max_seq_len < target.max_seq_len:
         raise ConfigError("the draft cache must be at least as long as the target cache")
     eos, out = _eos_set(eos_ids), []

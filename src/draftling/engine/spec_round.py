@@ -5,7 +5,7 @@ index, mask writes) plus several host syncs; on a GPU those, not the two forward
 round time. Here the whole drafting phase (every tree level, the EAGLE-2 selection and the
 tree's attention mask) and the target's verify pass are ONE function of device tensors with
 shapes fixed by (steps, topk, num_draft_tokens): no host values, no syncs, no data-dependent
-shapes. ``StaticFn`` runs it eagerly, compiled or as one CUDA graph. A round is then
+shapes. ``StaticFn`` runs it eagerly or as one CUDA graph (its layers compiled or not). A round is then
 
     propose (one replay) -> one .tolist() of a packed [3, q] tensor -> Python acceptance
     -> commit: move_kv of the accepted path (two replays, only when it is out of place)
@@ -57,7 +57,7 @@ class SpecRound:
         self.eye = torch.eye(num_draft_tokens, dtype=torch.bool, device=dev)
         self.path_rows = torch.arange(self.path_len, **long)
         self.zero = torch.zeros(1, **long)
-        graphs = dict(compile=target.compile, cuda_graphs=target.cuda_graphs)
+        graphs = dict(cuda_graphs=target.cuda_graphs)
         self.fused = StaticFn(self.draft_and_verify, **graphs)
         # Timing needs an event between drafting and verifying: two graphs, made on demand.
         self.split = None

@@ -1,10 +1,10 @@
 """The target's forward pass over an own, static KV cache (gpt-fast style).
 
 ``CachedTarget`` reuses the HF modules of a Llama-family causal LM (weights shared, not
-copied) but owns the KV cache: ``[layers][B, nkv, max_seq_len, d]``, written with
-``index_copy_`` at caller-given slots and read whole through a boolean mask. Every tensor
-shape depends only on the query length, so the same code runs eagerly, under
-``torch.compile(dynamic=False)`` or inside a CUDA graph (``StaticFn``). HF's own
+copied) but owns the KV cache: ``[layers, B, nkv, max_seq_len, d]`` for K and for V, written
+with ``index_copy_`` at caller-given slots and read whole through a boolean mask. Every tensor
+shape depends only on the query length, so the same code runs eagerly, with compiled layers
+(``torch.compile(dynamic=False)``) and inside a CUDA graph (``StaticFn``). HF's own
 StaticCache broke under manual graph capture on the GPU machine, hence owning it.
 
 The caller decides where K/V go (``cache_positions``) and what each query sees
@@ -53,18 +53,88 @@ def _check_architecture(model, max_seq_len: int) -> None:
             f"{arch}: sliding-window attention ({window}) shorter than max_seq_len {max_seq_len}")
 
 
+def attention_inputs(layer, x, cos, sin):
+    """A decoder layer up to attention: normed q [B,nh,q,d], RoPE'd k and v [B,nkv,q,d]."""
+    attn = layer.self_attn
+    b, q, _ = x.shape
+    d = attn.head_dim
+    h = layer.input_layernorm(x)
+    qs = attn.q_proj(h).view(b, q, -1, d)
+    ks = attn.k_proj(h).view(b, q, -1, d)
+    vs = attn.v_proj(h).view(b, q, -1, d).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
+        qs, ks = attn.q_norm(qs), attn.k_norm(ks)
+    qs, ks = apply_rotary_pos_emb(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
+    return qs, ks, vs
+
+
+def matmul_attention(q, k, v, mask, scale):
+    """Attention as two batched matmuls and a softmax, GQA by grouping the query heads (no K/V
+    repeat). Under torch.compile this is a few fused kernels, while SDPA with a boolean mask
+    falls back to a generic kernel for short queries over a long cache."""
+    b, h, t, d = q.shape
+    nkv, s = k.shape[1], k.shape[2]
+    rep = h // nkv
+    scores = torch.matmul(q.reshape(b, nkv, rep * t, d), k.transpose(-1, -2)).float() * scale
+    scores = scores.view(b, nkv, rep, t, s).masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype).view(b, nkv, rep * t, s)
+    return torch.matmul(probs, v).view(b, h, t, d)
+
+
+def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, use_matmul: bool):
+    """The rest of a decoder layer: attention over the whole static cache, o_proj, MLP."""
+    attn = layer.self_attn
+    if use_matmul:
+        o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling)
+    else:
+        # Whole static cache + boolean mask: shapes never depend on the context length.
+        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attn_mask,
+                                           scale=attn.scaling,
+                                           enable_gqa=k_cache.shape[1] != q.shape[1])
+    b, _, t, _ = q.shape
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+# Compiled once per process as plain functions of (layer, ...): one graph serves every layer
+# of a model (the weights are inputs), so compiling costs two small graphs per query shape.
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
+
+
+ATTENTION_KINDS = ("sdpa", "matmul")
+
+
 class CachedTarget(nn.Module):
     """Own-KV-cache forward of an HF Llama/Mistral/Qwen2/Qwen3 causal LM.
 
     ``forward(input_ids [B,q], positions [B,q] or [q], cache_positions [q], attn_mask [q,S])``
     returns ``(logits [B,q,V], aux [B,q,3H])``; ``aux`` concatenates HF ``hidden_states[i]``
     (output of decoder layer i-1) for each aux id, in the given order.
+
+    ``compile``: decode-sized passes (q <= ``max(query_pad, 64)``) run each layer as two
+    compiled halves around the eager cache write; prefill stays eager (its length varies).
+    ``query_pad``: pad every pass of 1..query_pad queries to exactly ``query_pad`` rows. Then
+    plain decode and every verify pass run the same kernels on the same shapes, so a token's
+    logits do not depend on how many drafts were verified beside it: in bf16 a different
+    matmul kernel per query count otherwise flips near-tied argmaxes and the speculative
+    output drifts from plain greedy. Pad rows write K/V to the slots after the real ones,
+    which every later pass overwrites before reading (the callers keep ``query_pad`` slots
+    free at the end of the cache).
     """
 
     def __init__(self, model, aux_layer_ids, max_seq_len: int, batch_size: int = 1, dtype=None,
-                 compile: bool = False, cuda_graphs: bool = False):
+                 compile: bool = False, cuda_graphs: bool = False, query_pad: int = 0,
+                 attention: str = "sdpa"):
         super().__init__()
         _check_architecture(model, max_seq_len)
+        if attention not in ATTENTION_KINDS:
+            raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         cfg = model.config
         self.config = cfg
         base = model.get_decoder()
@@ -79,29 +149,30 @@ class CachedTarget(nn.Module):
         attn0 = self.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.num_kv_heads = cfg.num_key_value_heads
-        self.qk_norm = hasattr(attn0, "q_norm")  # Qwen3: RMSNorm per head before RoPE
         wdtype = self.embed.weight.dtype
         if dtype is not None and dtype != wdtype:
             raise ConfigError(f"CachedTarget shares the target's {wdtype} weights; convert the model "
                               f"with model.to({dtype}) instead of asking for dtype={dtype}")
         device = self.embed.weight.device
-        shape = (batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
-        for i in range(len(self.layers)):
-            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=wdtype, device=device),
-                                 persistent=False)
-            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=wdtype, device=device),
-                                 persistent=False)
+        # One buffer for all layers' K and one for V: moving the accepted path is then one
+        # gather and one scatter per buffer instead of two per layer.
+        shape = (len(self.layers), batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
+        self.register_buffer("k_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
+        self.register_buffer("v_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self.compile, self.cuda_graphs = compile, cuda_graphs
-        self.fast = StaticFn(self.forward, compile=compile, cuda_graphs=cuda_graphs)
-        self._gather_fn = StaticFn(self._gather_kv, compile=compile, cuda_graphs=cuda_graphs)
-        self._scatter_fn = StaticFn(self._scatter_kv, compile=compile, cuda_graphs=cuda_graphs)
+        self.query_pad = int(query_pad)
+        self.max_compiled_q = max(self.query_pad, 64)
+        self.use_matmul = attention == "matmul"
+        self.fast = StaticFn(self.forward, cuda_graphs=cuda_graphs)
+        self._gather_fn = StaticFn(self._gather_kv, cuda_graphs=cuda_graphs)
+        self._scatter_fn = StaticFn(self._scatter_kv, cuda_graphs=cuda_graphs)
 
     @classmethod
     def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, **kwargs) -> "CachedTarget":
         return cls(model, aux_layer_ids, max_seq_len, dtype=dtype, **kwargs)
 
     def kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+        return self.k_all[i], self.v_all[i]
 
     @property
     def device(self) -> torch.device:
@@ -109,44 +180,40 @@ class CachedTarget(nn.Module):
 
     def forward(self, input_ids, positions, cache_positions, attn_mask):
         b, q = input_ids.shape
+        if positions.dim() == 2:
+            positions = positions[0]  # batch 1: one row of positions
+        pad = self.query_pad - q if 0 < q < self.query_pad else 0
+        if pad:
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(b, pad)], dim=1)
+            positions = torch.cat([positions, positions[-1:].expand(pad)])
+            extra = cache_positions[-1:] + torch.arange(1, pad + 1, device=cache_positions.device)
+            cache_positions = torch.cat([cache_positions, extra.clamp_(max=self.max_seq_len - 1)])
+            attn_mask = torch.cat([attn_mask, attn_mask[:1].expand(pad, -1)])
+        width = input_ids.shape[1]
         x = self.embed(input_ids)
-        if positions.dim() == 1:
-            positions = positions.unsqueeze(0).expand(b, q)
-        cos, sin = self.rotary_emb(x, positions)
+        cos, sin = self.rotary_emb(x, positions.unsqueeze(0).expand(b, width))
+        fast = self.compile and width <= self.max_compiled_q
+        attn_in = _compiled(attention_inputs) if fast else attention_inputs
+        attn_out = _compiled(attention_outputs) if fast else attention_outputs
         want = set(self.aux_layer_ids)
         aux = {}
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            qs = attn.q_proj(h).view(b, q, -1, self.head_dim)
-            ks = attn.k_proj(h).view(b, q, -1, self.head_dim)
-            vs = attn.v_proj(h).view(b, q, -1, self.head_dim).transpose(1, 2)
-            if self.qk_norm:
-                qs, ks = attn.q_norm(qs), attn.k_norm(ks)
-            qs, ks = apply_rotary_pos_emb(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
+            qs, ks, vs = attn_in(layer, x, cos, sin)
             k_cache, v_cache = self.kv(i)
             k_cache.index_copy_(2, cache_positions, ks)
             v_cache.index_copy_(2, cache_positions, vs)
-            # Whole static cache + boolean mask: shapes never depend on the context length.
-            o = F.scaled_dot_product_attention(qs, k_cache, v_cache, attn_mask=attn_mask,
-                                               scale=attn.scaling,
-                                               enable_gqa=k_cache.shape[1] != qs.shape[1])
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, q, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = attn_out(layer, x, qs, k_cache, v_cache, attn_mask, self.use_matmul)
             if i + 1 in want:
                 aux[i + 1] = x
-        logits = self.lm_head(self.norm(x))
-        return logits, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)
-
-    def _caches(self) -> list[torch.Tensor]:
-        return [c for i in range(len(self.layers)) for c in self.kv(i)]
+        logits = self.lm_head(self.norm(x[:, :q]))
+        return logits, torch.cat([aux[i][:, :q] for i in self.aux_layer_ids], dim=-1)
 
     def _gather_kv(self, src):
-        return (torch.stack([c.index_select(2, src) for c in self._caches()]),)
+        return self.k_all.index_select(3, src), self.v_all.index_select(3, src)
 
-    def _scatter_kv(self, dst, rows):
-        for cache, r in zip(self._caches(), rows):
-            cache.index_copy_(2, dst, r)
+    def _scatter_kv(self, dst, k_rows, v_rows):
+        self.k_all.index_copy_(3, dst, k_rows)
+        self.v_all.index_copy_(3, dst, v_rows)
         return ()
 
     @torch.no_grad()
@@ -156,8 +223,8 @@ class CachedTarget(nn.Module):
         Two static functions (one graph each on a GPU), all rows read before any is written:
         src and dst overlap, so a single read-and-write function would not survive the repeat
         that graph warm-up makes; each half alone is safe to repeat."""
-        rows, = self._gather_fn(src)
-        self._scatter_fn(dst, rows)
+        k_rows, v_rows = self._gather_fn(src)
+        self._scatter_fn(dst, k_rows, v_rows)
 
 
 def causal_mask(start, q: int, size: int, device) -> torch.Tensor:
@@ -166,18 +233,17 @@ def causal_mask(start, q: int, size: int, device) -> torch.Tensor:
 
 
 class StaticFn:
-    """Run ``fn(*tensors) -> tuple of tensors`` eagerly, compiled, and/or as CUDA graphs.
+    """Run ``fn(*tensors) -> tuple of tensors`` eagerly or as CUDA graphs.
 
     One graph per input signature (shapes and dtypes); inputs are copied into static
     buffers before replay and outputs cloned after it. ``fn`` may write to caches but must be
     safe to repeat: the warm-up calls repeat the real call's writes (so it must not read slots
-    it overwrote, see ``move_kv``). ``cuda_graphs`` is a no-op for CPU tensors; ``compile``
-    uses ``torch.compile(dynamic=False)`` on any device.
+    it overwrote, see ``move_kv``). ``cuda_graphs`` is a no-op for CPU tensors. Compiling is
+    up to ``fn`` (the engine compiles per layer, inside it).
     """
 
-    def __init__(self, fn, compile: bool = False, cuda_graphs: bool = False):
-        self.eager = fn
-        self.fn = torch.compile(fn, dynamic=False) if compile else fn
+    def __init__(self, fn, cuda_graphs: bool = False):
+        self.fn = fn
         self.cuda_graphs = cuda_graphs
         self.graphs: dict = {}
         self.pool = None  # one memory pool per StaticFn: a handle must not outlive its graphs
