@@ -69,14 +69,15 @@ class DraftRunner(nn.Module):
     def cache_size(self) -> int:
         return self.k_cache.shape[2]
 
-    def forward(self, input_ids, hidden, positions, cache_positions, attn_mask):
+    def forward(self, input_ids, hidden, positions, cache_positions, attn_mask, compiled=None):
         """One draft layer pass. ``hidden`` is the fused target feature or the draft's own
-        previous output. Returns (pre-norm hidden [B,T,H], draft logits [B,T,Vd])."""
+        previous output. Returns (pre-norm hidden [B,T,H], draft logits [B,T,Vd]).
+        ``compiled``: default ``self.compile``; the prompt's extend passes False (its length varies)."""
         b, t = input_ids.shape
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(b, t)
         layer = self.draft.midlayer
-        fast = self.compile and t <= 64  # not the prompt's extend: its length varies
+        fast = self.compile if compiled is None else compiled
         attn_in = _compiled(Eagle3DecoderLayer.attention_inputs) if fast else type(layer).attention_inputs
         attn_out = _compiled(draft_outputs) if fast else draft_outputs
         cos, sin = self.draft.rotary_emb(hidden, positions)
@@ -85,11 +86,11 @@ class DraftRunner(nn.Module):
         self.v_cache.index_copy_(2, cache_positions, v)
         return attn_out(self.draft, hidden, q, self.k_cache, self.v_cache, attn_mask, self.use_matmul)
 
-    def _extend(self, input_ids, aux, start):
+    def _extend(self, input_ids, aux, start, compiled=None):
         # Slots and mask from the device tensor ``start``: nothing here depends on host values.
         slots = start + torch.arange(input_ids.shape[1], device=input_ids.device)
         mask = causal_mask(start, input_ids.shape[1], self.cache_size, input_ids.device)
-        return self.forward(input_ids, self.draft.fuse(aux), slots, slots, mask)
+        return self.forward(input_ids, self.draft.fuse(aux), slots, slots, mask, compiled)
 
     @torch.no_grad()
     def extend(self, next_ids: torch.Tensor, aux: torch.Tensor, start, pad_to: int | None = None):
@@ -106,8 +107,10 @@ class DraftRunner(nn.Module):
             t = pad_to
         if not torch.is_tensor(start):
             start = torch.full((1,), start, dtype=torch.long, device=next_ids.device)
-        fn = self._extend_fn if pad_to is not None else self._extend  # unpadded prefill stays eager
-        hidden, logits = fn(next_ids, aux, start)
+        if pad_to is not None:
+            hidden, logits = self._extend_fn(next_ids, aux, start)
+        else:  # the prompt: eager, uncompiled (its length varies)
+            hidden, logits = self._extend(next_ids, aux, start, compiled=False)
         return hidden[:, n - 1], logits[:, n - 1]
 
     @torch.no_grad()

@@ -134,7 +134,8 @@ class SpecRound:
     def verify(self, n, tokens, parents, depths):
         """The target on the whole tree (K/V to slots n..n+q-1). Returns packed [3, q] =
         (tokens, parents, target argmax per node), aux [1,q,3H], logits [1,q,V]."""
-        logits, aux = self.target(tokens[None], n + depths, n + self.nodes, self.tree_mask(n, parents))
+        logits, aux = self.target.decode(tokens[None], n + depths, n + self.nodes,
+                                         self.tree_mask(n, parents))
         return torch.stack([tokens, parents, logits[0].argmax(-1)]), aux, logits
 
     def draft_and_verify(self, n, root, r_hidden, r_logits):

@@ -68,15 +68,28 @@ def attention_inputs(layer, x, cos, sin):
     return qs, ks, vs
 
 
-def matmul_attention(q, k, v, mask, scale):
+def matmul_attention(q, k, v, mask, scale, exact: bool = False):
     """Attention as two batched matmuls and a softmax, GQA by grouping the query heads (no K/V
     repeat). Under torch.compile this is a few fused kernels, while SDPA with a boolean mask
-    falls back to a generic kernel for short queries over a long cache."""
+    falls back to a generic kernel for short queries over a long cache.
+
+    ``exact``: fp32 scores, then the softmax sum and probs @ V in float64 before rounding back.
+    A tree node's ancestors sit at scattered cache slots while plain decoding has them in a
+    row; summed in low precision, the same terms in a different order round differently and
+    can flip a near-tied argmax. In float64 the order no longer shows after rounding."""
     b, h, t, d = q.shape
     nkv, s = k.shape[1], k.shape[2]
     rep = h // nkv
-    scores = torch.matmul(q.reshape(b, nkv, rep * t, d), k.transpose(-1, -2)).float() * scale
+    qg = q.reshape(b, nkv, rep * t, d)
+    if exact:
+        scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
+    else:
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
     scores = scores.view(b, nkv, rep, t, s).masked_fill(~mask, float("-inf"))
+    if exact:
+        e = (scores - scores.amax(-1, keepdim=True)).exp().double()
+        probs = (e / e.sum(-1, keepdim=True)).view(b, nkv, rep * t, s)
+        return torch.matmul(probs, v.double()).to(v.dtype).view(b, h, t, d)
     probs = scores.softmax(-1).to(v.dtype).view(b, nkv, rep * t, s)
     return torch.matmul(probs, v).view(b, h, t, d)
 
@@ -85,7 +98,7 @@ def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, use_matmul: bool
     """The rest of a decoder layer: attention over the whole static cache, o_proj, MLP."""
     attn = layer.self_attn
     if use_matmul:
-        o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling)
+        o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling, exact=True)
     else:
         # Whole static cache + boolean mask: shapes never depend on the context length.
         o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attn_mask,
@@ -117,8 +130,9 @@ class CachedTarget(nn.Module):
     returns ``(logits [B,q,V], aux [B,q,3H])``; ``aux`` concatenates HF ``hidden_states[i]``
     (output of decoder layer i-1) for each aux id, in the given order.
 
-    ``compile``: decode-sized passes (q <= ``max(query_pad, 64)``) run each layer as two
-    compiled halves around the eager cache write; prefill stays eager (its length varies).
+    ``forward`` is always eager (prefill: its length varies); ``decode`` (and ``fast``, its
+    CUDA graphs) runs each layer as two compiled halves around the eager cache write when
+    ``compile`` is set. ``attention="matmul"`` is ``matmul_attention(exact=True)``.
     ``query_pad``: pad every pass of 1..query_pad queries to exactly ``query_pad`` rows. Then
     plain decode and every verify pass run the same kernels on the same shapes, so a token's
     logits do not depend on how many drafts were verified beside it: in bf16 a different
@@ -161,9 +175,8 @@ class CachedTarget(nn.Module):
         self.register_buffer("v_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self.compile, self.cuda_graphs = compile, cuda_graphs
         self.query_pad = int(query_pad)
-        self.max_compiled_q = max(self.query_pad, 64)
         self.use_matmul = attention == "matmul"
-        self.fast = StaticFn(self.forward, cuda_graphs=cuda_graphs)
+        self.fast = StaticFn(self.decode, cuda_graphs=cuda_graphs)
         self._gather_fn = StaticFn(self._gather_kv, cuda_graphs=cuda_graphs)
         self._scatter_fn = StaticFn(self._scatter_kv, cuda_graphs=cuda_graphs)
 
@@ -179,6 +192,13 @@ class CachedTarget(nn.Module):
         return self.embed.weight.device
 
     def forward(self, input_ids, positions, cache_positions, attn_mask):
+        return self._run(input_ids, positions, cache_positions, attn_mask, compiled=False)
+
+    def decode(self, input_ids, positions, cache_positions, attn_mask):
+        """A decode-sized pass (plain step or verify): compiled layers when ``compile``."""
+        return self._run(input_ids, positions, cache_positions, attn_mask, compiled=self.compile)
+
+    def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool):
         b, q = input_ids.shape
         if positions.dim() == 2:
             positions = positions[0]  # batch 1: one row of positions
@@ -192,9 +212,8 @@ class CachedTarget(nn.Module):
         width = input_ids.shape[1]
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(x, positions.unsqueeze(0).expand(b, width))
-        fast = self.compile and width <= self.max_compiled_q
-        attn_in = _compiled(attention_inputs) if fast else attention_inputs
-        attn_out = _compiled(attention_outputs) if fast else attention_outputs
+        attn_in = _compiled(attention_inputs) if compiled else attention_inputs
+        attn_out = _compiled(attention_outputs) if compiled else attention_outputs
         want = set(self.aux_layer_ids)
         aux = {}
         for i, layer in enumerate(self.layers):
