@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftling.bench import release
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.draft.store import save_draft
+from draftling.errors import ConfigError
 from draftling.target.load import wrap_target
 
 AUX = [1, 2, 3]
@@ -178,6 +179,30 @@ def test_all_four_baselines(bench_run, tmp_path):
     assert any(n.startswith("round split:") for n in r["caveats"])
     md = next(tmp_path.glob("*.md")).read_text()
     assert "## Round split" in md and "| tree-2-2-4 |" in md
+
+
+def test_padded_engine_and_unpadded_reference(bench_run, tmp_path):
+    """query_pad on: plain decoding runs padded (the identity reference) and unpadded; the
+    speedup reference is the faster one, and both speeds are reported."""
+    r = release.run_release_bench(
+        bench_run.target, bench_run.draft, prompt_set=bench_run.ps, configs=["chain-2-1-3", "tree-2-2-4"],
+        max_new_tokens=8, baselines=("engine_plain",), out_dir=tmp_path, command="x", quiet=True,
+        query_pad=4, attention="exact")
+    plain = r["baseline_details"]["engine_plain"]
+    assert plain["engine"]["query_pad"] == 4 and plain["engine"]["attention"] == "exact"
+    assert plain["padded_tok_s"] > 0 and plain["unpadded_tok_s"] > 0
+    faster = max(plain["padded_tok_s"], plain["unpadded_tok_s"])
+    assert r["baselines"]["engine_plain"] == pytest.approx(faster)
+    assert plain["speedup_reference"] == ("engine_plain_unpadded" if plain["unpadded_tok_s"] > plain["padded_tok_s"]
+                                          else "engine_plain")
+    # fp32 on the CPU: padding changes no token.
+    assert plain["unpadded_identical_to_padded"] == 1.0
+    assert all(c["identical_fraction"] == 1.0 for c in r["configs"])
+    assert any("padded to 4 queries with exact attention" in n for n in r["caveats"])
+    with pytest.raises(ConfigError, match="query_pad 2 is below"):
+        release.run_release_bench(bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
+                                  configs=["chain-2-1-3"], max_new_tokens=4, baselines=("engine_plain",),
+                                  out_dir=tmp_path, quiet=True, query_pad=2)
 
 
 def test_prompt_set_sources(tmp_path):

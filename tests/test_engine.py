@@ -589,10 +589,32 @@ def test_compiled_steps_match_eager_cpu():
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
 
 
-def test_query_pad_and_matmul_attention_match_eager():
+@pytest.mark.parametrize("attention", ["matmul", "exact"])
+def test_query_pad_and_matmul_attention_match_eager(attention):
     """Every target pass padded to 16 queries, attention as matmuls: same tokens and
     acceptance as the plain eager engine, for chain and trees, and a clean committed cache."""
-    _static_paths_match("cpu", timing=False, query_pad=16, attention="matmul")
+    _static_paths_match("cpu", timing=False, query_pad=16, attention=attention)
+
+
+def test_exact_attention_ignores_where_the_context_sits():
+    """The same keys and values at scattered slots (a tree node's ancestors) or in a row
+    (plain decoding) give bit-identical exact attention; both match SDPA."""
+    from draftling.engine.target_model import matmul_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 16, generator=g).bfloat16()
+    k = torch.randn(1, 2, 40, 16, generator=g).bfloat16()
+    v = torch.randn(1, 2, 40, 16, generator=g).bfloat16()
+    seen = torch.zeros(1, 40, dtype=torch.bool)
+    seen[0, :25] = True
+    perm = torch.randperm(40, generator=g)
+    scattered = seen[:, perm]
+    a = matmul_attention(q, k, v, seen, 0.25, exact=True)
+    b = matmul_attention(q, k[:, :, perm], v[:, :, perm], scattered, 0.25, exact=True)
+    assert torch.equal(a, b)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=seen, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(a.float(), want, atol=1e-2, rtol=1e-2)
 
 
 def test_padded_pass_equals_unpadded():
@@ -624,7 +646,7 @@ def test_bf16_padded_speculative_equals_plain_exactly():
     model = tiny(LlamaForCausalLM, LlamaConfig, hidden_size=256, intermediate_size=512,
                  num_attention_heads=8, num_key_value_heads=2).to("cuda", torch.bfloat16)
     draft = random_draft(model).to("cuda", torch.bfloat16)
-    mode = dict(cuda_graphs=True, compile=True, attention="matmul")
+    mode = dict(cuda_graphs=True, compile=True, attention="exact")
     target = CachedTarget.from_hf(model, AUX, 200, query_pad=16, **mode)
     runner = DraftRunner(draft, model.get_input_embeddings(), 200, **mode)
     for seed in range(4):

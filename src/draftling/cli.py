@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--query-pad", default="auto", metavar="N",
                    help="pad every target pass to N queries so plain and verify passes share kernels "
                    "(auto: the largest config's draft tokens on CUDA, 0 = off on CPU)")
-    r.add_argument("--attention", choices=["auto", "sdpa", "matmul"], default="auto",
-                   help="engine attention kernel (auto: matmul on CUDA, sdpa on CPU)")
+    r.add_argument("--attention", choices=["auto", "sdpa", "matmul", "exact"], default="auto",
+                   help="engine attention: sdpa, matmul (bf16), or exact (float64 sums: tree output equals "
+                   "plain output). auto: exact on CUDA (the unpadded plain reference: matmul), sdpa on CPU")
     r.add_argument("--results-dir", help="where results go (default bench/results)")
     r.add_argument("--tag", help="suffix for the results file names")
     r.add_argument("--update-benchmarks-md", nargs="?", const="BENCHMARKS.md", metavar="FILE",

@@ -44,6 +44,7 @@ VARIANTS = {
     "compiled_matmul": dict(compile=True, attention="matmul", query_pad=0),
     "compiled_matmul_pad16": dict(compile=True, attention="matmul", query_pad=16),
     "compiled_sdpa_pad16": dict(compile=True, attention="sdpa", query_pad=16),
+    "compiled_exact_pad16": dict(compile=True, attention="exact", query_pad=16),
 }
 
 

@@ -48,7 +48,10 @@ DEFAULT_WORKLOAD = "default"
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
 ROUND_PHASES = ("draft", "verify", "accept", "commit")
-GPU_ATTENTION = "matmul"  # the engine's attention on CUDA (see bench/engine_profile.py)
+# The engine's attention on CUDA: "exact" for the speculative engine and its padded plain
+# twin (the identity reference); the unpadded plain reference takes the faster bf16 "matmul"
+# (bench/engine_profile.py measured both), so speedups are against the fastest plain engine.
+GPU_ATTENTION, GPU_UNPADDED_ATTENTION = "exact", "matmul"
 MARK_START = "<!-- release-bench:start -->"
 MARK_END = "<!-- release-bench:end -->"
 RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
@@ -255,8 +258,9 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     Engine options ("auto" = the GPU settings on CUDA, plain eager on CPU): ``compile`` the
     decoder layers; ``query_pad`` every target pass to that many rows (auto: the largest
     config's draft tokens), so plain and verify passes share kernels and a token's logits do
-    not depend on the tree beside it; ``attention`` "sdpa" or "matmul". With padding on,
-    plain decoding also runs unpadded, and speedups are against the faster of the two."""
+    not depend on the tree beside it; ``attention`` one of engine.target_model.ATTENTION_KINDS.
+    With padding on, plain decoding also runs unpadded (auto: with the faster "matmul"
+    attention on CUDA), and speedups are against the faster of the two."""
     from draftling.engine.generate import greedy_generate, speculative_generate
 
     t_start = time.perf_counter()
@@ -282,7 +286,9 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     on_gpu = device.type == "cuda"
     graphs = on_gpu if cuda_graphs in ("auto", None) else bool(cuda_graphs)
     compile = on_gpu if compile in ("auto", None) else bool(compile)
-    attention = (GPU_ATTENTION if on_gpu else "sdpa") if attention in ("auto", None) else attention
+    auto_attention = attention in ("auto", None)
+    attention = (GPU_ATTENTION if on_gpu else "sdpa") if auto_attention else attention
+    unpadded_attention = GPU_UNPADDED_ATTENTION if auto_attention and on_gpu else attention
     timed_rounds = device.type == "cuda" if round_timing in ("auto", None) else bool(round_timing)
     clock = _Clock(device)
     info, prompts = load_prompt_set(prompt_set, target)
@@ -308,7 +314,8 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
         from draftling.engine.target_model import CachedTarget
 
         unpadded = CachedTarget.from_hf(target.model, engine_target.aux_layer_ids, max_len,
-                                        **{**engine, "query_pad": 0})
+                                        **{**engine, "query_pad": 0, "attention": unpadded_attention})
+        engine["unpadded_attention"] = unpadded_attention
     eos = target.stop_token_ids()
 
     def log(msg):
@@ -537,9 +544,12 @@ def release_caveats(results: dict, device, graphs: bool, requested) -> list[str]
         f"the {cap}-token cap",
     ]
     if "padded_tok_s" in plain:
-        pad = plain["engine"]["query_pad"]
-        notes.append(f"engine_plain: every target pass padded to {pad} queries (the identity reference) "
-                     f"ran {plain['padded_tok_s']:.1f} tok/s, unpadded {plain['unpadded_tok_s']:.1f} tok/s; "
+        eng = plain["engine"]
+        pad, att = eng["query_pad"], eng["attention"]
+        att_u = eng.get("unpadded_attention", att)
+        notes.append(f"engine_plain: every target pass padded to {pad} queries with {att} attention (the "
+                     f"identity reference) ran {plain['padded_tok_s']:.1f} tok/s, unpadded with {att_u} "
+                     f"attention {plain['unpadded_tok_s']:.1f} tok/s; "
                      f"speedups are against the faster ({plain['speedup_reference']}); unpadded output "
                      f"equals padded on {plain['unpadded_identical_to_padded']:.0%} of prompts")
     small = min(per_w.values())

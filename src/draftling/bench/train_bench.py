@@ -41,6 +41,7 @@ import torch._dynamo
 from draftling.bench.simple import device_name
 from draftling.config import RunConfig, TrainConfig
 from draftling.draft.vocab import build_vocab
+from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
 from draftling.train.optim import build_optimizer
 from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
@@ -612,9 +613,7 @@ def run_bench(out, settings: Settings, device: torch.device, target=None, phases
     # One bench process compiles flex attention and the loss chunk for several shapes and
     # dtypes (a training run sees one); past dynamo's default limit of 8 variants a function
     # silently runs eagerly, which would measure the wrong thing.
-    dynamo_config = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 64))
+    allow_recompiles(64)
     results = new_results(settings, device)
     s = settings
     bench = None

@@ -54,7 +54,8 @@ class DraftRunner(nn.Module):
                              persistent=False)
         self.graphed = cuda_graphs or compile
         # Compiled like the target's layers: the two halves around the eager cache write.
-        self.compile, self.use_matmul = compile, attention == "matmul"
+        # The draft only proposes: "exact" buys it nothing over plain matmul attention.
+        self.compile, self.use_matmul = compile, attention in ("matmul", "exact")
         self._extend_fn = StaticFn(self._extend, cuda_graphs=cuda_graphs)
         self._step_fn = StaticFn(self.forward, cuda_graphs=cuda_graphs)
         # spec_round.SpecRound per (target, steps, topk, num_draft_tokens): its graphs are

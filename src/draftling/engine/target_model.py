@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError, TargetError
 from draftling.target.aux import decoder_layers, validate_aux_layer_ids
 
@@ -94,11 +95,12 @@ def matmul_attention(q, k, v, mask, scale, exact: bool = False):
     return torch.matmul(probs, v).view(b, h, t, d)
 
 
-def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, use_matmul: bool):
-    """The rest of a decoder layer: attention over the whole static cache, o_proj, MLP."""
+def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str):
+    """The rest of a decoder layer: attention (``kind``, see ATTENTION_KINDS) over the whole
+    static cache, o_proj, MLP."""
     attn = layer.self_attn
-    if use_matmul:
-        o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling, exact=True)
+    if kind != "sdpa":
+        o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling, exact=kind == "exact")
     else:
         # Whole static cache + boolean mask: shapes never depend on the context length.
         o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attn_mask,
@@ -116,11 +118,15 @@ _COMPILED: dict = {}
 
 def _compiled(fn):
     if fn not in _COMPILED:
+        allow_recompiles()  # a shape per query count and tree config, and more than 8 of them is fine
         _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
 
 
-ATTENTION_KINDS = ("sdpa", "matmul")
+# sdpa: F.scaled_dot_product_attention with a boolean mask; matmul: matmul_attention in the
+# model's dtype; exact: matmul_attention(exact=True), whose logits do not depend on where in
+# the cache a token's context sits (what makes tree output equal plain output in bf16).
+ATTENTION_KINDS = ("sdpa", "matmul", "exact")
 
 
 class CachedTarget(nn.Module):
@@ -132,7 +138,7 @@ class CachedTarget(nn.Module):
 
     ``forward`` is always eager (prefill: its length varies); ``decode`` (and ``fast``, its
     CUDA graphs) runs each layer as two compiled halves around the eager cache write when
-    ``compile`` is set. ``attention="matmul"`` is ``matmul_attention(exact=True)``.
+    ``compile`` is set. ``attention``: one of ATTENTION_KINDS.
     ``query_pad``: pad every pass of 1..query_pad queries to exactly ``query_pad`` rows. Then
     plain decode and every verify pass run the same kernels on the same shapes, so a token's
     logits do not depend on how many drafts were verified beside it: in bf16 a different
@@ -175,7 +181,7 @@ class CachedTarget(nn.Module):
         self.register_buffer("v_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self.compile, self.cuda_graphs = compile, cuda_graphs
         self.query_pad = int(query_pad)
-        self.use_matmul = attention == "matmul"
+        self.attention = attention
         self.fast = StaticFn(self.decode, cuda_graphs=cuda_graphs)
         self._gather_fn = StaticFn(self._gather_kv, cuda_graphs=cuda_graphs)
         self._scatter_fn = StaticFn(self._scatter_kv, cuda_graphs=cuda_graphs)
@@ -221,7 +227,7 @@ class CachedTarget(nn.Module):
             k_cache, v_cache = self.kv(i)
             k_cache.index_copy_(2, cache_positions, ks)
             v_cache.index_copy_(2, cache_positions, vs)
-            x = attn_out(layer, x, qs, k_cache, v_cache, attn_mask, self.use_matmul)
+            x = attn_out(layer, x, qs, k_cache, v_cache, attn_mask, self.attention)
             if i + 1 in want:
                 aux[i + 1] = x
         logits = self.lm_head(self.norm(x[:, :q]))

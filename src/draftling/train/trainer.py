@@ -18,6 +18,7 @@ from draftling.config import RunConfig, TrainConfig, save_config
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
+from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
 from draftling.io import atomic_dir, atomic_path, write_json
 from draftling.target import Target
@@ -372,6 +373,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     device = target.device
     torch.manual_seed(tc.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 draft trains against a bf16 teacher
+    allow_recompiles()  # batches of many lengths: flex and the loss chunks must stay compiled
     if tc.parallel not in PARALLEL_MODES:
         raise ConfigError(f"train.parallel={tc.parallel!r}: expected {' or '.join(PARALLEL_MODES)}")
     if tc.batch_size < ctx.world_size:
