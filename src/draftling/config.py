@@ -97,6 +97,9 @@ class TrainConfig:
     # are still written). 0 = no limit.
     max_minutes: float = 0.0
     max_val_batches: int = 16
+    # Batch examples of similar length (sorted within groups of 16 batches, batch order
+    # shuffled): less padding, same data per epoch. false = plain random batches.
+    group_by_length: bool = True
     # --- Memory (train/ttt.py, train/optim.py, train/host_embed.py). Each is exact against
     # the plain path up to float summation order; tests/test_train_memory.py checks that.
     # Draft head, log-softmax, soft CE and argmax over chunks of this many valid positions,

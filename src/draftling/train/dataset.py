@@ -61,18 +61,43 @@ def collate(examples: list[TokenizedExample], pad_id: int) -> dict[str, torch.Te
 
 
 class EpochBatches:
-    """Deterministic batches: epoch e uses randperm(n, seed + e); batches never straddle epochs."""
+    """Deterministic batches: epoch e shuffles with randperm(n, seed + e); batches never
+    straddle epochs, and a partial last batch is dropped.
 
-    def __init__(self, examples: list[TokenizedExample], batch_size: int, seed: int):
+    ``group_by_length``: within each run of ``batch_size * GROUP_BATCHES`` shuffled examples,
+    sort by length before cutting batches, then shuffle the batch order. Batches pad to their
+    longest example, so random batches of chat data waste about a quarter of every forward
+    on padding; grouped, about 5%. The batch order and each batch's membership stay random
+    at the scale of the group."""
+
+    GROUP_BATCHES = 16
+
+    def __init__(self, examples: list[TokenizedExample], batch_size: int, seed: int,
+                 group_by_length: bool = False):
         if batch_size < 1:
             raise DataError(f"train.batch_size must be >= 1, got {batch_size}")
         self.examples, self.batch_size, self.seed = examples, batch_size, seed
+        self.group_by_length = group_by_length
         self.batches_per_epoch = max(1, len(examples) // batch_size)
+        self._order: dict[int, list[list[int]]] = {}
 
     def indices(self, epoch: int, index: int) -> list[int]:
+        if epoch not in self._order:
+            self._order = {epoch: self._epoch_batches(epoch)}  # one epoch at a time is enough
+        return self._order[epoch][index]
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-        perm = torch.randperm(len(self.examples), generator=g)
-        return perm[index * self.batch_size:(index + 1) * self.batch_size].tolist()
+        perm = torch.randperm(len(self.examples), generator=g).tolist()
+        bs, n = self.batch_size, self.batches_per_epoch
+        if not self.group_by_length:
+            return [perm[i * bs:(i + 1) * bs] for i in range(n)]
+        used, group = perm[:n * bs], bs * self.GROUP_BATCHES
+        batches = []
+        for start in range(0, len(used), group):
+            chunk = sorted(used[start:start + group], key=lambda i: -len(self.examples[i].input_ids))
+            batches += [chunk[j:j + bs] for j in range(0, len(chunk), bs)]
+        return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
     def batch(self, epoch: int, index: int) -> list[TokenizedExample]:
         return [self.examples[i] for i in self.indices(epoch, index)]

@@ -415,7 +415,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     # With offload the scheduler drives the inner torch AdamW over the host masters. Under
     # FSDP, offload is its CPUOffloadPolicy and the plain optimizer steps the host shards.
     optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not sharded)
-    batches = EpochBatches(examples, tc.batch_size, tc.seed)
+    batches = EpochBatches(examples, tc.batch_size, tc.seed, tc.group_by_length)
     total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         scheduled, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio))
