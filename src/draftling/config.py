@@ -171,6 +171,10 @@ class RunConfig:
     # Quantize the target on load (bnb-4bit, bnb-8bit, quanto-int8, quanto-int4, torchao-int8);
     # needs the matching optional extra. null = load as stored. See docs/teachers.md.
     quantization: str | None = None
+    # Wall-clock budget of a whole `draftling quickstart` run, in minutes (0 = none): training
+    # stops early enough to leave room for the bench and the export, so a slower machine
+    # trains fewer steps instead of overrunning. train.max_minutes still caps training alone.
+    wall_minutes: float = 0.0
     data: DataConfig = field(default_factory=DataConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)

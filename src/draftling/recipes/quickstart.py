@@ -12,7 +12,24 @@ from pathlib import Path
 from draftling.config import load_config, save_config
 from draftling.data.prepare import prepare_data
 from draftling.draft.vocab import build_vocab_file
+from draftling.errors import ConfigError
 from draftling.io import write_json
+
+
+# Kept back from training for the bench (8 prompts, plain and chain-3, 96 tokens each) and
+# the export: about 70 s on the fourth session's 2-core machine, 200 s on the fifth's.
+BENCH_RESERVE_MINUTES = 3.5
+
+
+def training_budget_minutes(cfg, elapsed_s: float) -> float:
+    """Minutes training may take so that the whole run fits ``cfg.wall_minutes``: what is
+    left after ``elapsed_s`` and the bench's reserve, and never more than train.max_minutes."""
+    left = cfg.wall_minutes - elapsed_s / 60 - BENCH_RESERVE_MINUTES
+    if left <= 0:
+        raise ConfigError(f"wall_minutes={cfg.wall_minutes:g}: {elapsed_s / 60:.1f} minutes went to loading "
+                          f"and data, which leaves no time to train (reduce data.max_prompts_per_file)")
+    cap = cfg.train.max_minutes
+    return min(left, cap) if cap > 0 else left
 
 
 def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[str] | None = None) -> dict:
@@ -56,6 +73,10 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     stage("train")
     run_dir = out / "run"
+    if cfg.wall_minutes > 0:
+        cfg.train.max_minutes = training_budget_minutes(cfg, time.perf_counter() - t0)
+        print(f"train: {cfg.train.max_minutes:.2f} minutes of the {cfg.wall_minutes:g}-minute budget "
+              f"(bench and export keep {BENCH_RESERVE_MINUTES:g})", flush=True)
     train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
                          data_dir / "vocab.safetensors")
     done("train")
