@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft
-from draftling.engine.target_model import StaticFn, _compiled, causal_mask, matmul_attention
+from draftling.engine.target_model import StaticFn, causal_mask, compile_once, matmul_attention
 
 
 def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul: bool):
@@ -79,8 +79,8 @@ class DraftRunner(nn.Module):
             positions = positions.unsqueeze(0).expand(b, t)
         layer = self.draft.midlayer
         fast = self.compile if compiled is None else compiled
-        attn_in = _compiled(Eagle3DecoderLayer.attention_inputs) if fast else type(layer).attention_inputs
-        attn_out = _compiled(draft_outputs) if fast else draft_outputs
+        attn_in = compile_once(Eagle3DecoderLayer.attention_inputs) if fast else type(layer).attention_inputs
+        attn_out = compile_once(draft_outputs) if fast else draft_outputs
         cos, sin = self.draft.rotary_emb(hidden, positions)
         q, k, v = attn_in(layer, self.embed(input_ids).to(hidden.dtype), hidden, cos, sin)
         self.k_cache.index_copy_(2, cache_positions, k)

@@ -116,7 +116,7 @@ def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str):
 _COMPILED: dict = {}
 
 
-def _compiled(fn):
+def compile_once(fn):
     if fn not in _COMPILED:
         allow_recompiles()  # a shape per query count and tree config, and more than 8 of them is fine
         _COMPILED[fn] = torch.compile(fn, dynamic=False)
@@ -218,8 +218,8 @@ class CachedTarget(nn.Module):
         width = input_ids.shape[1]
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(x, positions.unsqueeze(0).expand(b, width))
-        attn_in = _compiled(attention_inputs) if compiled else attention_inputs
-        attn_out = _compiled(attention_outputs) if compiled else attention_outputs
+        attn_in = compile_once(attention_inputs) if compiled else attention_inputs
+        attn_out = compile_once(attention_outputs) if compiled else attention_outputs
         want = set(self.aux_layer_ids)
         aux = {}
         for i, layer in enumerate(self.layers):

@@ -190,7 +190,7 @@ def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, posit
             new["k"], new["v"] = k, v
             return ttt_attention(q, (*keys, k), (*values, v), backend)
 
-        out = draft.step(embeds, hidden, positions, attend)  # the very call decoding makes
+        out = draft.step(embeds, hidden, positions, attend)  # the same layer halves decoding runs
         return out, new["k"], new["v"]
     # The same computation as draft.step, with the layer's halves compiled.
     layer = draft.midlayer
