@@ -8,7 +8,8 @@ from draftling.recipes.quickstart import BENCH_RESERVE_MINUTES, training_budget_
 
 
 def test_training_budget_shrinks_on_a_slow_machine_and_keeps_the_cap_on_a_fast_one():
-    cfg = load_config("quickstart_cpu", [])
+    assert load_config("quickstart_cpu", []).wall_minutes == 0  # off unless asked for
+    cfg = load_config("quickstart_cpu", ["wall_minutes=14.5"])
     assert cfg.wall_minutes == 14.5 and cfg.train.max_minutes == 7.5
     # Fast machine: data done after 3 minutes, the 7.5-minute training cap still binds.
     assert training_budget_minutes(cfg, 180) == 7.5

@@ -74,7 +74,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     stage("train")
     run_dir = out / "run"
     if cfg.wall_minutes > 0:
-        cfg.train.max_minutes = training_budget_minutes(cfg, time.perf_counter() - t0)
+        cfg.train.max_minutes = round(training_budget_minutes(cfg, time.perf_counter() - t0), 2)
         print(f"train: {cfg.train.max_minutes:.2f} minutes of the {cfg.wall_minutes:g}-minute budget "
               f"(bench and export keep {BENCH_RESERVE_MINUTES:g})", flush=True)
     train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
