@@ -434,9 +434,10 @@ def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, ba
         return tokens / secs
 
     # Speedups are against the faster plain engine: padded (the identity reference) or not.
-    ref = "engine_plain"
-    if "engine_plain_unpadded" in rows[0] and tok_s("engine_plain_unpadded") > tok_s("engine_plain"):
-        ref = "engine_plain_unpadded"
+    both = "engine_plain_unpadded" in rows[0]
+    padded_tok_s = tok_s("engine_plain")
+    unpadded_tok_s = tok_s("engine_plain_unpadded") if both else None
+    ref = "engine_plain_unpadded" if both and unpadded_tok_s > padded_tok_s else "engine_plain"
     by_w = {w: [r for r in rows if r["workload"] == w] for w in workloads}
     plain_w = {w: agg(by_w[w], ref) for w in workloads}
     plain_tokens, plain_secs = agg(rows, ref)
@@ -450,9 +451,9 @@ def _assemble(target, draft_path, info, dtype, device, cfgs, workloads, rows, ba
         "natural_stops": sum(r[ref]["natural_stop"] for r in rows),
         "max_new_tokens": max_new_tokens, "cuda_graphs": engine["cuda_graphs"], "engine": engine,
         "speedup_reference": ref, "per_workload_tok_s": plain_tok_s}
-    if ref != "engine_plain" or "engine_plain_unpadded" in rows[0]:
+    if both:
         details["engine_plain"].update(
-            padded_tok_s=tok_s("engine_plain"), unpadded_tok_s=tok_s("engine_plain_unpadded"),
+            padded_tok_s=padded_tok_s, unpadded_tok_s=unpadded_tok_s,
             unpadded_identical_to_padded=sum(r["engine_plain_unpadded"]["identical"] for r in rows) / len(rows))
     subset_ids = {p.id for p in subset}
     sub_rows = [r for r in rows if r["id"] in subset_ids]

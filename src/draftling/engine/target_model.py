@@ -206,18 +206,17 @@ class CachedTarget(nn.Module):
 
     def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool):
         b, q = input_ids.shape
-        if positions.dim() == 2:
-            positions = positions[0]  # batch 1: one row of positions
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(b, q)
         pad = self.query_pad - q if 0 < q < self.query_pad else 0
         if pad:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(b, pad)], dim=1)
-            positions = torch.cat([positions, positions[-1:].expand(pad)])
+            positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
             extra = cache_positions[-1:] + torch.arange(1, pad + 1, device=cache_positions.device)
             cache_positions = torch.cat([cache_positions, extra.clamp_(max=self.max_seq_len - 1)])
             attn_mask = torch.cat([attn_mask, attn_mask[:1].expand(pad, -1)])
-        width = input_ids.shape[1]
         x = self.embed(input_ids)
-        cos, sin = self.rotary_emb(x, positions.unsqueeze(0).expand(b, width))
+        cos, sin = self.rotary_emb(x, positions)
         attn_in = compile_once(attention_inputs) if compiled else attention_inputs
         attn_out = compile_once(attention_outputs) if compiled else attention_outputs
         want = set(self.aux_layer_ids)
