@@ -145,3 +145,33 @@ def test_shared_prompt_files_load(name):
         assert any(has_tool_calls(c) for c in convs)
     else:
         assert not any(has_tool_calls(c) for c in convs)
+
+
+def test_exclude_drops_bench_prompts_by_id_and_user_turn(tmp_path):
+    from draftling.config import RunConfig, resolve_prompt_path
+    from draftling.data.prepare import load_prompt_files
+
+    def conv(i, text, history=None):
+        msgs = ([{"role": "user", "content": history}, {"role": "assistant", "content": "ok"}]
+                if history else [])
+        return {"id": i, "source": "s", "category": "chat",
+                "messages": msgs + [{"role": "user", "content": text}]}
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps(r) for r in [
+        conv("a", "keep me"), conv("bench-1", "renamed text"),  # same id as a bench prompt
+        conv("c", "follow-up", history=" the bench question "),  # bench text as history
+        conv("d", "also kept")]) + "\n")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(conv("bench-1", "the bench question")) + "\n")
+    cfg = RunConfig()
+    cfg.data.prompts = [str(train)]
+    cfg.data.exclude = [str(bench)]
+    convs, excluded = load_prompt_files(cfg)
+    assert [c.id for c in convs] == ["a", "d"] and excluded == 2
+    cfg.data.exclude = []
+    assert len(load_prompt_files(cfg)[0]) == 4
+    # The shipped release-bench set resolves by name.
+    assert resolve_prompt_path("set:v1").name == "v1.jsonl"
+    with pytest.raises(Exception, match="no prompt set 'v9'"):
+        resolve_prompt_path("set:v9")

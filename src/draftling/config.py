@@ -44,6 +44,10 @@ class DataConfig:
         "shared:sharegpt.jsonl", "shared:instruct.jsonl", "shared:code_mbpp.jsonl",
         "shared:math_gsm8k_train.jsonl", "shared:summarize.jsonl"])
     max_prompts_per_file: int = 0  # 0 = all
+    # Prompt files whose conversations must not be trained on, e.g. "set:v1" (the release
+    # bench's prompts): a conversation is dropped if its id matches or any of its user turns
+    # repeats one of theirs, so the bench stays out of distribution.
+    exclude: list[str] = field(default_factory=list)
     val_fraction: float = 0.05
     split_key: str = "id"
     drop_tool_calls: bool = False
@@ -315,6 +319,14 @@ def find_shared_prompts() -> Path | None:
 
 
 def resolve_prompt_path(spec: str) -> Path:
+    """A prompt file: "shared:NAME" (the shared corpus), "set:v1" (a release-bench prompt set
+    shipped in the package) or a path."""
+    if spec.startswith("set:"):
+        name = spec.split(":", 1)[1]
+        path = Path(str(resources.files("draftling") / "bench" / "prompt_sets" / f"{name}.jsonl"))
+        if not path.is_file():
+            raise ConfigError(f"{spec}: no prompt set {name!r} is shipped with draftling")
+        return path
     if spec.startswith("shared:"):
         root = find_shared_prompts()
         if root is None:

@@ -24,18 +24,33 @@ from draftling.target import Target
 from draftling.target.load import TargetTokenizer
 
 
-def load_prompt_files(cfg: RunConfig) -> list[Conversation]:
+def _user_texts(conv: Conversation) -> set[str]:
+    return {m["content"].strip() for m in conv.messages
+            if m.get("role") == "user" and isinstance(m.get("content"), str)}
+
+
+def load_prompt_files(cfg: RunConfig) -> tuple[list[Conversation], int]:
+    """The configured prompts, less those that ``data.exclude`` names; also how many were
+    excluded. Exclusion comes before sampling, so a sample never spends its slots on them."""
     dc = cfg.data
+    held_out = [c for spec in dc.exclude for c in load_conversations(resolve_prompt_path(spec))]
+    held_ids = {c.id for c in held_out}
+    held_texts = set().union(*map(_user_texts, held_out)) if held_out else set()
     convs: list[Conversation] = []
+    excluded = 0
     for spec in dc.prompts:
         rows = load_conversations(resolve_prompt_path(spec))
+        if held_out:
+            kept = [c for c in rows if c.id not in held_ids and not (_user_texts(c) & held_texts)]
+            excluded += len(rows) - len(kept)
+            rows = kept
         if dc.drop_tool_calls:
             rows = [c for c in rows if not has_tool_calls(c)]
         if dc.max_prompts_per_file and len(rows) > dc.max_prompts_per_file:
             # A seeded sample, not the head of the file, so every category is represented.
             rows = random.Random(dc.seed).sample(rows, dc.max_prompts_per_file)
         convs.extend(rows)
-    return convs
+    return convs, excluded
 
 
 def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_tokens: int,
@@ -55,7 +70,10 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     may be just the tokenizer (``load_target_tokenizer``)."""
     out_dir = Path(out_dir)
     dc = cfg.data
-    convs = load_prompt_files(cfg)
+    convs, excluded = load_prompt_files(cfg)
+    if dc.exclude:
+        print(f"data: excluded {excluded} conversations that share an id or a user turn with "
+              f"{', '.join(dc.exclude)}", flush=True)
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
     val_ids = {c.id for c in val_convs}
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
@@ -89,6 +107,7 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         "target": target.spec.name,
         **({"server": server.base_url, "server_model": server.model} if server else {}),
         "prompts": len(convs),
+        **({"excluded": excluded, "exclude": list(dc.exclude)} if dc.exclude else {}),
         "regenerated": len(records),
         "skipped_long_prompts": len(convs) - len(records),
         "train_sequences": len(train_rows),
