@@ -376,6 +376,12 @@ def test_fused_round_is_one_static_graph():
                 for got, want in zip(traced(*args), rnd.draft_and_verify(*args)):
                     assert torch.equal(got, want)
         torch._dynamo.reset()
+        # The whole greedy round (accept and commit too) traces into one graph as well.
+        traced = torch.compile(rnd.device_round, backend="eager", fullgraph=True, dynamic=False)
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            for n_i, root in ((n, 5), (n + 3, 17)):
+                traced(torch.tensor([n_i]), torch.tensor([root]), h, lg)
+        torch._dynamo.reset()
 
 
 def test_round_timing_cpu():
@@ -415,6 +421,33 @@ def test_speculative_equals_greedy_random_draft(steps, topk, ndt):
     assert stats.tokens == 40 and stats.verify_steps == len(stats.accept_lengths)
     assert all(1 <= a <= steps + 1 for a in stats.accept_lengths)
     assert_caches_consistent(model, target, dr, ids, out, stats)
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_device_rounds_equal_host_rounds(kind):
+    """Rounds that accept and commit on the device (queued, read back every few rounds) give
+    the host-side rounds' tokens, acceptance, compactions and caches; also with an eos and
+    budgets that end mid-round."""
+    model = perm_target() if kind == "oracle" else tiny(LlamaForCausalLM, LlamaConfig)
+    target, dr = runners(model, oracle_draft(model) if kind == "oracle" else random_draft(model))
+    ids = prompt()
+    full = greedy_generate(target, ids, 40)
+    for steps, topk, ndt in TREES:
+        host, hs = speculative_generate(target, dr, ids, 40, steps, topk, ndt, device_rounds=False)
+        dev, ds = speculative_generate(target, dr, ids, 40, steps, topk, ndt, device_rounds=True)
+        assert torch.equal(host, full) and torch.equal(dev, full)
+        assert ds.accept_lengths == hs.accept_lengths and ds.accept_counts == hs.accept_counts
+        assert (ds.compactions, ds.cache_len) == (hs.compactions, hs.cache_len)
+        assert_caches_consistent(model, target, dr, ids, dev, ds)
+        if kind == "oracle":
+            assert ds.tau > 2
+        for m in (1, 5, 11):
+            assert speculative_generate(target, dr, ids, m, steps, topk, ndt,
+                                        device_rounds=True)[0][0].tolist() == full[0, :m].tolist()
+        eos = full[0, 17].item()
+        want = full[0, :full[0].tolist().index(eos) + 1].tolist()
+        out, _ = speculative_generate(target, dr, ids, 40, steps, topk, ndt, eos_ids=eos, device_rounds=True)
+        assert out[0].tolist() == want
 
 
 def test_speculative_equals_greedy_oracle_draft():
@@ -457,6 +490,24 @@ def test_eos_and_max_new_tokens():
     for steps, topk, ndt in TREES:
         out, _ = speculative_generate(target, dr, ids, 30, steps, topk, ndt, eos_ids=eos)
         assert out[0].tolist() == want
+
+
+def test_greedy_run_ahead_equals_step_by_step_hf():
+    """greedy_generate queues RUN_AHEAD device-only steps per host read: its tokens equal
+    HF greedy decoding one step at a time, for budgets that end mid-queue and an eos inside
+    a queue (the steps queued after it are dropped)."""
+    model = perm_target()
+    target, _ = runners(model, oracle_draft(model))
+    ids = prompt()
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=29, do_sample=False,
+                         pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert len(ref) == 29
+    for m in (1, gen_mod.RUN_AHEAD, gen_mod.RUN_AHEAD + 3, 29):
+        assert greedy_generate(target, ids, m)[0].tolist() == ref[:m]
+    stop = gen_mod.RUN_AHEAD + 4  # the eos is mid-queue
+    eos = ref[stop - 1]
+    want = ref[:ref.index(eos) + 1]
+    assert greedy_generate(target, ids, 29, eos_ids=[eos])[0].tolist() == want
 
 
 # ---------------------------------------------------------------- lossless sampling

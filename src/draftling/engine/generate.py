@@ -102,6 +102,13 @@ def _prefill(target: CachedTarget, input_ids: torch.Tensor):
     return target(input_ids, pos, pos, causal_mask(0, n, target.max_seq_len, dev))
 
 
+# Greedy steps the host queues before reading their tokens back: no per-token device->host
+# sync, so on a GPU the next step's launch overlaps the current one. Steps queued past an
+# eos are discarded (at most RUN_AHEAD - 1 per generation, and they are counted in its time).
+RUN_AHEAD = 8
+RUN_AHEAD_ROUNDS = 4  # the same for speculative rounds (each emits up to steps + 1 tokens)
+
+
 @torch.no_grad()
 def greedy_generate(target: CachedTarget, input_ids: torch.Tensor, max_new_tokens: int,
                     eos_ids=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -115,11 +122,22 @@ def greedy_generate(target: CachedTarget, input_ids: torch.Tensor, max_new_token
     logits, _ = _prefill(target, input_ids)
     tok = _pick(logits[0, -1], temperature, top_k, top_p, generator)
     pos, dev, size = input_ids.shape[1], input_ids.device, target.max_seq_len
-    while not _emit(out, [tok], max_new_tokens, eos):
+    done = _emit(out, [tok], max_new_tokens, eos)
+    if temperature <= 0:
+        tok_t, pos_t = torch.tensor([[tok]], device=dev), torch.tensor([pos], device=dev)
+        while not done:
+            queued = []
+            for _ in range(min(RUN_AHEAD, max_new_tokens - len(out))):
+                tok_t, pos_t = target.fast_greedy(tok_t, pos_t)
+                queued.append(tok_t)
+            done = _emit(out, torch.cat(queued).view(-1).tolist(), max_new_tokens, eos)
+        return torch.tensor([out], dtype=torch.long)
+    while not done:
         p = torch.tensor([pos], device=dev)
         mask = torch.arange(size, device=dev)[None] <= pos
         logits, _ = target.fast(torch.tensor([[tok]], device=dev), p, p, mask)
         tok = _pick(logits[0, -1], temperature, top_k, top_p, generator)
+        done = _emit(out, [tok], max_new_tokens, eos)
         pos += 1
     return torch.tensor([out], dtype=torch.long)
 
@@ -160,12 +178,16 @@ def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: to
                          max_new_tokens: int, steps: int, topk: int, num_draft_tokens: int,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          eos_ids=None, generator: torch.Generator | None = None,
-                         timing: bool = False):
+                         timing: bool = False, device_rounds: bool | None = None):
     """EAGLE speculative decoding. Returns (new tokens [1, m], SpecStats).
 
     At temperature 0 the tokens equal ``greedy_generate``'s; above it they follow the
     target's processed distribution exactly (see ``_accept_sample``). ``timing``: fill
-    ``SpecStats.timing`` with the mean per-round phase split (see ``RoundTimer``)."""
+    ``SpecStats.timing`` with the mean per-round phase split (see ``RoundTimer``).
+    ``device_rounds``: greedy rounds accept and commit on the device and the host queues up
+    to RUN_AHEAD_ROUNDS of them per read (``SpecRound.device_round``); None = on when the
+    draft runs graphed or compiled (then both paths pad the draft's extend alike and agree
+    bit for bit). Sampling and ``timing`` always take the host-side round."""
     if steps < 1 or topk < 1 or not 2 <= num_draft_tokens <= 1 + topk + (steps - 1) * topk * topk:
         raise ConfigError(f"tree steps={steps} topk={topk} num_draft_tokens={num_draft_tokens}: "
                           "need steps, topk >= 1 and 2 <= num_draft_tokens <= 1 + candidates")
@@ -191,6 +213,27 @@ def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: to
         r_hidden, r_logits = draft.extend(next_ids, aux, 0)
         ctrl = rnd.upload([n, root])
         n_t, root_t = ctrl[0:1], ctrl[1:2]  # the round's varying inputs live on the device
+    if device_rounds is None:
+        device_rounds = draft.graphed
+    if not done and device_rounds and temperature <= 0 and timer is None:
+        state = (n_t, root_t, r_hidden, r_logits)
+        while not done:
+            # Queue only rounds the budget surely needs: none is wasted unless an eos comes.
+            queued = []
+            for _ in range(max(1, min(RUN_AHEAD_ROUNDS, (max_new_tokens - len(out)) // rnd.path_len))):
+                *state, emitted = rnd.fused_round(*state)
+                queued.append(emitted)
+            for row in torch.stack(queued).tolist():
+                k, moved, new = row[0], row[1], row[2:2 + row[0]]
+                stats.verify_steps += 1
+                stats.accept_lengths.append(k)
+                for d in range(k - 1):
+                    stats.accept_counts[d] += 1
+                done = _emit(out, new, max_new_tokens, eos)
+                if done:
+                    break
+                stats.compactions += moved
+                n += k
     while not done:
         if timer:
             timer.start()

@@ -11,6 +11,9 @@ shapes. ``StaticFn`` runs it eagerly or as one CUDA graph (its layers compiled o
     -> commit: move_kv of the accepted path (two replays, only when it is out of place)
        and the draft's extend (one replay), fed by one host->device copy.
 
+Greedy decoding with graphs goes further: ``device_round`` also accepts and commits on the
+device, so a round is one replay and the host reads the emitted tokens back every few rounds.
+
 Layout (see generate.py): n = tokens in the target cache, root at position n; depth-d nodes
 are candidates for position n+d; the draft step expanding depth-d nodes runs at n+d-1 and
 writes scratch slots spec_base + (d-1)*topk + row.
@@ -59,6 +62,7 @@ class SpecRound:
         self.zero = torch.zeros(1, **long)
         graphs = dict(cuda_graphs=target.cuda_graphs)
         self.fused = StaticFn(self.draft_and_verify, **graphs)
+        self.fused_round = StaticFn(self.device_round, **graphs)
         # Timing needs an event between drafting and verifying: two graphs, made on demand.
         self.split = None
         self._graphs = graphs
@@ -140,6 +144,40 @@ class SpecRound:
 
     def draft_and_verify(self, n, root, r_hidden, r_logits):
         return self.verify(n, *self.draft_tree(n, root, r_hidden, r_logits))
+
+    def accept_and_commit(self, n, packed, depths, aux):
+        """Greedy acceptance and the commit as device work, for rounds the host reads back
+        later. Same result as ``generate._accept_greedy`` followed by ``commit``: siblings
+        carry distinct tokens, so the nodes whose whole ancestry matches the target's argmax
+        form one path from the root. Returns (next n, next root, r_hidden, r_logits,
+        emitted [2+p] = (path length k, moved, k new tokens then padding))."""
+        tokens, parents, best = packed[0], packed[1], packed[2]
+        match = (tokens == best[parents]) | (self.nodes == 0)
+        accepted = match
+        for _ in range(self.steps):  # depth <= steps: that many hops reach the root
+            accepted = match & accepted[parents]
+        at_depth = accepted[None] & (depths[None] == self.path_rows[:, None])  # [p, q]
+        found = at_depth.any(-1)
+        k = found.sum().view(1)
+        # Pad rows move a slot onto itself, as in ``commit``.
+        path = torch.where(found, at_depth.int().argmax(-1), self.path_rows)
+        bonus = best[path.gather(0, k - 1)]
+        # Row j holds the token after path[j]: the next accepted draft, or the bonus at j = k-1.
+        new = torch.where(self.path_rows == k - 1, bonus, tokens[path.roll(-1)])
+        moved = (path != self.path_rows).any().view(1).long()
+        k_rows, v_rows = self.target._gather_kv(n + path)
+        self.target._scatter_kv(n + self.path_rows, k_rows, v_rows)
+        hidden, logits = self.draft._extend(new[None], aux[:, path], n)
+        last = k - 1
+        r_hidden, r_logits = hidden.index_select(1, last)[:, 0], logits.index_select(1, last)[:, 0]
+        return n + k, bonus, r_hidden, r_logits, torch.cat([k, moved, new])
+
+    def device_round(self, n, root, r_hidden, r_logits):
+        """A whole greedy round (draft, verify, accept, commit): one graph on a GPU, with no
+        host value in or out, so the host can queue rounds before reading any back."""
+        tokens, parents, depths = self.draft_tree(n, root, r_hidden, r_logits)
+        packed, aux, _ = self.verify(n, tokens, parents, depths)
+        return self.accept_and_commit(n, packed, depths, aux)
 
     # ------------------------------------------------------------------ host side
 

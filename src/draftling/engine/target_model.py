@@ -183,6 +183,8 @@ class CachedTarget(nn.Module):
         self.query_pad = int(query_pad)
         self.attention = attention
         self.fast = StaticFn(self.decode, cuda_graphs=cuda_graphs)
+        self.register_buffer("cols", torch.arange(self.max_seq_len, device=device), persistent=False)
+        self.fast_greedy = StaticFn(self.greedy_step, cuda_graphs=cuda_graphs)
         self._gather_fn = StaticFn(self._gather_kv, cuda_graphs=cuda_graphs)
         self._scatter_fn = StaticFn(self._scatter_kv, cuda_graphs=cuda_graphs)
 
@@ -203,6 +205,13 @@ class CachedTarget(nn.Module):
     def decode(self, input_ids, positions, cache_positions, attn_mask):
         """A decode-sized pass (plain step or verify): compiled layers when ``compile``."""
         return self._run(input_ids, positions, cache_positions, attn_mask, compiled=self.compile)
+
+    def greedy_step(self, token, position):
+        """One plain greedy step as device work only: ``token`` [1,1] at ``position`` [1] ->
+        (the argmax next token [1,1], position + 1). No host value goes in or out, so the host
+        can queue many steps before it reads any token back."""
+        logits, _ = self.decode(token, position, position, self.cols[None] <= position)
+        return logits[:, -1].argmax(-1, keepdim=True), position + 1
 
     def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool):
         b, q = input_ids.shape
