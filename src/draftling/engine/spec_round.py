@@ -160,7 +160,7 @@ class SpecRound:
         found = at_depth.any(-1)
         k = found.sum().view(1)
         # Pad rows move a slot onto itself, as in ``commit``.
-        path = torch.where(found, at_depth.int().argmax(-1), self.path_rows)
+        path = torch.where(found, at_depth.float().argmax(-1), self.path_rows)
         bonus = best[path.gather(0, k - 1)]
         # Row j holds the token after path[j]: the next accepted draft, or the bonus at j = k-1.
         new = torch.where(self.path_rows == k - 1, bonus, tokens[path.roll(-1)])
