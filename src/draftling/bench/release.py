@@ -589,8 +589,7 @@ def release_caveats(results: dict, device, graphs: bool, requested) -> list[str]
                      "two graphs instead of one, and acceptance runs on the host (accept = "
                      "device->host read + Python acceptance; commit = move_kv + draft extend, up to the "
                      "next round's start). The timed runs instead accept and commit on the device and "
-                     "queue rounds (engine.generate.RUN_AHEAD_ROUNDS), as engine_plain queues steps, "
-                     "so their rounds are shorter than this split's total")
+                     "queue rounds (engine.generate.RUN_AHEAD_ROUNDS), as engine_plain queues steps")
     notes += ps.get("notes", [])
     if ps.get("builtin"):
         notes.append(f"prompt set {ps['name']} is drawn from the shared training corpus: a draft "
