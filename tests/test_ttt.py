@@ -124,9 +124,15 @@ def test_labels_mask_and_conditional_metrics():
                 if t + 2 + j < 10 and loss_mask[bi, t + 2 + j] and teacher.in_draft[bi, t + 1 + j]:
                     expect += 1
         assert counts.valid[j] == expect
+        # Accuracy is over every reply position: an out-of-vocab target argmax is a miss.
+        assert counts.scored[j] == sum(1 for bi in range(2) for t in range(10)
+                                       if t + 2 + j < 10 and loss_mask[bi, t + 2 + j])
+    assert sum(counts.scored) > sum(counts.valid)  # the test vocab leaves some argmaxes out
     m = counts.metrics()
+    assert m["acc"] == [c / n for c, n in zip(counts.correct, counts.scored)]
     assert 1.0 <= m["sim_tau"] <= 4.0
-    assert all(cv <= v for cv, v in zip(counts.chain_valid, counts.valid))
+    assert counts.chain_valid[0] == counts.scored[0]
+    assert all(cv <= v for cv, v in zip(counts.chain_valid, counts.scored))
 
 
 def test_step_counts_metrics():

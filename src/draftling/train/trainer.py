@@ -89,7 +89,8 @@ class MetricsLog:
 def format_line(prefix: str, m: dict) -> str:
     acc = " ".join(f"{a:.2f}" for a in m["acc"])
     cond = " ".join(f"{a:.2f}" for a in m["cond_acc"])
-    return f"{prefix} loss {m['loss']:.3f} | acc {acc} | cond {cond} | sim_tau {m['sim_tau']:.2f}"
+    vocab = f" | vocab {m['vocab_coverage']:.2f}" if "vocab_coverage" in m else ""
+    return f"{prefix} loss {m['loss']:.3f} | acc {acc} | cond {cond} | sim_tau {m['sim_tau']:.2f}{vocab}"
 
 
 def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:

@@ -278,12 +278,15 @@ class StepCounts:
 
     steps: int
     loss_sum: list[float] = field(default_factory=list)
-    valid: list[int] = field(default_factory=list)
+    valid: list[int] = field(default_factory=list)  # positions with a loss (target argmax in the draft vocab)
     correct: list[int] = field(default_factory=list)
-    chain_valid: list[int] = field(default_factory=list)  # valid and all earlier steps correct
+    chain_valid: list[int] = field(default_factory=list)  # scored and all earlier steps correct
     chain_correct: list[int] = field(default_factory=list)
+    # Every loss-masked position, also where the target's argmax is outside the draft vocab:
+    # decoding always misses there, so accuracies count those as misses (all zero = use valid).
+    scored: list[int] = field(default_factory=list)
 
-    FIELDS = ("loss_sum", "valid", "correct", "chain_valid", "chain_correct")  # the per-step sums
+    FIELDS = ("loss_sum", "valid", "correct", "chain_valid", "chain_correct", "scored")  # per-step sums
 
     def __post_init__(self):
         for name in self.FIELDS:
@@ -295,15 +298,18 @@ class StepCounts:
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
 
     def metrics(self) -> dict:
-        acc = [c / v if v else 0.0 for c, v in zip(self.correct, self.valid)]
+        scored = self.scored if any(self.scored) else self.valid
+        acc = [c / v if v else 0.0 for c, v in zip(self.correct, scored)]
         cond = [c / v if v else 0.0 for c, v in zip(self.chain_correct, self.chain_valid)]
         tau, prod = 1.0, 1.0
         for c in cond:
             prod *= c
             tau += prod
         loss = [s / v if v else 0.0 for s, v in zip(self.loss_sum, self.valid)]
+        # The share of step-0 positions whose target argmax the draft vocab holds: acc's ceiling.
+        coverage = self.valid[0] / scored[0] if scored and scored[0] else 0.0
         return {"loss_per_step": loss, "acc": acc, "cond_acc": cond, "sim_tau": tau,
-                "tokens": self.valid[0] if self.valid else 0}
+                "vocab_coverage": coverage, "tokens": self.valid[0] if self.valid else 0}
 
 
 def step_valid_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor,
@@ -421,10 +427,12 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
                 correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
         total = total + (step_weight_decay ** j) * step_loss
         with torch.no_grad():
-            chain_valid = chain_ok & valid
+            scored = shift_left(loss_mask, 2 + j, False)
+            chain_valid = chain_ok & scored
             chain_ok = chain_valid & correct
             per_step.append(torch.stack([loss_sum.detach().double(), n_valid.double(), correct.sum().double(),
-                                         chain_valid.sum().double(), chain_ok.sum().double()]))
+                                         chain_valid.sum().double(), chain_ok.sum().double(),
+                                         scored.sum().double()]))
     rows = torch.stack(per_step).T.tolist()  # [field][step], in StepCounts.FIELDS order
     counts = StepCounts(steps, loss_sum=rows[0], **{name: [int(x) for x in col]
                                                     for name, col in zip(StepCounts.FIELDS[1:], rows[1:])})
