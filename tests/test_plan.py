@@ -277,6 +277,25 @@ def test_plan_cli_options_follow_overrides(tiny_target_dir, capsys):
     assert "(float32)" in off
 
 
+def test_plan_follows_the_auto_memory_policy(tiny_target_dir, capsys):
+    """memory_policy=auto trains without recompute when that fits; the plan estimates what the
+    trainer will run, not the configured fallback."""
+    def base(mem):
+        return ["--target", tiny_target_dir, "--seq", "256", "--batch-size", "2", "--gpu-mem", mem,
+                "vocab.size=512"]
+
+    _plan(base("80GiB"))
+    roomy = capsys.readouterr().out
+    assert "grad_checkpoint off" in roomy and "memory policy: fast" in roomy
+    assert "loss_chunk_tokens 16384" in roomy
+    _plan(base("80GiB") + ["train.memory_policy=config"])
+    configured = capsys.readouterr().out
+    assert "grad_checkpoint on" in configured and "memory policy: as configured" in configured
+    _plan(base("530MiB"))  # too tight for the fast settings: the configured ones
+    tight = capsys.readouterr().out
+    assert "grad_checkpoint on" in tight and "memory policy: as configured" in tight
+
+
 def test_plan_cli_rejects_a_bad_size(tiny_target_dir):
     from draftling.errors import ConfigError
 

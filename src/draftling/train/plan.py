@@ -426,11 +426,22 @@ def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> Memo
 def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offline: bool = False,
              teacher_bits: float | None = None) -> dict:
     """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``."""
+    from draftling.train.trainer import FAST_MEMORY_SHARE, fast_train_config
+
     embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
     shape = DraftShape.from_config(target_config, cfg.vocab.size)
-    options = resolve_options(cfg.train, gpu_bytes, shape.num_params(), embed_dtype)
     quantization = getattr(cfg, "quantization", None)
     weights = teacher_weight_bytes(target_config, embed_dtype, quantization, teacher_bits)
+    tc, policy = cfg.train, "as configured"
+    if tc.memory_policy == "auto":
+        # The trainer's rule (trainer.resolve_memory_policy), with the memory free after
+        # loading the teacher taken as the GPU's size less the teacher's weights.
+        fast = fast_train_config(tc)
+        fast_options = resolve_options(fast, gpu_bytes, shape.num_params(), embed_dtype)
+        need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, fast_options)["total"]
+        if need <= FAST_MEMORY_SHARE * (gpu_bytes - weights - RESERVE_FIXED_BYTES):
+            tc, policy = fast, "fast (memory_policy auto: it fits without recompute)"
+    options = resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
     forward = 0 if offline else teacher_forward_bytes(target_config, batch, seq, shape.draft_vocab, embed_dtype)
     est = estimate_train_memory(shape, batch, seq, cfg.train.ttt_steps, options,
                                 teacher_weight_bytes=weights, teacher_forward_bytes=forward,
@@ -439,7 +450,7 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
     return {"shape": shape, "options": options, "estimate": est, "reserve": reserve,
             "gpu_bytes": gpu_bytes, "headroom": gpu_bytes - est["total"] - reserve,
             "fits": est["total"] + reserve <= gpu_bytes, "batch": batch, "seq": seq,
-            "teacher_params": sum(target_param_counts(target_config).values()),
+            "teacher_params": sum(target_param_counts(target_config).values()), "policy": policy,
             "quantization": quantization, "teacher_dtype": embed_dtype}
 
 
@@ -509,7 +520,7 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
         f"batch {plan['batch']} x seq {plan['seq']}",
         f"options: optimizer_offload {on[opts.optimizer_offload]}, grad_checkpoint {on[opts.grad_checkpoint]}, "
         f"attention {opts.attention}, loss_chunk_tokens {opts.loss_chunk_tokens}, compile {on[opts.compile]}, "
-        f"embedding_on_host {on[opts.embedding_on_host]}",
+        f"embedding_on_host {on[opts.embedding_on_host]}; memory policy: {plan['policy']}",
         "",
         f"  {'GiB':>43}",
     ]

@@ -160,6 +160,14 @@ FAST_MEMORY_SHARE = 0.5
 FAST_LOSS_CHUNK_TOKENS = 16384
 
 
+def fast_train_config(tc: TrainConfig) -> TrainConfig:
+    """What ``train.memory_policy=auto`` trains with when it fits: no recompute unless asked
+    for, and large loss chunks."""
+    return dataclasses.replace(
+        tc, grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
+        loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0)
+
+
 def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: int, batch: int, seq: int,
                           param_dtype: torch.dtype, offload: bool, embed_dtype) -> tuple[TrainConfig, str]:
     """The TrainConfig to train with, and why. ``batch``: sequences per process and step;
@@ -171,9 +179,7 @@ def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: i
     device = torch.device(device)
     if tc.memory_policy == "config" or device.type != "cuda":
         return tc, "as configured"
-    fast = dataclasses.replace(
-        tc, grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
-        loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0)
+    fast = fast_train_config(tc)
     mem = memory_options(fast, device, param_dtype=param_dtype)
     options = MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=param_dtype,
                                                 embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
