@@ -89,6 +89,33 @@ def test_teacher_batch_equals_online_rows(tmp_path, tiny_target):
         teacher_for(tmp_path, cache).get([0], [lengths[1] + 1], "cpu")
 
 
+def test_compiled_extraction_writes_the_same_shards(tmp_path, tiny_target, monkeypatch):
+    """extract(compile_teacher=...) runs the teacher's layers compiled (the CLI turns it on for CUDA)
+    and writes the same outputs as the eager teacher."""
+    from draftling.train import teacher as teacher_mod
+
+    setup_data(tmp_path)
+    seen = []
+    real = teacher_mod.compiled_decoder_layers
+
+    def spy(decoder, backend):
+        seen.append(backend)
+        return real(decoder, backend)
+
+    monkeypatch.setattr(teacher_mod, "compiled_decoder_layers", spy)
+    extract(tiny_target, tmp_path, tmp_path / "eager", shard_size=SHARD, batch_size=4)
+    assert not seen
+    extract(tiny_target, tmp_path, tmp_path / "compiled", shard_size=SHARD, batch_size=4,
+            compile_teacher="aot_eager")
+    assert seen and set(seen) == {"aot_eager"}
+    for name in split_files(tmp_path / "eager", "train"):
+        a = load_file(str(tmp_path / "eager" / "train" / name))
+        b = load_file(str(tmp_path / "compiled" / "train" / name))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert (a[k].float() - b[k].float()).abs().max() < 1e-4, (name, k)
+
+
 def test_extraction_resumes_after_a_kill(tmp_path, tiny_target):
     setup_data(tmp_path)
     cache = tmp_path / "cache"

@@ -284,10 +284,14 @@ def cmd_plan(args) -> int:
 
 def cmd_extract(args) -> None:
     from draftling.train.offline import extract
+    from draftling.train.trainer import compile_teacher
 
     cfg = _run_config(args)
-    extract(_load_target(cfg), args.data, args.out, args.vocab, shard_size=args.shard_size,
-            batch_size=args.batch_size, dtype=args.logits_dtype)
+    target = _load_target(cfg)
+    # Compiled like the trainer's teacher (train.compile_teacher; auto: on CUDA).
+    extract(target, args.data, args.out, args.vocab, shard_size=args.shard_size,
+            batch_size=args.batch_size, dtype=args.logits_dtype,
+            compile_teacher=compile_teacher(cfg.train, target.device, target.model))
 
 
 def _int_arg(flag: str, value: str) -> int:

@@ -139,11 +139,12 @@ def _shard_ok(path: Path, expected: dict[str, str]) -> bool:
 
 def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str | Path | None = None,
             shard_size: int = 256, batch_size: int = 8, dtype: str | torch.dtype | None = None,
-            echo=None) -> dict:
+            echo=None, compile_teacher=False) -> dict:
     """Run the teacher over <data_dir>/train.jsonl (and val.jsonl) and write the shards.
 
     ``dtype`` is the storage dtype of draft_logits; None keeps the target's compute dtype,
-    which is lossless. Returns {"manifest", "written": {split: [shard ids]},
+    which is lossless. ``compile_teacher``: ``teacher_forward``'s ``compile`` (the CLI follows
+    ``train.compile_teacher``: on for CUDA). Returns {"manifest", "written": {split: [shard ids]},
     "skipped": {split: [shard ids]}, "estimate_bytes", "bytes"}.
     """
     echo = echo or (lambda msg: print(msg, flush=True))
@@ -226,7 +227,7 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
             else:
                 t0 = time.perf_counter()
                 _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, device,
-                             batch_size, hidden, aux_dtype, vocab.size, logits_dtype)
+                             batch_size, hidden, aux_dtype, vocab.size, logits_dtype, compile_teacher)
                 written[s].append(k)
                 echo(f"extract {s} shard {k + 1}/{info['num_shards']}: {len(ids)} sequences, "
                      f"{offsets[-1]} tokens, {time.perf_counter() - t0:.1f}s")
@@ -242,7 +243,7 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
 
 
 def _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, device, batch_size,
-                 hidden, aux_dtype, draft_vocab, logits_dtype) -> None:
+                 hidden, aux_dtype, draft_vocab, logits_dtype, compile_teacher=False) -> None:
     n_tok = offsets[-1]
     specs = [("offsets", torch.int64, [len(ids) + 1]), ("example_index", torch.int64, [len(ids)]),
              ("target_argmax", torch.int64, [n_tok]), ("aux", aux_dtype, [n_tok, 3 * hidden]),
@@ -259,7 +260,7 @@ def _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, devi
                     continue
                 batch = collate([rows[ids[j]] for j in js], pad_id)
                 tb = teacher_forward(target, batch["input_ids"].to(device),
-                                     batch["attention_mask"].to(device), t2d)
+                                     batch["attention_mask"].to(device), t2d, compile=compile_teacher)
                 for r, j in enumerate(js):
                     a, n = offsets[j], lens[j]
                     w.write("aux", a, tb.aux[r, :n])
