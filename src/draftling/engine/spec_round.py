@@ -165,8 +165,8 @@ class SpecRound:
         # Row j holds the token after path[j]: the next accepted draft, or the bonus at j = k-1.
         new = torch.where(self.path_rows == k - 1, bonus, tokens[path.roll(-1)])
         moved = (path != self.path_rows).any().view(1).long()
-        k_rows, v_rows = self.target._gather_kv(n + path)
-        self.target._scatter_kv(n + self.path_rows, k_rows, v_rows)
+        k_rows, v_rows = self.target.gather_kv(n + path)
+        self.target.scatter_kv(n + self.path_rows, k_rows, v_rows)
         hidden, logits = self.draft._extend(new[None], aux[:, path], n)
         last = k - 1
         r_hidden, r_logits = hidden.index_select(1, last)[:, 0], logits.index_select(1, last)[:, 0]

@@ -185,8 +185,8 @@ class CachedTarget(nn.Module):
         self.fast = StaticFn(self.decode, cuda_graphs=cuda_graphs)
         self.register_buffer("cols", torch.arange(self.max_seq_len, device=device), persistent=False)
         self.fast_greedy = StaticFn(self.greedy_step, cuda_graphs=cuda_graphs)
-        self._gather_fn = StaticFn(self._gather_kv, cuda_graphs=cuda_graphs)
-        self._scatter_fn = StaticFn(self._scatter_kv, cuda_graphs=cuda_graphs)
+        self._gather_fn = StaticFn(self.gather_kv, cuda_graphs=cuda_graphs)
+        self._scatter_fn = StaticFn(self.scatter_kv, cuda_graphs=cuda_graphs)
 
     @classmethod
     def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, **kwargs) -> "CachedTarget":
@@ -241,10 +241,12 @@ class CachedTarget(nn.Module):
         logits = self.lm_head(self.norm(x[:, :q]))
         return logits, torch.cat([aux[i][:, :q] for i in self.aux_layer_ids], dim=-1)
 
-    def _gather_kv(self, src):
+    def gather_kv(self, src):
+        """Cache slots ``src`` of every layer (K and V). With ``scatter_kv``, a move in two
+        halves: ``move_kv`` graphs each; ``SpecRound.device_round`` runs both in its graph."""
         return self.k_all.index_select(3, src), self.v_all.index_select(3, src)
 
-    def _scatter_kv(self, dst, k_rows, v_rows):
+    def scatter_kv(self, dst, k_rows, v_rows):
         self.k_all.index_copy_(3, dst, k_rows)
         self.v_all.index_copy_(3, dst, v_rows)
         return ()
