@@ -27,6 +27,8 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
     assert summary["identical_to_greedy"] == 1.0
     assert summary["tau_chain3"] >= 1.0 and summary["bench_prompts"] == 3
     assert summary["wall_s"] > 0 and summary["train_steps"] == 6
+    # Accuracy counts out-of-vocab reply positions as misses: it can never pass the coverage.
+    assert 0 < summary["val_vocab_coverage"] <= 1 and summary["val_acc"][0] <= summary["val_vocab_coverage"]
 
     out = tmp_path / "qs"
     replies = [json.loads(l) for l in (out / "data" / "replies.jsonl").read_text().splitlines()]

@@ -100,6 +100,9 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         "bench_prompts": bench["num_prompts"],
         "val_sim_tau": round(train_result.get("val", {}).get("sim_tau", 0.0), 4),
         "val_acc": [round(a, 4) for a in train_result.get("val", {}).get("acc", [])],
+        # The share of validation reply positions whose target token the draft vocab holds:
+        # the ceiling on step-0 acceptance.
+        "val_vocab_coverage": round(train_result.get("val", {}).get("vocab_coverage", 0.0), 4),
         "train_steps": train_result["steps"],
         "train_sequences": data_summary["train_sequences"],
         "export_dir": str(export_dir),
