@@ -318,12 +318,17 @@ def find_shared_prompts() -> Path | None:
     return None
 
 
+def prompt_sets_dir() -> Path:
+    """Where the release-bench prompt sets ship inside the package (draftling/bench/prompt_sets)."""
+    return Path(str(resources.files("draftling") / "bench" / "prompt_sets"))
+
+
 def resolve_prompt_path(spec: str) -> Path:
     """A prompt file: "shared:NAME" (the shared corpus), "set:v1" (a release-bench prompt set
     shipped in the package) or a path."""
     if spec.startswith("set:"):
         name = spec.split(":", 1)[1]
-        path = Path(str(resources.files("draftling") / "bench" / "prompt_sets" / f"{name}.jsonl"))
+        path = prompt_sets_dir() / f"{name}.jsonl"
         if not path.is_file():
             raise ConfigError(f"{spec}: no prompt set {name!r} is shipped with draftling")
         return path

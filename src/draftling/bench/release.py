@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import importlib.resources
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from draftling.bench.simple import build_engine, device_name, load_any_draft, parse_decode_config
+from draftling.config import prompt_sets_dir
 from draftling.errors import ConfigError, DataError
 from draftling.io import atomic_path, write_json
 from draftling.target import Target
@@ -69,7 +69,7 @@ class BenchPrompt:
 
 
 def builtin_prompt_sets() -> list[str]:
-    root = importlib.resources.files("draftling.bench") / "prompt_sets"
+    root = prompt_sets_dir()
     return sorted(p.name[:-len(".jsonl")] for p in root.iterdir() if p.name.endswith(".jsonl"))
 
 
@@ -77,10 +77,10 @@ def resolve_prompt_set(prompt_set: str | Path) -> tuple[str, Path]:
     """(name, path): ``"v1"`` names a set shipped in the package; anything else is a jsonl path."""
     s = str(prompt_set)
     if _BUILTIN.match(s) and not Path(s).exists():
-        res = importlib.resources.files("draftling.bench") / "prompt_sets" / f"{s}.jsonl"
+        res = prompt_sets_dir() / f"{s}.jsonl"
         if not res.is_file():
             raise DataError(f"prompt set {s!r} is not shipped (have: {', '.join(builtin_prompt_sets())})")
-        return s, Path(str(res))
+        return s, res
     path = Path(s).expanduser()
     if not path.is_file():
         raise DataError(f"prompt set {s}: not a built-in set name (v1, ...) nor a jsonl file")

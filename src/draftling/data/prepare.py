@@ -35,7 +35,7 @@ def load_prompt_files(cfg: RunConfig) -> tuple[list[Conversation], int]:
     dc = cfg.data
     held_out = [c for spec in dc.exclude for c in load_conversations(resolve_prompt_path(spec))]
     held_ids = {c.id for c in held_out}
-    held_texts = set().union(*map(_user_texts, held_out)) if held_out else set()
+    held_texts = set().union(*map(_user_texts, held_out))
     convs: list[Conversation] = []
     excluded = 0
     for spec in dc.prompts:

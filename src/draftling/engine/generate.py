@@ -35,6 +35,14 @@ class SpecStats:
     cache_len: int = 0  # positions valid in both caches at the end (for checks)
     timing: dict | None = None  # mean ms per round by phase (RoundTimer.summary), if asked for
 
+    def add_round(self, path_len: int) -> None:
+        """One verify step whose accepted path (root included) has ``path_len`` nodes: it
+        emitted path_len - 1 drafts plus the bonus token."""
+        self.verify_steps += 1
+        self.accept_lengths.append(path_len)
+        for d in range(path_len - 1):
+            self.accept_counts[d] += 1
+
     @property
     def tau(self) -> float:
         """Mean tokens per verify step, bonus included (1.0 = no speculation)."""
@@ -121,7 +129,7 @@ def greedy_generate(target: CachedTarget, input_ids: torch.Tensor, max_new_token
         return torch.zeros(1, 0, dtype=torch.long)
     logits, _ = _prefill(target, input_ids)
     tok = _pick(logits[0, -1], temperature, top_k, top_p, generator)
-    pos, dev, size = input_ids.shape[1], input_ids.device, target.max_seq_len
+    pos, dev = input_ids.shape[1], input_ids.device
     done = _emit(out, [tok], max_new_tokens, eos)
     if temperature <= 0:
         tok_t, pos_t = torch.tensor([[tok]], device=dev), torch.tensor([pos], device=dev)
@@ -134,7 +142,7 @@ def greedy_generate(target: CachedTarget, input_ids: torch.Tensor, max_new_token
         return torch.tensor([out], dtype=torch.long)
     while not done:
         p = torch.tensor([pos], device=dev)
-        mask = torch.arange(size, device=dev)[None] <= pos
+        mask = target.cols[None] <= pos
         logits, _ = target.fast(torch.tensor([[tok]], device=dev), p, p, mask)
         tok = _pick(logits[0, -1], temperature, top_k, top_p, generator)
         done = _emit(out, [tok], max_new_tokens, eos)
@@ -225,10 +233,7 @@ def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: to
                 queued.append(emitted)
             for row in torch.stack(queued).tolist():
                 k, moved, new = row[0], row[1], row[2:2 + row[0]]
-                stats.verify_steps += 1
-                stats.accept_lengths.append(k)
-                for d in range(k - 1):
-                    stats.accept_counts[d] += 1
+                stats.add_round(k)
                 done = _emit(out, new, max_new_tokens, eos)
                 if done:
                     break
@@ -249,10 +254,7 @@ def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: to
             path, bonus = _accept_sample(logits[0], toks, children, temperature, top_k, top_p,
                                          generator)
         new = [toks[i] for i in path[1:]] + [bonus]
-        stats.verify_steps += 1
-        stats.accept_lengths.append(len(new))
-        for d in range(len(path) - 1):
-            stats.accept_counts[d] += 1
+        stats.add_round(len(path))
         done = _emit(out, new, max_new_tokens, eos)
         if timer:
             timer.mark()

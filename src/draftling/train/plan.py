@@ -432,7 +432,7 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
     shape = DraftShape.from_config(target_config, cfg.vocab.size)
     quantization = getattr(cfg, "quantization", None)
     weights = teacher_weight_bytes(target_config, embed_dtype, quantization, teacher_bits)
-    tc, policy = cfg.train, "as configured"
+    tc, policy, options = cfg.train, "as configured", None
     if tc.memory_policy == "auto":
         # The trainer's rule (trainer.resolve_memory_policy), with the memory free after
         # loading the teacher taken as the GPU's size less the teacher's weights.
@@ -440,8 +440,8 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
         fast_options = resolve_options(fast, gpu_bytes, shape.num_params(), embed_dtype)
         need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, fast_options)["total"]
         if need <= FAST_MEMORY_SHARE * (gpu_bytes - weights - RESERVE_FIXED_BYTES):
-            tc, policy = fast, "fast (memory_policy auto: it fits without recompute)"
-    options = resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
+            tc, policy, options = fast, "fast (memory_policy auto: it fits without recompute)", fast_options
+    options = options or resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
     forward = 0 if offline else teacher_forward_bytes(target_config, batch, seq, shape.draft_vocab, embed_dtype)
     est = estimate_train_memory(shape, batch, seq, cfg.train.ttt_steps, options,
                                 teacher_weight_bytes=weights, teacher_forward_bytes=forward,

@@ -312,12 +312,19 @@ class StepCounts:
                 "vocab_coverage": coverage, "tokens": self.valid[0] if self.valid else 0}
 
 
+def step_masks(loss_mask: torch.Tensor, in_draft: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([steps,B,T] scored, [steps,B,T] valid) for a combined loss/attention mask. Step j at t
+    predicts x_{t+2+j}: scored where that token is a loss token, valid where in addition the
+    target's argmax at t+1+j lies in the draft vocab (only there is there a loss)."""
+    scored = torch.stack([shift_left(loss_mask, 2 + j, False) for j in range(steps)])
+    in_vocab = torch.stack([shift_left(in_draft, 1 + j, False) for j in range(steps)])
+    return scored, scored & in_vocab
+
+
 def step_valid_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor,
                       in_draft: torch.Tensor, steps: int) -> torch.Tensor:
     """[steps] int64: how many positions carry a loss at each TTT step (as ttt_unroll counts)."""
-    mask = loss_mask.bool() & attention_mask.bool()
-    return torch.stack([(shift_left(mask, 2 + j, False) & shift_left(in_draft, 1 + j, False)).sum()
-                        for j in range(steps)])
+    return step_masks(loss_mask.bool() & attention_mask.bool(), in_draft, steps)[1].sum((1, 2))
 
 
 def _denominator(denominators, j: int, n_valid: int) -> float:
@@ -374,8 +381,7 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
     # The chunked loss's row indices for all steps come from one nonzero up front and the
     # counts stay on the device until the end: host syncs only before and after the step
     # loop, none inside it, so the host keeps queueing kernels ahead of the device.
-    valid_steps = torch.stack([shift_left(loss_mask, 2 + j, False) & shift_left(teacher.in_draft, 1 + j, False)
-                               for j in range(steps)])
+    scored_steps, valid_steps = step_masks(loss_mask, teacher.in_draft, steps)
     if loss_chunk_tokens > 0:
         js, vbs, vts = valid_steps.nonzero(as_tuple=True)  # ordered by step
         sizes = torch.bincount(js, minlength=steps).tolist()
@@ -427,7 +433,7 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
                 correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
         total = total + (step_weight_decay ** j) * step_loss
         with torch.no_grad():
-            scored = shift_left(loss_mask, 2 + j, False)
+            scored = scored_steps[j]
             chain_valid = chain_ok & scored
             chain_ok = chain_valid & correct
             per_step.append(torch.stack([loss_sum.detach().double(), n_valid.double(), correct.sum().double(),
