@@ -106,8 +106,18 @@ def test_unknown_config_field(tmp_path):
     assert r.returncode == 2 and "unknown field" in r.stderr and "lrr" in r.stderr
 
 
-def test_bench_prompts_represent_every_source():
-    from draftling.bench.simple import round_robin_by_source
+def test_bench_prompts_follow_the_mix_of_sources():
+    from draftling.bench.simple import sample_by_source
 
     rows = [("a1", "a", [1]), ("a2", "a", [1]), ("a3", "a", [1]), ("b1", "b", [1]), ("c1", "c", [1])]
-    assert [r[0] for r in round_robin_by_source(rows)] == ["a1", "b1", "c1", "a2", "a3"]
+    assert [r[0] for r in sample_by_source(rows, 5)] == ["a1", "b1", "c1", "a2", "a3"]
+    assert [r[0] for r in sample_by_source(rows, 10)] == ["a1", "b1", "c1", "a2", "a3"]
+    # 6 of a, 2 of b, 1 of c: 4 prompts are 6*4/9 = 2.67 -> 3 of a, 0.89 -> 1 of b, 0.44 -> 0 of c.
+    rows = [(f"a{i}", "a", [1]) for i in range(6)] + [("b0", "b", [1]), ("b1", "b", [1]), ("c0", "c", [1])]
+    assert [r[0] for r in sample_by_source(rows, 4)] == ["a0", "b0", "a1", "a2"]
+    # The session-six validation split's sources, 8 prompts.
+    counts = {"gsm8k": 14, "mbpp": 12, "alpaca": 11, "sharegpt": 9, "selfinstruct": 4, "oasst": 3}
+    rows = [(f"{s}{i}", s, [1]) for s, k in counts.items() for i in range(k)]
+    picked = [r[1] for r in sample_by_source(rows, 8)]
+    assert {s: picked.count(s) for s in counts} == {"gsm8k": 2, "mbpp": 2, "alpaca": 2, "sharegpt": 1,
+                                                     "selfinstruct": 1, "oasst": 0}

@@ -34,6 +34,18 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
     replies = [json.loads(l) for l in (out / "data" / "replies.jsonl").read_text().splitlines()]
     assert replies and all(r["provenance"]["target"] == "smollm2-135m-instruct" for r in replies)
     assert all(r["messages"][-1]["role"] == "assistant" for r in replies)
+    # The profile keeps the target's states from regeneration: each row is what the target was
+    # fed (every reply token cut at the eos; all but the last when the reply hit the cap).
+    from draftling.data.states import StoredStates
+
+    by_id = {r["id"]: r["provenance"] for r in replies}
+    rows = [json.loads(l) for l in (out / "data" / "train.jsonl").read_text().splitlines()]
+    states = StoredStates(out / "data" / "teacher_states_train.safetensors")
+    assert states.num_rows == len(rows)
+    for j, row in enumerate(rows):
+        prov = by_id[row["id"]]
+        fed = prov["reply_tokens"] - (prov["stopped"] == "length")
+        assert len(row["input_ids"]) == prov["prompt_tokens"] + fed == states.rows(j)[0].shape[0]
     # The SGLang export: no embedding, real vocab maps, and default aux ids left out.
     cfg = json.loads((out / "export-sglang" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["vocab_size"] == 49152

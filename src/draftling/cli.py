@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Read prompt files (project schema, ShareGPT or OpenAI messages), "
                        "regenerate the assistant replies with the target itself, tokenize them with the "
                        "target's chat template (loss on assistant tokens only) and split train/val by "
-                       "task id. Writes replies.jsonl, train.jsonl, val.jsonl and summary.json to --out.",
+                       "task id. Writes replies.jsonl, train.jsonl, val.jsonl and summary.json to --out. "
+                       "With data.keep_teacher_states=true it also keeps the target's aux and final states "
+                       "from regeneration (teacher_states_{train,val}.safetensors), which `train` then uses "
+                       "instead of running the target over the same tokens again.",
                        epilog=EPILOG_OVERRIDES)
     _common(p)
     p.add_argument("--out", required=True, help="output data directory")

@@ -55,6 +55,10 @@ class DataConfig:
     max_tokens: int = 2048  # truncate longer ones
     seed: int = 0
     regen: RegenConfig = field(default_factory=RegenConfig)
+    # Keep the target's aux and final states from local regeneration (data/states.py), so
+    # training skips its teacher forward on those tokens. Costs 4*H values per token on
+    # disk (SmolLM2-135M in fp32: 9 KB); worth it where the teacher forward is dear (CPU).
+    keep_teacher_states: bool = False
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -61,3 +62,12 @@ def write_jsonl(path: str | os.PathLike, rows) -> int:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 n += 1
     return n
+
+
+def hash_dataset_file(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes: ties a vocab or cached teacher outputs to the data they came from."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -5,6 +5,7 @@ Outputs (in the data directory):
   train.jsonl     tokenized rows {id, source, input_ids, loss_mask}
   val.jsonl       the same for the task-disjoint validation split
   summary.json    counts, tokens, how many replies hit the token cap
+  teacher_states_{train,val}.safetensors   with data.keep_teacher_states (see data/states.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from draftling.config import RunConfig, resolve_prompt_path
 from draftling.data.prompts import Conversation, has_tool_calls, load_conversations
 from draftling.data.regen import regenerate
 from draftling.data.split import split_by_task
+from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
 from draftling.errors import DataError
 from draftling.io import write_json, write_jsonl
@@ -54,15 +56,31 @@ def load_prompt_files(cfg: RunConfig) -> tuple[list[Conversation], int]:
 
 
 def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_tokens: int,
-                     max_tokens: int) -> list[dict]:
-    rows = []
-    for r in records:
+                     max_tokens: int, states: list | None = None) -> tuple[list[dict], list]:
+    """Rows {id, source, input_ids, loss_mask}, and per row the states kept for it.
+
+    ``states``: per record, None or (fed ids, aux, final) from regeneration. The row is then
+    the ids the target was fed: the chat-template prompt and the reply tokens exactly as the
+    target generated them (re-tokenizing the decoded text can differ), without the template's
+    closing tokens, which were never fed. So its states cover it exactly. The prompt keeps the
+    template's mask (earlier assistant turns); every reply token is a loss token."""
+    rows, kept = [], []
+    for j, r in enumerate(records):
         ids, mask = tokenize_conversation(target.tokenizer, r["messages"], tools=r.get("tools"),
                                           max_length=max_tokens)
+        st = states[j] if states is not None else None
+        if st is not None:
+            fed, aux, final = st
+            p = r["provenance"]["prompt_tokens"]
+            prompt_mask = mask[:p] if ids[:p] == fed[:p] else [0] * p
+            n = min(len(fed), max_tokens)
+            ids, mask = fed[:n], (prompt_mask + [1] * (len(fed) - p))[:n]
+            st = (aux[:n], final[:n])
         if len(ids) < min_tokens or sum(mask) == 0:
             continue
         rows.append({"id": r["id"], "source": r["source"], "input_ids": ids, "loss_mask": mask})
-    return rows
+        kept.append(st)
+    return rows, kept
 
 
 def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path) -> dict:
@@ -89,19 +107,32 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         records = list(regenerate_via_server(target.tokenizer, train_convs + val_convs, dc.regen,
                                              max_prompt_tokens=max_prompt, server=server))
     elif isinstance(target, Target):
-        records = list(regenerate(target, train_convs + val_convs, dc.regen, max_prompt_tokens=max_prompt))
+        records = list(regenerate(target, train_convs + val_convs, dc.regen, max_prompt_tokens=max_prompt,
+                                  keep_states=dc.keep_teacher_states))
     else:
         raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
                         "the model or a server (data.regen.server_url)")
+    kept = any("_states" in r for r in records)
+    states = [r.pop("_states", None) for r in records]
     for r in records:
         r["split"] = "val" if r["id"] in val_ids else "train"
     write_jsonl(out_dir / "replies.jsonl", records)
-    train_rows = tokenize_records(target, [r for r in records if r["split"] == "train"],
-                                  dc.min_tokens, dc.max_tokens)
-    val_rows = tokenize_records(target, [r for r in records if r["split"] == "val"],
-                                dc.min_tokens, dc.max_tokens)
-    write_jsonl(out_dir / "train.jsonl", train_rows)
-    write_jsonl(out_dir / "val.jsonl", val_rows)
+    rows = {}
+    for split in ("train", "val"):
+        picked = [j for j, r in enumerate(records) if r["split"] == split]
+        rows[split], row_states = tokenize_records(
+            target, [records[j] for j in picked], dc.min_tokens, dc.max_tokens,
+            [states[j] for j in picked] if kept else None)
+        write_jsonl(out_dir / f"{split}.jsonl", rows[split])
+        path = states_path(out_dir, split)
+        if kept and rows[split]:
+            size = write_states(path, out_dir / f"{split}.jsonl", row_states, target.spec.name,
+                                target.aux_layer_ids)
+            print(f"data: kept the target's states for {split} ({size / 2**20:.0f} MiB): training "
+                  "will not run the target over these tokens again", flush=True)
+        elif path.exists():
+            path.unlink()  # from an earlier run: it describes other rows
+    train_rows, val_rows = rows["train"], rows["val"]
     stopped = [r["provenance"]["stopped"] for r in records]
     summary = {
         "target": target.spec.name,

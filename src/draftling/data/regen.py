@@ -4,6 +4,7 @@ learn the target's own distribution, not whatever model wrote the original repli
 from __future__ import annotations
 
 import sys
+import time
 from typing import Iterable
 
 import torch
@@ -12,6 +13,7 @@ from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages
 from draftling.data.template import render
 from draftling.target import Target
+from draftling.target.aux import decoder_layers
 
 
 def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
@@ -19,11 +21,55 @@ def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+class _StateRecorder:
+    """Forward hooks that keep what the trainer's teacher would recompute: the aux layers'
+    outputs and the final-normed hidden state, for every forward call of one generate()."""
+
+    def __init__(self, target: Target):
+        decoder = target.model.get_decoder()
+        layers = decoder_layers(decoder)
+        self.aux_ids = list(target.aux_layer_ids)
+        self.calls: dict[str, list[torch.Tensor]] = {}
+        modules = {f"aux{i}": layers[i - 1] for i in sorted(set(self.aux_ids))}
+        modules["final"] = decoder  # its output is the final-normed hidden state
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in modules.items()]
+
+    def _hook(self, name):
+        def hook(_module, _inputs, output):
+            out = getattr(output, "last_hidden_state", None)
+            if out is None:
+                out = output[0] if isinstance(output, tuple) else output
+            self.calls.setdefault(name, []).append(out.detach())
+        return hook
+
+    def rows(self, pads: list[int], fed: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per row: (aux [n, 3H], final [n, H]) for its n = prompt + fed tokens. Call 0 is the
+        prefill (left-padded: row i starts at column pads[i]); call s >= 1 fed one token."""
+        def positions(name, i):
+            prefill, *steps = self.calls[name]
+            return torch.cat([prefill[i, pads[i]:]] + [s[i] for s in steps[:fed[i]]]).cpu()
+        out = []
+        for i in range(len(pads)):
+            aux = torch.cat([positions(f"aux{a}", i) for a in self.aux_ids], dim=-1)
+            out.append((aux, positions("final", i)))
+        return out
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 @torch.no_grad()
 def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
-               max_prompt_tokens: int | None = None, progress: bool = True) -> Iterable[dict]:
+               max_prompt_tokens: int | None = None, progress: bool = True,
+               keep_states: bool = False) -> Iterable[dict]:
     """Yield one record per conversation: the prompt messages plus the target's reply,
-    with provenance (target, generation parameters, and whether the reply hit the cap)."""
+    with provenance (target, generation parameters, and whether the reply hit the cap).
+
+    ``keep_states``: also attach ``record["_states"] = (ids, aux, final)``, the target's aux
+    and final-normed states at every token it was fed (the prompt and every reply token but
+    the last generated one), so training need not run the target over them again. Not JSON:
+    the caller takes it off before writing the record."""
     tok, model = target.tokenizer, target.model
     prompts = [(c, render_prompt_ids(tok, c)) for c in convs]
     if max_prompt_tokens:
@@ -35,7 +81,8 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(prompts), desc="regenerate", disable=not sys.stderr.isatty())
-    done = 0
+    done = generated = 0
+    t0 = time.perf_counter()
     for start in range(0, len(prompts), cfg.batch_size):
         chunk = prompts[start:start + cfg.batch_size]
         width = max(len(ids) for _, ids in chunk)
@@ -50,12 +97,24 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
             # generate() takes no generator; seed per batch so a rerun is reproducible.
             torch.manual_seed(cfg.seed + start)
         sample_kwargs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": None} if sampling else {}
-        out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
-                             max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
-                             pad_token_id=tok.pad_token_id, eos_token_id=eos_ids, **sample_kwargs)
-        for (conv, ids), row in zip(chunk, out[:, width:].tolist()):
-            reply, stopped = _cut_at_eos(row, eos_ids)
+        recorder = _StateRecorder(target) if keep_states else None
+        try:
+            out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
+                                 max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=eos_ids, **sample_kwargs)
+        finally:
+            if recorder:
+                recorder.close()
+        rows = out[:, width:].tolist()
+        cuts = [_cut_at_eos(row, eos_ids) for row in rows]
+        states = None
+        if recorder:
+            # Fed: every generated token but the last (the eos, or the one that hit the cap).
+            fed = [len(reply) if stopped == "eos" else max(0, len(reply) - 1) for reply, stopped in cuts]
+            states = recorder.rows([width - len(ids) for _, ids in chunk], fed)
+        for i, ((conv, ids), (reply, stopped)) in enumerate(zip(chunk, cuts)):
             text = tok.decode(reply, skip_special_tokens=True)
+            extra = {"_states": (ids + reply[:fed[i]], *states[i])} if states else {}
             yield {
                 "id": conv.id, "source": conv.source, "category": conv.category,
                 "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
@@ -64,12 +123,16 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                                "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                                "stopped": stopped, "reply_tokens": len(reply),
                                "prompt_tokens": len(ids)},
+                **extra,
             }
         done += len(chunk)
+        generated += sum(len(reply) for reply, _ in cuts)
         if bar is not None:
             bar.update(len(chunk))
         if not sys.stderr.isatty() and progress:
-            print(f"regenerate: {done}/{len(prompts)} prompts", flush=True)
+            dt = time.perf_counter() - t0
+            print(f"regenerate: {done}/{len(prompts)} prompts, {dt:.0f}s, {generated / dt:.1f} reply tok/s "
+                  f"(batch of {len(chunk)}, prompts up to {width} tokens)", flush=True)
     if bar is not None:
         bar.close()
 

@@ -8,7 +8,6 @@ they came from and are checked when loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftling.errors import DataError
-from draftling.io import atomic_path
+from draftling.io import atomic_path, hash_dataset_file  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -63,14 +62,6 @@ def build_vocab(counts: torch.Tensor, draft_vocab_size: int, data_hash: str) -> 
     total = int(counts.sum())
     coverage = float(counts[chosen].sum()) / total if total else 0.0
     return DraftVocab(d2t, t2d, data_hash, int((counts > 0).sum()), coverage)
-
-
-def hash_dataset_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def save_vocab(vocab: DraftVocab, path: str | Path) -> None:

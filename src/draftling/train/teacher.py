@@ -37,7 +37,15 @@ def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: tor
     with layers:
         out, aux = aux_hidden_states(decoder, target.aux_layer_ids, input_ids=input_ids,
                                      attention_mask=attention_mask, use_cache=False)
-    final = out.last_hidden_state  # already final-normed
+    # last_hidden_state is already final-normed.
+    return head_outputs(target, torch.cat(aux, dim=-1), out.last_hidden_state, t2d, chunk_tokens)
+
+
+@torch.no_grad()
+def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: torch.Tensor,
+                 chunk_tokens: int = 2048) -> TeacherBatch:
+    """The TeacherBatch for aux states [B,T,3H] and final-normed states [B,T,H]: the output
+    head's draft-vocab logits and full-vocab argmax."""
     head = target.output_head()
     t2d = t2d.to(final.device)
     weight = plain_weight(head)
@@ -54,7 +62,7 @@ def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: tor
         draft_logits.append(part @ draft_rows.T if draft_rows is not None else logits[:, t2d])
     argmax = torch.cat(argmax).view(b, t)
     return TeacherBatch(
-        aux=torch.cat(aux, dim=-1),
+        aux=aux,
         # In the target's dtype: a bf16 head's logits carry no more precision as fp32, and
         # the loss reads them at every TTT step (it upcasts per chunk).
         draft_logits=torch.cat(draft_logits).view(b, t, -1),
@@ -101,3 +109,31 @@ class TeacherCache:
                 return
             self.rows[k] = row
             self.used += size
+
+
+class KeptStatesTeacher:
+    """Teacher outputs from the states kept at regeneration (data/states.py): only the output
+    head runs, not the target's layers. ``cacheable``: the trainer keeps its outputs in the
+    TeacherCache, so later epochs skip the head too."""
+
+    cacheable = True
+
+    def __init__(self, target: Target, states, t2d: torch.Tensor):
+        self.target, self.states, self.t2d = target, states, t2d
+
+    def __repr__(self) -> str:
+        return f"KeptStatesTeacher({str(self.states.path)!r})"
+
+    def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
+        from draftling.errors import DataError
+
+        t = max(lengths)
+        rows = [self.states.rows(k) for k in keys]
+        for k, n, (aux, _) in zip(keys, lengths, rows):
+            if aux.shape[0] != n:
+                raise DataError(f"{self.states.path}: row {k} has states for {aux.shape[0]} tokens but "
+                                f"{n} tokens in the data; regenerate the data")
+        def stack(i):
+            return torch.stack([torch.nn.functional.pad(r[i], (0, 0, 0, t - r[i].shape[0]))
+                                for r in rows]).to(device)
+        return head_outputs(self.target, stack(0), stack(1), self.t2d.to(device))

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.config import RunConfig, TrainConfig, save_config
+from draftling.data.states import StoredStates, states_path
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
@@ -30,7 +31,7 @@ from draftling.train.distributed import (PARALLEL_MODES, DistContext, TTTObjecti
                                          load_optimizer_state, rank_share, unwrap, wrap)
 from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import build_optimizer
-from draftling.train.teacher import TeacherCache, teacher_forward
+from draftling.train.teacher import KeptStatesTeacher, TeacherCache, teacher_forward
 from draftling.train.ttt import ATTENTION_BACKENDS, StepCounts, flex_usable, step_valid_counts
 
 log = logging.getLogger(__name__)
@@ -284,6 +285,21 @@ def _global_counts(counts: StepCounts, extras: list[float], ctx: DistContext, de
     return out, total[len(fields) * counts.steps:]
 
 
+def kept_states_teacher(target: Target, jsonl_path, t2d, say) -> KeptStatesTeacher | None:
+    """The teacher for the rows of ``jsonl_path`` from the states kept beside it at
+    regeneration, when they match it (else None: the target runs as usual)."""
+    path = states_path(Path(jsonl_path).parent, Path(jsonl_path).stem)
+    if not path.is_file():
+        return None
+    states = StoredStates(path)
+    why_not = states.matches(jsonl_path, target.aux_layer_ids)
+    if why_not:
+        say(f"teacher: not using {path.name} ({why_not}); the target recomputes its states")
+        return None
+    say(f"teacher: states kept at regeneration ({path.name}); only the output head runs")
+    return KeptStatesTeacher(target, states, t2d)
+
+
 def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[int], device,
               ctx: DistContext, teacher_source=None, cache: TeacherCache | None = None):
     """This rank's share of one global batch through the teacher and the TTT unroll.
@@ -300,13 +316,16 @@ def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[in
         # Every real position has a teacher label; validation keeps the assistant-only mask.
         batch["loss_mask"] = batch["attention_mask"].clone()
     draft = unwrap(objective)
-    if teacher_source is not None:
-        teacher = teacher_source.get(share, lengths, device)
-    else:
-        teacher = cache.get(share, lengths, device) if cache else None
+    # An offline cache already holds the final outputs; kept states still need the head.
+    if cache and not getattr(teacher_source, "cacheable", teacher_source is None):
+        cache = None
+    teacher = cache.get(share, lengths, device) if cache else None
     if teacher is None:
-        teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d,
-                                  compile=compile_teacher(tc, device, target.model))
+        if teacher_source is not None:
+            teacher = teacher_source.get(share, lengths, device)
+        else:
+            teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d,
+                                      compile=compile_teacher(tc, device, target.model))
         if cache:
             cache.put(share, lengths, teacher)
     denominators = None
@@ -398,6 +417,10 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         val_source = teacher_source.for_split("val", hash_dataset_file(val_path))
     vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path),
                        target_vocab_size=target.config.vocab_size)
+    if teacher_source is None:
+        teacher_source = kept_states_teacher(target, train_path, vocab.t2d, say)
+        if teacher_source is not None and val_examples:
+            val_source = kept_states_teacher(target, val_path, vocab.t2d, say)
     sharded = ctx.active and tc.parallel == "fsdp"
     draft, offload, param_dtype = prepare_draft(cfg, target, vocab, device, sharded)
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
