@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftling.errors import DataError
 from draftling.target import Target, aux_hidden_states
 from draftling.target.aux import compiled_decoder_layers
 from draftling.target.quant import plain_weight
@@ -125,14 +126,13 @@ class KeptStatesTeacher:
         return f"KeptStatesTeacher({str(self.states.path)!r})"
 
     def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
-        from draftling.errors import DataError
-
         t = max(lengths)
         rows = [self.states.rows(k) for k in keys]
         for k, n, (aux, _) in zip(keys, lengths, rows):
             if aux.shape[0] != n:
                 raise DataError(f"{self.states.path}: row {k} has states for {aux.shape[0]} tokens but "
                                 f"{n} tokens in the data; regenerate the data")
+
         def stack(i):
             return torch.stack([torch.nn.functional.pad(r[i], (0, 0, 0, t - r[i].shape[0]))
                                 for r in rows]).to(device)
