@@ -60,3 +60,20 @@ def test_compiled_decoder_layers_match_eager_with_one_graph(tiny_target):
     assert all("forward" not in vars(layer) for layer in layers)
     with compiled_decoder_layers(tiny_target.model, counting_backend) as n:
         assert n == len(layers)
+
+
+def test_cpu_weight_layout_keeps_the_outputs():
+    """Column-major Linear weights (load_target on the CPU) compute the same logits; the tied
+    output head keeps its row-major layout for the embedding lookups."""
+    from draftling.target.load import transpose_cpu_linear_weights
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert transpose_cpu_linear_weights(model) == 2 * 7  # q k v o gate up down per layer
+        after = model(ids).logits
+        assert transpose_cpu_linear_weights(model) == 0  # already done: nothing changes
+    assert not model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
+    assert model.get_output_embeddings().weight.is_contiguous()
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
