@@ -174,7 +174,7 @@ def write_prompts(path, texts):
     return path
 
 
-def test_cli_data_via_server_loads_no_weights(tmp_path, tiny_target_dir, monkeypatch):
+def test_cli_data_via_server_loads_no_weights(tmp_path, tiny_target_dir, monkeypatch, capsys):
     import transformers
 
     def no_weights(*args, **kwargs):
@@ -187,9 +187,11 @@ def test_cli_data_via_server_loads_no_weights(tmp_path, tiny_target_dir, monkeyp
     with FakeServer() as fake:
         assert main(["data", "--target", str(tiny_target_dir), "--out", str(out), "--prompts", str(prompts),
                      "--server", fake.url, "data.regen.max_new_tokens=16", "data.val_fraction=0.25",
-                     "data.min_tokens=4", "data.regen.concurrency=4"]) == 0
+                     "data.min_tokens=4", "data.regen.concurrency=4", "data.keep_teacher_states=true"]) == 0
     replies = [json.loads(line) for line in (out / "replies.jsonl").read_text().splitlines()]
     assert len(replies) == len(texts) and {r["split"] for r in replies} == {"train", "val"}
+    # A server's replies carry no target states: nothing is kept, and the log says why.
+    assert not list(out.glob("teacher_states_*")) and "keep_teacher_states is ignored" in capsys.readouterr().out
     assert all(r["provenance"]["server"] == fake.url and r["provenance"]["server_model"] == SERVED
                for r in replies)
     summary = json.loads((out / "summary.json").read_text())

@@ -104,6 +104,9 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
 
         server = ChatServer.from_config(dc.regen)
         print(f"data: replies from {server.base_url} ({server.model})", flush=True)
+        if dc.keep_teacher_states:
+            print("data: data.keep_teacher_states is ignored: a server's replies come without the "
+                  "target's states, so training will run the target", flush=True)
         records = list(regenerate_via_server(target.tokenizer, train_convs + val_convs, dc.regen,
                                              max_prompt_tokens=max_prompt, server=server))
     elif isinstance(target, Target):
