@@ -3,6 +3,7 @@ learn the target's own distribution, not whatever model wrote the original repli
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Iterable
@@ -13,7 +14,7 @@ from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages
 from draftling.data.template import render
 from draftling.target import Target
-from draftling.target.aux import decoder_layers
+from draftling.target.aux import recording_aux_states
 
 
 def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
@@ -21,42 +22,29 @@ def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-class _StateRecorder:
-    """Forward hooks that keep what the trainer's teacher would recompute: the aux layers'
-    outputs and the final-normed hidden state, for every forward call of one generate()."""
+@contextlib.contextmanager
+def _recording_states(target: Target):
+    """Per forward call of one generate(): the aux layers' outputs and the decoder's
+    final-normed output, which is what the trainer's teacher would recompute."""
+    decoder = target.model.get_decoder()
+    finals: list[torch.Tensor] = []
 
-    def __init__(self, target: Target):
-        decoder = target.model.get_decoder()
-        layers = decoder_layers(decoder)
-        self.aux_ids = list(target.aux_layer_ids)
-        self.calls: dict[str, list[torch.Tensor]] = {}
-        modules = {f"aux{i}": layers[i - 1] for i in sorted(set(self.aux_ids))}
-        modules["final"] = decoder  # its output is the final-normed hidden state
-        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in modules.items()]
+    def keep_final(_module, _inputs, output):
+        finals.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
-    def _hook(self, name):
-        def hook(_module, _inputs, output):
-            out = getattr(output, "last_hidden_state", None)
-            if out is None:
-                out = output[0] if isinstance(output, tuple) else output
-            self.calls.setdefault(name, []).append(out.detach())
-        return hook
+    handle = decoder.register_forward_hook(keep_final)
+    try:
+        with recording_aux_states(decoder, target.aux_layer_ids) as aux:
+            yield aux, finals
+    finally:
+        handle.remove()
 
-    def rows(self, pads: list[int], fed: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per row: (aux [n, 3H], final [n, H]) for its n = prompt + fed tokens. Call 0 is the
-        prefill (left-padded: row i starts at column pads[i]); call s >= 1 fed one token."""
-        def positions(name, i):
-            prefill, *steps = self.calls[name]
-            return torch.cat([prefill[i, pads[i]:]] + [s[i] for s in steps[:fed[i]]]).cpu()
-        out = []
-        for i in range(len(pads)):
-            aux = torch.cat([positions(f"aux{a}", i) for a in self.aux_ids], dim=-1)
-            out.append((aux, positions("final", i)))
-        return out
 
-    def close(self):
-        for h in self.handles:
-            h.remove()
+def _fed_positions(calls: list[torch.Tensor], row: int, pad: int, fed: int) -> torch.Tensor:
+    """Row ``row``'s states over the tokens it was fed: call 0 is the left-padded prefill
+    (the row starts at column ``pad``), each later call fed one token."""
+    prefill, *steps = calls
+    return torch.cat([prefill[row, pad:]] + [s[row] for s in steps[:fed]]).cpu()
 
 
 @torch.no_grad()
@@ -97,24 +85,21 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
             # generate() takes no generator; seed per batch so a rerun is reproducible.
             torch.manual_seed(cfg.seed + start)
         sample_kwargs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": None} if sampling else {}
-        recorder = _StateRecorder(target) if keep_states else None
-        try:
+        recording = _recording_states(target) if keep_states else contextlib.nullcontext((None, None))
+        with recording as (aux_calls, final_calls):
             out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
                                  max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
                                  pad_token_id=tok.pad_token_id, eos_token_id=eos_ids, **sample_kwargs)
-        finally:
-            if recorder:
-                recorder.close()
-        rows = out[:, width:].tolist()
-        cuts = [_cut_at_eos(row, eos_ids) for row in rows]
-        states = None
-        if recorder:
-            # Fed: every generated token but the last (the eos, or the one that hit the cap).
-            fed = [len(reply) if stopped == "eos" else max(0, len(reply) - 1) for reply, stopped in cuts]
-            states = recorder.rows([width - len(ids) for _, ids in chunk], fed)
+        cuts = [_cut_at_eos(row, eos_ids) for row in out[:, width:].tolist()]
         for i, ((conv, ids), (reply, stopped)) in enumerate(zip(chunk, cuts)):
             text = tok.decode(reply, skip_special_tokens=True)
-            extra = {"_states": (ids + reply[:fed[i]], *states[i])} if states else {}
+            extra = {}
+            if keep_states:
+                # Fed: every generated token but the last (the eos, or the one that hit the cap).
+                fed = len(reply) if stopped == "eos" else max(0, len(reply) - 1)
+                pad = width - len(ids)
+                aux = torch.cat([_fed_positions(aux_calls[a], i, pad, fed) for a in target.aux_layer_ids], dim=-1)
+                extra = {"_states": (ids + reply[:fed], aux, _fed_positions(final_calls, i, pad, fed))}
             yield {
                 "id": conv.id, "source": conv.source, "category": conv.category,
                 "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],

@@ -58,24 +58,30 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TargetError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def aux_hidden_states(model: nn.Module, layer_ids: list[int], **forward_kwargs):
-    """Run ``model(**forward_kwargs)`` and return ``(output, [h_low, h_mid, h_high])``.
-
-    ``h`` for id ``i`` is the output of decoder layer ``i - 1`` (see module docstring).
-    """
+@contextmanager
+def recording_aux_states(model: nn.Module, layer_ids: list[int]):
+    """Forward hooks on the aux layers for the duration of the block: yields ``{id: [state
+    of each forward call, in order]}``, where the state for id ``i`` is the output of decoder
+    layer ``i - 1`` (see module docstring). Many calls: a generate() loop."""
     layers = decoder_layers(model)
-    captured: dict[int, torch.Tensor] = {}
+    calls: dict[int, list[torch.Tensor]] = {i: [] for i in sorted(set(layer_ids))}
     handles = []
-    for hs_index in sorted(set(layer_ids)):
+    for hs_index in calls:
         def hook(_module, _inputs, output, hs_index=hs_index):
-            captured[hs_index] = output[0] if isinstance(output, tuple) else output
+            calls[hs_index].append(output[0] if isinstance(output, tuple) else output)
         handles.append(layers[hs_index - 1].register_forward_hook(hook))
     try:
-        out = model(**forward_kwargs)
+        yield calls
     finally:
         for h in handles:
             h.remove()
-    return out, [captured[i] for i in layer_ids]
+
+
+def aux_hidden_states(model: nn.Module, layer_ids: list[int], **forward_kwargs):
+    """Run ``model(**forward_kwargs)`` and return ``(output, [h_low, h_mid, h_high])``."""
+    with recording_aux_states(model, layer_ids) as calls:
+        out = model(**forward_kwargs)
+    return out, [calls[i][-1] for i in layer_ids]
 
 
 _COMPILED_LAYER_FORWARDS: dict = {}

@@ -72,6 +72,12 @@ def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: to
     )
 
 
+def pad_stack(rows: list[torch.Tensor], length: int, fill=0) -> torch.Tensor:
+    """Stack unpadded per-sequence rows [n_i, ...] into [B, length, ...], padding with ``fill``."""
+    return torch.stack([torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1) + [0, length - x.shape[0]],
+                                                value=fill) for x in rows])
+
+
 class TeacherCache:
     """Hybrid online/offline: keep each example's teacher outputs in host RAM on first
     sight and reuse them in later epochs, up to a byte budget. Rows are stored unpadded,
@@ -89,12 +95,7 @@ class TeacherCache:
         parts = [self.rows[k] for k in keys]
 
         def stack(i, fill=0):
-            out = []
-            for p in parts:
-                x = p[i]
-                pad = [0, 0] * (x.dim() - 1) + [0, t - x.shape[0]]
-                out.append(torch.nn.functional.pad(x, pad, value=fill))
-            return torch.stack(out).to(device)
+            return pad_stack([p[i] for p in parts], t, fill).to(device)
 
         return TeacherBatch(aux=stack(0), draft_logits=stack(1).float(), target_argmax=stack(2),
                             in_draft=stack(3, False))
@@ -132,8 +133,5 @@ class KeptStatesTeacher:
             if aux.shape[0] != n:
                 raise DataError(f"{self.states.path}: row {k} has states for {aux.shape[0]} tokens but "
                                 f"{n} tokens in the data; regenerate the data")
-
-        def stack(i):
-            return torch.stack([torch.nn.functional.pad(r[i], (0, 0, 0, t - r[i].shape[0]))
-                                for r in rows]).to(device)
-        return head_outputs(self.target, stack(0), stack(1), self.t2d.to(device))
+        aux, final = (pad_stack([r[i] for r in rows], t).to(device) for i in (0, 1))
+        return head_outputs(self.target, aux, final, self.t2d.to(device))
