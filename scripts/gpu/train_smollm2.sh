@@ -5,11 +5,12 @@
 # draft_transport.py) and one archive of config, metrics and data summary: a call returns
 # at most 8 files. Logs go to $OUT with tee, so a call cut at its time limit still returns them.
 # DATA_ONLY=1 stops after the data and vocab: on a warm machine the next call trains on them.
+# DATA_ARGS="KEY=VALUE ..." overrides the config of `data` (e.g. more prompts).
 source scripts/gpu/common.sh
 mkdir -p $OUT/train
 start=$(date +%s)
 if [ ! -f /tmp/run/data/vocab.safetensors ]; then
-  python3 -m draftling data --config gpu_smollm2 --target $T --out /tmp/run/data 2>&1 \
+  python3 -m draftling data --config gpu_smollm2 --target $T --out /tmp/run/data ${DATA_ARGS:-} 2>&1 \
     | grep --line-buffered -v "^regenerate: " | tee $OUT/train/data_log.txt
   python3 -m draftling vocab --data /tmp/run/data --config gpu_smollm2 --target $T | tee -a $OUT/train/data_log.txt
   cp /tmp/run/data/summary.json $OUT/train/data_summary.json
