@@ -1,4 +1,7 @@
 import importlib.util
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -9,6 +12,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftling.target.load import wrap_target
 
 TINY_VOCAB = 300
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def run_draftling(*args, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m draftling ARGS`` on this checkout's sources, whichever checkout pip last
+    installed in editable mode."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT / "src"), str(CHECKOUT)])}
+    return subprocess.run([sys.executable, "-m", "draftling", *map(str, args)], capture_output=True,
+                          text=True, env=env, **kwargs)
 
 
 def tiny_llama(layers: int = 6, seed: int = 0) -> LlamaForCausalLM:

@@ -2,13 +2,12 @@
 tokenizer and chat template, plus the one-line errors for bad input."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from draftling.cli import main
+from tests.conftest import run_draftling
 
 def write_prompts(path: Path, n: int = 12) -> Path:
     rows = [{"id": f"p{i}", "source": "test", "category": "chat",
@@ -20,7 +19,7 @@ def write_prompts(path: Path, n: int = 12) -> Path:
 
 def test_every_subcommand_has_help():
     for cmd in ("data", "vocab", "train", "plan", "extract", "bench", "export", "quickstart"):
-        r = subprocess.run([sys.executable, "-m", "draftling", cmd, "--help"], capture_output=True, text=True)
+        r = run_draftling(cmd, "--help")
         assert r.returncode == 0 and "usage: draftling " + cmd in r.stdout
         assert len(r.stdout) > 300  # explains, not just lists flags
 
@@ -55,7 +54,7 @@ def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "draftling", *args], capture_output=True, text=True)
+    return run_draftling(*args)
 
 
 @pytest.mark.parametrize("content,expect", [
@@ -73,6 +72,18 @@ def test_bad_prompt_file_is_one_line_error_and_writes_nothing(tmp_path, tiny_tar
     err = [l for l in r.stderr.splitlines() if l.startswith("draftling: error:")]
     assert len(err) == 1 and "bad.jsonl" in err[0] and expect in err[0]
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("command", ["data", "quickstart"])
+def test_missing_prompt_file_is_reported_before_anything_is_written(tmp_path, tiny_target_dir, command):
+    out = tmp_path / "out"
+    r = run_cli(command, "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(out),
+                f"data.prompts=[{tmp_path / 'missing.jsonl'}]")
+    assert r.returncode == 2
+    err = [l for l in r.stderr.splitlines() if l.startswith("draftling: error:")]
+    assert len(err) == 1 and "missing.jsonl" in err[0] and "no such prompt file" in err[0], r.stderr
+    assert not out.exists()
+    assert "loading target" not in r.stderr  # checked before the target loads
 
 
 def test_target_without_chat_template(tmp_path, tiny_target_dir):

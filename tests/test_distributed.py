@@ -3,10 +3,7 @@ batch B end with the weights of one process at batch B, for DDP and FSDP2, and a
 checkpoint resumes on 1 rank into the uninterrupted 1-process run."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from draftling.cli import main
 from draftling.config import load_config
 from draftling.train.distributed import DistContext, rank_share
 from draftling.train.ttt import step_valid_counts, ttt_unroll
-from tests.conftest import random_batch
+from tests.conftest import random_batch, run_draftling
 
 STEPS = 4
 TRAIN_ARGS = ["train.max_steps=4", "train.batch_size=4", "train.ttt_steps=3", "train.log_every=1",
@@ -93,9 +90,7 @@ def common(target_dir, data, run_dir):
 
 
 def torchrun_train(args, nproc=2):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd() + "/src", os.getcwd()])}
-    r = subprocess.run([sys.executable, "-m", "draftling", *args, "--nproc", str(nproc)],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = run_draftling(*args, "--nproc", nproc, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 

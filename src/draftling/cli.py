@@ -197,6 +197,7 @@ def resolve_device(device: str) -> str:
 
 
 def cmd_data(args) -> None:
+    from draftling.config import check_prompt_files
     from draftling.data.prepare import prepare_data
 
     cfg = _run_config(args)
@@ -206,6 +207,7 @@ def cmd_data(args) -> None:
         cfg.data.regen.server_url = args.server
     if args.server_model:
         cfg.data.regen.server_model = args.server_model
+    check_prompt_files(cfg)
     if cfg.data.regen.server_url:
         from draftling.target.load import load_target_tokenizer
 

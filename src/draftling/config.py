@@ -332,6 +332,16 @@ def prompt_sets_dir() -> Path:
     return Path(str(resources.files("draftling") / "bench" / "prompt_sets"))
 
 
+def check_prompt_files(cfg: RunConfig) -> None:
+    """Fail before any slow step (loading the target, regenerating) when a prompt file the
+    config names is missing."""
+    for key, specs in (("data.prompts", cfg.data.prompts), ("data.exclude", cfg.data.exclude)):
+        for spec in specs:
+            path = resolve_prompt_path(spec)
+            if not path.is_file():
+                raise ConfigError(f"{key}: {spec}: no such prompt file ({path})")
+
+
 def resolve_prompt_path(spec: str) -> Path:
     """A prompt file: "shared:NAME" (the shared corpus), "set:v1" (a release-bench prompt set
     shipped in the package) or a path."""

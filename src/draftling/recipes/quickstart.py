@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from draftling.config import load_config, save_config
+from draftling.config import check_prompt_files, load_config, save_config
 from draftling.data.prepare import prepare_data
 from draftling.draft.vocab import build_vocab_file
 from draftling.errors import ConfigError
@@ -41,8 +41,9 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     t0 = time.perf_counter()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(config, overrides)
+    check_prompt_files(cfg)  # before any output or the minutes of loading and regenerating
+    out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     timings = {}
 
