@@ -28,8 +28,9 @@ class RegenConfig:
     seed: int = 0
     # Prefill long prompts in pieces of about this many tokens (rows x columns) per forward.
     # On the CPU a whole batch of long prompts at once is memory-bound in its elementwise ops:
-    # 70 prompts of up to 288 tokens took 84 s in one forward and 49 s in pieces of 4096
-    # (same tokens). null = 4096 on the CPU and off elsewhere; 0 = off.
+    # a batch of 53 prompts (7121 tokens) took 63 s in one forward and 38 s in pieces of 4096,
+    # same replies (scripts/experiments/gguf_load_and_chunked_prefill.py). null = 4096 on the
+    # CPU and off elsewhere; 0 = off.
     prefill_chunk_tokens: int | None = None
     # Regenerate through an OpenAI-compatible server (vLLM / SGLang `serve`) instead of the local
     # target, e.g. "http://localhost:8000". Then only the target's tokenizer is loaded.
