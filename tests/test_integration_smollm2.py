@@ -17,7 +17,7 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
     from draftling.recipes.quickstart import quickstart
 
     # Without the shared corpus beside the checkout (a bare CI clone), the real prompts of the
-    # release-bench set that ships in the package stand in for it: the test never skips.
+    # release-bench set that ships in the package stand in for it, so the test still runs.
     prompts = [] if find_shared_prompts() else ['data.prompts=["set:v1"]', "data.max_prompts_per_file=24"]
     summary = quickstart(tmp_path / "qs", config="quickstart_cpu", overrides=[
         "data.max_prompts_per_file=6", "data.regen.max_new_tokens=24", "data.val_fraction=0.25",
