@@ -118,3 +118,17 @@ def test_gguf_parsed_once_reads_the_file_once_and_changes_nothing():
         assert list(second["tokenizer"][key]) == list(reference["tokenizer"][key])
     assert "vocab_size" in reference["config"]
     assert gguf_utils.load_gguf_checkpoint.__module__ == gguf_utils.__name__
+
+
+def test_gguf_parsed_once_leaves_a_non_gguf_target_alone():
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from draftling.target.load import TargetSpec, gguf_parsed_once
+
+    reader, checkpoint = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
+    with gguf_parsed_once(TargetSpec(name="m", path="/some/hf/dir")):
+        assert gguf.GGUFReader is reader and gguf_utils.load_gguf_checkpoint is checkpoint
+    with gguf_parsed_once(TargetSpec(name="m", path="/d", gguf_file="/d/m.gguf")):
+        assert gguf.GGUFReader is not reader  # a GGUF target does get the shared reader
+    assert gguf.GGUFReader is reader
