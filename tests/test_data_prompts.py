@@ -175,3 +175,25 @@ def test_exclude_drops_bench_prompts_by_id_and_user_turn(tmp_path):
     assert resolve_prompt_path("set:v1").name == "v1.jsonl"
     with pytest.raises(Exception, match="no prompt set 'v9'"):
         resolve_prompt_path("set:v9")
+
+
+def test_per_file_caps_replace_the_global_cap(tmp_path):
+    from draftling.config import load_config
+    from draftling.data.prepare import load_prompt_files
+    from draftling.errors import ConfigError
+
+    files = {}
+    for name, n in (("big", 30), ("small", 12)):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps({"id": f"{name}-{i}", "source": name, "messages": [
+            {"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(n)))
+    prompts = f'data.prompts=["{files["big"]}", "{files["small"]}"]'
+    cfg = load_config(None, [prompts, "data.max_prompts_per_file=10",
+                             f'data.max_prompts_by_file={{"{files["big"]}": 4}}'])
+    convs, _ = load_prompt_files(cfg)
+    by_source = {s: sum(c.source == s for c in convs) for s in ("big", "small")}
+    assert by_source == {"big": 4, "small": 10}
+    with pytest.raises(ConfigError, match=r"max_prompts_by_file: \['other.jsonl'\] not in data.prompts"):
+        load_config(None, [prompts, 'data.max_prompts_by_file={"other.jsonl": 4}'])
+    with pytest.raises(ConfigError, match=r"max_prompts_by_file\['.*big.jsonl'\]: expected an integer"):
+        load_config(None, [prompts, f'data.max_prompts_by_file={{"{files["big"]}": 2.5}}'])

@@ -50,6 +50,9 @@ class DataConfig:
         "shared:sharegpt.jsonl", "shared:instruct.jsonl", "shared:code_mbpp.jsonl",
         "shared:math_gsm8k_train.jsonl", "shared:summarize.jsonl"])
     max_prompts_per_file: int = 0  # 0 = all
+    # Per-file caps that replace max_prompts_per_file for the files they name (keys as listed
+    # in ``prompts``), e.g. to keep a large file from dominating the mix: {"shared:x.jsonl": 3000}.
+    max_prompts_by_file: dict[str, int] = field(default_factory=dict)
     # Prompt files whose conversations must not be trained on, e.g. "set:v1" (the release
     # bench's prompts): a conversation is dropped if its id matches or any of its user turns
     # repeats one of theirs, so the bench stays out of distribution.
@@ -65,6 +68,15 @@ class DataConfig:
     # training skips its teacher forward on those tokens. Costs 4*H values per token on
     # disk (SmolLM2-135M in fp32: 9 KB); worth it where the teacher forward is dear (CPU).
     keep_teacher_states: bool = False
+
+    def __post_init__(self):
+        unknown = sorted(set(self.max_prompts_by_file) - set(self.prompts))
+        if unknown:
+            raise ConfigError(f"data.max_prompts_by_file: {unknown} not in data.prompts {self.prompts}")
+
+    def prompt_cap(self, spec: str) -> int:
+        """How many prompts to sample from the file ``spec`` (0 = all)."""
+        return self.max_prompts_by_file.get(spec, self.max_prompts_per_file)
 
 
 @dataclass
@@ -208,6 +220,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], where)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        key_tp, value_tp = args or (Any, Any)
+        return {_coerce(k, key_tp, where): _coerce(v, value_tp, f"{where}[{k!r}]") for k, v in value.items()}
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")

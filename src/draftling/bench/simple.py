@@ -7,7 +7,6 @@ import datetime
 import json
 import platform
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from draftling.data.prompts import load_conversations, prompt_messages
 from draftling.data.template import render
 from draftling.errors import ConfigError, DataError, DraftlingError
 from draftling.io import write_json
+from draftling.progress import Progress
 from draftling.target import Target
 
 WARMUP_TOKENS = 16
@@ -170,9 +170,7 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
     for c in configs:
         spec(warm, c, WARMUP_TOKENS)
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(prompts), desc="bench", disable=quiet or not sys.stderr.isatty())
+    bar = Progress(len(prompts), "bench", enabled=not quiet)
     started = time.perf_counter()
     per_prompt = []
     plain_tokens = plain_time = 0.0
@@ -199,11 +197,8 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
             tot["accept_counts"] = [a + b for a, b in zip(tot["accept_counts"], stats.accept_counts)]
             row[c.name] = {"tau": stats.tau, "tokens": len(toks), "s": t_spec, "identical": toks == ref}
         per_prompt.append(row)
-        bar.update(1)
-        if not quiet and not sys.stderr.isatty():  # a log file gets one line per prompt
-            taus = ", ".join(f"{name} tau {t['accepted'] / max(1, t['verifies']):.2f}" for name, t in totals.items())
-            print(f"bench: {len(per_prompt)}/{len(prompts)} prompts, {time.perf_counter() - started:.0f}s, {taus}",
-                  flush=True)
+        taus = ", ".join(f"{name} tau {t['accepted'] / max(1, t['verifies']):.2f}" for name, t in totals.items())
+        bar.update(1, f"bench: {len(per_prompt)}/{len(prompts)} prompts, {time.perf_counter() - started:.0f}s, {taus}")
     bar.close()
 
     plain_tok_s = plain_tokens / plain_time

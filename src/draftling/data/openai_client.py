@@ -13,7 +13,6 @@ import http.client
 import json
 import logging
 import os
-import sys
 import threading
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages
 from draftling.data.regen import render_prompt_ids
 from draftling.errors import DraftlingError
+from draftling.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +169,7 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
     prompts = [(c, len(render_prompt_ids(tokenizer, c))) for c in convs]
     if max_prompt_tokens:
         prompts = [(c, n) for c, n in prompts if n <= max_prompt_tokens]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(prompts), desc=f"regenerate via {server.base_url}",
-                   disable=not sys.stderr.isatty())
+    bar = Progress(len(prompts), f"regenerate via {server.base_url}", enabled=progress)
     log_every = max(1, len(prompts) // 20)
     done = [0]
     lock = threading.Lock()  # done-callbacks run on the worker threads
@@ -181,10 +177,8 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
     def tick(_future: Future) -> None:
         with lock:
             done[0] += 1
-            if bar is not None:
-                bar.update(1)
-            if progress and not sys.stderr.isatty() and (done[0] % log_every == 0 or done[0] == len(prompts)):
-                print(f"regenerate: {done[0]}/{len(prompts)} prompts", flush=True)
+            logged = done[0] % log_every == 0 or done[0] == len(prompts)
+            bar.update(1, f"regenerate: {done[0]}/{len(prompts)} prompts" if logged else None)
 
     warned: set[str] = set()
 
@@ -230,5 +224,4 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
     finally:
         # On an error, drop the requests not yet sent and do not wait for those in flight.
         pool.shutdown(wait=False, cancel_futures=True)
-        if bar is not None:
-            bar.close()
+        bar.close()

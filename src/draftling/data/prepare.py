@@ -48,9 +48,10 @@ def load_prompt_files(cfg: RunConfig) -> tuple[list[Conversation], int]:
             rows = kept
         if dc.drop_tool_calls:
             rows = [c for c in rows if not has_tool_calls(c)]
-        if dc.max_prompts_per_file and len(rows) > dc.max_prompts_per_file:
+        cap = dc.prompt_cap(spec)
+        if cap and len(rows) > cap:
             # A seeded sample, not the head of the file, so every category is represented.
-            rows = random.Random(dc.seed).sample(rows, dc.max_prompts_per_file)
+            rows = random.Random(dc.seed).sample(rows, cap)
         convs.extend(rows)
     return convs, excluded
 

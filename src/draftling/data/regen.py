@@ -4,7 +4,6 @@ learn the target's own distribution, not whatever model wrote the original repli
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from typing import Iterable
 
@@ -13,6 +12,7 @@ import torch
 from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages
 from draftling.data.template import render
+from draftling.progress import Progress
 from draftling.target import Target
 from draftling.target.aux import recording_aux_states
 
@@ -79,10 +79,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
     # Similar lengths per batch waste less padding; the output order does not matter.
     prompts.sort(key=lambda p: len(p[1]))
     eos_ids = target.stop_token_ids()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(prompts), desc="regenerate", disable=not sys.stderr.isatty())
+    bar = Progress(len(prompts), "regenerate", enabled=progress)
     done = generated = 0
     t0 = time.perf_counter()
     for start in range(0, len(prompts), cfg.batch_size):
@@ -131,14 +128,10 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
             }
         done += len(chunk)
         generated += sum(len(reply) for reply, _ in cuts)
-        if bar is not None:
-            bar.update(len(chunk))
-        if not sys.stderr.isatty() and progress:
-            dt = time.perf_counter() - t0
-            print(f"regenerate: {done}/{len(prompts)} prompts, {dt:.0f}s, {generated / dt:.1f} reply tok/s "
-                  f"(batch of {len(chunk)}, prompts up to {width} tokens)", flush=True)
-    if bar is not None:
-        bar.close()
+        dt = time.perf_counter() - t0
+        bar.update(len(chunk), f"regenerate: {done}/{len(prompts)} prompts, {dt:.0f}s, {generated / dt:.1f} reply "
+                               f"tok/s (batch of {len(chunk)}, prompts up to {width} tokens)")
+    bar.close()
 
 
 def _cut_at_eos(row: list[int], eos_ids: list[int]) -> tuple[list[int], str]:
