@@ -86,18 +86,21 @@ def perm_target(beta=0.95, perturb=30.0, seed=0):
     return model
 
 
-def oracle_draft(model, gamma=4.0, draft_vocab=None, seed=0):
+def oracle_draft(model, gamma=4.0, draft_vocab=None, seed=0, shuffled=True):
     """A draft that predicts the target's layer-free logits for its input token.
 
     fc = 0, so step 0 has h = 0. q = k = gamma*(ie + hn) makes each query attend (almost)
     only to itself; v = ie - hn and o = I give out = h + ie - h/rms(h) = ie whenever h is the
     previous step's output (rms 1). So every step outputs input_layernorm(embed(token)), and
     the head (the target's rows, in a shuffled draft vocab) ranks tokens as the target's
-    embedding-only path does. Needs num_key_value_heads == num_attention_heads."""
+    embedding-only path does. Needs num_key_value_heads == num_attention_heads.
+    ``shuffled=False`` orders the draft vocab by target id, as the teacher's t2d slice does."""
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     draft_vocab = draft_vocab or vocab
     draft = Eagle3Draft(draft_config_from_target(model.config, draft_vocab, AUX)).eval()
     ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 1))[:draft_vocab]
+    if not shuffled:
+        ids = ids.sort().values
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
     draft.set_vocab(ids - torch.arange(draft_vocab), t2d)
@@ -716,3 +719,41 @@ def test_cuda_graphs_match_eager():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compile+graphs timed on the GPU only")
 def test_compile_and_cuda_graphs_match_eager():
     _static_paths_match("cuda", configs=[(3, 4, 8)], timing=False, compile=True, cuda_graphs=True)
+
+
+def test_validation_chain_walk_equals_the_engines_chain_rounds(monkeypatch):
+    """Validation's chain walk (teacher forcing on the greedy output) accepts what the engine's
+    chain decode accepts, round by round: the walk's chain_tau is the decode's tau."""
+    import types
+
+    from draftling.target.load import wrap_target
+    from draftling.train import ttt as ttt_mod
+    from draftling.train.teacher import teacher_forward
+
+    model = perm_target()
+    draft = oracle_draft(model, shuffled=False)
+    target, dr = runners(model, draft)
+    ids = prompt()
+    n = 60
+    reply = greedy_generate(target, ids, n)
+    _, stats = speculative_generate(target, dr, ids, n, 3, 1, 4)
+    engine_rounds = [a - 1 for a in stats.accept_lengths]
+    assert max(engine_rounds) == 3 and min(engine_rounds) < 3  # full rounds and misses both occur
+
+    walks = []
+    real_walk = ttt_mod.chain_walk
+    monkeypatch.setattr(ttt_mod, "chain_walk", lambda c, m: walks.append(real_walk(c, m)) or walks[-1])
+    seq = torch.cat([ids, reply], dim=1)
+    mask = torch.ones_like(seq)
+    loss_mask = torch.cat([torch.zeros_like(ids), torch.ones_like(reply)], dim=1)
+    teacher_side = wrap_target(model, types.SimpleNamespace(pad_token_id=0), aux_layer_ids=AUX)
+    with torch.no_grad():
+        teacher = teacher_forward(teacher_side, seq, mask, draft.t2d)
+        _, counts = ttt_mod.ttt_unroll(draft, model.get_input_embeddings(), teacher, seq, loss_mask, mask, 3)
+    (walked,) = walks
+    # The walk's last round stops at the sequence's end, the engine's at the token budget;
+    # every round before those is the same.
+    assert abs(len(walked) - len(engine_rounds)) <= 1
+    assert walked[:-1] == engine_rounds[:len(walked) - 1]
+    assert (counts.walk_rounds, counts.walk_accepted) == (len(walked), sum(walked))
+    assert counts.metrics()["chain_tau"] == pytest.approx(stats.tau, abs=0.1)

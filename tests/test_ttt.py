@@ -142,3 +142,33 @@ def test_step_counts_metrics():
     assert m["acc"] == [0.8, 0.5, 0.3]
     assert m["cond_acc"] == [0.8, 0.5, 0.5]
     assert math.isclose(m["sim_tau"], 1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5)
+
+
+
+def test_chain_walk_follows_a_chain_decode():
+    from draftling.train.ttt import chain_walk
+
+    def flags(n, right):
+        correct = [[False] * n for _ in range(3)]
+        for j, t in right:
+            correct[j][t] = True
+        return correct
+
+    # Prompt 0..2, reply 3..11. Step j at t predicts token t+2+j; the prefill gives token 3,
+    # so the first round sits at t=2.
+    mask = [0, 0, 0] + [1] * 9
+    # t=2: steps 0, 1 right, step 2 wrong -> 2; t=5: step 0 wrong -> 0; t=6: all right -> 3;
+    # t=10 would predict token 12, past the end: no round.
+    right = [(0, 2), (1, 2), (0, 6), (1, 6), (2, 6), (1, 5), (2, 5)]  # steps after a miss do not count
+    assert chain_walk(flags(12, right), mask) == [2, 0, 3]
+    def everything(n):
+        return flags(n, [(j, t) for j in range(3) for t in range(n)])
+
+    assert chain_walk(everything(12), mask) == [3, 3]
+    # A round is cut where the reply ends: reply 3..9, t=6 can check tokens 8 and 9 only.
+    assert chain_walk(everything(10), mask[:10]) == [3, 2]
+    # Two replies (two runs of loss tokens): each starts its own walk.
+    two = [0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1]
+    assert chain_walk(everything(12), two) == [3, 3]
+    assert chain_walk(flags(12, [(0, 1), (1, 1)] + [(j, 7) for j in range(3)]), two) == [2, 3]
+    assert chain_walk(everything(12), [0] * 12) == []

@@ -73,7 +73,7 @@ class MetricsLog:
         self.file.flush()
         if self.tb is not None:
             prefix = record.get("split", "train")
-            for key in ("loss", "sim_tau", "lr", "tok_s"):
+            for key in ("loss", "sim_tau", "chain_tau", "lr", "tok_s"):
                 if key in record:
                     self.tb.add_scalar(f"{prefix}/{key}", record[key], record["step"])
             for j, a in enumerate(record.get("acc", [])):
@@ -91,7 +91,8 @@ def format_line(prefix: str, m: dict) -> str:
     acc = " ".join(f"{a:.2f}" for a in m["acc"])
     cond = " ".join(f"{a:.2f}" for a in m["cond_acc"])
     vocab = f" | vocab {m['vocab_coverage']:.2f}" if "vocab_coverage" in m else ""
-    return f"{prefix} loss {m['loss']:.3f} | acc {acc} | cond {cond} | sim_tau {m['sim_tau']:.2f}{vocab}"
+    chain = f" | chain_tau {m['chain_tau']:.2f}" if "chain_tau" in m else ""
+    return f"{prefix} loss {m['loss']:.3f} | acc {acc} | cond {cond} | sim_tau {m['sim_tau']:.2f}{chain}{vocab}"
 
 
 def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
@@ -275,14 +276,18 @@ def _global_counts(counts: StepCounts, extras: list[float], ctx: DistContext, de
     """Sum the step counts and extra scalars over ranks (one collective)."""
     if not ctx.active:
         return counts, extras
-    fields = StepCounts.FIELDS
-    flat = [float(x) for f in fields for x in getattr(counts, f)] + [float(x) for x in extras]
+    fields, walk = StepCounts.FIELDS, StepCounts.WALK_FIELDS
+    flat = ([float(x) for f in fields for x in getattr(counts, f)] + [float(getattr(counts, f)) for f in walk]
+            + [float(x) for x in extras])
     total = all_reduce_sum(torch.tensor(flat, dtype=torch.float64, device=device), ctx).tolist()
     out = StepCounts(counts.steps)
     for i, f in enumerate(fields):
         values = total[i * counts.steps:(i + 1) * counts.steps]
         setattr(out, f, values if f == "loss_sum" else [int(round(v)) for v in values])
-    return out, total[len(fields) * counts.steps:]
+    end = len(fields) * counts.steps
+    for i, f in enumerate(walk):
+        setattr(out, f, int(round(total[end + i])))
+    return out, total[end + len(walk):]
 
 
 def kept_states_teacher(target: Target, jsonl_path, t2d, say) -> KeptStatesTeacher | None:

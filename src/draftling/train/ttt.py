@@ -285,8 +285,12 @@ class StepCounts:
     # Every loss-masked position, also where the target's argmax is outside the draft vocab:
     # decoding always misses there, so accuracies count those as misses (all zero = use valid).
     scored: list[int] = field(default_factory=list)
+    # Without gradients (validation): the chain decode walked over each sequence (chain_walk).
+    walk_rounds: int = 0
+    walk_accepted: int = 0
 
     FIELDS = ("loss_sum", "valid", "correct", "chain_valid", "chain_correct", "scored")  # per-step sums
+    WALK_FIELDS = ("walk_rounds", "walk_accepted")
 
     def __post_init__(self):
         for name in self.FIELDS:
@@ -296,6 +300,8 @@ class StepCounts:
     def add(self, other: "StepCounts") -> None:
         for name in self.FIELDS:
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        for name in self.WALK_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def metrics(self) -> dict:
         scored = self.scored if any(self.scored) else self.valid
@@ -308,8 +314,42 @@ class StepCounts:
         loss = [s / v if v else 0.0 for s, v in zip(self.loss_sum, self.valid)]
         # The share of step-0 positions whose target argmax the draft vocab holds: acc's ceiling.
         coverage = self.valid[0] / scored[0] if scored and scored[0] else 0.0
-        return {"loss_per_step": loss, "acc": acc, "cond_acc": cond, "sim_tau": tau,
-                "vocab_coverage": coverage, "tokens": self.valid[0] if self.valid else 0}
+        out = {"loss_per_step": loss, "acc": acc, "cond_acc": cond, "sim_tau": tau,
+               "vocab_coverage": coverage, "tokens": self.valid[0] if self.valid else 0}
+        if self.walk_rounds:
+            # What a greedy chain-`steps` decode of these sequences measures (bonus counted).
+            out["chain_tau"] = (self.walk_rounds + self.walk_accepted) / self.walk_rounds
+        return out
+
+
+def chain_walk(correct: Sequence[Sequence[bool]], loss_mask: Sequence[int]) -> list[int]:
+    """The draft tokens each round of a greedy chain decode accepts over one teacher-forced
+    sequence: ``correct[j][t]`` says step j at position t (which predicts token t+2+j) was
+    right. Each run of loss tokens is one reply: its first token comes from the target (the
+    prefill), so the first round sits at the token before it; a round accepts its leading
+    correct steps and the next one starts after them and the bonus token.
+
+    Simulated tau averages over every position, but a decode starts rounds only where the
+    last one stopped, often just after a miss: this walk is what the decode measures."""
+    steps, length = len(correct), len(loss_mask)
+    rounds: list[int] = []
+    start = 0
+    while start < length:
+        if not loss_mask[start]:
+            start += 1
+            continue
+        end = start
+        while end < length and loss_mask[end]:
+            end += 1
+        t = start - 1  # tokens start..end-1 are the reply; the last scored one is end-1
+        while t >= 0 and t + 2 <= end - 1:
+            k = 0
+            while k < steps and t + 2 + k <= end - 1 and correct[k][t]:
+                k += 1
+            rounds.append(k)
+            t += k + 1
+        start = end
+    return rounds
 
 
 def step_masks(loss_mask: torch.Tensor, in_draft: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,6 +394,9 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     ``loss_denominators``: step j's summed loss is divided by ``loss_denominators[j]``
     instead of this batch's valid count. Data parallelism passes the global count over
     world size, so averaged gradients equal those of one process on the whole batch.
+
+    Without gradients (validation) the counts also hold a chain walk over each sequence
+    (``chain_walk``), which costs a host sync: ``metrics()["chain_tau"]``.
     """
     if isinstance(autocast, str):
         autocast = getattr(torch, autocast)
@@ -387,6 +430,7 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
         sizes = torch.bincount(js, minlength=steps).tolist()
         step_rows = list(zip(vbs.split(sizes), vts.split(sizes)))
     per_step: list[torch.Tensor] = []
+    correct_steps: list[torch.Tensor] = []
     chain_ok = torch.ones(b, t, dtype=torch.bool, device=device)
     total = hidden.new_zeros((), dtype=torch.float32)
     for j in range(steps):
@@ -432,6 +476,7 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
             with torch.no_grad():
                 correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
         total = total + (step_weight_decay ** j) * step_loss
+        correct_steps.append(correct)
         with torch.no_grad():
             scored = scored_steps[j]
             chain_valid = chain_ok & scored
@@ -442,4 +487,10 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
     rows = torch.stack(per_step).T.tolist()  # [field][step], in StepCounts.FIELDS order
     counts = StepCounts(steps, loss_sum=rows[0], **{name: [int(x) for x in col]
                                                     for name, col in zip(StepCounts.FIELDS[1:], rows[1:])})
+    if not torch.is_grad_enabled():  # validation: walk each sequence as a chain decode would
+        flags = torch.stack(correct_steps).cpu().tolist()  # [steps][b][t]
+        for i, mask in enumerate(loss_mask.cpu().tolist()):
+            walked = chain_walk([f[i] for f in flags], mask)
+            counts.walk_rounds += len(walked)
+            counts.walk_accepted += sum(walked)
     return total, counts
