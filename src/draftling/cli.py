@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train the EAGLE-3 head (teacher resident, TTT unroll)",
                        description="Online training: the target stays loaded and its aux hidden states "
                        "are recomputed for each batch. Logs per-step and conditional accuracy and a "
-                       "simulated acceptance length to <run>/metrics.jsonl and stdout; checkpoints "
+                       "simulated acceptance length (sim_tau) to <run>/metrics.jsonl and stdout; "
+                       "validation also walks each sequence as a greedy chain decode over "
+                       "train.ttt_steps would (chain_tau: what benching those prompts measures); checkpoints "
                        "atomically to <run>/checkpoints; writes the final head to <run>/draft.",
                        epilog=EPILOG_OVERRIDES)
     _common(p)
