@@ -18,11 +18,6 @@ class Progress:
 
             self.bar = tqdm(total=total, desc=desc)
 
-    @property
-    def logs_lines(self) -> bool:
-        """True when status lines are printed (no terminal): callers may skip formatting them."""
-        return self.enabled and self.bar is None
-
     def update(self, n: int = 1, line: str | None = None) -> None:
         if self.bar is not None:
             self.bar.update(n)

@@ -430,6 +430,7 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
         sizes = torch.bincount(js, minlength=steps).tolist()
         step_rows = list(zip(vbs.split(sizes), vts.split(sizes)))
     per_step: list[torch.Tensor] = []
+    walking = not torch.is_grad_enabled()  # validation: walk each sequence as a chain decode would
     correct_steps: list[torch.Tensor] = []
     chain_ok = torch.ones(b, t, dtype=torch.bool, device=device)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -476,7 +477,8 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
             with torch.no_grad():
                 correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
         total = total + (step_weight_decay ** j) * step_loss
-        correct_steps.append(correct)
+        if walking:
+            correct_steps.append(correct)
         with torch.no_grad():
             scored = scored_steps[j]
             chain_valid = chain_ok & scored
@@ -487,7 +489,7 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, 
     rows = torch.stack(per_step).T.tolist()  # [field][step], in StepCounts.FIELDS order
     counts = StepCounts(steps, loss_sum=rows[0], **{name: [int(x) for x in col]
                                                     for name, col in zip(StepCounts.FIELDS[1:], rows[1:])})
-    if not torch.is_grad_enabled():  # validation: walk each sequence as a chain decode would
+    if walking:
         flags = torch.stack(correct_steps).cpu().tolist()  # [steps][b][t]
         for i, mask in enumerate(loss_mask.cpu().tolist()):
             walked = chain_walk([f[i] for f in flags], mask)
