@@ -85,7 +85,7 @@ def test_gguf_parsed_once_reads_the_file_once_and_changes_nothing():
     import gguf
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    from draftling.target.load import gguf_parsed_once
+    from draftling.target.load import TargetSpec, gguf_parsed_once
     from tests.conftest import smollm2_gguf
 
     path = smollm2_gguf()
@@ -102,7 +102,7 @@ def test_gguf_parsed_once_reads_the_file_once_and_changes_nothing():
 
     gguf.GGUFReader = CountingReader
     try:
-        with gguf_parsed_once():
+        with gguf_parsed_once(TargetSpec(name="smol", path=str(path.parent), gguf_file=str(path))):
             first = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
             first["config"].pop("vocab_size")  # callers pop keys: the memo must hand out copies
             second = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)

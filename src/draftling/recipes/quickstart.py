@@ -92,6 +92,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     done("export")
 
     chain3 = next((c for c in bench["configs"] if (c["steps"], c["topk"]) == (3, 1)), bench["configs"][0])
+    val = train_result.get("val", {})
     summary = {
         "tau_chain3": round(chain3["tau"], 4),
         "identical_to_greedy": chain3["identical_to_greedy"],
@@ -99,15 +100,15 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         "plain_tok_s": round(bench["plain_tok_s"], 2),
         "spec_tok_s": round(chain3["tok_s"], 2),
         "bench_prompts": bench["num_prompts"],
-        "val_sim_tau": round(train_result.get("val", {}).get("sim_tau", 0.0), 4),
+        "val_sim_tau": round(val.get("sim_tau", 0.0), 4),
         # A chain-(train.ttt_steps) decode walked over every validation sequence under teacher
         # forcing: what benching them all would measure (1.4639 against the engine's 1.4639
         # over 53 SmolLM2 sequences, scripts/experiments/chain_walk.py).
-        "val_chain_tau": round(train_result.get("val", {}).get("chain_tau", 0.0), 4),
-        "val_acc": [round(a, 4) for a in train_result.get("val", {}).get("acc", [])],
+        "val_chain_tau": round(val.get("chain_tau", 0.0), 4),
+        "val_acc": [round(a, 4) for a in val.get("acc", [])],
         # The share of validation reply positions whose target token the draft vocab holds:
         # the ceiling on step-0 acceptance.
-        "val_vocab_coverage": round(train_result.get("val", {}).get("vocab_coverage", 0.0), 4),
+        "val_vocab_coverage": round(val.get("vocab_coverage", 0.0), 4),
         "train_steps": train_result["steps"],
         "train_sequences": data_summary["train_sequences"],
         "export_dir": str(export_dir),

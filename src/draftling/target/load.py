@@ -264,7 +264,7 @@ def _checkpoint_is_quantized(spec: TargetSpec) -> bool:
 
 
 @contextlib.contextmanager
-def gguf_parsed_once(spec: TargetSpec | None = None):
+def gguf_parsed_once(spec: TargetSpec):
     """While loading a GGUF target, parse the file once instead of three times. For a spec
     that is not a GGUF file this does nothing.
 
@@ -276,7 +276,7 @@ def gguf_parsed_once(spec: TargetSpec | None = None):
     results; the default target loaded in 9.3 s instead of 23.8 s on a 2-core CPU
     (scripts/experiments/gguf_load_and_chunked_prefill.py). Without the ``gguf`` package
     this does nothing."""
-    if spec is not None and spec.gguf_file is None:
+    if spec.gguf_file is None:
         yield
         return
     try:
