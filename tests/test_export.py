@@ -102,6 +102,19 @@ def test_sglang_round_trip_gives_identical_logits(tmp_path, target):
     assert torch.equal(loaded.draft_to_target(torch.arange(DRAFT_VOCAB)), draft.t2d.nonzero().squeeze(1))
 
 
+def test_wider_draft_mlp_round_trips(tmp_path, target):
+    # The GPU profile trains a draft MLP wider than the target's; engines build the layer from
+    # config.json, so the width must travel with the weights.
+    draft = make_draft(target, intermediate_size=3 * target.config.intermediate_size)
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True, dtype="keep")
+    cfg, tensors = read_export(out)
+    assert cfg["intermediate_size"] == 384
+    assert tensors["midlayer.mlp.gate_proj.weight"].shape == (384, 64)
+    loaded = load_sglang_export(out)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    assert torch.equal(run_draft(draft, target, ids), run_draft(loaded, target, ids))
+
+
 def test_sglang_bf16_export_casts_weights_only(tmp_path, target):
     draft = make_draft(target)
     out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
