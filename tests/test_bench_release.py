@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftling.bench import release
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.draft.store import save_draft
-from draftling.errors import ConfigError
+from draftling.errors import ConfigError, DataError
 from draftling.target.load import wrap_target
 
 AUX = [1, 2, 3]
@@ -223,6 +223,21 @@ def test_prompt_set_sources(tmp_path):
         release.read_prompt_set(p)
 
 
+def test_shipped_prompt_sets_are_never_edited_in_place(tmp_path, monkeypatch):
+    # Every shipped set matches its published hash (read_prompt_set checks it on each read) ...
+    for name in release.builtin_prompt_sets():
+        assert release.read_prompt_set(name)[0]["sha256"] == release.PUBLISHED_PROMPT_SETS[name]
+    # ... and a copy of v1 with one character changed is refused by name.
+    text = (release.prompt_sets_dir() / "v1.jsonl").read_text(encoding="utf-8")
+    (tmp_path / "v1.jsonl").write_text(text.replace("e", "E", 1), encoding="utf-8")
+    monkeypatch.setattr(release, "prompt_sets_dir", lambda: tmp_path)
+    with pytest.raises(DataError, match="v1 .*edited in place"):
+        release.read_prompt_set("v1")
+    (tmp_path / "v9.jsonl").write_text(text, encoding="utf-8")
+    with pytest.raises(DataError, match="v9 .*no published sha256"):
+        release.read_prompt_set("v9")
+
+
 def test_v1_prompt_set():
     info, records = release.read_prompt_set("v1")
     assert info["builtin"] and len(records) == 8 * len(V1_WORKLOADS)
@@ -307,3 +322,27 @@ def test_message_records_and_dropped_tools(tmp_path):
     text = "user: hi\nassistant:"  # trailing assistant turn dropped, generation prompt added
     assert prompts[1].input_ids == _ToyTokenizer()(text)["input_ids"]
     assert len(info["notes"]) == 1 and "ignores `tools`" in info["notes"][0]
+
+
+def test_committed_release_results_keep_the_contract():
+    # The H200 results in bench/results are what BENCHMARKS.md quotes: each keeps the issue's
+    # results contract, and the newest one is the file BENCHMARKS.md's release section links.
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "bench" / "results").glob("????-??-??-nvidia-h200.json"))
+    if not files:
+        pytest.skip("no committed GPU results (not a full checkout)")
+    for f in files:
+        r = json.loads(f.read_text())
+        assert {"date", "gpu", "target", "draft", "prompt_set", "baselines", "configs"} <= set(r), f
+        assert f.name == f"{r['date']}-{r['gpu']}.json"
+        assert set(r["baselines"]) == {"engine_plain", "hf_static", "hf_prompt_lookup", "hf_eager"}
+        names = [c["name"] for c in r["configs"]]
+        assert {"chain-3-1-4", "tree-3-4-8", "tree-5-8-16"} <= set(names), f
+        for c in r["configs"]:
+            assert {"name", "steps", "topk", "draft_tokens", "per_workload", "mean_speedup",
+                    "mean_tau"} <= set(c)
+            assert c["name"] == f"{'chain' if c['topk'] == 1 else 'tree'}-{c['steps']}-{c['topk']}-{c['draft_tokens']}"
+            for v in c["per_workload"].values():
+                assert {"tau", "tok_s", "speedup"} <= set(v) and v["tau"] >= 1.0
+    latest = files[-1]
+    assert f"[{latest.name}](bench/results/{latest.name})" in (root / "BENCHMARKS.md").read_text()

@@ -22,9 +22,17 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
     summary = quickstart(tmp_path / "qs", config="quickstart_cpu", overrides=[
         "data.max_prompts_per_file=6", "data.regen.max_new_tokens=24", "data.val_fraction=0.25",
         "train.max_steps=6", "train.log_every=2", "train.max_minutes=0", "vocab.size=1024",
-        "bench.num_prompts=3", "bench.max_new_tokens=24", *prompts])
-    # The engine's speculative greedy output must equal its plain greedy output exactly (fp32).
+        "bench.num_prompts=3", "bench.max_new_tokens=24",
+        'bench.configs=["chain-3-1-4","tree-3-4-8","tree-5-8-16"]', *prompts])
+    # The engine's speculative greedy output must equal its plain greedy output exactly (fp32),
+    # for chain and tree decoding of the real target.
     assert summary["identical_to_greedy"] == 1.0
+    bench = json.loads((tmp_path / "qs" / "bench.json").read_text())
+    assert [c["name"] for c in bench["configs"]] == ["chain-3-1-4", "tree-3-4-8", "tree-5-8-16"]
+    assert all(c["identical_to_greedy"] == 1.0 for c in bench["configs"])
+    # Even a 6-step head gets some tree drafts accepted (1.25 here): identity is then checked
+    # through acceptance and KV compaction, not only through rejected rounds.
+    assert max(c["tau"] for c in bench["configs"][1:]) > 1.0
     assert summary["tau_chain3"] >= 1.0 and summary["bench_prompts"] == 3
     assert summary["wall_s"] > 0 and summary["train_steps"] == 6
     # The validation walk of a chain-3 decode: a tau, so within [1, 1 + 3] (0.0 if missing).

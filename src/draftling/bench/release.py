@@ -68,6 +68,13 @@ class BenchPrompt:
     input_ids: list[int]
 
 
+# The sha256 of each shipped set as first published. Sets are never edited in place (figures on
+# v1 must stay comparable); a changed selection is a new version with its own line here.
+PUBLISHED_PROMPT_SETS = {
+    "v1": "46ca02dccc810c4ba760f5dfe2cf7e137e383c57c19421dc8e6a2f6d788a3948",
+}
+
+
 def builtin_prompt_sets() -> list[str]:
     root = prompt_sets_dir()
     return sorted(p.name[:-len(".jsonl")] for p in root.iterdir() if p.name.endswith(".jsonl"))
@@ -115,6 +122,15 @@ def read_prompt_set(prompt_set: str | Path = "v1") -> tuple[dict, list[dict]]:
         raise DataError(f"{path}: duplicate prompt ids {dup[:5]}")
     info = {"name": name, "builtin": name != str(path), "path": str(path),
             "sha256": hashlib.sha256(raw).hexdigest()}
+    if info["builtin"]:
+        published = PUBLISHED_PROMPT_SETS.get(name)
+        if published is None:
+            raise DataError(f"prompt set {name} ({path}) has no published sha256 in "
+                            "release.PUBLISHED_PROMPT_SETS: add it when the set is first released")
+        if info["sha256"] != published:
+            raise DataError(f"prompt set {name} ({path}) was edited in place: sha256 "
+                            f"{info['sha256'][:12]} != published {published[:12]}; "
+                            "restore it and put the change in a new version")
     return info, records
 
 
