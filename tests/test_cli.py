@@ -45,9 +45,38 @@ def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
                  "--num-prompts", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "bench.json")]) == 0
     bench = json.loads((tmp_path / "bench.json").read_text())
     assert bench["configs"][0]["identical_to_greedy"] == 1.0 and bench["configs"][0]["tau"] >= 1.0
+    assert bench["sampling"] is None
+    # Sampled: the engine's processed distribution gets the flags, identity is not claimed,
+    # and the same seed gives the same run.
+    from draftling.engine import generate
+
+    seen = []
+    real = generate.process_logits
+
+    def spy(logits, temperature, top_k=0, top_p=1.0):
+        seen.append((temperature, top_k, top_p))
+        return real(logits, temperature, top_k, top_p)
+
+    sampled = []
+    for k in range(2):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(generate, "process_logits", spy)
+            assert main(["bench", *common, "--draft", str(run / "draft"), "--prompts", str(data / "val.jsonl"),
+                         "--num-prompts", "2", "--max-new-tokens", "8", "--temperature", "0.8",
+                         "--top-k", "50", "--top-p", "0.9", "--out", str(tmp_path / f"s{k}.json")]) == 0
+        sampled.append(json.loads((tmp_path / f"s{k}.json").read_text()))
+    assert seen and set(seen) == {(0.8, 50, 0.9)}
+    assert sampled[0]["sampling"] == {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 0}
+    assert sampled[0]["configs"][0]["identical_to_greedy"] is None
+    assert any(c.startswith("sampled:") for c in sampled[0]["caveats"])
+    assert [r["chain-3-1-4"]["tau"] for r in sampled[0]["per_prompt"]] == \
+        [r["chain-3-1-4"]["tau"] for r in sampled[1]["per_prompt"]]
+    earlier = capsys.readouterr().out
+    assert main(["bench", *common, "--draft", str(run / "draft"), "--release", "--temperature", "0.8"]) == 2
+    assert "--temperature do not apply" in capsys.readouterr().err
     assert main(["export", "--draft", str(run / "draft"), "--out", str(export)]) == 0
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
-    out = capsys.readouterr().out
+    out = earlier + capsys.readouterr().out
     assert "sim_tau" in out and "chain-3-1-4" in out
     # Without a TTY the bench logs one progress line per prompt.
     assert "bench: 1/2 prompts" in out and "bench: 2/2 prompts" in out

@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="speculative decoding: acceptance length, speed, exactness",
                        description="Greedy speculative decoding with the draft against the same engine "
                        "without speculation. Reports tau (tokens per verify step, bonus token counted), "
-                       "tokens/s for both, and checks the output equals plain greedy token for token.",
+                       "tokens/s for both, and checks the output equals plain greedy token for token. "
+                       "--temperature samples instead (lossless verification; tau and speed only).",
                        epilog=EPILOG_OVERRIDES)
     _common(p)
     p.add_argument("--draft", required=True, help="draft directory (<run>/draft, a checkpoint, or an SGLang export)")
@@ -128,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. chain-3-1-4,tree-3-4-8")
     p.add_argument("--num-prompts", type=int, help="how many prompts (default: config bench.num_prompts)")
     p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default: config; --release: 256)")
+    p.add_argument("--temperature", type=float, help="sample at this temperature (default: config "
+                   "bench.temperature, 0 = greedy); speculative verification stays lossless, and only "
+                   "greedy runs check identity")
+    p.add_argument("--top-k", type=int, help="with --temperature: keep the k likeliest tokens (0 = off)")
+    p.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling mass (1 = off)")
     p.add_argument("--out", help="write the results JSON here")
     r = p.add_argument_group("release bench", "per-workload speedup on a fixed prompt set, with HF "
                              "baselines, a cost account, JSON + markdown + plots (bench/release.py)")
@@ -314,10 +320,12 @@ def cmd_bench(args) -> None:
     if args.release:
         from draftling.bench import release
 
-        misplaced = [f for f, v in (("--num-prompts", args.num_prompts), ("--out", args.out)) if v]
+        misplaced = [f for f, v in (("--num-prompts", args.num_prompts), ("--out", args.out),
+                                    ("--temperature", args.temperature), ("--top-k", args.top_k),
+                                    ("--top-p", args.top_p)) if v is not None]
         if misplaced:
             raise DraftlingError(f"bench --release: {', '.join(misplaced)} do not apply (the prompt set "
-                                 "fixes n; outputs go to --results-dir)")
+                                 "fixes n, outputs go to --results-dir and the protocol is greedy)")
         if args.prompts and args.prompt_set:
             raise DraftlingError("bench --release: give --prompt-set or --prompts, not both")
         cfg = _run_config(args)
@@ -356,6 +364,10 @@ def cmd_bench(args) -> None:
         cfg.bench.num_prompts = args.num_prompts
     if args.max_new_tokens:
         cfg.bench.max_new_tokens = args.max_new_tokens
+    for name in ("temperature", "top_k", "top_p"):
+        if getattr(args, name) is not None:
+            setattr(cfg.bench, name, getattr(args, name))
+    cfg.bench.__post_init__()  # the flags bypass the config's own check
     run_bench(cfg, _load_target(cfg), args.draft, args.prompts, out=args.out)
 
 

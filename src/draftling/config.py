@@ -185,6 +185,17 @@ class BenchConfig:
     num_prompts: int = 8
     max_new_tokens: int = 256
     configs: list[str] = field(default_factory=lambda: ["chain-3-1-4"])
+    # 0 = greedy, where speculative output must equal plain output token for token. Above 0
+    # both decodes sample (lossless verification), so only tau and speed are comparable.
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int = 0  # sampling: prompt i uses seed + i, the same for plain and every config
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"bench: temperature {self.temperature} must be >= 0, top_k {self.top_k} "
+                              f">= 0 and top_p {self.top_p} in (0, 1]")
 
 
 @dataclass
