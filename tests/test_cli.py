@@ -148,6 +148,17 @@ def test_unknown_config_field(tmp_path):
     assert r.returncode == 2 and "unknown field" in r.stderr and "lrr" in r.stderr
 
 
+def test_bad_sampling_settings_are_refused_from_yaml_and_flags(tmp_path):
+    from draftling.config import load_config
+    from draftling.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="top_p 0.0 in"):
+        load_config(None, ["bench.top_p=0"])
+    r = run_cli("bench", "--draft", str(tmp_path), "--prompts", str(write_prompts(tmp_path / "p.jsonl")),
+                "--temperature", "-1")
+    assert r.returncode == 2 and "temperature -1.0 must be >= 0" in r.stderr
+
+
 def test_bench_prompts_follow_the_mix_of_sources():
     from draftling.bench.simple import sample_by_source
 

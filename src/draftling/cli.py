@@ -6,6 +6,7 @@ Errors in user input are printed as one line (`draftling: error: ...`) with exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -364,10 +365,8 @@ def cmd_bench(args) -> None:
         cfg.bench.num_prompts = args.num_prompts
     if args.max_new_tokens:
         cfg.bench.max_new_tokens = args.max_new_tokens
-    for name in ("temperature", "top_k", "top_p"):
-        if getattr(args, name) is not None:
-            setattr(cfg.bench, name, getattr(args, name))
-    cfg.bench.__post_init__()  # the flags bypass the config's own check
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
+    cfg.bench = dataclasses.replace(cfg.bench, **sampling)  # replace() re-runs the config's checks
     run_bench(cfg, _load_target(cfg), args.draft, args.prompts, out=args.out)
 
 
