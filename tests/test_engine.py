@@ -757,3 +757,46 @@ def test_validation_chain_walk_equals_the_engines_chain_rounds(monkeypatch):
     assert walked[:-1] == engine_rounds[:len(walked) - 1]
     assert (counts.walk_rounds, counts.walk_accepted) == (len(walked), sum(walked))
     assert counts.metrics()["chain_tau"] == pytest.approx(stats.tau, abs=0.1)
+
+
+def test_tree_selection_on_a_hand_worked_example():
+    # A stub draft whose next-token distribution depends only on the input token, so every
+    # score below is a product of table entries, worked out by hand.
+    from types import SimpleNamespace
+
+    from draftling.engine.spec_round import SpecRound
+
+    vocab = 6
+    table = {1: {3: 0.9, 4: 0.05}, 2: {5: 0.5, 3: 0.4}, 3: {4: 0.7, 5: 0.2}, 5: {0: 0.5, 1: 0.3}}
+
+    def log_probs(p: dict) -> torch.Tensor:
+        rest = (1 - sum(p.values())) / (vocab - len(p))
+        return torch.tensor([math.log(p.get(t, rest)) for t in range(vocab)])
+
+    class StubDraft:  # what SpecRound uses of a DraftRunner
+        cache_size, spec_base, rounds = 32, 16, {}
+        draft = SimpleNamespace(draft_to_target=lambda ids: ids + 0)  # draft ids = target ids
+
+        def __call__(self, tokens, hidden, positions, slots, mask):  # tokens [1, k]
+            return hidden, torch.stack([log_probs(table[int(t)]) for t in tokens[0]])[None]
+
+    draft = StubDraft()
+    target = SimpleNamespace(device=torch.device("cpu"), max_seq_len=32, cuda_graphs=False,
+                             move_kv=lambda src, dst: None)
+    rnd = SpecRound(target, draft, steps=3, topk=2, num_draft_tokens=6)
+    root_logits = log_probs({1: 0.6, 2: 0.3})[None]
+    n = torch.tensor([4])
+    tokens, parents, depths = rnd.draft_tree(n, torch.tensor([9]), torch.zeros(1, 8), root_logits)
+    # Candidates (cumulative probability): depth 1: 1 (.6), 2 (.3); depth 2, expanding both:
+    # 1-3 (.54), 1-4 (.03), 2-5 (.15), 2-3 (.12); depth 3, expanding the best two, 1-3 and 2-5:
+    # 1-3-4 (.378), 1-3-5 (.108), 2-5-0 (.075), 2-5-1 (.045). The best five, in expansion order:
+    # 1, 2, 1-3, 2-5, 1-3-4.
+    assert tokens.tolist() == [9, 1, 2, 3, 5, 4]
+    assert parents.tolist() == [0, 0, 0, 1, 2, 3]
+    assert depths.tolist() == [0, 1, 1, 2, 2, 3]
+    # Verify's mask: the context (< n) plus each node's ancestors and itself, at slots n + node.
+    mask = rnd.tree_mask(n, parents)
+    assert mask[:, :4].all() and not mask[:, 10:].any()
+    ancestors = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 2, 4}, 5: {0, 1, 3, 5}}
+    for node, seen in ancestors.items():
+        assert {j for j in range(6) if mask[node, 4 + j]} == seen
