@@ -32,10 +32,11 @@ def regen(convs, threads, out_q=None):
     import torch
 
     torch.set_num_threads(threads)
+    from draftling.config import load_config
     from draftling.data.regen import regenerate
     from draftling.target import load_target
 
-    cfg, _ = load(0)
+    cfg = load_config("quickstart_cpu", [])
     t = load_target(cfg.target, dtype=cfg.dtype, device="cpu", aux_layer_ids=cfg.aux_layer_ids)
     t0 = time.perf_counter()
     rows = list(regenerate(t, convs, cfg.data.regen, max_prompt_tokens=288, progress=False))
