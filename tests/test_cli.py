@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftling.cli import main
 from tests.conftest import run_draftling
@@ -37,7 +38,25 @@ def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
     val_ids = {json.loads(l)["id"] for l in (data / "val.jsonl").read_text().splitlines()}
     assert train_ids and val_ids and not train_ids & val_ids
 
+    # The prompt token counts for the draft vocab cover every prompt but validation's.
+    from draftling.data.prompt_counts import FILE_NAME, count_prompt_tokens, read_prompt_counts
+    from draftling.data.prompts import load_conversations
+    from draftling.draft.vocab import load_vocab
+    from draftling.target.load import load_target_tokenizer
+
+    tok = load_target_tokenizer(str(tiny_target_dir)).tokenizer
+    split = {r["id"]: r["split"] for r in replies}
+    train_convs = [c for c in load_conversations(prompts) if split[c.id] == "train"]
+    counts = read_prompt_counts(data / FILE_NAME, len(tok))
+    assert torch.equal(counts, count_prompt_tokens(tok, train_convs, len(tok)))
+    assert counts.sum() < count_prompt_tokens(tok, load_conversations(prompts), len(tok)).sum()
+    prompt_tokens = counts.nonzero().flatten()
+    assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir),
+                 "--prompt-weight", "1", "--out", str(tmp_path / "weighted.safetensors")]) == 0
+    assert load_vocab(tmp_path / "weighted.safetensors").t2d[prompt_tokens].all()
+
     assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir)]) == 0
+    assert not load_vocab(data / "vocab.safetensors").t2d[prompt_tokens].all()  # replies alone miss some
     assert main(["train", *common, "--data", str(data), "--run-dir", str(run), "train.max_steps=3",
                  "train.batch_size=2", "train.ttt_steps=2", "train.log_every=1"]) == 0
     assert (run / "draft" / "draft.safetensors").is_file() and (run / "config.yaml").is_file()

@@ -62,3 +62,36 @@ def test_build_from_file_hashes_the_data(tmp_path):
     from draftling.draft.vocab import hash_dataset_file
     with pytest.raises(DataError, match="different data"):
         load_vocab(tmp_path / "vocab.safetensors", expect_data_hash=hash_dataset_file(tmp_path / "train.jsonl"))
+
+
+def test_prompt_weight_ranks_prompt_text_beside_the_replies(tmp_path):
+    from draftling.draft.vocab import prompt_weighted_rank
+
+    counts = torch.zeros(20, dtype=torch.long)
+    counts[[3, 4]] = torch.tensor([5, 1])
+    prompt = torch.zeros(20, dtype=torch.long)
+    prompt[7] = 100
+    replies_only = build_vocab(counts, 2, "h")
+    assert replies_only.draft_ids_in_target.tolist() == [3, 4]
+    weighted = build_vocab(counts, 2, "h", rank=prompt_weighted_rank(counts, prompt, 1.0))
+    assert weighted.draft_ids_in_target.tolist() == [3, 7]  # 7 outranks the once-seen 4
+    assert weighted.coverage == pytest.approx(5 / 6)  # coverage stays a share of the loss tokens
+    # A small weight only breaks ties and pads: the reply tokens come first.
+    light = build_vocab(counts, 3, "h", rank=prompt_weighted_rank(counts, prompt, 1e-3))
+    assert light.draft_ids_in_target.tolist() == [3, 4, 7]
+
+
+def test_prompt_weight_without_counts_names_the_missing_file(tmp_path):
+    rows = [{"id": "a", "source": "s", "input_ids": [1, 2, 2, 3], "loss_mask": [0, 1, 1, 1]}]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(DataError, match=r"prompt_token_counts.safetensors: prompt token counts not found"):
+        build_vocab_file(tmp_path / "train.jsonl", 10, 4, tmp_path / "vocab.safetensors", prompt_weight=1.0)
+    assert not (tmp_path / "vocab.safetensors").exists()
+
+
+def test_negative_prompt_weight_is_a_config_error():
+    from draftling.config import load_config
+    from draftling.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"vocab.prompt_weight: -1.0 must be >= 0"):
+        load_config(None, ["vocab.prompt_weight=-1"])

@@ -82,6 +82,15 @@ class DataConfig:
 @dataclass
 class VocabConfig:
     size: int = 32000
+    # Rank tokens by their share of the reply tokens plus this weight times their share of
+    # the prompt text in the prompt files (every prompt but validation's; counted by `data`).
+    # 0 = replies only. Few replies miss tokens a reply copies from its prompt (names,
+    # numbers, identifiers): the target predicts those confidently, so they are cheap wins.
+    prompt_weight: float = 0.0
+
+    def __post_init__(self):
+        if self.prompt_weight < 0:
+            raise ConfigError(f"vocab.prompt_weight: {self.prompt_weight} must be >= 0")
 
 
 @dataclass

@@ -5,6 +5,8 @@ Outputs (in the data directory):
   train.jsonl     tokenized rows {id, source, input_ids, loss_mask}
   val.jsonl       the same for the task-disjoint validation split
   summary.json    counts, tokens, how many replies hit the token cap
+  prompt_token_counts.safetensors   token counts of every prompt in the files but
+                  validation's, for the draft vocab (see data/prompt_counts.py)
   teacher_states_{train,val}.safetensors   with data.keep_teacher_states (see data/states.py)
 """
 
@@ -15,9 +17,11 @@ import random
 from pathlib import Path
 
 from draftling.config import RunConfig, resolve_prompt_path
+from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
+from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
 from draftling.data.prompts import Conversation, has_tool_calls, load_conversations
 from draftling.data.regen import regenerate
-from draftling.data.split import split_by_task
+from draftling.data.split import split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
 from draftling.errors import DataError
@@ -31,9 +35,10 @@ def _user_texts(conv: Conversation) -> set[str]:
             if m.get("role") == "user" and isinstance(m.get("content"), str)}
 
 
-def load_prompt_files(cfg: RunConfig) -> tuple[list[Conversation], int]:
+def load_prompt_files(cfg: RunConfig, pool: list[Conversation] | None = None) -> tuple[list[Conversation], int]:
     """The configured prompts, less those that ``data.exclude`` names; also how many were
-    excluded. Exclusion comes before sampling, so a sample never spends its slots on them."""
+    excluded. Exclusion comes before sampling, so a sample never spends its slots on them.
+    ``pool``: if given, gets every prompt that passed the filters, sampled or not."""
     dc = cfg.data
     held_out = [c for spec in dc.exclude for c in load_conversations(resolve_prompt_path(spec))]
     held_ids = {c.id for c in held_out}
@@ -48,6 +53,8 @@ def load_prompt_files(cfg: RunConfig) -> tuple[list[Conversation], int]:
             rows = kept
         if dc.drop_tool_calls:
             rows = [c for c in rows if not has_tool_calls(c)]
+        if pool is not None:
+            pool.extend(rows)
         cap = dc.prompt_cap(spec)
         if cap and len(rows) > cap:
             # A seeded sample, not the head of the file, so every category is represented.
@@ -84,12 +91,25 @@ def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_
     return rows, kept
 
 
+def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: list[Conversation],
+                             split_key: str, path: Path) -> None:
+    """Count the prompt tokens of the whole pool but validation's tasks (same split key), so
+    the draft vocab can rank tokens the sampled replies are too few to show."""
+    val_tasks = {task_of(c, split_key) for c in val_convs}
+    kept = [c for c in pool if task_of(c, split_key) not in val_tasks]
+    counts = count_prompt_tokens(tokenizer, kept, len(tokenizer))
+    write_prompt_counts(path, counts, len(kept), len(pool) - len(kept))
+    print(f"data: counted {int(counts.sum())} prompt tokens in {len(kept)} conversations for the draft "
+          f"vocab ({len(pool) - len(kept)} of validation's tasks left out)", flush=True)
+
+
 def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path) -> dict:
     """With ``data.regen.server_url`` set the replies come from that server and ``target``
     may be just the tokenizer (``load_target_tokenizer``)."""
     out_dir = Path(out_dir)
     dc = cfg.data
-    convs, excluded = load_prompt_files(cfg)
+    pool: list[Conversation] = []
+    convs, excluded = load_prompt_files(cfg, pool)
     if dc.exclude:
         print(f"data: excluded {excluded} conversations that share an id or a user turn with "
               f"{', '.join(dc.exclude)}", flush=True)
@@ -97,6 +117,7 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     val_ids = {c.id for c in val_convs}
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
           f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
+    write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, out_dir / PROMPT_COUNTS_FILE)
     # Leave room for a reply inside the sequence cap.
     max_prompt = max(1, dc.max_tokens - dc.regen.max_new_tokens)
     server = None

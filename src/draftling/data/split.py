@@ -20,6 +20,11 @@ def split_task_id(conv_id: str) -> str:
     return conv_id
 
 
+def task_of(conv, key: str = "id") -> str:
+    """The group a conversation is split with: its task id, or its source."""
+    return split_task_id(conv.id) if key == "id" else conv.source
+
+
 def _unit_hash(seed: int, value: str) -> float:
     digest = hashlib.sha256(f"{seed}\0{value}".encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
@@ -40,7 +45,7 @@ def split_by_task(convs: Sequence, val_fraction: float, seed: int = 0,
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
 
     def group(conv) -> str:
-        return split_task_id(conv.id) if key == "id" else conv.source
+        return task_of(conv, key)
 
     hashes = {g: _unit_hash(seed, g) for g in {group(c) for c in convs}}
     val_groups = {g for g, h in hashes.items() if h < val_fraction}

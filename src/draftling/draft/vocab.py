@@ -1,4 +1,5 @@
-"""The draft vocabulary: the N most frequent loss-masked target tokens.
+"""The draft vocabulary: the N most frequent loss-masked target tokens (optionally ranked
+together with the prompt files' token frequencies, ``vocab.prompt_weight``).
 
 ``d2t`` is an OFFSET table (``target_id = draft_id + d2t[draft_id]``) and ``t2d`` a boolean
 membership mask over the target vocab, the layout SGLang and vLLM load. A zeroed ``d2t``
@@ -46,7 +47,10 @@ def token_counts(sequences, target_vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def build_vocab(counts: torch.Tensor, draft_vocab_size: int, data_hash: str) -> DraftVocab:
+def build_vocab(counts: torch.Tensor, draft_vocab_size: int, data_hash: str,
+                rank: torch.Tensor | None = None) -> DraftVocab:
+    """Keep the ``draft_vocab_size`` tokens with the highest ``rank`` (default: ``counts``);
+    coverage is always the share of ``counts`` kept."""
     target_vocab_size = len(counts)
     if draft_vocab_size > target_vocab_size:
         raise DataError(f"draft_vocab_size {draft_vocab_size} is larger than the target vocab "
@@ -54,7 +58,7 @@ def build_vocab(counts: torch.Tensor, draft_vocab_size: int, data_hash: str) -> 
     if draft_vocab_size < 1:
         raise DataError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
     # Stable sort: ties (and the unseen tokens used as padding) go by ascending id.
-    order = torch.sort(-counts, stable=True).indices
+    order = torch.sort(-(counts if rank is None else rank), stable=True).indices
     chosen = torch.sort(order[:draft_vocab_size]).values  # ascending ids keep d2t offsets >= 0
     d2t = chosen - torch.arange(draft_vocab_size)
     t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
@@ -143,13 +147,26 @@ def vocab_summary(vocab: DraftVocab) -> str:
                        "coverage": round(vocab.coverage, 4), "data_hash": vocab.data_hash[:16]})
 
 
+def prompt_weighted_rank(counts: torch.Tensor, prompt_counts: torch.Tensor, prompt_weight: float) -> torch.Tensor:
+    """A token's share of the loss tokens plus ``prompt_weight`` times its share of the prompt text."""
+    rank = counts.double() / max(int(counts.sum()), 1)
+    return rank + prompt_weight * prompt_counts.double() / max(int(prompt_counts.sum()), 1)
+
+
 def build_vocab_file(train_path: str | Path, target_vocab_size: int, size: int,
-                     out: str | Path) -> DraftVocab:
-    """Build the vocab from a tokenized train.jsonl and save it beside the data hash."""
+                     out: str | Path, prompt_weight: float = 0.0) -> DraftVocab:
+    """Build the vocab from a tokenized train.jsonl and save it beside the data hash. With
+    ``prompt_weight`` > 0 the prompt token counts that `draftling data` wrote beside it join
+    the ranking (see ``prompt_weighted_rank``)."""
+    from draftling.data.prompt_counts import FILE_NAME, read_prompt_counts
     from draftling.train.dataset import load_tokenized
 
     rows = load_tokenized(train_path)
     counts = token_counts(((r.input_ids, r.loss_mask) for r in rows), target_vocab_size)
-    vocab = build_vocab(counts, size, hash_dataset_file(train_path))
+    rank = None
+    if prompt_weight > 0:
+        prompt_counts = read_prompt_counts(Path(train_path).parent / FILE_NAME, target_vocab_size)
+        rank = prompt_weighted_rank(counts, prompt_counts, prompt_weight)
+    vocab = build_vocab(counts, size, hash_dataset_file(train_path), rank)
     save_vocab(vocab, out)
     return vocab

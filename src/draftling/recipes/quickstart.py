@@ -68,7 +68,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     stage("vocab")
     vocab = build_vocab_file(data_dir / "train.jsonl", target.config.vocab_size, cfg.vocab.size,
-                             data_dir / "vocab.safetensors")
+                             data_dir / "vocab.safetensors", prompt_weight=cfg.vocab.prompt_weight)
     print(f"vocab: {vocab.size} tokens, coverage {vocab.coverage:.1%} of loss tokens", flush=True)
     done("vocab")
 
