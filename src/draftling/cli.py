@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Read prompt files (project schema, ShareGPT or OpenAI messages), "
                        "regenerate the assistant replies with the target itself, tokenize them with the "
                        "target's chat template (loss on assistant tokens only) and split train/val by "
-                       "task id. Writes replies.jsonl, train.jsonl, val.jsonl and summary.json to --out. "
+                       "task id. Writes replies.jsonl, train.jsonl, val.jsonl and summary.json to --out, and "
+                       "prompt_token_counts.safetensors (the prompt files' token counts, validation's tasks left "
+                       "out, for `draftling vocab --prompt-weight`). "
                        "With data.keep_teacher_states=true it also keeps the target's aux and final states "
                        "from regeneration (teacher_states_{train,val}.safetensors), which `train` then uses "
                        "instead of running the target over the same tokens again.",
