@@ -84,8 +84,8 @@ class VocabConfig:
     size: int = 32000
     # Rank tokens by their share of the reply tokens plus this weight times their share of
     # the prompt text in the prompt files (every prompt but validation's; counted by `data`).
-    # 0 = replies only. Few replies miss tokens a reply copies from its prompt (names,
-    # numbers, identifiers): the target predicts those confidently, so they are cheap wins.
+    # 0 = replies only. A few hundred replies miss tokens that replies copy from their
+    # prompts, which the target often predicts with high confidence.
     prompt_weight: float = 0.0
 
     def __post_init__(self):
