@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from draftling.config import load_config
-from draftling.data.prepare import load_prompt_files
-from draftling.data.prompt_counts import count_prompt_tokens
+from draftling.data.prepare import load_prompt_files, pool_prompt_counts
 from draftling.draft.vocab import build_vocab, prompt_weighted_rank, token_counts
 from draftling.target.load import load_target_config, load_target_tokenizer
 from draftling.train.dataset import load_tokenized
@@ -34,12 +33,11 @@ def main(data_dir: str, out_path: str) -> None:
     val = load_tokenized(Path(data_dir) / "val.jsonl")
     reply = token_counts(((r.input_ids, r.loss_mask) for r in train), vocab_size)
     val_counts = token_counts(((r.input_ids, r.loss_mask) for r in val), vocab_size)
-    val_ids = {r.id for r in val}
     pool: list = []
     load_prompt_files(cfg, pool)
-    kept = [c for c in pool if c.id not in val_ids]
+    counts, kept = pool_prompt_counts(tok, pool, val, cfg.data.split_key)
     prompt = torch.zeros(vocab_size, dtype=torch.long)
-    prompt[:len(tok)] = count_prompt_tokens(tok, kept, len(tok))[:vocab_size]
+    prompt[:len(counts)] = counts
     rows = []
     for size in SIZES:
         for weight in WEIGHTS:
@@ -50,7 +48,7 @@ def main(data_dir: str, out_path: str) -> None:
             print(json.dumps(rows[-1]), flush=True)
     result = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d"),
               "data_dir": str(data_dir), "train_sequences": len(train), "val_sequences": len(val),
-              "distinct_reply_tokens": int((reply > 0).sum()), "prompt_conversations": len(kept),
+              "distinct_reply_tokens": int((reply > 0).sum()), "prompt_conversations": kept,
               "prompt_tokens": int(prompt.sum()), "coverage": rows}
     Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
 

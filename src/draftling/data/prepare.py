@@ -91,16 +91,21 @@ def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_
     return rows, kept
 
 
+def pool_prompt_counts(tokenizer, pool: list[Conversation], val: list, split_key: str):
+    """(token counts, conversations counted) over the whole pool but validation's tasks (same
+    split key; ``val`` holds anything with ``id`` and ``source``), so the draft vocab can rank
+    tokens the sampled replies are too few to show."""
+    val_tasks = {task_of(c, split_key) for c in val}
+    kept = [c for c in pool if task_of(c, split_key) not in val_tasks]
+    return count_prompt_tokens(tokenizer, kept, len(tokenizer)), len(kept)
+
+
 def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: list[Conversation],
                              split_key: str, path: Path) -> None:
-    """Count the prompt tokens of the whole pool but validation's tasks (same split key), so
-    the draft vocab can rank tokens the sampled replies are too few to show."""
-    val_tasks = {task_of(c, split_key) for c in val_convs}
-    kept = [c for c in pool if task_of(c, split_key) not in val_tasks]
-    counts = count_prompt_tokens(tokenizer, kept, len(tokenizer))
-    write_prompt_counts(path, counts, len(kept), len(pool) - len(kept))
-    print(f"data: counted {int(counts.sum())} prompt tokens in {len(kept)} conversations for the draft "
-          f"vocab ({len(pool) - len(kept)} of validation's tasks left out)", flush=True)
+    counts, kept = pool_prompt_counts(tokenizer, pool, val_convs, split_key)
+    write_prompt_counts(path, counts, kept, len(pool) - kept)
+    print(f"data: counted {int(counts.sum())} prompt tokens in {kept} conversations for the draft "
+          f"vocab ({len(pool) - kept} of validation's tasks left out)", flush=True)
 
 
 def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path) -> dict:

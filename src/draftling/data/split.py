@@ -44,10 +44,7 @@ def split_by_task(convs: Sequence, val_fraction: float, seed: int = 0,
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
 
-    def group(conv) -> str:
-        return task_of(conv, key)
-
-    hashes = {g: _unit_hash(seed, g) for g in {group(c) for c in convs}}
+    hashes = {g: _unit_hash(seed, g) for g in {task_of(c, key) for c in convs}}
     val_groups = {g for g, h in hashes.items() if h < val_fraction}
     if val_fraction > 0 and len(hashes) >= 2:
         if not val_groups:
@@ -55,6 +52,6 @@ def split_by_task(convs: Sequence, val_fraction: float, seed: int = 0,
         elif len(val_groups) == len(hashes):
             val_groups.discard(max(hashes, key=lambda g: (hashes[g], g)))
 
-    train = [c for c in convs if group(c) not in val_groups]
-    val = [c for c in convs if group(c) in val_groups]
+    train = [c for c in convs if task_of(c, key) not in val_groups]
+    val = [c for c in convs if task_of(c, key) in val_groups]
     return train, val
