@@ -43,6 +43,14 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
     out = tmp_path / "qs"
     replies = [json.loads(l) for l in (out / "data" / "replies.jsonl").read_text().splitlines()]
     assert replies and all(r["provenance"]["target"] == "smollm2-135m-instruct" for r in replies)
+    # The profile regenerates training replies and trains in bf16 only where this CPU is
+    # faster at it; validation's replies (and the bench) always use the fp32 target.
+    from draftling.hardware import bf16_matmul_is_faster
+
+    fast = "bfloat16" if bf16_matmul_is_faster("cpu") else "float32"
+    assert summary["dtypes"] == {"target": "float32", "regen": {"train": [fast], "val": ["float32"]},
+                                 "train_compute": fast}
+    assert all(r["provenance"]["dtype"] == (fast if r["split"] == "train" else "float32") for r in replies)
     assert all(r["messages"][-1]["role"] == "assistant" for r in replies)
     # The profile keeps the target's states from regeneration: each row is what the target was
     # fed (every reply token cut at the eos; all but the last when the reply hit the cap).
@@ -56,6 +64,7 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
         prov = by_id[row["id"]]
         fed = prov["reply_tokens"] - (prov["stopped"] == "length")
         assert len(row["input_ids"]) == prov["prompt_tokens"] + fed == states.rows(j)[0].shape[0]
+        assert states.rows(j)[0].dtype == torch.float32  # the target's dtype, whatever wrote it
     # The SGLang export: no embedding, real vocab maps, and default aux ids left out.
     cfg = json.loads((out / "export-sglang" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["vocab_size"] == 49152

@@ -32,6 +32,12 @@ class RegenConfig:
     # same replies (scripts/experiments/gguf_load_and_chunked_prefill.py). null = 4096 on the
     # CPU and off elsewhere; 0 = off.
     prefill_chunk_tokens: int | None = None
+    # dtype of the model that writes the TRAINING replies (and their kept states): null = the
+    # target's own; "bfloat16_if_fast" = bf16 where this device multiplies bf16 faster than fp32
+    # (CUDA; a CPU with AVX512-BF16 or AMX, by a timed probe, see hardware.py), else the target's
+    # own; or a dtype name. Validation replies always come from the target's own dtype, so its
+    # metrics score the target as it is served.
+    dtype: str | None = None
     # Regenerate through an OpenAI-compatible server (vLLM / SGLang `serve`) instead of the local
     # target, e.g. "http://localhost:8000". Then only the target's tokenizer is loaded.
     server_url: str | None = None
@@ -175,7 +181,8 @@ class TrainConfig:
     # Compute dtype of the draft's forward: "bfloat16" runs it under torch.autocast (bf16
     # matmuls and attention over the params' own dtype; softmaxes and the loss stay fp32),
     # "float32" runs it in the params' own dtype, "auto" = bfloat16 on CUDA over fp32 params
-    # (bf16 params, as with optimizer offload, already compute in bf16), float32 elsewhere.
+    # (bf16 params, as with optimizer offload, already compute in bf16), float32 elsewhere;
+    # "bfloat16_if_fast" = bfloat16 where this device multiplies bf16 faster (see hardware.py).
     compute_dtype: str = "auto"
     # "auto": on CUDA, when train/plan.py estimates the draft's peak without recomputation
     # (grad_checkpoint off unless set) and with loss chunks of 16384 rows under half the free

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from draftling.config import RunConfig, resolve_prompt_path
 from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
 from draftling.data.prompts import Conversation, has_tool_calls, load_conversations
-from draftling.data.regen import regenerate
+from draftling.data.regen import regen_dtype, regenerate
 from draftling.data.split import split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
@@ -137,8 +139,12 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         records = list(regenerate_via_server(target.tokenizer, train_convs + val_convs, dc.regen,
                                              max_prompt_tokens=max_prompt, server=server))
     elif isinstance(target, Target):
-        records = list(regenerate(target, train_convs + val_convs, dc.regen, max_prompt_tokens=max_prompt,
-                                  keep_states=dc.keep_teacher_states))
+        regen = partial(regenerate, target, max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states)
+        if regen_dtype(target, dc.regen) == target.model.dtype:
+            records = list(regen(train_convs + val_convs, dc.regen))
+        else:
+            # Training replies from the faster copy; validation's from the target as served.
+            records = list(regen(train_convs, dc.regen)) + list(regen(val_convs, replace(dc.regen, dtype=None)))
     else:
         raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
                         "the model or a server (data.regen.server_url)")
@@ -178,6 +184,9 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         "replies_stopped_eos": stopped.count("eos"),
         "replies_hit_cap": stopped.count("length"),
         "regen": json.loads(json.dumps(dc.regen.__dict__)),
+        # The dtype each split's replies were written in (see data.regen.dtype).
+        "regen_dtypes": {split: sorted({r["provenance"].get("dtype", "server") for r in records
+                                        if r["split"] == split}) for split in ("train", "val")},
     }
     write_json(out_dir / "summary.json", summary)
     print(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "

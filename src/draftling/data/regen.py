@@ -4,6 +4,7 @@ learn the target's own distribution, not whatever model wrote the original repli
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from typing import Iterable
 
@@ -12,8 +13,11 @@ import torch
 from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages
 from draftling.data.template import render
+from draftling.errors import ConfigError
+from draftling.hardware import resolve_fast_dtype
 from draftling.progress import Progress
 from draftling.target import Target
+from draftling.target.quant import has_plain_weights
 from draftling.target.aux import recording_aux_states
 
 
@@ -22,11 +26,29 @@ def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def regen_dtype(target: Target, cfg: RegenConfig) -> torch.dtype:
+    """``cfg.dtype`` resolved on the target's device (null: the target's own)."""
+    return resolve_fast_dtype(cfg.dtype, target.device, target.model.dtype, "data.regen.dtype")
+
+
+def generating_model(target: Target, cfg: RegenConfig):
+    """The model that writes the replies: the target itself, or a copy cast to
+    ``cfg.dtype`` (the target keeps its own weights for validation, training and the bench)."""
+    dtype = regen_dtype(target, cfg)
+    if dtype == target.model.dtype:
+        return target.model
+    if not has_plain_weights(target.model):
+        raise ConfigError(f"data.regen.dtype={cfg.dtype}: {target.spec.name} is quantized, so it cannot "
+                          "be cast; leave data.regen.dtype unset")
+    # .to() keeps each weight's strides, so the CPU's column-major Linear layout carries over.
+    return copy.deepcopy(target.model).to(dtype)
+
+
 @contextlib.contextmanager
-def _recording_states(target: Target):
+def _recording_states(model, aux_layer_ids: list[int]):
     """Per forward call of one generate(): the aux layers' outputs and the decoder's
     final-normed output, which is what the trainer's teacher would recompute."""
-    decoder = target.model.get_decoder()
+    decoder = model.get_decoder()
     finals: list[torch.Tensor] = []
 
     def keep_final(_module, _inputs, output):
@@ -34,20 +56,20 @@ def _recording_states(target: Target):
 
     handle = decoder.register_forward_hook(keep_final)
     try:
-        with recording_aux_states(decoder, target.aux_layer_ids) as aux:
+        with recording_aux_states(decoder, aux_layer_ids) as aux:
             yield aux, finals
     finally:
         handle.remove()
 
 
 def _fed_positions(calls: list[torch.Tensor], row: int, pad: int, fed: int,
-                   prefill_calls: int = 1) -> torch.Tensor:
+                   prefill_calls: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Row ``row``'s states over the tokens it was fed: the first ``prefill_calls`` calls are
     the left-padded prompt, in pieces along the columns (the row starts at column ``pad``);
-    each later call fed one token."""
+    each later call fed one token. ``dtype``: cast to it (the target's own)."""
     prefill = torch.cat(calls[:prefill_calls], dim=1)
     steps = calls[prefill_calls:]
-    return torch.cat([prefill[row, pad:]] + [s[row] for s in steps[:fed]]).cpu()
+    return torch.cat([prefill[row, pad:]] + [s[row] for s in steps[:fed]]).to("cpu", dtype)
 
 
 def prefill_chunk_columns(cfg: RegenConfig, rows: int, width: int, device) -> int | None:
@@ -72,7 +94,8 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
     and final-normed states at every token it was fed (the prompt and every reply token but
     the last generated one), so training need not run the target over them again. Not JSON:
     the caller takes it off before writing the record."""
-    tok, model = target.tokenizer, target.model
+    tok, model = target.tokenizer, generating_model(target, cfg)
+    own_dtype = target.model.dtype
     prompts = [(c, render_prompt_ids(tok, c)) for c in convs]
     if max_prompt_tokens:
         prompts = [(c, ids) for c, ids in prompts if len(ids) <= max_prompt_tokens]
@@ -98,7 +121,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
         sample_kwargs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": None} if sampling else {}
         columns = prefill_chunk_columns(cfg, len(chunk), width, target.device)
         prefill_calls = 1 if columns is None else -(-width // columns)
-        recording = _recording_states(target) if keep_states else contextlib.nullcontext((None, None))
+        recording = _recording_states(model, target.aux_layer_ids) if keep_states else contextlib.nullcontext((None, None))
         with recording as (aux_calls, final_calls):
             out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
                                  max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
@@ -112,16 +135,16 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                 # Fed: every generated token but the last (the eos, or the one that hit the cap).
                 fed = len(reply) if stopped == "eos" else max(0, len(reply) - 1)
                 pad = width - len(ids)
-                aux = torch.cat([_fed_positions(aux_calls[a], i, pad, fed, prefill_calls)
+                aux = torch.cat([_fed_positions(aux_calls[a], i, pad, fed, prefill_calls, own_dtype)
                                  for a in target.aux_layer_ids], dim=-1)
-                final = _fed_positions(final_calls, i, pad, fed, prefill_calls)
+                final = _fed_positions(final_calls, i, pad, fed, prefill_calls, own_dtype)
                 extra = {"_states": (ids + reply[:fed], aux, final)}
             yield {
                 "id": conv.id, "source": conv.source, "category": conv.category,
                 "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
                 **({"tools": conv.tools} if conv.tools else {}),
                 "provenance": {"target": target.spec.name, "max_new_tokens": cfg.max_new_tokens,
-                               "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
+                               "dtype": str(model.dtype).removeprefix("torch."), "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                                "stopped": stopped, "reply_tokens": len(reply),
                                "prompt_tokens": len(ids)},
                 **extra,

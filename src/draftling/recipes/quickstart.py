@@ -37,7 +37,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     from draftling.cli import resolve_device
     from draftling.export.cli import export_draft
     from draftling.target import load_target
-    from draftling.train.trainer import train
+    from draftling.train.trainer import memory_options, train
 
     t0 = time.perf_counter()
     out = Path(out)
@@ -111,6 +111,10 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         "val_vocab_coverage": round(val.get("vocab_coverage", 0.0), 4),
         "train_steps": train_result["steps"],
         "train_sequences": data_summary["train_sequences"],
+        # Where the profile lets the CPU pick bf16 (data.regen.dtype, train.compute_dtype):
+        # what it picked. The bench always runs the target in its own dtype.
+        "dtypes": {"target": cfg.dtype, "regen": data_summary.get("regen_dtypes"),
+                   "train_compute": memory_options(cfg.train, target.device)["autocast"] or "float32"},
         "export_dir": str(export_dir),
         "stage_seconds": timings,
         "wall_s": round(time.perf_counter() - t0, 1),

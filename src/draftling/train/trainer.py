@@ -21,6 +21,7 @@ from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
+from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.io import atomic_dir, atomic_path, write_json
 from draftling.target import Target
 from draftling.target.quant import has_plain_weights
@@ -131,11 +132,14 @@ def memory_options(tc: TrainConfig, device, training: bool = True,
     grad_checkpoint = tc.grad_checkpoint if tc.grad_checkpoint is not None else cuda
     # The chunked loss and the layer's halves; evaluation runs the loss eagerly (no_grad).
     compile = tc.compile if tc.compile is not None else cuda
-    if tc.compute_dtype not in ("auto", "float32", "bfloat16"):
-        raise ConfigError(f"train.compute_dtype={tc.compute_dtype!r}: expected auto, float32 or bfloat16")
+    if tc.compute_dtype not in ("auto", "float32", "bfloat16", BF16_IF_FAST):
+        raise ConfigError(f"train.compute_dtype={tc.compute_dtype!r}: expected auto, float32, bfloat16 "
+                          f"or {BF16_IF_FAST}")
     compute = tc.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if cuda and param_dtype == torch.float32 else "float32"
+    elif compute == BF16_IF_FAST:
+        compute = "bfloat16" if bf16_matmul_is_faster(device.type) else "float32"
     return {"loss_chunk_tokens": tc.loss_chunk_tokens, "grad_checkpoint": grad_checkpoint,
             "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
             "compile_layer": bool(compile),
