@@ -221,7 +221,8 @@ def test_cli_data_server_error_is_one_line(tmp_path, tiny_target_dir, capsys):
 
 
 def test_server_rows_match_local_format(tiny_target_dir, smol_tokenizer):
-    """Same record keys as local regeneration; provenance swaps `target` for the server's names."""
+    """Same record keys as local regeneration; provenance swaps `target` (and the local model's
+    `dtype`, which a server does not report) for the server's names."""
     from draftling.data.regen import regenerate
     from draftling.target import load_target
 
@@ -233,5 +234,6 @@ def test_server_rows_match_local_format(tiny_target_dir, smol_tokenizer):
         cfg.server_url = fake.url
         remote = list(regenerate_via_server(smol_tokenizer, convs, cfg, progress=False))
     assert set(local[0]) == set(remote[0])
-    local_keys = set(local[0]["provenance"]) - {"target"}
+    assert local[0]["provenance"]["dtype"] == "float32"
+    local_keys = set(local[0]["provenance"]) - {"target", "dtype"}
     assert local_keys == set(remote[0]["provenance"]) - {"server", "server_model"}
