@@ -17,8 +17,8 @@ from draftling.errors import ConfigError
 from draftling.hardware import resolve_fast_dtype
 from draftling.progress import Progress
 from draftling.target import Target
-from draftling.target.quant import has_plain_weights
 from draftling.target.aux import recording_aux_states
+from draftling.target.quant import has_plain_weights
 
 
 def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
@@ -121,7 +121,8 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
         sample_kwargs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": None} if sampling else {}
         columns = prefill_chunk_columns(cfg, len(chunk), width, target.device)
         prefill_calls = 1 if columns is None else -(-width // columns)
-        recording = _recording_states(model, target.aux_layer_ids) if keep_states else contextlib.nullcontext((None, None))
+        recording = (_recording_states(model, target.aux_layer_ids) if keep_states
+                     else contextlib.nullcontext((None, None)))
         with recording as (aux_calls, final_calls):
             out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
                                  max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
@@ -143,8 +144,9 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                 "id": conv.id, "source": conv.source, "category": conv.category,
                 "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
                 **({"tools": conv.tools} if conv.tools else {}),
-                "provenance": {"target": target.spec.name, "max_new_tokens": cfg.max_new_tokens,
-                               "dtype": str(model.dtype).removeprefix("torch."), "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
+                "provenance": {"target": target.spec.name, "dtype": str(model.dtype).removeprefix("torch."),
+                               "max_new_tokens": cfg.max_new_tokens,
+                               "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                                "stopped": stopped, "reply_tokens": len(reply),
                                "prompt_tokens": len(ids)},
                 **extra,

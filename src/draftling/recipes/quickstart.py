@@ -37,7 +37,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     from draftling.cli import resolve_device
     from draftling.export.cli import export_draft
     from draftling.target import load_target
-    from draftling.train.trainer import memory_options, train
+    from draftling.train.trainer import train
 
     t0 = time.perf_counter()
     out = Path(out)
@@ -114,7 +114,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         # Where the profile lets the CPU pick bf16 (data.regen.dtype, train.compute_dtype):
         # what it picked. The bench always runs the target in its own dtype.
         "dtypes": {"target": cfg.dtype, "regen": data_summary.get("regen_dtypes"),
-                   "train_compute": memory_options(cfg.train, target.device)["autocast"] or "float32"},
+                   "train_compute": train_result.get("compute_dtype")},
         "export_dir": str(export_dir),
         "stage_seconds": timings,
         "wall_s": round(time.perf_counter() - t0, 1),

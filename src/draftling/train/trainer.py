@@ -542,7 +542,8 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         progress.close()
 
     result = {"steps": total_steps, "train_wall_s": time.perf_counter() - t_start,
-              "world_size": ctx.world_size}
+              "world_size": ctx.world_size,
+              "compute_dtype": mem_opts["autocast"] or str(param_dtype).replace("torch.", "")}
     if torch.cuda.is_available() and device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if val_examples:
