@@ -35,6 +35,8 @@ def test_resolve_fast_dtype(monkeypatch):
     assert resolve_fast_dtype(BF16_IF_FAST, "cpu", torch.float32, "f") is torch.float32
     with pytest.raises(ConfigError, match=r"data\.regen\.dtype='bf17'"):
         resolve_fast_dtype("bf17", "cpu", torch.float32, "data.regen.dtype")
+    with pytest.raises(ConfigError, match=r"data\.regen\.dtype='int8'"):
+        resolve_fast_dtype("int8", "cpu", torch.float32, "data.regen.dtype")
 
 
 @pytest.mark.parametrize("bf16_s, fp32_s, faster", [(1.0, 2.5, True), (1.0, 1.2, False), (4.0, 1.0, False)])
@@ -110,3 +112,11 @@ def test_a_target_that_cannot_be_cast_is_refused(tiny_target_dir, tmp_path, monk
     convs = load_conversations(write_sea_prompts(tmp_path / "p.jsonl", 2))
     with pytest.raises(ConfigError, match=r"data\.regen\.dtype=bfloat16: .* is quantized"):
         list(regenerate(target, convs, RegenConfig(max_new_tokens=4, dtype="bfloat16"), progress=False))
+
+
+def test_a_bad_regen_dtype_fails_before_any_output(tiny_target_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(data),
+                 "--prompts", str(write_sea_prompts(tmp_path / "p.jsonl", 4)), "data.regen.dtype=int8"]) != 0
+    assert "data.regen.dtype='int8'" in capsys.readouterr().err
+    assert not data.exists() or not any(data.iterdir())

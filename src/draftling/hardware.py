@@ -50,6 +50,7 @@ def resolve_fast_dtype(name: str | None, device, own: torch.dtype, field: str) -
     if name == BF16_IF_FAST:
         return torch.bfloat16 if bf16_matmul_is_faster(torch.device(device).type) else own
     dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"{field}={name!r}: expected null, {BF16_IF_FAST} or a torch dtype name such as bfloat16")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"{field}={name!r}: expected null, {BF16_IF_FAST} or a floating dtype name "
+                          "such as bfloat16")
     return dtype

@@ -120,6 +120,9 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     if dc.exclude:
         print(f"data: excluded {excluded} conversations that share an id or a user turn with "
               f"{', '.join(dc.exclude)}", flush=True)
+    # A bad data.regen.dtype fails here, before anything is written.
+    one_pass = (not isinstance(target, Target) or bool(dc.regen.server_url)
+                or regen_dtype(target, dc.regen) == target.model.dtype)
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
     val_ids = {c.id for c in val_convs}
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
@@ -140,7 +143,7 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
                                              max_prompt_tokens=max_prompt, server=server))
     elif isinstance(target, Target):
         regen = partial(regenerate, target, max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states)
-        if regen_dtype(target, dc.regen) == target.model.dtype:
+        if one_pass:
             records = list(regen(train_convs + val_convs, dc.regen))
         else:
             # Training replies from the faster copy; validation's from the target as served.

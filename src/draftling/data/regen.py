@@ -27,8 +27,13 @@ def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
 
 
 def regen_dtype(target: Target, cfg: RegenConfig) -> torch.dtype:
-    """``cfg.dtype`` resolved on the target's device (null: the target's own)."""
-    return resolve_fast_dtype(cfg.dtype, target.device, target.model.dtype, "data.regen.dtype")
+    """``cfg.dtype`` resolved on the target's device (null: the target's own); a ConfigError
+    if it is not a float dtype, or if it asks to cast a quantized target."""
+    dtype = resolve_fast_dtype(cfg.dtype, target.device, target.model.dtype, "data.regen.dtype")
+    if dtype != target.model.dtype and not has_plain_weights(target.model):
+        raise ConfigError(f"data.regen.dtype={cfg.dtype}: {target.spec.name} is quantized, so it cannot "
+                          "be cast; leave data.regen.dtype unset")
+    return dtype
 
 
 def generating_model(target: Target, cfg: RegenConfig):
@@ -37,9 +42,6 @@ def generating_model(target: Target, cfg: RegenConfig):
     dtype = regen_dtype(target, cfg)
     if dtype == target.model.dtype:
         return target.model
-    if not has_plain_weights(target.model):
-        raise ConfigError(f"data.regen.dtype={cfg.dtype}: {target.spec.name} is quantized, so it cannot "
-                          "be cast; leave data.regen.dtype unset")
     # .to() keeps each weight's strides, so the CPU's column-major Linear layout carries over.
     return copy.deepcopy(target.model).to(dtype)
 
