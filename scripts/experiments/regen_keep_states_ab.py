@@ -6,7 +6,8 @@ import time
 
 import torch
 
-from draftling.config import RegenConfig, resolve_prompt_path
+from draftling.config import RegenConfig
+from draftling.data.sources import resolve_prompt_path
 from draftling.data.prompts import load_conversations
 from draftling.data.regen import regenerate
 from draftling.target import load_target

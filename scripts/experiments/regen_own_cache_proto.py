@@ -7,7 +7,8 @@ came out identical. A measurement aid, not a pipeline stage.
     python scripts/experiments/regen_own_cache_proto.py 32
 """
 import sys, time, torch
-from draftling.config import load_config, find_shared_prompts
+from draftling.config import load_config
+from draftling.data.sources import find_shared_prompts
 from draftling.target import load_target
 from draftling.data.prompts import load_conversations
 from draftling.data.regen import regenerate, render_prompt_ids

@@ -17,7 +17,8 @@ import time
 
 
 def load(n):
-    from draftling.config import find_shared_prompts, load_config
+    from draftling.config import load_config
+    from draftling.data.sources import find_shared_prompts
     from draftling.data.prompts import load_conversations
 
     cfg = load_config("quickstart_cpu", [])

@@ -177,10 +177,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="run every stage on the embedded default target",
                        description="data -> vocab -> train -> bench -> export on SmolLM2-135M-Instruct "
-                       "and the shared prompts, with the CPU profile (configs/quickstart_cpu.yaml). "
-                       "Writes <out>/summary.json and prints a table.", epilog=EPILOG_OVERRIDES)
+                       "and the starter prompts shipped with draftling (starter:chat, starter:code, "
+                       "starter:math), with the CPU profile (configs/quickstart_cpu.yaml), inside a time "
+                       "budget. After loading the target it times one training step and a decode on this "
+                       "machine, sets the bench and validation aside, and splits the rest between "
+                       "regenerating replies (which stops at its share and keeps what is done) and "
+                       "training (whose LR schedule is fitted to what is left). Writes "
+                       "<out>/summary.json, with the plan and what each stage used, and prints a table.",
+                       epilog=EPILOG_OVERRIDES)
     _common(p)
     p.add_argument("--out", default="runs/quickstart", help="output directory (default runs/quickstart)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="the whole run's time budget in minutes, from start to summary (default: the "
+                   "profile's wall_minutes, 13.5 in quickstart_cpu; 0 = no budget, the profile's fixed "
+                   "counts). A budget too small for training on this machine is refused after the probe.")
     return parser
 
 
@@ -212,7 +222,7 @@ def resolve_device(device: str) -> str:
 
 
 def cmd_data(args) -> None:
-    from draftling.config import check_prompt_files
+    from draftling.data.sources import check_prompt_files
     from draftling.data.prepare import prepare_data
 
     cfg = _run_config(args)
@@ -393,6 +403,10 @@ def cmd_quickstart(args) -> None:
     for flag in ("target", "device", "dtype"):
         if getattr(args, flag, None):
             overrides.append(f"{flag}={getattr(args, flag)}")
+    if args.minutes is not None:
+        if args.minutes < 0:
+            raise DraftlingError(f"--minutes {args.minutes:g}: expected a positive budget (or 0 for none)")
+        overrides.append(f"wall_minutes={args.minutes}")
     quickstart(args.out, config=args.config or "quickstart_cpu", overrides=overrides)
 
 

@@ -50,8 +50,9 @@ class RegenConfig:
 
 @dataclass
 class DataConfig:
-    # Prompt files (project schema, ShareGPT or OpenAI messages). "shared:NAME" resolves to
-    # the project's shared prompt corpus (see find_shared_prompts).
+    # Prompt specs (data/sources.py): a jsonl file (project schema, ShareGPT or OpenAI messages),
+    # "starter:NAME" (shipped with the package), "shared:NAME" (the development corpus),
+    # "hf:NAME[:CONFIG][@SPLIT]" or a save_to_disk folder (the `datasets` extra).
     prompts: list[str] = field(default_factory=lambda: [
         "shared:sharegpt.jsonl", "shared:instruct.jsonl", "shared:code_mbpp.jsonl",
         "shared:math_gsm8k_train.jsonl", "shared:summarize.jsonl"])
@@ -137,6 +138,10 @@ class TrainConfig:
     # Wall-clock budget: stop after the step that crosses it (checkpoint and final draft
     # are still written). 0 = no limit.
     max_minutes: float = 0.0
+    # With max_minutes: fit the LR schedule's length to that budget from the step time measured
+    # while training (after 10 steps and at each epoch start), so the decay completes inside it
+    # instead of being cut off. The steps derived from epochs (or max_steps) stay the ceiling.
+    fit_schedule: bool = False
     max_val_batches: int = 16
     # Batch examples of similar length (sorted within groups of 16 batches, batch order
     # shuffled): less padding, same data per epoch. false = plain random batches.
@@ -355,51 +360,3 @@ def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
 
     with atomic_path(path) as tmp:
         tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def find_shared_prompts() -> Path | None:
-    """The project's shared prompt corpus: $DRAFTLING_SHARED_PROMPTS, or a ``shared/data/prompts``
-    folder beside or above the current directory or this source tree."""
-    env = os.environ.get("DRAFTLING_SHARED_PROMPTS")
-    if env:
-        return Path(env)
-    starts = [Path.cwd().resolve(), Path(__file__).resolve().parent]
-    for start in starts:
-        for d in [start, *start.parents]:
-            for cand in (d / "shared" / "data" / "prompts", d.parent / "shared" / "data" / "prompts"):
-                if cand.is_dir():
-                    return cand
-    return None
-
-
-def prompt_sets_dir() -> Path:
-    """Where the release-bench prompt sets ship inside the package (draftling/bench/prompt_sets)."""
-    return Path(str(resources.files("draftling") / "bench" / "prompt_sets"))
-
-
-def check_prompt_files(cfg: RunConfig) -> None:
-    """Fail before any slow step (loading the target, regenerating) when a prompt file the
-    config names is missing."""
-    for key, specs in (("data.prompts", cfg.data.prompts), ("data.exclude", cfg.data.exclude)):
-        for spec in specs:
-            path = resolve_prompt_path(spec)
-            if not path.is_file():
-                raise ConfigError(f"{key}: {spec}: no such prompt file ({path})")
-
-
-def resolve_prompt_path(spec: str) -> Path:
-    """A prompt file: "shared:NAME" (the shared corpus), "set:v1" (a release-bench prompt set
-    shipped in the package) or a path."""
-    if spec.startswith("set:"):
-        name = spec.split(":", 1)[1]
-        path = prompt_sets_dir() / f"{name}.jsonl"
-        if not path.is_file():
-            raise ConfigError(f"{spec}: no prompt set {name!r} is shipped with draftling")
-        return path
-    if spec.startswith("shared:"):
-        root = find_shared_prompts()
-        if root is None:
-            raise ConfigError(f"{spec}: cannot find the shared prompt corpus; set "
-                              "DRAFTLING_SHARED_PROMPTS to its folder or pass your own files")
-        return root / spec.split(":", 1)[1]
-    return Path(spec)

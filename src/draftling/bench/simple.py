@@ -243,6 +243,31 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
     return results
 
 
+# What the bench decodes, in plain-decode token times: each prompt once plain and once per
+# config. On the CPU engine a chain-3 pass took 1.23x the plain one at tau 1.6 (12.19 against
+# 14.99 tok/s, quickstart of 2026-12-02); 1.3 leaves a little room for a weaker head.
+SPEC_TIME_RATIO = 1.3
+
+
+def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 128, tokens: int = 16,
+                           repeats: int = 3) -> dict:
+    """The bench's cost on this machine, from timed plain decodes of ``tokens`` tokens after a
+    random ``prompt_tokens``-token prompt on the same engine (the fastest of ``repeats``, so a
+    transient load does not count): per-token seconds times what the bench will decode
+    (warm-up included)."""
+    from draftling.engine.generate import greedy_generate
+    from draftling.engine.target_model import CachedTarget
+
+    bc = cfg.bench
+    engine = CachedTarget.from_hf(target.model, target.aux_layer_ids, prompt_tokens + tokens + 16)
+    ids = torch.randint(0, target.config.vocab_size, (1, prompt_tokens), device=target.device)
+    greedy_generate(engine, ids, 4)  # warm-up: allocator, lazy init
+    per_token = min(_timed(lambda: greedy_generate(engine, ids, tokens))[1] for _ in range(repeats)) / tokens
+    n_configs = len(bc.configs)
+    decoded = (bc.num_prompts * bc.max_new_tokens + WARMUP_TOKENS) * (1 + SPEC_TIME_RATIO * n_configs)
+    return {"per_token_s": round(per_token, 4), "seconds": round(decoded * per_token, 1)}
+
+
 def device_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from draftling.config import RunConfig, resolve_prompt_path
+from draftling.config import RunConfig
 from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
-from draftling.data.prompts import Conversation, has_tool_calls, load_conversations
-from draftling.data.regen import regen_dtype, regenerate
+from draftling.data.prompts import Conversation, has_tool_calls
+from draftling.data.sources import load_prompt_spec
+from draftling.data.regen import regen_dtype, regenerate, regenerate_within
 from draftling.data.split import split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
@@ -42,13 +44,13 @@ def load_prompt_files(cfg: RunConfig, pool: list[Conversation] | None = None) ->
     excluded. Exclusion comes before sampling, so a sample never spends its slots on them.
     ``pool``: if given, gets every prompt that passed the filters, sampled or not."""
     dc = cfg.data
-    held_out = [c for spec in dc.exclude for c in load_conversations(resolve_prompt_path(spec))]
+    held_out = [c for spec in dc.exclude for c in load_prompt_spec(spec)]
     held_ids = {c.id for c in held_out}
     held_texts = set().union(*map(_user_texts, held_out))
     convs: list[Conversation] = []
     excluded = 0
     for spec in dc.prompts:
-        rows = load_conversations(resolve_prompt_path(spec))
+        rows = load_prompt_spec(spec)
         if held_out:
             kept = [c for c in rows if c.id not in held_ids and not (_user_texts(c) & held_texts)]
             excluded += len(rows) - len(kept)
@@ -110,9 +112,14 @@ def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: lis
           f"vocab ({len(pool) - kept} of validation's tasks left out)", flush=True)
 
 
-def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path) -> dict:
+def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path,
+                 regen_seconds: float | None = None) -> dict:
     """With ``data.regen.server_url`` set the replies come from that server and ``target``
-    may be just the tokenizer (``load_target_tokenizer``)."""
+    may be just the tokenizer (``load_target_tokenizer``).
+
+    ``regen_seconds``: a time budget for local regeneration. Validation's replies are all
+    written first; the training replies are then a random sample of the training prompts,
+    as many as this machine's measured rate fits in what is left (see regenerate_within)."""
     out_dir = Path(out_dir)
     dc = cfg.data
     pool: list[Conversation] = []
@@ -143,7 +150,14 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
                                              max_prompt_tokens=max_prompt, server=server))
     elif isinstance(target, Target):
         regen = partial(regenerate, target, max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states)
-        if one_pass:
+        if regen_seconds is not None:
+            t0 = time.perf_counter()
+            val_records = list(regen(val_convs, replace(dc.regen, dtype=None)))
+            budget = {"seconds": round(regen_seconds, 1), "val_s": round(time.perf_counter() - t0, 1)}
+            records = list(regenerate_within(partial(regen, cfg=dc.regen), train_convs, dc.regen.batch_size,
+                                             t0 + regen_seconds, dc.seed, budget)) + val_records
+            budget["used_s"] = round(time.perf_counter() - t0, 1)
+        elif one_pass:
             records = list(regen(train_convs + val_convs, dc.regen))
         else:
             # Training replies from the faster copy; validation's from the target as served.
@@ -187,6 +201,7 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         "replies_stopped_eos": stopped.count("eos"),
         "replies_hit_cap": stopped.count("length"),
         "regen": json.loads(json.dumps(dc.regen.__dict__)),
+        **({"regen_budget": budget} if regen_seconds is not None and server is None else {}),
         # The dtype each split's replies were written in (see data.regen.dtype).
         "regen_dtypes": {split: sorted({r["provenance"].get("dtype", "server") for r in records
                                         if r["split"] == split}) for split in ("train", "val")},

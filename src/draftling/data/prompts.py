@@ -73,13 +73,28 @@ def _parse_record(record, stem: str, lineno: int, where: str) -> Conversation:
     if "messages" in record:
         messages = _parse_messages(record["messages"], where)
     elif "conversations" in record:
-        messages = _parse_sharegpt(record["conversations"], where)
-        system = record.get("system")
-        if isinstance(system, str) and system and not any(m["role"] == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": system})
+        turns = record["conversations"]
+        # SpecForge writes ShareGPT's 'conversations' with OpenAI-style role/content turns.
+        role_content = isinstance(turns, list) and turns and isinstance(turns[0], dict) and "role" in turns[0]
+        parse = _parse_messages if role_content else _parse_sharegpt
+        messages = _with_system(parse(turns, where), record.get("system"))
     else:
         raise DataError(f"{where}: expected a 'messages' or 'conversations' list")
+    return _build_conversation(record, messages, stem, lineno, where)
 
+
+def _with_system(messages: list[dict], system) -> list[dict]:
+    """``messages`` with a ShareGPT/LLaMA-Factory ``system`` string put first, unless a system
+    turn is already there."""
+    if isinstance(system, str) and system and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _build_conversation(record: dict, messages: list[dict], stem: str, lineno: int,
+                        where: str) -> Conversation:
+    """A Conversation from parsed ``messages`` and the rest of ``record`` (id, source, category,
+    tools; other keys go to ``meta``). Used for jsonl lines and for rows of a dataset (data/hub.py)."""
     if not any(m["role"] == "user" for m in messages):
         raise DataError(f"{where}: conversation has no user turn")
 

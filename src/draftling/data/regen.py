@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 import time
 from typing import Iterable
 
@@ -88,14 +89,19 @@ def prefill_chunk_columns(cfg: RegenConfig, rows: int, width: int, device) -> in
 @torch.no_grad()
 def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                max_prompt_tokens: int | None = None, progress: bool = True,
-               keep_states: bool = False) -> Iterable[dict]:
+               keep_states: bool = False, deadline: float | None = None,
+               pace: dict | None = None) -> Iterable[dict]:
     """Yield one record per conversation: the prompt messages plus the target's reply,
     with provenance (target, generation parameters, and whether the reply hit the cap).
 
     ``keep_states``: also attach ``record["_states"] = (ids, aux, final)``, the target's aux
     and final-normed states at every token it was fed (the prompt and every reply token but
     the last generated one), so training need not run the target over them again. Not JSON:
-    the caller takes it off before writing the record."""
+    the caller takes it off before writing the record.
+
+    ``deadline`` (a ``time.perf_counter()`` value): start no batch that would likely end after
+    it, judged by the slowest batch so far (``pace["slowest_batch_s"]``, carried over from
+    earlier calls that share ``pace``); what is done is kept."""
     tok, model = target.tokenizer, generating_model(target, cfg)
     own_dtype = target.model.dtype
     prompts = [(c, render_prompt_ids(tok, c)) for c in convs]
@@ -107,7 +113,13 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
     bar = Progress(len(prompts), "regenerate", enabled=progress)
     done = generated = 0
     t0 = time.perf_counter()
+    pace = {} if pace is None else pace
     for start in range(0, len(prompts), cfg.batch_size):
+        slowest = pace.get("slowest_batch_s")
+        if deadline is not None and slowest is not None and time.perf_counter() + slowest > deadline:
+            print(f"\nregenerate: stopped at its time budget after {done} of {len(prompts)} prompts", flush=True)
+            break
+        t_batch = time.perf_counter()
         chunk = prompts[start:start + cfg.batch_size]
         width = max(len(ids) for _, ids in chunk)
         # Left padding keeps every prompt's last token at the same column for generate().
@@ -154,11 +166,37 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                 **extra,
             }
         done += len(chunk)
+        pace["slowest_batch_s"] = max(pace.get("slowest_batch_s", 0.0), time.perf_counter() - t_batch)
         generated += sum(len(reply) for reply, _ in cuts)
         dt = time.perf_counter() - t0
         bar.update(len(chunk), f"regenerate: {done}/{len(prompts)} prompts, {dt:.0f}s, {generated / dt:.1f} reply "
                                f"tok/s (batch of {len(chunk)}, prompts up to {width} tokens)")
     bar.close()
+
+
+def regenerate_within(regen, convs: list[Conversation], batch_size: int, deadline: float, seed: int,
+                      report: dict, round_batches: int = 4) -> Iterable[dict]:
+    """``regen(convs, deadline=..., pace=...)`` over a seeded random order of ``convs``, in
+    rounds of ``round_batches`` batches, until ``deadline``. Each round is a random sample, so
+    what is done when time runs out represents the whole pool; ``regenerate`` sorts a round by
+    length, so its batches pad little. No batch starts that the slowest one so far says would
+    end past the deadline. ``report`` receives the counts and the rate achieved."""
+    order = random.Random(seed).sample(convs, len(convs))
+    size = batch_size * round_batches
+    pace: dict = {}
+    t0, done = time.perf_counter(), 0
+    for start in range(0, len(order), size):
+        if time.perf_counter() + pace.get("slowest_batch_s", 0.0) > deadline:
+            break
+        for record in regen(order[start:start + size], deadline=deadline, pace=pace):
+            done += 1
+            yield record
+    seconds = time.perf_counter() - t0
+    report.update(available=len(convs), regenerated=done, seconds=round(seconds, 1),
+                  rate_prompts_s=round(done / max(seconds, 1e-9), 3), stopped_by_budget=done < len(convs))
+    print(f"regenerate: {done} of {len(convs)} training prompts in {seconds:.0f} s "
+          f"({done / max(seconds, 1e-9):.2f} prompts/s){'; the rest did not fit the budget' if done < len(convs) else ''}",
+          flush=True)
 
 
 def _cut_at_eos(row: list[int], eos_ids: list[int]) -> tuple[list[int], str]:

@@ -9,27 +9,28 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from draftling.config import check_prompt_files, load_config, save_config
+from draftling.config import load_config, save_config
 from draftling.data.prepare import prepare_data
+from draftling.data.sources import check_prompt_files
 from draftling.draft.vocab import build_vocab_file
-from draftling.errors import ConfigError
 from draftling.io import write_json
+from draftling.recipes.budget import BudgetPlan, plan_budget
 
 
-# Kept back from training for the bench (8 prompts, plain and chain-3, 96 tokens each) and
-# the export: about 70 s on the fourth session's 2-core machine, 200 s on the fifth's.
-BENCH_RESERVE_MINUTES = 3.5
+def measure_and_plan(cfg, target, elapsed_s: float) -> BudgetPlan:
+    """Time this machine (one training step, a plain decode) and split ``cfg.wall_minutes``."""
+    from draftling.bench.simple import estimate_bench_seconds
+    from draftling.train.trainer import measure_step_seconds
 
-
-def training_budget_minutes(cfg, elapsed_s: float) -> float:
-    """Minutes training may take so that the whole run fits ``cfg.wall_minutes``: what is
-    left after ``elapsed_s`` and the bench's reserve, and never more than train.max_minutes."""
-    left = cfg.wall_minutes - elapsed_s / 60 - BENCH_RESERVE_MINUTES
-    if left <= 0:
-        raise ConfigError(f"wall_minutes={cfg.wall_minutes:g}: {elapsed_s / 60:.1f} minutes went to loading "
-                          f"and data, which leaves no time to train (reduce data.max_prompts_per_file)")
-    cap = cfg.train.max_minutes
-    return min(left, cap) if cap > 0 else left
+    # A typical training row: about two thirds of the sequence cap (prompt plus reply).
+    step_s = measure_step_seconds(cfg, target, seq_len=max(16, 2 * cfg.data.max_tokens // 3))
+    bench = estimate_bench_seconds(cfg, target)
+    plan = plan_budget(cfg.wall_minutes, elapsed_s, step_s, bench["per_token_s"], bench["seconds"],
+                       cfg.train.max_val_batches)
+    print(f"budget: {cfg.wall_minutes:g} minutes; measured here: a training step {step_s:.2f} s, a decode "
+          f"token {bench['per_token_s'] * 1000:.0f} ms; plan: data {plan.data_s:.0f} s, training "
+          f"{plan.train_s:.0f} s, validation ~{plan.val_s:.0f} s, bench ~{plan.bench_s:.0f} s", flush=True)
+    return plan
 
 
 def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[str] | None = None) -> dict:
@@ -44,7 +45,6 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     cfg = load_config(config, overrides)
     check_prompt_files(cfg)  # before any output or the minutes of loading and regenerating
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
     timings = {}
 
     def stage(name):
@@ -61,9 +61,16 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     print(f"target: {target.describe()}", flush=True)
     done("load target")
 
+    plan = None
+    if cfg.wall_minutes > 0:
+        stage("measure")
+        plan = measure_and_plan(cfg, target, time.perf_counter() - t0)
+        done("measure")
+    save_config(cfg, out / "config.yaml")
+
     stage("data")
     data_dir = out / "data"
-    data_summary = prepare_data(cfg, target, data_dir)
+    data_summary = prepare_data(cfg, target, data_dir, regen_seconds=plan.data_s if plan else None)
     done("data")
 
     stage("vocab")
@@ -74,10 +81,11 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     stage("train")
     run_dir = out / "run"
-    if cfg.wall_minutes > 0:
-        cfg.train.max_minutes = round(training_budget_minutes(cfg, time.perf_counter() - t0), 2)
-        print(f"train: {cfg.train.max_minutes:.2f} minutes of the {cfg.wall_minutes:g}-minute budget "
-              f"(bench and export keep {BENCH_RESERVE_MINUTES:g})", flush=True)
+    if plan:
+        train_s = plan.train_seconds(time.perf_counter() - t0)
+        cfg.train.max_minutes, cfg.train.fit_schedule = round(train_s / 60, 2), True
+        print(f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
+              f"fitted to it from the measured step time", flush=True)
     train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
                          data_dir / "vocab.safetensors")
     done("train")
@@ -118,6 +126,12 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         "export_dir": str(export_dir),
         "stage_seconds": timings,
         "wall_s": round(time.perf_counter() - t0, 1),
+        # What the budget planned from this machine's measurements, against what was used.
+        **({"budget": {"minutes": cfg.wall_minutes, "plan": plan.as_dict(),
+                       "regen": data_summary.get("regen_budget"),
+                       "train_max_s": round(60 * cfg.train.max_minutes, 1),
+                       "train_used_s": round(train_result["train_wall_s"], 1),
+                       "train_steps_ceiling": train_result.get("steps_ceiling")}} if plan else {}),
         "config": config,
         "caveats": bench["caveats"],
     }

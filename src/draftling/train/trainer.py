@@ -38,13 +38,24 @@ from draftling.train.ttt import ATTENTION_BACKENDS, StepCounts, flex_usable, ste
 log = logging.getLogger(__name__)
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
+class CosineSchedule:
+    """The LR factor at a step: linear warmup, then cosine decay to ``min_ratio`` at step
+    ``total``. ``total`` may be changed while training (a schedule fitted to a time budget)."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def fitted_total(step: int, cap: int, seconds_left: float, step_s: float) -> int:
+    """The schedule's length so that it ends inside a time budget: ``step`` plus the steps
+    that fit into ``seconds_left`` at ``step_s`` each, at least one more and at most ``cap``."""
+    return max(step + 1, min(cap, step + int(seconds_left / max(step_s, 1e-9))))
 
 
 class MetricsLog:
@@ -380,6 +391,101 @@ def evaluate(objective, target: Target, examples, cfg: RunConfig, device, max_ba
     return m
 
 
+def train_step(objective, cfg: RunConfig, target: Target, examples, keys: list[int], device, ctx: DistContext,
+               params, optimizer, scheduler, teacher_source=None, cache: TeacherCache | None = None):
+    """One optimizer step on the global batch ``keys`` (this rank's share of it). Returns
+    run_batch's (loss, counts, tokens)."""
+    loss, counts, tokens = run_batch(objective, cfg, target, examples, keys, device, ctx, teacher_source, cache)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, counts, tokens
+
+
+class FitToTime:
+    """``train.fit_schedule``: fit the LR schedule's length to ``train.max_minutes`` from the
+    step time measured on this machine, so the decay ends inside the budget instead of being
+    cut off. Refitted after the first steps and at each epoch start (later epochs read the
+    teacher cache and run faster than the first), from the steps since the last fit."""
+
+    FIRST_FIT = 10
+
+    def __init__(self, tc: TrainConfig, cap: int, t_start: float, step: int, ctx: DistContext, device,
+                 clock=time.perf_counter):
+        if tc.max_minutes <= 0:
+            raise ConfigError("train.fit_schedule needs a time budget: set train.max_minutes")
+        self.budget_s, self.cap, self.t_start = 60 * tc.max_minutes, cap, t_start
+        self.ctx, self.device, self.clock = ctx, device, clock
+        self.mark = (step, clock())
+        self.fitted = False
+
+    def due(self, step: int, epoch_start: bool) -> bool:
+        return step - self.mark[0] >= self.FIRST_FIT and (epoch_start or not self.fitted)
+
+    def refit(self, step: int) -> int:
+        now = self.clock()
+        step_s = (now - self.mark[1]) / (step - self.mark[0])
+        if self.ctx.active:  # every rank must agree on the schedule: the slowest rank's pace
+            t = torch.tensor([step_s], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            step_s = t.item()
+        self.mark, self.fitted = (step, now), True
+        return fitted_total(step, self.cap, self.budget_s - (now - self.t_start), step_s)
+
+
+class _RandomStates:
+    """A teacher source of random aux and final states: what kept states cost (the target's
+    output head only), for timing."""
+
+    cacheable = False
+
+    def __init__(self, target: Target, t2d: torch.Tensor):
+        self.target, self.t2d = target, t2d
+
+    def get(self, keys: list[int], lengths: list[int], device) -> "TeacherBatch":
+        from draftling.train.teacher import head_outputs
+
+        h, dtype = self.target.config.hidden_size, self.target.input_embeddings().weight.dtype
+        shape = (len(keys), max(lengths))
+        aux = torch.randn(*shape, h * len(self.target.aux_layer_ids), device=device, dtype=dtype)
+        return head_outputs(self.target, aux, torch.randn(*shape, h, device=device, dtype=dtype), self.t2d)
+
+
+def measure_step_seconds(cfg: RunConfig, target: Target, seq_len: int, repeats: int = 3) -> float:
+    """Seconds of one training step on this machine: ``train.batch_size`` random sequences of
+    ``seq_len`` tokens through a fresh draft of the configured shape and dtypes. The teacher is
+    what the run will use: with data.keep_teacher_states only the output head runs, otherwise
+    the whole target. One warm-up step is not counted, and the fastest of ``repeats`` steps is
+    the answer (a transient load on the machine must not make the budget refuse a run); the
+    draft is thrown away and the RNG state restored."""
+    from draftling.draft.vocab import build_vocab
+    from draftling.train.dataset import TokenizedExample
+
+    rng = torch.get_rng_state()
+    device, tc = target.device, cfg.train
+    vocab = build_vocab(torch.ones(target.config.vocab_size), min(cfg.vocab.size, target.config.vocab_size), "probe")
+    draft, offload, param_dtype = prepare_draft(cfg, target, vocab, device)
+    objective = wrap(draft, current(), tc.parallel, param_dtype, offload)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda _: 1.0)
+    examples = [TokenizedExample(str(i), "probe", torch.randint(0, vocab.size, (seq_len,)).tolist(),
+                                 [1] * seq_len) for i in range(tc.batch_size)]
+    teacher = _RandomStates(target, vocab.t2d.to(device)) if cfg.data.keep_teacher_states else None
+    keys = list(range(tc.batch_size))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        train_step(objective, cfg, target, examples, keys, device, current(), params, optimizer, scheduler, teacher)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    torch.set_rng_state(rng)
+    return min(times[1:])
+
+
 def host_draft(objective, config) -> Eagle3Draft:
     """A plain draft with the full weights, for saving (gathers shards on every rank)."""
     draft = unwrap(objective)
@@ -455,9 +561,11 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     # FSDP, offload is its CPUOffloadPolicy and the plain optimizer steps the host shards.
     optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not sharded)
     batches = EpochBatches(examples, tc.batch_size, tc.seed, tc.group_by_length)
-    total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        scheduled, lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio))
+    total_steps = ceiling = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
+    schedule = CosineSchedule(tc.warmup_steps, total_steps, tc.min_lr_ratio)
+    # Through a lambda: LambdaLR would save a callable object's fields in its state and a resume
+    # would restore them over the config's; the fitted length is restored from meta.json instead.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: schedule(step))
 
     start_step = 0
     if state is not None:
@@ -468,6 +576,8 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_step = state["step"]
+        if tc.fit_schedule:  # the schedule as the interrupted run had fitted it
+            total_steps = schedule.total = json.loads((ckpt / "meta.json").read_text()).get("total_steps", total_steps)
         say(f"resumed from {ckpt} at step {start_step}")
 
     metrics_log = (MetricsLog(run_dir / "metrics.jsonl", start_step if ckpt is not None else None)
@@ -499,16 +609,16 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     cache = TeacherCache(int(tc.teacher_cache_gb * 2**30)) if tc.teacher_cache_gb > 0 else None
     step = start_step
     t_start = time.perf_counter()
+    fit = FitToTime(tc, total_steps, t_start, start_step, ctx, device) if tc.fit_schedule else None
     while step < total_steps:
         epoch, index = batches.position(step)
-        loss, counts, tokens = run_batch(objective, cfg, target, examples, batches.indices(epoch, index),
-                                         device, ctx, teacher_source, cache)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss, counts, tokens = train_step(objective, cfg, target, examples, batches.indices(epoch, index),
+                                          device, ctx, params, optimizer, scheduler, teacher_source, cache)
         step += 1
+        if fit is not None and fit.due(step, batches.position(step)[1] == 0):
+            total_steps = schedule.total = fit.refit(step)
+            if progress is not None:
+                progress.total = total_steps
         counts, (loss_sum, tokens) = _global_counts(counts, [loss.item(), tokens], ctx, device)
         window.add(counts)
         window_loss += loss_sum / ctx.world_size
@@ -536,12 +646,13 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
             weights = host_draft(objective, draft.config)
             opt_state = full_optimizer_state(objective, optimizer)
             if ctx.is_main:
-                save_checkpoint(run_dir, weights, opt_state, scheduler, step, e, i, tc.keep_checkpoints)
+                save_checkpoint(run_dir, weights, opt_state, scheduler, step, e, i, tc.keep_checkpoints,
+                                {"total_steps": total_steps})
             barrier(ctx)
     if progress is not None:
         progress.close()
 
-    result = {"steps": total_steps, "train_wall_s": time.perf_counter() - t_start,
+    result = {"steps": total_steps, "steps_ceiling": ceiling, "train_wall_s": time.perf_counter() - t_start,
               "world_size": ctx.world_size,
               "compute_dtype": mem_opts["autocast"] or str(param_dtype).replace("torch.", "")}
     if torch.cuda.is_available() and device.type == "cuda":

@@ -1,0 +1,67 @@
+"""The quickstart's time budget: how its stages share ``--minutes`` on the running machine.
+
+Nothing here comes from a table of machines. After the target loads, two probes time this
+machine: one training step of the configured draft on random data (train/trainer.py
+``measure_step_seconds``) and a plain decode on the bench's engine (bench/simple.py
+``estimate_bench_seconds``). The bench, the final validation and a small reserve are set
+aside; data and training split the rest. Regeneration then measures its own rate and stops at
+its share (data/regen.py ``regenerate_within``); training gets whatever is left when the data
+is done and fits its LR schedule to it (``train.fit_schedule``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from draftling.errors import ConfigError
+
+# Of the time left for data and training, the share regeneration gets. The 2026-12-02 runs
+# that reached val chain tau 1.54 spent 324 s on data and 325 s on training.
+DATA_SHARE = 0.5
+# A validation batch (forward only, plus the chain walk) against one training step.
+VAL_STEP_RATIO = 0.6
+# Vocab, export, checkpoints and the writes between stages.
+RESERVE_S = 15.0
+# Training needs at least its warm-up and a few steps of decay to be worth running.
+MIN_TRAIN_STEPS = 30
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    total_s: float
+    planned_at_s: float  # elapsed when the plan was made (loading and the probes)
+    step_s: float  # one training step, measured
+    decode_token_s: float  # one plain decode token on the bench's engine, measured
+    bench_s: float
+    val_s: float
+    data_s: float
+    train_s: float  # as planned up front; train_seconds() re-plans it once the data is done
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 3 if k.endswith("token_s") or k == "step_s" else 1) for k, v in asdict(self).items()}
+
+    def train_seconds(self, elapsed_s: float) -> float:
+        """Training's share once the data is done: whatever the bench, validation and the
+        reserve do not need."""
+        return self.total_s - elapsed_s - self.bench_s - self.val_s - RESERVE_S
+
+
+def plan_budget(minutes: float, elapsed_s: float, step_s: float, decode_token_s: float, bench_s: float,
+                val_batches: int) -> BudgetPlan:
+    """Split ``minutes`` from the measurements; a ConfigError if training would not get
+    ``MIN_TRAIN_STEPS`` steps, naming the measured step time and the budget that would."""
+    total = 60 * minutes
+    val_s = val_batches * VAL_STEP_RATIO * step_s
+    fixed = elapsed_s + bench_s + val_s + RESERVE_S
+    left = total - fixed
+    data_s, train_s = DATA_SHARE * left, (1 - DATA_SHARE) * left
+    need = MIN_TRAIN_STEPS * step_s
+    if train_s < need:
+        enough = (fixed + need / (1 - DATA_SHARE)) / 60
+        raise ConfigError(
+            f"--minutes {minutes:g} is too little on this machine: one training step takes {step_s:.2f} s "
+            f"(measured), so {MIN_TRAIN_STEPS} steps need {need:.0f} s, but after loading ({elapsed_s:.0f} s), "
+            f"the bench (~{bench_s:.0f} s), validation (~{val_s:.0f} s) and data, training would get "
+            f"{max(train_s, 0):.0f} s; ask for at least {math.ceil(enough * 2) / 2:g} minutes")
+    return BudgetPlan(total, elapsed_s, step_s, decode_token_s, bench_s, val_s, data_s, train_s)
