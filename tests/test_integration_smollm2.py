@@ -19,7 +19,7 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
     # The profile as shipped (starter prompts, the time budget) with smaller numbers: the
     # budget's probes and planning run for real; the 6 steps stay the ceiling.
     summary = quickstart(tmp_path / "qs", config="quickstart_cpu", overrides=[
-        "data.max_prompts_per_file=6", "data.regen.max_new_tokens=24", "data.val_fraction=0.25",
+        "data.max_prompts_per_file=8", "data.regen.max_new_tokens=24", "data.val_fraction=0.25",
         "train.max_steps=6", "train.log_every=2", "vocab.size=1024",
         "bench.num_prompts=3", "bench.max_new_tokens=24",
         'bench.configs=["chain-3-1-4","tree-3-4-8","tree-5-8-16"]'])
