@@ -25,10 +25,13 @@ def run(tmp_path, target, run_name, steps, resume=False, **extra):
                  tmp_path / "val.jsonl", tmp_path / "vocab.safetensors", resume=resume)
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["adamw", "offloaded-adamw"])
-def test_resume_equals_uninterrupted_run(tmp_path, tiny_target, offload):
+@pytest.mark.parametrize("offload,cache_gb", [(False, 0), (True, 0), (False, 1)],
+                         ids=["adamw", "offloaded-adamw", "teacher-cache"])
+def test_resume_equals_uninterrupted_run(tmp_path, tiny_target, offload, cache_gb):
     setup_data(tmp_path)
-    opts = {"train.optimizer_offload": str(offload).lower()}
+    # teacher-cache: the quickstart's hybrid mode. The cut at step 4 falls in epoch 2 (3 batches
+    # an epoch), where the uninterrupted run reads the cache and the resumed one starts empty.
+    opts = {"train.optimizer_offload": str(offload).lower(), "train.teacher_cache_gb": cache_gb}
     run(tmp_path, tiny_target, "full", 8, **opts)
     # Interrupted: stop at step 4 (max_steps=4 with the SAME schedule length would differ,
     # so simulate a kill by deleting the later checkpoints of a full run).

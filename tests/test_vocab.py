@@ -93,5 +93,5 @@ def test_negative_prompt_weight_is_a_config_error():
     from draftling.config import load_config
     from draftling.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"vocab.prompt_weight: -1.0 must be >= 0"):
+    with pytest.raises(ConfigError, match=r"vocab.prompt_weight=-1.0: expected a number >= 0"):
         load_config(None, ["vocab.prompt_weight=-1"])

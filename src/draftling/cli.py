@@ -51,8 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG_OVERRIDES)
     _common(p)
     p.add_argument("--out", required=True, help="output data directory")
-    p.add_argument("--prompts", action="append", metavar="FILE",
-                   help="prompt jsonl file; repeat for several (overrides data.prompts)")
+    p.add_argument("--prompts", action="append", metavar="SPEC",
+                   help="prompts: a jsonl file (project, ShareGPT or OpenAI-messages shape), starter:chat, "
+                   "starter:code or starter:math (shipped), hf:NAME[:CONFIG][@SPLIT] or a save_to_disk "
+                   "folder (needs pip install 'draftling[hf]'), set:v1, or shared:NAME (the development "
+                   "corpus); repeat for several (overrides data.prompts)")
     p.add_argument("--chat-template", help="jinja file to use when the target has no chat template")
     p.add_argument("--server", metavar="URL", help="regenerate through an OpenAI-compatible server "
                    "(vLLM / SGLang `serve`, e.g. http://localhost:8000) instead of loading the target's "
@@ -251,8 +254,10 @@ def cmd_vocab(args) -> None:
     overrides = [f"target={args.target}"] if args.target else []
     if args.prompt_weight is not None:
         overrides.append(f"vocab.prompt_weight={args.prompt_weight}")
+    if args.size is not None:
+        overrides.append(f"vocab.size={args.size}")  # checked with the config's bounds
     cfg = load_config(args.config, overrides)
-    size = args.size or cfg.vocab.size
+    size = cfg.vocab.size
     data = Path(args.data)
     out = Path(args.out) if args.out else data / "vocab.safetensors"
     vocab = build_vocab_file(data / "train.jsonl", load_target_config(cfg.target).vocab_size, size, out,
@@ -381,12 +386,10 @@ def cmd_bench(args) -> None:
     cfg = _run_config(args)
     if args.configs:
         cfg.bench.configs = [c for c in args.configs.split(",") if c]
-    if args.num_prompts:
-        cfg.bench.num_prompts = args.num_prompts
-    if args.max_new_tokens:
-        cfg.bench.max_new_tokens = args.max_new_tokens
-    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
-    cfg.bench = dataclasses.replace(cfg.bench, **sampling)  # replace() re-runs the config's checks
+    flags = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+             **{k: getattr(args, k) for k in ("temperature", "top_k", "top_p")}}
+    # replace() re-runs the config's checks: --num-prompts 0 is refused, not read as "unset".
+    cfg.bench = dataclasses.replace(cfg.bench, **{k: v for k, v in flags.items() if v is not None})
     run_bench(cfg, _load_target(cfg), args.draft, args.prompts, out=args.out)
 
 
@@ -429,7 +432,14 @@ def quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # KEY=VALUE overrides may also come after options (`train a=1 --run-dir R b=2`).
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = list(args.overrides or []) + extra
     args.argv = argv
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")

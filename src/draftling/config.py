@@ -18,6 +18,20 @@ import yaml
 
 from draftling.errors import ConfigError
 
+# Bounds checked when a config is built (so a bad value fails before any model loads):
+# field -> (what is expected, test). None passes where a field allows it.
+POSITIVE = ("a number > 0", lambda v: v > 0)
+AT_LEAST_ONE = ("an integer >= 1", lambda v: v >= 1)
+NON_NEGATIVE = ("a number >= 0", lambda v: v >= 0)
+FRACTION = ("a number in [0, 1]", lambda v: 0 <= v <= 1)
+
+
+def check_bounds(section: str, obj, rules: dict) -> None:
+    for name, (expected, ok) in rules.items():
+        value = getattr(obj, name)
+        if value is not None and not ok(value):
+            raise ConfigError(f"{section + '.' if section else ''}{name}={value!r}: expected {expected}")
+
 
 @dataclass
 class RegenConfig:
@@ -46,6 +60,13 @@ class RegenConfig:
     api_key_env: str = "OPENAI_API_KEY"  # env var holding the key (the key is never written)
     request_timeout_s: float = 600.0
     max_retries: int = 5  # on connection errors, HTTP 429 and 5xx
+
+    def __post_init__(self):
+        check_bounds("data.regen", self, {
+            "max_new_tokens": AT_LEAST_ONE, "temperature": NON_NEGATIVE,
+            "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1), "batch_size": AT_LEAST_ONE,
+            "prefill_chunk_tokens": NON_NEGATIVE, "concurrency": AT_LEAST_ONE,
+            "request_timeout_s": POSITIVE, "max_retries": NON_NEGATIVE})
 
 
 @dataclass
@@ -77,6 +98,15 @@ class DataConfig:
     keep_teacher_states: bool = False
 
     def __post_init__(self):
+        check_bounds("data", self, {
+            "max_prompts_per_file": ("an integer >= 0 (0 = all)", lambda v: v >= 0),
+            "val_fraction": ("a number in [0, 1)", lambda v: 0 <= v < 1),
+            "min_tokens": NON_NEGATIVE, "max_tokens": AT_LEAST_ONE})
+        if self.min_tokens > self.max_tokens:
+            raise ConfigError(f"data.min_tokens={self.min_tokens} is above data.max_tokens={self.max_tokens}")
+        for spec, cap in self.max_prompts_by_file.items():
+            if cap < 0:
+                raise ConfigError(f"data.max_prompts_by_file[{spec!r}]={cap}: expected an integer >= 0 (0 = all)")
         unknown = sorted(set(self.max_prompts_by_file) - set(self.prompts))
         if unknown:
             raise ConfigError(f"data.max_prompts_by_file: {unknown} not in data.prompts {self.prompts}")
@@ -96,8 +126,7 @@ class VocabConfig:
     prompt_weight: float = 0.0
 
     def __post_init__(self):
-        if self.prompt_weight < 0:
-            raise ConfigError(f"vocab.prompt_weight: {self.prompt_weight} must be >= 0")
+        check_bounds("vocab", self, {"size": AT_LEAST_ONE, "prompt_weight": NON_NEGATIVE})
 
 
 @dataclass
@@ -125,7 +154,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     log_every: int = 10
     ckpt_every: int = 200
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest N complete checkpoints are kept; 0 = keep all
     seed: int = 0
     val_every: int = 0  # 0 = only at the end
     # Also learn at prompt (user/system) positions, against the teacher's predictions there.
@@ -200,6 +229,19 @@ class TrainConfig:
     # batch_size stays the global batch at any world size.
     parallel: str = "ddp"
 
+    def __post_init__(self):
+        check_bounds("train", self, {
+            "ttt_steps": AT_LEAST_ONE, "step_weight_decay": POSITIVE, "epochs": POSITIVE,
+            "max_steps": ("an integer >= 0 (0 = from epochs)", lambda v: v >= 0), "batch_size": AT_LEAST_ONE,
+            "lr": POSITIVE, "min_lr_ratio": FRACTION, "warmup_steps": NON_NEGATIVE,
+            "weight_decay": NON_NEGATIVE, "grad_clip": POSITIVE, "log_every": AT_LEAST_ONE,
+            "ckpt_every": AT_LEAST_ONE, "keep_checkpoints": ("an integer >= 0 (0 = keep all)", lambda v: v >= 0),
+            "val_every": ("an integer >= 0 (0 = only at the end)", lambda v: v >= 0),
+            "teacher_cache_gb": NON_NEGATIVE, "max_minutes": ("a number >= 0 (0 = no limit)", lambda v: v >= 0),
+            "max_val_batches": AT_LEAST_ONE, "loss_chunk_tokens": ("an integer >= 0 (0 = off)", lambda v: v >= 0)})
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas={list(self.betas)}: expected two numbers in [0, 1)")
+
 
 @dataclass
 class BenchConfig:
@@ -214,6 +256,7 @@ class BenchConfig:
     seed: int = 0  # sampling: prompt i uses seed + i, the same for plain and every config
 
     def __post_init__(self):
+        check_bounds("bench", self, {"num_prompts": AT_LEAST_ONE, "max_new_tokens": AT_LEAST_ONE})
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"bench: temperature {self.temperature} must be >= 0, top_k {self.top_k} "
                               f">= 0 and top_p {self.top_p} in (0, 1]")
@@ -238,6 +281,9 @@ class RunConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+
+    def __post_init__(self):
+        check_bounds("", self, {"wall_minutes": ("a number >= 0 (0 = no budget)", lambda v: v >= 0)})
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:

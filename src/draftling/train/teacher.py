@@ -81,7 +81,11 @@ def pad_stack(rows: list[torch.Tensor], length: int, fill=0) -> torch.Tensor:
 class TeacherCache:
     """Hybrid online/offline: keep each example's teacher outputs in host RAM on first
     sight and reuse them in later epochs, up to a byte budget. Rows are stored unpadded,
-    so a later batch of different neighbours is assembled from them exactly."""
+    so a later batch of different neighbours is assembled from them exactly.
+
+    The draft-vocab logits are stored in bf16. So that a run resumed with an empty cache trains
+    on the very tensors an uninterrupted run reads from it, every batch goes through the same
+    rounding and assembly, cached or not (``put`` returns the batch as the cache holds it)."""
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
@@ -91,26 +95,27 @@ class TeacherCache:
     def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch | None:
         if not all(k in self.rows for k in keys):
             return None
-        t = max(lengths)
-        parts = [self.rows[k] for k in keys]
+        return self._assemble([self.rows[k] for k in keys], max(lengths), device)
 
+    def put(self, keys: list[int], lengths: list[int], batch: TeacherBatch) -> TeacherBatch:
+        """Keep the rows that fit the budget; return the whole batch as a cache hit would."""
+        rows = [(batch.aux[i, :n].cpu(), batch.draft_logits[i, :n].to(torch.bfloat16).cpu(),
+                 batch.target_argmax[i, :n].cpu(), batch.in_draft[i, :n].cpu()) for i, n in enumerate(lengths)]
+        for k, row in zip(keys, rows):
+            size = sum(x.numel() * x.element_size() for x in row)
+            if k in self.rows or self.used + size > self.budget:
+                continue
+            self.rows[k] = row
+            self.used += size
+        return self._assemble(rows, max(lengths), batch.aux.device)
+
+    @staticmethod
+    def _assemble(parts: list, t: int, device) -> TeacherBatch:
         def stack(i, fill=0):
             return pad_stack([p[i] for p in parts], t, fill).to(device)
 
         return TeacherBatch(aux=stack(0), draft_logits=stack(1).float(), target_argmax=stack(2),
                             in_draft=stack(3, False))
-
-    def put(self, keys: list[int], lengths: list[int], batch: TeacherBatch) -> None:
-        for i, (k, n) in enumerate(zip(keys, lengths)):
-            if k in self.rows:
-                continue
-            row = (batch.aux[i, :n].cpu(), batch.draft_logits[i, :n].to(torch.bfloat16).cpu(),
-                   batch.target_argmax[i, :n].cpu(), batch.in_draft[i, :n].cpu())
-            size = sum(x.numel() * x.element_size() for x in row)
-            if self.used + size > self.budget:
-                return
-            self.rows[k] = row
-            self.used += size
 
 
 class KeptStatesTeacher:

@@ -347,7 +347,7 @@ def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[in
             teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d,
                                       compile=compile_teacher(tc, device, target.model))
         if cache:
-            cache.put(share, lengths, teacher)
+            teacher = cache.put(share, lengths, teacher)
     denominators = None
     if ctx.active:
         valid = step_valid_counts(batch["loss_mask"], batch["attention_mask"], teacher.in_draft,

@@ -1,0 +1,51 @@
+"""Bad numeric values and stray arguments are refused when the config is read, before any
+model loads: exit 2, one line naming the field, and nothing written."""
+
+import pytest
+
+from draftling.cli import main
+from tests.conftest import run_draftling
+
+TRAIN = ["train", "--data", "no-data", "--run-dir", "run"]
+CASES = [
+    (["data", "--out", "d", "data.regen.max_new_tokens=-1"], "data.regen.max_new_tokens=-1"),
+    (["data", "--out", "d", "data.regen.batch_size=0"], "data.regen.batch_size=0"),
+    (["data", "--out", "d", "data.max_prompts_per_file=-3"], "data.max_prompts_per_file=-3"),
+    (["data", "--out", "d", "data.min_tokens=50", "data.max_tokens=20"], "data.min_tokens=50"),
+    (TRAIN + ["train.ckpt_every=0"], "train.ckpt_every=0"),
+    (TRAIN + ["train.log_every=0"], "train.log_every=0"),
+    (TRAIN + ["train.ttt_steps=0"], "train.ttt_steps=0"),
+    (TRAIN + ["train.lr=-1"], "train.lr=-1"),
+    (TRAIN + ["train.epochs=-2"], "train.epochs=-2"),
+    (TRAIN + ["train.keep_checkpoints=-1"], "train.keep_checkpoints=-1"),
+    (["vocab", "--data", "no-data", "--size", "0"], "vocab.size=0"),
+    (["bench", "--prompts", "p.jsonl", "--draft", "d", "--num-prompts", "0"], "bench.num_prompts=0"),
+    (["bench", "--prompts", "p.jsonl", "--draft", "d", "--num-prompts", "-3"], "bench.num_prompts=-3"),
+    (["bench", "--prompts", "p.jsonl", "--draft", "d", "bench.num_prompts=0"], "bench.num_prompts=0"),
+    (["quickstart", "--out", "q", "wall_minutes=-5"], "wall_minutes=-5"),
+]
+
+
+@pytest.mark.parametrize("argv,culprit", CASES, ids=[c[1] for c in CASES])
+def test_a_bad_value_is_one_line_naming_the_field_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, culprit):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert culprit in err and "\n" not in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overrides_may_follow_options_and_stray_flags_are_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    # The override after --run-dir is read (and checked): not "unrecognized arguments".
+    assert main(["train", "train.lr=1e-3", "--data", "no-data", "--run-dir", "run", "train.ttt_steps=0"]) == 2
+    assert "train.ttt_steps=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--data", "no-data", "--run-dir", "run", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_a_bad_value_through_the_real_command_has_no_traceback(tmp_path):
+    r = run_draftling("train", "--data", "no-data", "--run-dir", "run", "train.batch_size=0", cwd=tmp_path)
+    assert r.returncode == 2 and "train.batch_size=0" in r.stderr and "Traceback" not in r.stderr
+    assert list(tmp_path.iterdir()) == []
