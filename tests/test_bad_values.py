@@ -49,3 +49,29 @@ def test_a_bad_value_through_the_real_command_has_no_traceback(tmp_path):
     r = run_draftling("train", "--data", "no-data", "--run-dir", "run", "train.batch_size=0", cwd=tmp_path)
     assert r.returncode == 2 and "train.batch_size=0" in r.stderr and "Traceback" not in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("content,culprit", [
+    (b'{"id": "a", "messages": [{"role": "user", "content": "caf\xe9"}]}\n', "p.jsonl:1: not UTF-8 (byte 0xe9"),
+    (b"\n  \n", "no prompts"),
+    (('{"id": "a", "messages": [{"role": "user", "content": "' + "word " * 3000 + '"}]}\n').encode(),
+     "over the"),
+], ids=["non-utf8", "blank", "all-too-long"])
+def test_bad_prompt_files_are_one_line_and_leave_nothing(tmp_path, tiny_target_dir, capsys, content, culprit):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(content)
+    out = tmp_path / "data"
+    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
+                 "--out", str(out), "data.regen.max_new_tokens=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert culprit in err and "\n" not in err
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_cuda_on_a_machine_without_it_is_named(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["data", "--out", "d", "--device", "cuda", "--prompts", "starter:chat"]) == 2
+    assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err

@@ -106,8 +106,8 @@ def test_regeneration_within_a_deadline_runs_random_rounds_until_the_time_is_spe
                                            report=report, round_batches=2))
     # Rounds of 8 end at 4 s and 8 s; a third would need its first batch (2 s) past 9 s.
     assert [len(c) for c, _ in calls] == [8, 8] and all(d == 9.0 for _, d in calls)
-    assert report == {"available": 40, "regenerated": 16, "seconds": 8.0, "rate_prompts_s": 2.0,
-                      "stopped_by_budget": True}
+    assert report == {"available": 40, "regenerated": 16, "skipped_long": 0, "seconds": 8.0,
+                      "rate_prompts_s": 2.0, "stopped_by_budget": True}
     ids = [r["id"] for r in out]
     assert len(set(ids)) == 16 and set(ids) <= {c.id for c in convs}
     # A random sample, not the head of the list (which the caller may have sorted).

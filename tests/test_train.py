@@ -160,3 +160,45 @@ def test_length_grouped_batches_cover_the_epoch_with_less_padding():
         again = EpochBatches(examples, 4, seed=3, group_by_length=True)
         assert [again.indices(epoch, i) for i in range(again.batches_per_epoch)] == b
     assert grouped.indices(0, 0) != grouped.indices(1, 0)
+
+
+def test_a_run_dir_with_an_earlier_run_needs_resume_or_overwrite(tmp_path, tiny_target):
+    from draftling.errors import ConfigError
+
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "r", 6, **{"train.keep_checkpoints": 0})
+    assert [c.name for c in list_checkpoints(tmp_path / "r")] == ["step_0000002", "step_0000004", "step_0000006"]
+    # A new run there would leave the old checkpoints for a later --resume to pick up.
+    with pytest.raises(ConfigError, match="--resume to continue it or --overwrite"):
+        run(tmp_path, tiny_target, "r", 2)
+    assert len(list_checkpoints(tmp_path / "r")) == 3  # nothing was touched
+    train(cfg_for(2), tiny_target, tmp_path / "r", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
+          tmp_path / "vocab.safetensors", overwrite=True)
+    assert [c.name for c in list_checkpoints(tmp_path / "r")] == ["step_0000002"]
+    steps = [json.loads(l)["step"] for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 2
+
+
+def test_resuming_from_the_final_checkpoint_writes_one_final_validation(tmp_path, tiny_target):
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "f", 4)
+    run(tmp_path, tiny_target, "f", 4, resume=True)
+    records = [json.loads(l) for l in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "val"] == [4]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]
+
+
+def test_killed_writes_leave_nothing_that_counts_or_stays(tmp_path, tiny_target, capsys):
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "k", 4)
+    ckpts = tmp_path / "k" / "checkpoints"
+    # What kills leave: a half-written checkpoint, a draft temporary, a half-pruned checkpoint.
+    (ckpts / ".step_0000006.abc123.tmp").mkdir()
+    (ckpts / ".step_0000006.abc123.tmp" / "draft.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "k" / ".draft.xyz.tmp").mkdir()
+    (ckpts / "step_0000004" / "draft.safetensors").unlink()  # weights gone, state left
+    assert [c.name for c in list_checkpoints(tmp_path / "k")] == ["step_0000002"]
+    run(tmp_path, tiny_target, "k", 4, resume=True)
+    assert "removed 2 temporaries" in capsys.readouterr().out
+    leftovers = [p.name for d in (tmp_path / "k", ckpts) for p in d.iterdir() if p.name.startswith(".")]
+    assert leftovers == []

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
     p.add_argument("--run-dir", required=True, help="run directory (config, metrics, checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds an earlier "
+                   "run (its checkpoints, draft and metrics are removed); without it, or --resume, such a "
+                   "directory is refused")
     p.add_argument("--offline", metavar="CACHE", help="read the teacher's outputs from a cache written by "
                    "`draftling extract` instead of running the teacher per batch (the target is still "
                    "loaded, for its embedding and pad id); the cache must match --data and --vocab")
@@ -177,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--with-embedding", action="store_true", help="include the target's embedding")
     p.add_argument("--target", help="target (needed for --with-embedding and as the verifier name)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 | keep")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (only "
+                   "the files draftling wrote there; other files stay). Without it --out must be new or "
+                   "empty; a directory draftling did not write is always refused")
 
     p = sub.add_parser("quickstart", help="run every stage on the embedded default target",
                        description="data -> vocab -> train -> bench -> export on SmolLM2-135M-Instruct "
@@ -221,6 +227,9 @@ def resolve_device(device: str) -> str:
 
     if device in (None, "", "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise DraftlingError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}"
+                             f"{'' if torch.version.cuda else ', a CPU-only build'}); use --device cpu")
     return device
 
 
@@ -312,7 +321,7 @@ def cmd_train(args) -> int | None:
         if ctx.is_main:
             print(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)", flush=True)
     train(cfg, target, args.run_dir, data / "train.jsonl", data / "val.jsonl", vocab_path,
-          resume=args.resume, teacher_source=source)
+          resume=args.resume, teacher_source=source, overwrite=args.overwrite)
 
 
 def cmd_plan(args) -> int:

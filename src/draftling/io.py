@@ -11,6 +11,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from draftling.errors import DraftlingError
+
+
+def umask_mode(directory: bool = False) -> int:
+    """The mode a plain open() or mkdir() would give under the current umask. mkstemp and
+    mkdtemp create 0600 / 0700, which would hide outputs from a serving process of another user."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
 
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
@@ -18,6 +28,7 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.fchmod(fd, umask_mode())
     os.close(fd)
     tmp = Path(tmp)
     try:
@@ -28,12 +39,20 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
             tmp.unlink()
 
 
+def _temp_dir_beside(final: Path) -> Path:
+    """A hidden ``.NAME.*.tmp`` directory next to ``final`` (so a rename is atomic), with the
+    mode the umask gives."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    tmp.chmod(umask_mode(directory=True))
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary directory beside `final`; it replaces `final` only on success."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    tmp = _temp_dir_beside(final)
     try:
         yield tmp
         if final.exists():
@@ -44,6 +63,67 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# Written into every output directory that owns its contents (an export): what kind of output
+# it is and which files draftling put there, so a rerun replaces only those.
+OUTPUT_MARKER = ".draftling-output.json"
+
+
+def check_output_dir(path: str | os.PathLike, kind: str, overwrite: bool, flag: str = "--out") -> None:
+    """Refuse, before any work, to write a ``kind`` directory at ``path`` when it is a file, a
+    non-empty directory draftling did not write, another kind of draftling output, or an
+    earlier ``kind`` output without ``overwrite``."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DraftlingError(f"{flag} {path}: is a file, not a directory")
+    if not path.is_dir() or not any(path.iterdir()):
+        return
+    marker = path / OUTPUT_MARKER
+    owner = _read_marker(marker)
+    if owner is None:
+        raise DraftlingError(f"{flag} {path}: not empty and not written by draftling; choose an empty or new "
+                             "directory (nothing was changed)")
+    if owner.get("kind") != kind:
+        raise DraftlingError(f"{flag} {path}: holds a draftling {owner.get('kind')!r} output, not {kind!r}")
+    if not overwrite:
+        raise DraftlingError(f"{flag} {path}: holds an earlier {kind}; pass --overwrite to replace its files")
+
+
+def _read_marker(marker: Path) -> dict | None:
+    try:
+        owner = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+@contextlib.contextmanager
+def atomic_output_dir(final: str | os.PathLike, kind: str) -> Iterator[Path]:
+    """For a directory ``check_output_dir`` has cleared: yield a temporary directory beside it.
+    On success a new output is renamed into place whole; over an earlier output its files
+    replace the earlier ones one by one (each an atomic rename), files draftling did not write
+    stay, and the marker, written last, lists the new files."""
+    final = Path(final)
+    tmp = _temp_dir_beside(final)
+    try:
+        yield tmp
+        files = sorted(p.name for p in tmp.iterdir())
+        write_json(tmp / OUTPUT_MARKER, {"kind": kind, "files": files})
+        if final.is_dir() and not any(final.iterdir()):
+            final.rmdir()
+        if not final.exists():
+            os.replace(tmp, final)
+            return
+        old = _read_marker(final / OUTPUT_MARKER) or {}
+        for name in files:
+            os.replace(tmp / name, final / name)
+        for name in set(old.get("files", [])) - set(files):
+            (final / name).unlink(missing_ok=True)
+        os.replace(tmp / OUTPUT_MARKER, final / OUTPUT_MARKER)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

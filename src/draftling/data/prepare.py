@@ -134,7 +134,6 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     val_ids = {c.id for c in val_convs}
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
           f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
-    write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, out_dir / PROMPT_COUNTS_FILE)
     # Leave room for a reply inside the sequence cap.
     max_prompt = max(1, dc.max_tokens - dc.regen.max_new_tokens)
     server = None
@@ -165,6 +164,10 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     else:
         raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
                         "the model or a server (data.regen.server_url)")
+    if not records:
+        raise DataError(f"no prompt of {', '.join(dc.prompts)} could be regenerated: every one is over the "
+                        f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)")
+    write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, out_dir / PROMPT_COUNTS_FILE)
     kept = any("_states" in r for r in records)
     states = [r.pop("_states", None) for r in records]
     for r in records:
@@ -193,7 +196,9 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         "prompts": len(convs),
         **({"excluded": excluded, "exclude": list(dc.exclude)} if dc.exclude else {}),
         "regenerated": len(records),
-        "skipped_long_prompts": len(convs) - len(records),
+        # Under a budget, prompts that were never offered are neither regenerated nor skipped.
+        "skipped_long_prompts": (len(val_convs) - len(val_records) + budget["skipped_long"]
+                                 if regen_seconds is not None and server is None else len(convs) - len(records)),
         "train_sequences": len(train_rows),
         "val_sequences": len(val_rows),
         "train_tokens": sum(len(r["input_ids"]) for r in train_rows),

@@ -54,16 +54,22 @@ def load_conversations(path: str | os.PathLike) -> list[Conversation]:
     if not path.is_file():
         raise DataError(f"{path}: no such prompt file")
     convs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: malformed JSON: {e.msg} (col {e.colno})") from None
             convs.append(_parse_record(record, path.stem, lineno, where))
+    if not convs:
+        raise DataError(f"{path}: no prompts (the file is empty or blank)")
     return convs
 
 

@@ -106,6 +106,13 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
     own_dtype = target.model.dtype
     prompts = [(c, render_prompt_ids(tok, c)) for c in convs]
     if max_prompt_tokens:
+        long = [c.id for c, ids in prompts if len(ids) > max_prompt_tokens]
+        if long:
+            print(f"regenerate: skipping {len(long)} prompts over the {max_prompt_tokens}-token prompt limit "
+                  f"(data.max_tokens - data.regen.max_new_tokens): {', '.join(long[:5])}"
+                  f"{' ...' if len(long) > 5 else ''}", flush=True)
+        if pace is not None:
+            pace["skipped_long"] = pace.get("skipped_long", 0) + len(long)
         prompts = [(c, ids) for c, ids in prompts if len(ids) <= max_prompt_tokens]
     # Similar lengths per batch waste less padding; the output order does not matter.
     prompts.sort(key=lambda p: len(p[1]))
@@ -192,7 +199,8 @@ def regenerate_within(regen, convs: list[Conversation], batch_size: int, deadlin
             done += 1
             yield record
     seconds = time.perf_counter() - t0
-    report.update(available=len(convs), regenerated=done, seconds=round(seconds, 1),
+    report.update(available=len(convs), regenerated=done, skipped_long=pace.get("skipped_long", 0),
+                  seconds=round(seconds, 1),
                   rate_prompts_s=round(done / max(seconds, 1e-9), 3), stopped_by_budget=done < len(convs))
     print(f"regenerate: {done} of {len(convs)} training prompts in {seconds:.0f} s "
           f"({done / max(seconds, 1e-9):.2f} prompts/s){'; the rest did not fit the budget' if done < len(convs) else ''}",

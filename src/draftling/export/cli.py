@@ -8,12 +8,15 @@ from draftling.draft.store import load_draft
 from draftling.errors import DraftlingError
 from draftling.export.conventions import is_default_aux_layer_ids
 from draftling.export.formats import export_sglang, export_speculators
+from draftling.io import check_output_dir
 
 
 def export_draft(draft_dir, out, fmt: str = "sglang", with_embedding: bool = False,
-                 target=None, dtype: str = "bfloat16") -> Path:
+                 target=None, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
     """Export a draftling draft directory. ``target`` is a loaded Target (needed for the
-    embedding) or None."""
+    embedding) or None. ``out`` must be new, empty, or (with ``overwrite``) an earlier export,
+    whose own files are then replaced; anything else there is refused before any work."""
+    check_output_dir(out, "export", overwrite)
     draft = load_draft(draft_dir)
     cfg = draft.config
     num_layers = getattr(cfg, "target_num_hidden_layers", None)
@@ -38,10 +41,11 @@ def export_draft(draft_dir, out, fmt: str = "sglang", with_embedding: bool = Fal
 
 
 def export_from_cli(args) -> None:
+    check_output_dir(args.out, "export", args.overwrite)  # before the target loads
     target = None
     if args.with_embedding or args.target:
         from draftling.target import load_target
 
         target = load_target(args.target)
-    out = export_draft(args.draft, args.out, args.format, args.with_embedding, target, args.dtype)
+    out = export_draft(args.draft, args.out, args.format, args.with_embedding, target, args.dtype, args.overwrite)
     print(f"exported {args.format} format to {out}")

@@ -31,7 +31,7 @@ from draftling.export.conventions import (
     is_default_aux_layer_ids,
     to_engine_aux_layer_ids,
 )
-from draftling.io import atomic_dir, write_json
+from draftling.io import atomic_output_dir, write_json
 from draftling.target.aux import default_aux_layer_ids
 
 WEIGHTS_NAME = "model.safetensors"
@@ -183,8 +183,9 @@ def _weights_dtype(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _write(out_dir, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """Into a directory the caller has cleared with ``io.check_output_dir(out_dir, "export", ...)``."""
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_output_dir(out_dir, "export") as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         write_json(tmp / CONFIG_NAME, config)
     return out_dir

@@ -13,7 +13,7 @@ from draftling.config import load_config, save_config
 from draftling.data.prepare import prepare_data
 from draftling.data.sources import check_prompt_files
 from draftling.draft.vocab import build_vocab_file
-from draftling.io import write_json
+from draftling.io import check_output_dir, write_json
 from draftling.recipes.budget import BudgetPlan, plan_budget
 
 
@@ -44,6 +44,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     out = Path(out)
     cfg = load_config(config, overrides)
     check_prompt_files(cfg)  # before any output or the minutes of loading and regenerating
+    check_output_dir(out / "export-sglang", "export", overwrite=True)
     out.mkdir(parents=True, exist_ok=True)
     timings = {}
 
@@ -87,7 +88,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         print(f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
               f"fitted to it from the measured step time", flush=True)
     train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
-                         data_dir / "vocab.safetensors")
+                         data_dir / "vocab.safetensors", overwrite=True)  # the quickstart owns its --out
     done("train")
 
     stage("bench")
@@ -96,7 +97,8 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     done("bench")
 
     stage("export")
-    export_dir = export_draft(run_dir / "draft", out / "export-sglang", "sglang", target=target)
+    # The quickstart owns its --out: a rerun replaces its own earlier export.
+    export_dir = export_draft(run_dir / "draft", out / "export-sglang", "sglang", target=target, overwrite=True)
     done("export")
 
     chain3 = next((c for c in bench["configs"] if (c["steps"], c["topk"]) == (3, 1)), bench["configs"][0])

@@ -3,13 +3,14 @@ scheduler, step, data position and every RNG state (a weights_only-loadable dict
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
-from draftling.draft.store import save_draft
+from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.io import atomic_dir, write_json
 
 STATE_FILE = "train_state.pt"
@@ -42,8 +43,26 @@ def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step
         write_json(tmp / "meta.json", {"step": step, "epoch": epoch, "batch_index": batch_index,
                                        **(extra or {})})
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        # Renamed out of the list first: a kill while deleting leaves a temporary, never a
+        # checkpoint with missing files.
+        doomed = old.with_name(f".{old.name}.pruned.tmp")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[str]:
+    """Remove what killed writes left in a run directory: the hidden ``.NAME.*.tmp`` and
+    ``.NAME.old`` entries of atomic writes and prunes. Returns their names."""
+    removed = []
+    for folder in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        for p in folder.iterdir():
+            if p.name.startswith(".") and (p.name.endswith(".tmp") or p.name.endswith(".old")):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                removed.append(p.name)
+    return removed
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -51,7 +70,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+             if (m := _STEP_DIR.match(p.name)) and all((p / f).is_file() for f in (STATE_FILE, WEIGHTS_FILE))]
     return [p for _, p in sorted(found)]
 
 

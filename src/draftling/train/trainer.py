@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 import weakref
@@ -25,7 +26,8 @@ from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.io import atomic_dir, atomic_path, write_json
 from draftling.target import Target
 from draftling.target.quant import has_plain_weights
-from draftling.train.checkpoint import latest_checkpoint, load_train_state, save_checkpoint, set_rng_state
+from draftling.train.checkpoint import (latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
+                                        set_rng_state)
 from draftling.train.dataset import EpochBatches, collate, load_tokenized
 from draftling.train.distributed import (PARALLEL_MODES, DistContext, TTTObjective, all_reduce_sum, any_rank,
                                          barrier, current, full_model_state, full_optimizer_state, is_sharded,
@@ -66,8 +68,9 @@ class MetricsLog:
         self.path = path
         if resume_step is not None and path.exists():
             # Drop records the interrupted run wrote after the checkpoint we resume from.
-            kept = [l for l in path.read_text().splitlines()
-                    if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+            # The final validation comes after the last checkpoint: a resume writes it again.
+            records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+            kept = [json.dumps(r) for r in records if r.get("step", 0) <= resume_step and not r.get("final")]
             with atomic_path(path) as tmp:
                 tmp.write_text("".join(l + "\n" for l in kept))
         elif path.exists():
@@ -496,9 +499,34 @@ def host_draft(objective, config) -> Eagle3Draft:
     return copy
 
 
+def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext) -> None:
+    """A run directory that holds an earlier run is refused unless the run resumes it or
+    starts over (``overwrite``: its checkpoints, draft and metrics go); a later ``--resume``
+    must never pick up a stale checkpoint of another run."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: is a file, not a directory")
+    earlier = [run_dir / n for n in ("checkpoints", "draft", "metrics.jsonl") if (run_dir / n).exists()]
+    if earlier and not resume:
+        if not overwrite:
+            raise ConfigError(f"--run-dir {run_dir}: holds an earlier run ({', '.join(p.name for p in earlier)}); "
+                              "pass --resume to continue it or --overwrite to start over")
+        barrier(ctx)  # every rank has looked before rank 0 removes
+        if ctx.is_main:
+            for path in earlier + [run_dir / "tensorboard", run_dir / "train_result.json"]:
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        barrier(ctx)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main:
+        stale = remove_stale_temporaries(run_dir)
+        if stale:
+            print(f"removed {len(stale)} temporaries that interrupted writes left in {run_dir}: "
+                  f"{', '.join(sorted(stale)[:4])}{' ...' if len(stale) > 4 else ''}", flush=True)
+    barrier(ctx)
+
+
 def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
           val_path: str | Path | None, vocab_path: str | Path, resume: bool = False,
-          teacher_source=None) -> dict:
+          teacher_source=None, overwrite: bool = False) -> dict:
     """``teacher_source``: an object with ``get(keys, lengths, device) -> TeacherBatch`` (e.g. an
     offline.OfflineTeacher) used instead of running the teacher; its ``for_split("val", hash)``,
     when it has one, serves validation.
@@ -507,7 +535,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     with its own resident teacher and its share of each global batch; rank 0 writes."""
     ctx = current()
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir, resume, overwrite, ctx)
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
     tc = cfg.train
@@ -597,9 +625,9 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         from tqdm import tqdm
         progress = tqdm(total=total_steps, initial=start_step, desc="train", leave=False)
 
-    def validate(prefix: str, step: int) -> dict:
+    def validate(prefix: str, step: int, final: bool = False) -> dict:
         vm = evaluate(objective, target, val_examples, cfg, device, tc.max_val_batches, val_source, ctx)
-        vm.update(step=step, split="val")
+        vm.update(step=step, split="val", **({"final": True} if final else {}))
         if metrics_log:
             metrics_log.write(vm, format_line(prefix, vm))
         return vm
@@ -658,7 +686,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     if torch.cuda.is_available() and device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if val_examples:
-        result["val"] = validate("validation", step)
+        result["val"] = validate("validation", step, final=True)
     final = host_draft(objective, draft.config)
     if ctx.is_main:
         metrics_log.close()

@@ -1,0 +1,79 @@
+"""Outputs never destroy what draftling did not write, and respect the umask."""
+
+import os
+
+import pytest
+
+from draftling.draft.store import save_draft
+from draftling.errors import DraftlingError
+from draftling.export.cli import export_draft
+from draftling.io import OUTPUT_MARKER, atomic_dir, write_json
+from tests.test_export import make_draft, target  # noqa: F401  (the fixture)
+
+
+@pytest.fixture
+def draft_dir(tmp_path, target):  # noqa: F811
+    path = tmp_path / "draft"
+    path.mkdir()
+    save_draft(make_draft(target), path)
+    return path
+
+
+def test_export_refuses_a_directory_it_did_not_write_and_changes_nothing(tmp_path, draft_dir):
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    with pytest.raises(DraftlingError, match="not written by draftling"):
+        export_draft(draft_dir, out)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "x"]  # no temporaries beside it
+
+
+def test_export_refuses_a_file_as_its_directory(tmp_path, draft_dir):
+    out = tmp_path / "file"
+    out.write_text("mine")
+    with pytest.raises(DraftlingError, match="is a file"):
+        export_draft(draft_dir, out)
+    assert out.read_text() == "mine" and not (tmp_path / ".file.old").exists()
+
+
+def test_replacing_an_export_takes_overwrite_and_keeps_other_files(tmp_path, draft_dir):
+    out = tmp_path / "e"
+    out.mkdir()  # an empty directory is fine
+    export_draft(draft_dir, out)
+    own = sorted(p.name for p in out.iterdir())
+    assert OUTPUT_MARKER in own and "config.json" in own and "model.safetensors" in own
+    (out / "NOTES.md").write_text("the user's")
+    with pytest.raises(DraftlingError, match="--overwrite"):
+        export_draft(draft_dir, out)
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    export_draft(draft_dir, out, overwrite=True)
+    assert (out / "NOTES.md").read_text() == "the user's"
+    assert sorted(p.name for p in out.iterdir()) == sorted(own + ["NOTES.md"])
+    assert (out / "model.safetensors").stat().st_mtime_ns >= before
+
+
+def test_export_cli_refuses_before_loading_anything(tmp_path, draft_dir, capsys):
+    from draftling.cli import main
+
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    assert main(["export", "--draft", str(draft_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "not written by draftling" in err and err.count("\n") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_outputs_follow_the_umask(tmp_path, mask, file_mode, dir_mode):
+    old = os.umask(mask)
+    try:
+        write_json(tmp_path / "a.json", {"x": 1})
+        with atomic_dir(tmp_path / "d") as tmp:
+            write_json(tmp / "b.json", {})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == file_mode
+    assert (tmp_path / "d").stat().st_mode & 0o777 == dir_mode
+    assert (tmp_path / "d" / "b.json").stat().st_mode & 0o777 == file_mode
