@@ -202,3 +202,46 @@ def test_killed_writes_leave_nothing_that_counts_or_stays(tmp_path, tiny_target,
     assert "removed 2 temporaries" in capsys.readouterr().out
     leftovers = [p.name for d in (tmp_path / "k", ckpts) for p in d.iterdir() if p.name.startswith(".")]
     assert leftovers == []
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_the_one_before_resumes_exactly(tmp_path, tiny_target, capsys):
+    import os
+    import shutil
+
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "full", 6)
+    run(tmp_path, tiny_target, "cut", 6)
+    shutil.rmtree(tmp_path / "cut" / "draft")
+    newest = tmp_path / "cut" / "checkpoints" / "step_0000006"
+    os.truncate(newest / "train_state.pt", 100)  # `truncate -s 100`
+    capsys.readouterr()
+    run(tmp_path, tiny_target, "cut", 6, resume=True)
+    out = capsys.readouterr().out
+    assert f"skipping damaged checkpoint {newest}: train_state.pt has 100 bytes" in out
+    assert "resumed from" in out and "step_0000004" in out
+    a = load_file(str(tmp_path / "full" / "draft" / "draft.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_a_changed_config_is_refused_unless_the_key_is_allowed(tmp_path, tiny_target):
+    from draftling.errors import ConfigError
+
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "c", 4)
+    shutil_rm = __import__("shutil").rmtree
+    shutil_rm(tmp_path / "c" / "checkpoints" / "step_0000004")
+    with pytest.raises(ConfigError) as e:
+        run(tmp_path, tiny_target, "c", 4, resume=True, **{"train.lr": 2e-3, "train.ttt_steps": 2})
+    assert "train.lr: 0.001 -> 0.002" in str(e.value) and "train.ttt_steps: 3 -> 2" in str(e.value)
+    assert "lr: 0.001" in (tmp_path / "c" / "config.yaml").read_text()  # untouched
+    # Allowed: applied from the resumed step on, and recorded.
+    train(cfg_for(4, **{"train.lr": 2e-3}), tiny_target, tmp_path / "c", tmp_path / "train.jsonl",
+          tmp_path / "val.jsonl", tmp_path / "vocab.safetensors", resume=True, allow_change=["train.lr"])
+    assert "lr: 0.002" in (tmp_path / "c" / "config.yaml").read_text()
+    records = [json.loads(l) for l in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 2, "split": "config_change", "changes": {"train.lr": {"from": 0.001, "to": 0.002}}} in records
+    lrs = {r["step"]: r["lr"] for r in records if r["split"] == "train"}
+    run(tmp_path, tiny_target, "ref", 4)
+    ref = {json.loads(l)["step"]: json.loads(l).get("lr") for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()}
+    assert lrs[2] == ref[2] and lrs[3] == pytest.approx(2 * ref[3])

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
     p.add_argument("--run-dir", required=True, help="run directory (config, metrics, checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
+                   help="with --resume: apply this config key's new value (e.g. train.lr), recorded in "
+                   "config.yaml and as a config_change record in metrics.jsonl; repeat for several. "
+                   "Without it a resume whose config differs from the run's is refused, listing the keys")
     p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds an earlier "
                    "run (its checkpoints, draft and metrics are removed); without it, or --resume, such a "
                    "directory is refused")
@@ -321,7 +325,7 @@ def cmd_train(args) -> int | None:
         if ctx.is_main:
             print(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)", flush=True)
     train(cfg, target, args.run_dir, data / "train.jsonl", data / "val.jsonl", vocab_path,
-          resume=args.resume, teacher_source=source, overwrite=args.overwrite)
+          resume=args.resume, teacher_source=source, overwrite=args.overwrite, allow_change=args.allow_change)
 
 
 def cmd_plan(args) -> int:

@@ -3,6 +3,7 @@ scheduler, step, data position and every RNG state (a weights_only-loadable dict
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -11,9 +12,10 @@ from pathlib import Path
 import torch
 
 from draftling.draft.store import WEIGHTS_FILE, save_draft
-from draftling.io import atomic_dir, write_json
+from draftling.io import atomic_dir, hash_dataset_file, write_json
 
 STATE_FILE = "train_state.pt"
+MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -42,6 +44,9 @@ def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step
                    tmp / STATE_FILE)
         write_json(tmp / "meta.json", {"step": step, "epoch": epoch, "batch_index": batch_index,
                                        **(extra or {})})
+        # Written last, over every other file: resume checks it before trusting the checkpoint.
+        write_json(tmp / MANIFEST_FILE, {p.name: {"bytes": p.stat().st_size, "sha256": hash_dataset_file(p)}
+                                         for p in sorted(tmp.iterdir())})
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         # Renamed out of the list first: a kill while deleting leaves a temporary, never a
         # checkpoint with missing files.
@@ -74,9 +79,36 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
+def latest_checkpoint(run_dir: Path, warn=print) -> Path | None:
+    """The newest checkpoint whose files match its manifest; a damaged one is skipped with a
+    warning (``warn``) that names it and what is wrong."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            return ckpt
+        warn(f"skipping damaged checkpoint {ckpt}: {problem}")
+    return None
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """What is wrong with a checkpoint against its manifest, or None (one without a manifest,
+    from before manifests, is taken as it is)."""
+    path = ckpt / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST_FILE} is unreadable ({e})"
+    for name, want in manifest.items():
+        f = ckpt / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if hash_dataset_file(f) != want["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
 
 
 def load_train_state(ckpt: Path) -> dict:

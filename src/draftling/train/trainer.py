@@ -499,6 +499,42 @@ def host_draft(objective, config) -> Eagle3Draft:
     return copy
 
 
+# Keys a resume may change freely: they steer logging, checkpoints, time and validation, not
+# the weights a step computes.
+RESUME_FREE_KEYS = ("train.max_minutes", "train.fit_schedule", "train.log_every", "train.ckpt_every",
+                    "train.keep_checkpoints", "train.val_every", "train.max_val_batches", "wall_minutes",
+                    "device", "data.", "bench.")
+
+
+def resume_config_changes(run_dir: Path, cfg: RunConfig, allow_change) -> dict:
+    """{key: (old, new)} for the keys ``allow_change`` lets a resume change; a ConfigError
+    listing any other key whose value differs from the run's saved config.yaml."""
+    from draftling.config import load_config, to_dict
+
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return {}
+    old, new = _flatten(to_dict(load_config(saved))), _flatten(to_dict(cfg))
+    differ = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+              if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE_KEYS)}
+    refused = [k for k in differ if k not in set(allow_change)]
+    if refused:
+        listed = "; ".join(f"{k}: {differ[k][0]!r} -> {differ[k][1]!r}" for k in refused)
+        raise ConfigError(f"--resume {run_dir}: the config differs from the run's ({listed}); resume with the "
+                          f"run's values, or apply the change with --allow-change {refused[0]}")
+    return differ
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "max_prompts_by_file":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext) -> None:
     """A run directory that holds an earlier run is refused unless the run resumes it or
     starts over (``overwrite``: its checkpoints, draft and metrics go); a later ``--resume``
@@ -526,7 +562,7 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext
 
 def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
           val_path: str | Path | None, vocab_path: str | Path, resume: bool = False,
-          teacher_source=None, overwrite: bool = False) -> dict:
+          teacher_source=None, overwrite: bool = False, allow_change=()) -> dict:
     """``teacher_source``: an object with ``get(keys, lengths, device) -> TeacherBatch`` (e.g. an
     offline.OfflineTeacher) used instead of running the teacher; its ``for_split("val", hash)``,
     when it has one, serves validation.
@@ -536,6 +572,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     ctx = current()
     run_dir = Path(run_dir)
     claim_run_dir(run_dir, resume, overwrite, ctx)
+    changes = resume_config_changes(run_dir, cfg, allow_change) if resume else {}
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
     tc = cfg.train
@@ -573,7 +610,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     cfg = dataclasses.replace(cfg, train=tc)
     say(f"memory policy: {policy}")
 
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    ckpt = latest_checkpoint(run_dir, warn=say) if resume else None
     if resume and ckpt is None:
         log.warning("--resume: no checkpoint in %s, starting from scratch", run_dir)
     state = load_train_state(ckpt) if ckpt is not None else None
@@ -606,10 +643,18 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         start_step = state["step"]
         if tc.fit_schedule:  # the schedule as the interrupted run had fitted it
             total_steps = schedule.total = json.loads((ckpt / "meta.json").read_text()).get("total_steps", total_steps)
-        say(f"resumed from {ckpt} at step {start_step}")
+        if "train.lr" in changes:  # the scheduler's state holds the old base lr
+            scheduler.base_lrs = [tc.lr] * len(scheduler.base_lrs)
+            for group in scheduled.param_groups:
+                group["initial_lr"], group["lr"] = tc.lr, tc.lr * schedule(start_step)
+        say(f"resumed from {ckpt} at step {start_step}"
+            + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else ""))
 
     metrics_log = (MetricsLog(run_dir / "metrics.jsonl", start_step if ckpt is not None else None)
                    if ctx.is_main else None)
+    if metrics_log and changes and ckpt is not None:
+        metrics_log.write({"step": start_step, "split": "config_change",
+                           "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}})
     parallel = (f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ "
                 f"sequences per rank" if ctx.active else "")
     say(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(examples)} train / "
