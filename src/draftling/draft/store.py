@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from draftling.draft.model import Eagle3Draft
-from draftling.errors import DraftlingError
+from draftling.errors import DraftlingError, one_line
 
 CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "draft.safetensors"
@@ -34,9 +34,14 @@ def load_draft(directory: str | Path, device: str | torch.device = "cpu",
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
             raise DraftlingError(f"{directory}: not a draftling draft (missing {name})")
-    config = LlamaConfig(**json.loads((directory / CONFIG_FILE).read_text()))
-    draft = Eagle3Draft(config)
-    state = load_file(str(directory / WEIGHTS_FILE))
+    try:
+        draft = Eagle3Draft(LlamaConfig(**json.loads((directory / CONFIG_FILE).read_text())))
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise DraftlingError(f"{directory / CONFIG_FILE}: not a draft config ({one_line(e)})") from None
+    try:
+        state = load_file(str(directory / WEIGHTS_FILE))
+    except Exception as e:  # safetensors raises its own error type for a truncated or garbage file
+        raise DraftlingError(f"{directory / WEIGHTS_FILE}: unreadable ({one_line(e)})") from None
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftling.errors import DataError
+from draftling.errors import DataError, one_line
 from draftling.io import atomic_path, hash_dataset_file  # noqa: F401 (re-exported)
 
 
@@ -83,9 +83,12 @@ def load_vocab(path: str | Path, expect_data_hash: str | None = None,
         raise DataError(f"{path}: vocab file not found (run `draftling vocab` first)")
     from safetensors import safe_open
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    tensors = load_file(str(path))
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors' own error type for a truncated or garbage file
+        raise DataError(f"{path}: not a vocab file ({one_line(e)}); rebuild it with `draftling vocab`") from None
     if "d2t" not in tensors or "t2d" not in tensors:
         raise DataError(f"{path}: expected tensors d2t and t2d, found {sorted(tensors)}")
     vocab = DraftVocab(tensors["d2t"].long(), tensors["t2d"].bool(), meta.get("data_hash", ""),

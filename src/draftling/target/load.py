@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from draftling.errors import TargetError
+from draftling.errors import DraftlingError, TargetError, one_line
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,14 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
     spec = resolve_target(target)
     if dtype not in DTYPES:
         raise TargetError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-    with gguf_parsed_once(spec):
-        return _load_target(spec, dtype, device, aux_layer_ids, chat_template, quantization)
+    try:
+        with gguf_parsed_once(spec):
+            return _load_target(spec, dtype, device, aux_layer_ids, chat_template, quantization)
+    except DraftlingError:
+        raise
+    except Exception as e:  # a truncated or garbage GGUF, a folder with only config.json, ...
+        raise TargetError(f"{spec.gguf_file or spec.path}: cannot load the target {spec.name!r}: "
+                          f"{one_line(e)}") from e
 
 
 def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_template,

@@ -23,7 +23,8 @@ class TokenizedExample:
     loss_mask: list[int]
 
 
-def load_tokenized(path: str | Path) -> list[TokenizedExample]:
+def load_tokenized(path: str | Path, vocab_size: int | None = None) -> list[TokenizedExample]:
+    """The rows of a prepared jsonl; ``vocab_size``: refuse a token id outside [0, vocab_size)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: prepared dataset not found (run `draftling data` first)")
@@ -40,6 +41,10 @@ def load_tokenized(path: str | Path) -> list[TokenizedExample]:
                 raise DataError(f"{path.name}:{lineno}: bad tokenized row: {e}") from None
             if len(ex.input_ids) != len(ex.loss_mask):
                 raise DataError(f"{path.name}:{lineno}: input_ids and loss_mask differ in length")
+            bad = next((t for t in ex.input_ids if not isinstance(t, int) or not 0 <= t < (vocab_size or t + 1)), None)
+            if bad is not None:
+                raise DataError(f"{path}:{lineno}: token id {bad!r} is outside the target's vocabulary "
+                                f"(0..{(vocab_size or 0) - 1}); was this data made for another target?")
             rows.append(ex)
     if not rows:
         raise DataError(f"{path}: no examples")

@@ -590,8 +590,9 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         if ctx.is_main:
             print(line, flush=True)
 
-    examples = load_tokenized(train_path)
-    val_examples = load_tokenized(val_path) if val_path and Path(val_path).exists() else []
+    n_vocab = target.config.vocab_size
+    examples = load_tokenized(train_path, n_vocab)
+    val_examples = load_tokenized(val_path, n_vocab) if val_path and Path(val_path).exists() else []
     val_source = None
     if teacher_source is not None and val_examples and hasattr(teacher_source, "for_split"):
         val_source = teacher_source.for_split("val", hash_dataset_file(val_path))
