@@ -77,3 +77,43 @@ def test_outputs_follow_the_umask(tmp_path, mask, file_mode, dir_mode):
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == file_mode
     assert (tmp_path / "d").stat().st_mode & 0o777 == dir_mode
     assert (tmp_path / "d" / "b.json").stat().st_mode & 0o777 == file_mode
+
+
+def _data(tiny_target_dir, prompts, out):
+    from draftling.cli import main
+
+    return main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
+                 "--out", str(out), "data.regen.max_new_tokens=6", "data.val_fraction=0.25", "data.min_tokens=4"])
+
+
+def test_a_failed_data_rerun_leaves_the_earlier_data_whole(tmp_path, tiny_target_dir, monkeypatch, capsys):
+    from draftling.data import prepare
+    from tests.test_cli import write_prompts
+
+    prompts, out = write_prompts(tmp_path / "p.jsonl"), tmp_path / "data"
+    assert _data(tiny_target_dir, prompts, out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"train.jsonl", "val.jsonl", "summary.json", OUTPUT_MARKER} <= set(before)
+    real = prepare.write_jsonl
+
+    def dies_at_val(path, rows):  # a kill or a full disk between the two splits
+        if path.name == "val.jsonl":
+            raise OSError(28, "No space left on device")
+        return real(path, rows)
+
+    monkeypatch.setattr(prepare, "write_jsonl", dies_at_val)
+    assert _data(tiny_target_dir, write_prompts(tmp_path / "p2.jsonl", n=16), out) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_data_refuses_a_directory_that_is_not_its_own(tmp_path, tiny_target_dir, capsys):
+    from tests.test_cli import write_prompts
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    assert _data(tiny_target_dir, write_prompts(tmp_path / "p.jsonl"), out) == 2
+    assert "not a draftling data directory" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]

@@ -239,7 +239,7 @@ def resolve_device(device: str) -> str:
 
 def cmd_data(args) -> None:
     from draftling.data.sources import check_prompt_files
-    from draftling.data.prepare import prepare_data
+    from draftling.data.prepare import check_data_dir, prepare_data
 
     cfg = _run_config(args)
     if args.prompts:
@@ -249,8 +249,7 @@ def cmd_data(args) -> None:
     if args.server_model:
         cfg.data.regen.server_model = args.server_model
     check_prompt_files(cfg)
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise DraftlingError(f"--out {args.out}: is a file, not a directory")
+    check_data_dir(Path(args.out))  # before the target loads
     if cfg.data.regen.server_url:
         from draftling.target.load import load_target_tokenizer
 
@@ -465,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         code = COMMANDS[args.command](args)
     except DraftlingError as e:
         print(f"draftling: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a read-only output: atomic writes left the last good state
+        where = e.filename or "writing the output"
+        print(f"draftling: error: {where}: {e.strerror or e}", file=sys.stderr)
         return 2
     return code or 0
 

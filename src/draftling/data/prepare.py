@@ -29,7 +29,7 @@ from draftling.data.split import split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
 from draftling.errors import DataError
-from draftling.io import write_json, write_jsonl
+from draftling.io import OUTPUT_MARKER, atomic_dir, write_json, write_jsonl
 from draftling.target import Target
 from draftling.target.load import TargetTokenizer
 
@@ -112,6 +112,21 @@ def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: lis
           f"vocab ({len(pool) - kept} of validation's tasks left out)", flush=True)
 
 
+def check_data_dir(out_dir: Path) -> None:
+    """A data directory is replaced whole, so refuse one that holds anything else: a file, or a
+    non-empty directory that is not draftling's data (a marker, or an earlier version's
+    summary.json beside train.jsonl)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--out {out_dir}: is a file, not a directory")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    ours = (out_dir / OUTPUT_MARKER).is_file() or ((out_dir / "summary.json").is_file()
+                                                   and (out_dir / "train.jsonl").is_file())
+    if not ours:
+        raise DataError(f"--out {out_dir}: not empty and not a draftling data directory; it would be "
+                        "replaced whole, so choose an empty or new directory (nothing was changed)")
+
+
 def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path,
                  regen_seconds: float | None = None) -> dict:
     """With ``data.regen.server_url`` set the replies come from that server and ``target``
@@ -121,7 +136,9 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     written first; the training replies are then a random sample of the training prompts,
     as many as this machine's measured rate fits in what is left (see regenerate_within)."""
     out_dir = Path(out_dir)
+    check_data_dir(out_dir)
     dc = cfg.data
+    budget = val_skipped = None  # set when regeneration runs under a time budget
     pool: list[Conversation] = []
     convs, excluded = load_prompt_files(cfg, pool)
     if dc.exclude:
@@ -152,6 +169,7 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         if regen_seconds is not None:
             t0 = time.perf_counter()
             val_records = list(regen(val_convs, replace(dc.regen, dtype=None)))
+            val_skipped = len(val_convs) - len(val_records)
             budget = {"seconds": round(regen_seconds, 1), "val_s": round(time.perf_counter() - t0, 1)}
             records = list(regenerate_within(partial(regen, cfg=dc.regen), train_convs, dc.regen.batch_size,
                                              t0 + regen_seconds, dc.seed, budget)) + val_records
@@ -167,11 +185,26 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     if not records:
         raise DataError(f"no prompt of {', '.join(dc.prompts)} could be regenerated: every one is over the "
                         f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)")
-    write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, out_dir / PROMPT_COUNTS_FILE)
-    kept = any("_states" in r for r in records)
-    states = [r.pop("_states", None) for r in records]
     for r in records:
         r["split"] = "val" if r["id"] in val_ids else "train"
+    # The directory is built aside and swapped in whole: a killed rerun leaves the earlier
+    # data as it was, never a new train.jsonl beside an old val.jsonl.
+    with atomic_dir(out_dir) as tmp:
+        write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, tmp / PROMPT_COUNTS_FILE)
+        rows = write_splits(target, dc, tmp, records)
+        summary = data_summary(cfg, target, convs, records, rows, excluded, server, budget, val_skipped)
+        write_json(tmp / "summary.json", summary)
+        write_json(tmp / OUTPUT_MARKER, {"kind": "data"})
+    print(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
+          f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
+          f"{len(records)} replies hit the {dc.regen.max_new_tokens}-token cap", flush=True)
+    return summary
+
+
+def write_splits(target, dc, out_dir: Path, records: list[dict]) -> dict:
+    """replies.jsonl, {train,val}.jsonl and, where regeneration kept them, the target's states."""
+    kept = any("_states" in r for r in records)
+    states = [r.pop("_states", None) for r in records]
     write_jsonl(out_dir / "replies.jsonl", records)
     rows = {}
     for split in ("train", "val"):
@@ -180,14 +213,17 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
             target, [records[j] for j in picked], dc.min_tokens, dc.max_tokens,
             [states[j] for j in picked] if kept else None)
         write_jsonl(out_dir / f"{split}.jsonl", rows[split])
-        path = states_path(out_dir, split)
         if kept and rows[split]:
-            size = write_states(path, out_dir / f"{split}.jsonl", row_states, target.spec.name,
-                                target.aux_layer_ids)
+            size = write_states(states_path(out_dir, split), out_dir / f"{split}.jsonl", row_states,
+                                target.spec.name, target.aux_layer_ids)
             print(f"data: kept the target's states for {split} ({size / 2**20:.0f} MiB): training "
                   "will not run the target over these tokens again", flush=True)
-        elif path.exists():
-            path.unlink()  # from an earlier run: it describes other rows
+    return rows
+
+
+def data_summary(cfg: RunConfig, target, convs, records, rows, excluded, server, budget, val_skipped) -> dict:
+    """summary.json: counts, tokens, caps, and the regeneration settings and budget."""
+    dc = cfg.data
     train_rows, val_rows = rows["train"], rows["val"]
     stopped = [r["provenance"]["stopped"] for r in records]
     summary = {
@@ -197,8 +233,8 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         **({"excluded": excluded, "exclude": list(dc.exclude)} if dc.exclude else {}),
         "regenerated": len(records),
         # Under a budget, prompts that were never offered are neither regenerated nor skipped.
-        "skipped_long_prompts": (len(val_convs) - len(val_records) + budget["skipped_long"]
-                                 if regen_seconds is not None and server is None else len(convs) - len(records)),
+        "skipped_long_prompts": (val_skipped + budget["skipped_long"] if budget is not None
+                                 else len(convs) - len(records)),
         "train_sequences": len(train_rows),
         "val_sequences": len(val_rows),
         "train_tokens": sum(len(r["input_ids"]) for r in train_rows),
@@ -206,13 +242,9 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         "replies_stopped_eos": stopped.count("eos"),
         "replies_hit_cap": stopped.count("length"),
         "regen": json.loads(json.dumps(dc.regen.__dict__)),
-        **({"regen_budget": budget} if regen_seconds is not None and server is None else {}),
+        **({"regen_budget": budget} if budget is not None else {}),
         # The dtype each split's replies were written in (see data.regen.dtype).
         "regen_dtypes": {split: sorted({r["provenance"].get("dtype", "server") for r in records
                                         if r["split"] == split}) for split in ("train", "val")},
     }
-    write_json(out_dir / "summary.json", summary)
-    print(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
-          f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
-          f"{len(records)} replies hit the {dc.regen.max_new_tokens}-token cap", flush=True)
     return summary

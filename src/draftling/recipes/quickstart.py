@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from draftling.config import load_config, save_config
-from draftling.data.prepare import prepare_data
+from draftling.data.prepare import check_data_dir, prepare_data
 from draftling.data.sources import check_prompt_files
 from draftling.draft.vocab import build_vocab_file
 from draftling.io import check_output_dir, write_json
@@ -45,6 +45,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     cfg = load_config(config, overrides)
     check_prompt_files(cfg)  # before any output or the minutes of loading and regenerating
     check_output_dir(out / "export-sglang", "export", overwrite=True)
+    check_data_dir(out / "data")
     out.mkdir(parents=True, exist_ok=True)
     timings = {}
 
