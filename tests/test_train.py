@@ -245,3 +245,13 @@ def test_resume_with_a_changed_config_is_refused_unless_the_key_is_allowed(tmp_p
     run(tmp_path, tiny_target, "ref", 4)
     ref = {json.loads(l)["step"]: json.loads(l).get("lr") for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()}
     assert lrs[2] == ref[2] and lrs[3] == pytest.approx(2 * ref[3])
+
+
+def test_a_run_dir_that_is_a_file_is_refused(tmp_path, tiny_target):
+    from draftling.errors import ConfigError
+
+    setup_data(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ConfigError, match="--run-dir .*afile: is a file"):
+        run(tmp_path, tiny_target, "afile", 2)
+    assert (tmp_path / "afile").read_text() == "mine"
