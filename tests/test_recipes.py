@@ -18,6 +18,7 @@ def test_plan_sets_measured_costs_aside_and_splits_the_rest():
     # Data that finishes early hands its time to training; late data takes it from training.
     assert plan.train_seconds(20 + plan.data_s) == pytest.approx(plan.train_s)
     assert plan.train_seconds(20 + plan.data_s - 30) == pytest.approx(plan.train_s + 30)
+    assert plan.train_seconds(800) == MIN_TRAIN_STEPS * 1.0  # data overran: still a trained head
     # A slower machine (twice the step and decode cost) gets a smaller share, not a longer run.
     slow = plan_budget(13.5, elapsed_s=20, step_s=2.0, decode_token_s=0.1, bench_s=200, val_batches=20)
     assert slow.data_s < plan.data_s and slow.train_s < plan.train_s

@@ -43,8 +43,10 @@ class BudgetPlan:
 
     def train_seconds(self, elapsed_s: float) -> float:
         """Training's share once the data is done: whatever the bench, validation and the
-        reserve do not need."""
-        return self.total_s - elapsed_s - self.bench_s - self.val_s - RESERVE_S
+        reserve do not need, and never less than MIN_TRAIN_STEPS steps (data that overran
+        makes the run a little late rather than leave a head untrained)."""
+        left = self.total_s - elapsed_s - self.bench_s - self.val_s - RESERVE_S
+        return max(left, MIN_TRAIN_STEPS * self.step_s)
 
 
 def plan_budget(minutes: float, elapsed_s: float, step_s: float, decode_token_s: float, bench_s: float,
