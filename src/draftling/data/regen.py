@@ -198,12 +198,12 @@ def regenerate_within(regen, convs: list[Conversation], batch_size: int, deadlin
         for record in regen(order[start:start + size], deadline=deadline, pace=pace):
             done += 1
             yield record
-    seconds = time.perf_counter() - t0
-    report.update(available=len(convs), regenerated=done, skipped_long=pace.get("skipped_long", 0),
-                  seconds=round(seconds, 1),
-                  rate_prompts_s=round(done / max(seconds, 1e-9), 3), stopped_by_budget=done < len(convs))
+    seconds, skipped = time.perf_counter() - t0, pace.get("skipped_long", 0)
+    stopped = done + skipped < len(convs)
+    report.update(available=len(convs), regenerated=done, skipped_long=skipped, seconds=round(seconds, 1),
+                  rate_prompts_s=round(done / max(seconds, 1e-9), 3), stopped_by_budget=stopped)
     print(f"regenerate: {done} of {len(convs)} training prompts in {seconds:.0f} s "
-          f"({done / max(seconds, 1e-9):.2f} prompts/s){'; the rest did not fit the budget' if done < len(convs) else ''}",
+          f"({done / max(seconds, 1e-9):.2f} prompts/s){'; the rest did not fit the budget' if stopped else ''}",
           flush=True)
 
 
