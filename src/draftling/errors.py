@@ -18,6 +18,6 @@ class TargetError(DraftlingError):
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:
-    """An exception as one short line: its type and the first line of its message."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:limit] if text else ''}".rstrip(": ")
+    """An exception as one short line: its type and its message with the line breaks folded."""
+    text = " ".join(str(e).split())[:limit]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

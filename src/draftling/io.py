@@ -68,6 +68,18 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remove_path(path: Path, ignore_errors: bool = False) -> None:
+    """Remove a file or a directory tree, whichever ``path`` is; nothing if it is gone."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+    else:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            if not ignore_errors:
+                raise
+
+
 # Written into every output directory that owns its contents (an export): what kind of output
 # it is and which files draftling put there, so a rerun replaces only those.
 OUTPUT_MARKER = ".draftling-output.json"

@@ -28,7 +28,7 @@ from draftling.data.prompts import (
     _parse_sharegpt,
     _with_system,
 )
-from draftling.errors import ConfigError, DataError
+from draftling.errors import ConfigError, DataError, one_line
 
 HF_PREFIX = "hf:"
 INSTALL_HINT = "pip install 'draftling[hf]'"
@@ -115,11 +115,6 @@ def check_dataset_spec(spec: str, key: str) -> None:
     _import_datasets(where)
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def load_dataset_conversations(spec: str) -> list[Conversation]:
     """The conversations in the dataset that ``spec`` names (``hf:...`` or a folder)."""
     if spec.startswith(HF_PREFIX):
@@ -128,7 +123,7 @@ def load_dataset_conversations(spec: str) -> list[Conversation]:
         try:
             ds = datasets.load_dataset(hub.name, hub.config, split=hub.split)
         except Exception as e:  # not found, no network, unknown split or config, ...
-            raise DataError(f"{hub}: cannot load the dataset: {_one_line(e)}") from None
+            raise DataError(f"{hub}: cannot load the dataset: {one_line(e)}") from None
         if not isinstance(ds, datasets.Dataset):
             raise DataError(f"{hub}: load_dataset gave a {type(ds).__name__}, not a Dataset")
         return dataset_conversations(ds, label=str(hub), name=hub.name, split=hub.split)
@@ -141,7 +136,7 @@ def load_dataset_conversations(spec: str) -> list[Conversation]:
     try:
         ds = datasets.load_from_disk(str(folder))
     except Exception as e:
-        raise DataError(f"{spec}: cannot load the saved dataset: {_one_line(e)}") from None
+        raise DataError(f"{spec}: cannot load the saved dataset: {one_line(e)}") from None
     name = folder.resolve().name
     label = spec
     split = ds.split if isinstance(ds, datasets.Dataset) else None

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from draftling.draft.store import WEIGHTS_FILE, save_draft
-from draftling.io import atomic_dir, hash_dataset_file, write_json
+from draftling.io import atomic_dir, hash_dataset_file, remove_path, write_json
 
 STATE_FILE = "train_state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -65,7 +65,7 @@ def remove_stale_temporaries(run_dir: Path) -> list[str]:
             continue
         for p in folder.iterdir():
             if p.name.startswith(".") and (p.name.endswith(".tmp") or p.name.endswith(".old")):
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                remove_path(p, ignore_errors=True)
                 removed.append(p.name)
     return removed
 

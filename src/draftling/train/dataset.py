@@ -41,10 +41,11 @@ def load_tokenized(path: str | Path, vocab_size: int | None = None) -> list[Toke
                 raise DataError(f"{path.name}:{lineno}: bad tokenized row: {e}") from None
             if len(ex.input_ids) != len(ex.loss_mask):
                 raise DataError(f"{path.name}:{lineno}: input_ids and loss_mask differ in length")
-            bad = next((t for t in ex.input_ids if not isinstance(t, int) or not 0 <= t < (vocab_size or t + 1)), None)
+            limit = vocab_size if vocab_size is not None else float("inf")
+            bad = next((t for t in ex.input_ids if not isinstance(t, int) or not 0 <= t < limit), None)
             if bad is not None:
                 raise DataError(f"{path}:{lineno}: token id {bad!r} is outside the target's vocabulary "
-                                f"(0..{(vocab_size or 0) - 1}); was this data made for another target?")
+                                f"(0..{limit - 1}); was this data made for another target?")
             rows.append(ex)
     if not rows:
         raise DataError(f"{path}: no examples")

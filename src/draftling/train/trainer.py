@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import math
-import shutil
 import sys
 import time
 import weakref
@@ -23,7 +22,7 @@ from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
 from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
-from draftling.io import atomic_dir, atomic_path, write_json
+from draftling.io import atomic_dir, atomic_path, remove_path, write_json
 from draftling.target import Target
 from draftling.target.quant import has_plain_weights
 from draftling.train.checkpoint import (latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
@@ -549,7 +548,7 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext
         barrier(ctx)  # every rank has looked before rank 0 removes
         if ctx.is_main:
             for path in earlier + [run_dir / "tensorboard", run_dir / "train_result.json"]:
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                remove_path(path)
         barrier(ctx)
     run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.is_main:
