@@ -15,10 +15,11 @@ TINY_VOCAB = 300
 CHECKOUT = Path(__file__).resolve().parent.parent
 
 
-def run_draftling(*args, **kwargs) -> subprocess.CompletedProcess:
+def run_draftling(*args, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     """``python -m draftling ARGS`` on this checkout's sources, whichever checkout pip last
-    installed in editable mode."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT / "src"), str(CHECKOUT)])}
+    installed in editable mode; ``env_extra`` adds to the environment."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT / "src"), str(CHECKOUT)]),
+           **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "draftling", *map(str, args)], capture_output=True,
                           text=True, env=env, **kwargs)
 

@@ -202,7 +202,7 @@ def test_padded_engine_and_unpadded_reference(bench_run, tmp_path):
     with pytest.raises(ConfigError, match="query_pad 2 is below"):
         release.run_release_bench(bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
                                   configs=["chain-2-1-3"], max_new_tokens=4, baselines=("engine_plain",),
-                                  out_dir=tmp_path, quiet=True, query_pad=2)
+                                  out_dir=tmp_path / "other", quiet=True, query_pad=2)
 
 
 def test_prompt_set_sources(tmp_path):

@@ -41,6 +41,7 @@ def fake_hub(monkeypatch):
             return ds
 
         monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+        monkeypatch.setattr("draftling.network.hub_unreachable", lambda: None)  # the hub is "up"
         return calls
 
     return serve
@@ -279,3 +280,10 @@ def test_load_prompt_files_end_to_end(tmp_path):
     assert [turns(c)[0] for c in convs] == [("user", "question 0"), ("user", "question 2"),
                                             ("user", "question 3")]
     assert {c.source for c in convs} == {"mydata"}
+
+
+def test_an_unreachable_hub_fails_at_once_naming_the_spec(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(DataError, match=r"hf:a/b.*hub is out of reach.*127.0.0.1:9.*HF_HUB_OFFLINE=1"):
+        check_prompt_spec("hf:a/b")

@@ -105,6 +105,11 @@ def test_a_failed_data_rerun_leaves_the_earlier_data_whole(tmp_path, tiny_target
     assert _data(tiny_target_dir, write_prompts(tmp_path / "p2.jsonl", n=16), out) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # Only the reply journal is left beside it, so a rerun does not regenerate again.
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".data.journal"]
+    monkeypatch.setattr(prepare, "write_jsonl", real)
+    assert _data(tiny_target_dir, write_prompts(tmp_path / "p2.jsonl", n=16), out) == 0
+    assert "resuming with 16 replies" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -117,3 +122,30 @@ def test_data_refuses_a_directory_that_is_not_its_own(tmp_path, tiny_target_dir,
     assert _data(tiny_target_dir, write_prompts(tmp_path / "p.jsonl"), out) == 2
     assert "not a draftling data directory" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_quickstart_and_extract_refuse_a_directory_they_did_not_write(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    from draftling.cli import main
+
+    assert main(["quickstart", "--out", str(mine)]) == 2
+    assert "not written by draftling" in capsys.readouterr().err
+    assert main(["extract", "--data", str(tmp_path), "--out", str(mine)]) == 2
+    assert "not a cache written by `draftling extract`" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_release_results_of_the_same_day_machine_and_tag_are_not_replaced(tmp_path):
+    from draftling.bench.release import check_results_free
+    from draftling.errors import ConfigError
+
+    stem = tmp_path / "2026-12-02-cpu-x"
+    check_results_free(stem, overwrite=False)
+    stem.with_name(stem.name + ".json").write_text("{}")
+    with pytest.raises(ConfigError, match="results of this date, machine and tag exist; pass --tag"):
+        check_results_free(stem, overwrite=False)
+    check_results_free(stem, overwrite=True)
+    with pytest.raises(ConfigError, match="is a file"):
+        check_results_free(stem.with_name(stem.name + ".json") / "x", overwrite=False)

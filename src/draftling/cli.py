@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "plain output). auto: exact on CUDA (the unpadded plain reference: matmul), sdpa on CPU")
     r.add_argument("--results-dir", help="where results go (default bench/results)")
     r.add_argument("--tag", help="suffix for the results file names")
+    r.add_argument("--overwrite", action="store_true", help="replace results of the same date, machine and "
+                   "tag (without it they are refused before the bench runs)")
     r.add_argument("--update-benchmarks-md", nargs="?", const="BENCHMARKS.md", metavar="FILE",
                    help="rewrite the release-bench section of FILE (default BENCHMARKS.md)")
 
@@ -237,11 +239,19 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_data_files(data: Path) -> None:
+    """Before any model loads: the data directory's files come from one `draftling data` run."""
+    from draftling.data.prompt_counts import FILE_NAME
+    from draftling.data.runs import check_one_run
+
+    check_one_run(data / "train.jsonl", data / "val.jsonl", data / FILE_NAME)
+
+
 def cmd_data(args) -> None:
+    cfg = _run_config(args)
     from draftling.data.sources import check_prompt_files
     from draftling.data.prepare import check_data_dir, prepare_data
 
-    cfg = _run_config(args)
     if args.prompts:
         cfg.data.prompts = list(args.prompts)
     if args.server:
@@ -273,6 +283,7 @@ def cmd_vocab(args) -> None:
     cfg = load_config(args.config, overrides)
     size = cfg.vocab.size
     data = Path(args.data)
+    check_data_files(data)
     out = Path(args.out) if args.out else data / "vocab.safetensors"
     vocab = build_vocab_file(data / "train.jsonl", load_target_config(cfg.target).vocab_size, size, out,
                              prompt_weight=cfg.vocab.prompt_weight)
@@ -302,7 +313,6 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
 
 def cmd_train(args) -> int | None:
     from draftling.train.distributed import init_distributed, launched_by_torchrun
-    from draftling.train.trainer import train
 
     if args.nproc is not None:
         if args.nproc < 1:
@@ -311,6 +321,10 @@ def cmd_train(args) -> int | None:
             return relaunch_under_torchrun(args.nproc, args.argv)
     cfg = _run_config(args)
     data = Path(args.data)
+    check_data_files(data)
+    from draftling.train.trainer import check_run_dir, train
+
+    check_run_dir(Path(args.run_dir), args.resume, args.overwrite)  # before the target loads
     vocab_path = args.vocab or data / "vocab.safetensors"
     ctx, cfg.device = init_distributed(resolve_device(cfg.device))
     target = _load_target(cfg)
@@ -336,10 +350,12 @@ def cmd_plan(args) -> int:
 
 
 def cmd_extract(args) -> None:
-    from draftling.train.offline import extract
+    cfg = _run_config(args)
+    check_data_files(Path(args.data))
+    from draftling.train.offline import check_cache_dir, extract
     from draftling.train.trainer import compile_teacher
 
-    cfg = _run_config(args)
+    check_cache_dir(Path(args.out))  # before the target loads
     target = _load_target(cfg)
     # Compiled like the trainer's teacher (train.compile_teacher; auto: on CUDA).
     extract(target, args.data, args.out, args.vocab, shard_size=args.shard_size,
@@ -370,6 +386,8 @@ def cmd_bench(args) -> None:
             raise DraftlingError("bench --release: give --prompt-set or --prompts, not both")
         cfg = _run_config(args)
         results_dir = args.results_dir or "bench/results"
+        if Path(results_dir).exists() and not Path(results_dir).is_dir():  # found before the target loads
+            raise DraftlingError(f"--results-dir {results_dir}: is a file, not a directory")
         results = release.run_release_bench(
             _load_target(cfg), args.draft, prompt_set=args.prompt_set or args.prompts or "v1",
             configs=args.configs or release.DEFAULT_CONFIGS,  # a comma string or a list
@@ -379,7 +397,7 @@ def cmd_bench(args) -> None:
             out_dir=results_dir, tag=args.tag,
             compile={"auto": "auto", "on": True, "off": False}[args.engine_compile],
             query_pad=args.query_pad if args.query_pad == "auto" else _int_arg("--query-pad", args.query_pad),
-            attention=args.attention)
+            attention=args.attention, overwrite=args.overwrite)
         if args.update_benchmarks_md:
             stem = release.release_stem(results_dir, results["date"], results["gpu"], args.tag)
             md = release.update_benchmarks_md(f"{stem}.json", args.update_benchmarks_md)
@@ -388,6 +406,7 @@ def cmd_bench(args) -> None:
     release_only = [f for f, v in (("--prompt-set", args.prompt_set), ("--baselines", args.baselines),
                                    ("--baseline-prompts-per-workload", args.baseline_prompts_per_workload),
                                    ("--results-dir", args.results_dir), ("--tag", args.tag),
+                                   ("--overwrite", args.overwrite or None),
                                    ("--update-benchmarks-md", args.update_benchmarks_md),
                                    ("--engine-compile", None if args.engine_compile == "auto" else 1),
                                    ("--query-pad", None if args.query_pad == "auto" else 1),
@@ -437,13 +456,13 @@ def quiet_libraries() -> None:
     # transformers' per-tensor GGUF progress bars and deprecation chatter drown the run's own log.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
+    # Read when transformers is imported, so a bad value fails before that second of imports.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:  # main() called in a process that has imported it already
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,6 +80,18 @@ def remove_path(path: Path, ignore_errors: bool = False) -> None:
                 raise
 
 
+def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
+    """Refuse, before any work, an output whose nearest existing folder takes no new entry
+    (read-only, a pseudo-filesystem): a probe directory is made there and removed."""
+    folder = Path(path).absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        Path(tempfile.mkdtemp(prefix=".draftling-probe.", dir=folder)).rmdir()
+    except OSError as e:
+        raise DraftlingError(f"{flag} {path}: cannot write in {folder} ({e.strerror or e})") from None
+
+
 # Written into every output directory that owns its contents (an export): what kind of output
 # it is and which files draftling put there, so a rerun replaces only those.
 OUTPUT_MARKER = ".draftling-output.json"
@@ -92,6 +104,7 @@ def check_output_dir(path: str | os.PathLike, kind: str, overwrite: bool, flag: 
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise DraftlingError(f"{flag} {path}: is a file, not a directory")
+    check_writable(path, flag)
     if not path.is_dir() or not any(path.iterdir()):
         return
     marker = path / OUTPUT_MARKER

@@ -200,6 +200,14 @@ def release_stem(out_dir: str | Path, date: str, gpu: str, tag: str | None = Non
     return Path(out_dir) / name
 
 
+def check_results_free(stem: Path, overwrite: bool) -> None:
+    if stem.parent.exists() and not stem.parent.is_dir():
+        raise ConfigError(f"--results-dir {stem.parent}: is a file, not a directory")
+    if stem.with_name(stem.name + ".json").exists() and not overwrite:
+        raise ConfigError(f"{stem}.json: results of this date, machine and tag exist; pass --tag NAME to keep "
+                          "both, or --overwrite to replace them")
+
+
 class _Clock:
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
@@ -261,7 +269,7 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
                       tag: str | None = None, command: str | None = None,
                       quiet: bool = False, round_timing: bool | str = "auto",
                       compile: bool | str = "auto", query_pad: int | str = "auto",
-                      attention: str = "auto") -> dict:
+                      attention: str = "auto", overwrite: bool = False) -> dict:
     """Run the release bench and write its outputs (see the module docstring). Returns the
     results dict as written to ``<release_stem(out_dir, date, gpu, tag)>.json``.
 
@@ -276,7 +284,8 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     config's draft tokens), so plain and verify passes share kernels and a token's logits do
     not depend on the tree beside it; ``attention`` one of engine.target_model.ATTENTION_KINDS.
     With padding on, plain decoding also runs unpadded (auto: with the faster "matmul"
-    attention on CUDA), and speedups are against the faster of the two."""
+    attention on CUDA), and speedups are against the faster of the two. Results of the same
+    date, machine and tag are refused before any work unless ``overwrite``."""
     from draftling.engine.generate import greedy_generate, speculative_generate
 
     t_start = time.perf_counter()
@@ -298,6 +307,7 @@ def run_release_bench(target: Target, draft_path, prompt_set: str | Path = "v1",
     hf_runs = [b for b in BASELINES if b in baselines and b != "engine_plain"]
 
     device = target.device
+    check_results_free(release_stem(out_dir, datetime.date.today().isoformat(), gpu_slug(device), tag), overwrite)
     dtype = next(target.model.parameters()).dtype
     on_gpu = device.type == "cuda"
     graphs = on_gpu if cuda_graphs in ("auto", None) else bool(cuda_graphs)

@@ -113,6 +113,13 @@ def check_dataset_spec(spec: str, key: str) -> None:
         if problem:
             raise ConfigError(f"{key}: {problem}")
     _import_datasets(where)
+    if spec.startswith(HF_PREFIX):
+        from draftling.network import hub_unreachable
+
+        why = hub_unreachable()
+        if why and why != "HF_HUB_OFFLINE is set":  # offline mode reads datasets' own cache
+            raise DataError(f"{where}: the Hugging Face hub is out of reach: {why} (to read a cached copy, "
+                            "set HF_HUB_OFFLINE=1)")
 
 
 def load_dataset_conversations(spec: str) -> list[Conversation]:

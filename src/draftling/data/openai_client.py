@@ -159,10 +159,13 @@ def _retry_after(e: urllib.error.HTTPError) -> float | None:
 
 def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig,
                           max_prompt_tokens: int | None = None, progress: bool = True,
-                          server: ChatServer | None = None) -> Iterable[dict]:
+                          server: ChatServer | None = None, journal=None) -> Iterable[dict]:
     """Yield one record per conversation, like ``regenerate`` does, with the replies from
     ``cfg.server_url``. The local tokenizer renders the prompts only to count (and cap) their
-    tokens and to count the reply's; the server applies its own chat template."""
+    tokens and to count the reply's; the server applies its own chat template.
+
+    ``journal`` (data/journal.py): replies it holds are not asked for again; each new one is
+    journaled before it is yielded."""
     if cfg.concurrency < 1:
         raise ServerError(f"data.regen.concurrency must be >= 1, got {cfg.concurrency}")
     server = server or ChatServer.from_config(cfg)
@@ -191,11 +194,18 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
     try:
         futures = []
         for conv, _ in prompts:
+            if journal is not None and journal.has_all([conv.id]):
+                futures.append(None)
+                bar.update(1)
+                continue
             fut = pool.submit(server.chat, prompt_messages(conv), cfg, conv.tools)
             fut.add_done_callback(tick)
             futures.append(fut)
         # Results in input order, so a rerun writes the same file.
         for (conv, n_prompt), fut in zip(prompts, futures):
+            if fut is None:
+                yield journal.get(conv.id)
+                continue
             reply = fut.result()
             stopped = FINISH_REASONS.get(reply["finish_reason"], str(reply["finish_reason"]))
             if stopped not in ("eos", "length"):
@@ -210,7 +220,7 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
                 warn_once("the server parsed tool calls out of the reply; serve without a tool-call "
                           "parser so they stay in the reply text as the target wrote them")
                 assistant["tool_calls"] = reply["tool_calls"]
-            yield {
+            record = {
                 "id": conv.id, "source": conv.source, "category": conv.category,
                 "messages": prompt_messages(conv) + [assistant],
                 **({"tools": conv.tools} if conv.tools else {}),
@@ -221,6 +231,9 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
                                                              add_special_tokens=False)["input_ids"]),
                                "prompt_tokens": n_prompt},
             }
+            if journal is not None:
+                journal.add([record])
+            yield record
     finally:
         # On an error, drop the requests not yet sent and do not wait for those in flight.
         pool.shutdown(wait=False, cancel_futures=True)

@@ -12,6 +12,7 @@ Outputs (in the data directory):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -21,15 +22,17 @@ from pathlib import Path
 
 from draftling.config import RunConfig
 from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
+from draftling.data.journal import ReplyJournal, journal_path
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
 from draftling.data.prompts import Conversation, has_tool_calls
 from draftling.data.sources import load_prompt_spec
 from draftling.data.regen import regen_dtype, regenerate, regenerate_within
+from draftling.data.runs import RUN_KEY, run_id
 from draftling.data.split import split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
 from draftling.errors import DataError
-from draftling.io import OUTPUT_MARKER, atomic_dir, write_json, write_jsonl
+from draftling.io import OUTPUT_MARKER, atomic_dir, check_writable, write_json, write_jsonl
 from draftling.target import Target
 from draftling.target.load import TargetTokenizer
 
@@ -105,11 +108,19 @@ def pool_prompt_counts(tokenizer, pool: list[Conversation], val: list, split_key
 
 
 def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: list[Conversation],
-                             split_key: str, path: Path) -> None:
+                             split_key: str, path: Path, run: str | None = None) -> None:
     counts, kept = pool_prompt_counts(tokenizer, pool, val_convs, split_key)
-    write_prompt_counts(path, counts, kept, len(pool) - kept)
+    write_prompt_counts(path, counts, kept, len(pool) - kept, run)
     print(f"data: counted {int(counts.sum())} prompt tokens in {kept} conversations for the draft "
           f"vocab ({len(pool) - kept} of validation's tasks left out)", flush=True)
+
+
+def journal_settings(cfg: RunConfig, target, budgeted: bool) -> dict:
+    """What the replies depend on: a journal written with other settings is not resumed."""
+    model = getattr(target, "model", None)
+    return {"target": target.spec.name, "data": dataclasses.asdict(cfg.data), "budgeted": budgeted,
+            "dtype": str(model.dtype) if model is not None else None,
+            "device": str(getattr(target, "device", "cpu")).split(":")[0]}
 
 
 def check_data_dir(out_dir: Path) -> None:
@@ -118,6 +129,7 @@ def check_data_dir(out_dir: Path) -> None:
     summary.json beside train.jsonl)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--out {out_dir}: is a file, not a directory")
+    check_writable(out_dir)  # now, not after the minutes of regenerating
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
     ours = (out_dir / OUTPUT_MARKER).is_file() or ((out_dir / "summary.json").is_file()
@@ -154,6 +166,8 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     # Leave room for a reply inside the sequence cap.
     max_prompt = max(1, dc.max_tokens - dc.regen.max_new_tokens)
     server = None
+    settings = journal_settings(cfg, target, regen_seconds is not None)
+    journal = ReplyJournal(journal_path(out_dir), settings)
     if dc.regen.server_url:
         from draftling.data.openai_client import ChatServer, regenerate_via_server
 
@@ -163,9 +177,10 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
             print("data: data.keep_teacher_states is ignored: a server's replies come without the "
                   "target's states, so training will run the target", flush=True)
         records = list(regenerate_via_server(target.tokenizer, train_convs + val_convs, dc.regen,
-                                             max_prompt_tokens=max_prompt, server=server))
+                                             max_prompt_tokens=max_prompt, server=server, journal=journal))
     elif isinstance(target, Target):
-        regen = partial(regenerate, target, max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states)
+        regen = partial(regenerate, target, max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states,
+                        journal=journal)
         if regen_seconds is not None:
             t0 = time.perf_counter()
             val_records = list(regen(val_convs, replace(dc.regen, dtype=None)))
@@ -185,24 +200,29 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     if not records:
         raise DataError(f"no prompt of {', '.join(dc.prompts)} could be regenerated: every one is over the "
                         f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)")
+    run = run_id(records, settings)
     for r in records:
         r["split"] = "val" if r["id"] in val_ids else "train"
+        r[RUN_KEY] = run
     # The directory is built aside and swapped in whole: a killed rerun leaves the earlier
     # data as it was, never a new train.jsonl beside an old val.jsonl.
     with atomic_dir(out_dir) as tmp:
-        write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, tmp / PROMPT_COUNTS_FILE)
-        rows = write_splits(target, dc, tmp, records)
-        summary = data_summary(cfg, target, convs, records, rows, excluded, server, budget, val_skipped)
+        write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, tmp / PROMPT_COUNTS_FILE, run)
+        rows = write_splits(target, dc, tmp, records, run)
+        summary = {"run": run, **data_summary(cfg, target, convs, records, rows, excluded, server, budget,
+                                              val_skipped)}
         write_json(tmp / "summary.json", summary)
-        write_json(tmp / OUTPUT_MARKER, {"kind": "data"})
+        write_json(tmp / OUTPUT_MARKER, {"kind": "data", "run": run})
+    journal.remove()
     print(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
           f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
           f"{len(records)} replies hit the {dc.regen.max_new_tokens}-token cap", flush=True)
     return summary
 
 
-def write_splits(target, dc, out_dir: Path, records: list[dict]) -> dict:
-    """replies.jsonl, {train,val}.jsonl and, where regeneration kept them, the target's states."""
+def write_splits(target, dc, out_dir: Path, records: list[dict], run: str | None = None) -> dict:
+    """replies.jsonl, {train,val}.jsonl (every row tagged with the data ``run``) and, where
+    regeneration kept them, the target's states."""
     kept = any("_states" in r for r in records)
     states = [r.pop("_states", None) for r in records]
     write_jsonl(out_dir / "replies.jsonl", records)
@@ -212,6 +232,9 @@ def write_splits(target, dc, out_dir: Path, records: list[dict]) -> dict:
         rows[split], row_states = tokenize_records(
             target, [records[j] for j in picked], dc.min_tokens, dc.max_tokens,
             [states[j] for j in picked] if kept else None)
+        if run is not None:
+            for row in rows[split]:
+                row[RUN_KEY] = run
         write_jsonl(out_dir / f"{split}.jsonl", rows[split])
         if kept and rows[split]:
             size = write_states(states_path(out_dir, split), out_dir / f"{split}.jsonl", row_states,

@@ -38,10 +38,12 @@ def count_prompt_tokens(tokenizer, convs: Sequence[Conversation], vocab_size: in
     return counts
 
 
-def write_prompt_counts(path: str | Path, counts: torch.Tensor, conversations: int, left_out: int) -> None:
+def write_prompt_counts(path: str | Path, counts: torch.Tensor, conversations: int, left_out: int,
+                        run: str | None = None) -> None:
     from safetensors.torch import save_file
 
-    meta = {"conversations": str(conversations), "validation_conversations_left_out": str(left_out)}
+    meta = {"conversations": str(conversations), "validation_conversations_left_out": str(left_out),
+            **({"data_run": run} if run else {})}
     with atomic_path(path) as tmp:
         save_file({"counts": counts.contiguous()}, str(tmp), metadata=meta)
 

@@ -90,7 +90,7 @@ def prefill_chunk_columns(cfg: RegenConfig, rows: int, width: int, device) -> in
 def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                max_prompt_tokens: int | None = None, progress: bool = True,
                keep_states: bool = False, deadline: float | None = None,
-               pace: dict | None = None) -> Iterable[dict]:
+               pace: dict | None = None, journal=None) -> Iterable[dict]:
     """Yield one record per conversation: the prompt messages plus the target's reply,
     with provenance (target, generation parameters, and whether the reply hit the cap).
 
@@ -101,7 +101,10 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
 
     ``deadline`` (a ``time.perf_counter()`` value): start no batch that would likely end after
     it, judged by the slowest batch so far (``pace["slowest_batch_s"]``, carried over from
-    earlier calls that share ``pace``); what is done is kept."""
+    earlier calls that share ``pace``); what is done is kept.
+
+    ``journal`` (data/journal.py): a batch whose replies are all journaled is not run again;
+    every batch that is run is journaled before its records are yielded."""
     tok, model = target.tokenizer, generating_model(target, cfg)
     own_dtype = target.model.dtype
     prompts = [(c, render_prompt_ids(tok, c)) for c in convs]
@@ -122,12 +125,17 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
     t0 = time.perf_counter()
     pace = {} if pace is None else pace
     for start in range(0, len(prompts), cfg.batch_size):
+        chunk = prompts[start:start + cfg.batch_size]
+        if journal is not None and journal.has_all(c.id for c, _ in chunk):
+            yield from (journal.get(c.id) for c, _ in chunk)
+            done += len(chunk)
+            bar.update(len(chunk))
+            continue
         slowest = pace.get("slowest_batch_s")
         if deadline is not None and slowest is not None and time.perf_counter() + slowest > deadline:
             print(f"\nregenerate: stopped at its time budget after {done} of {len(prompts)} prompts", flush=True)
             break
         t_batch = time.perf_counter()
-        chunk = prompts[start:start + cfg.batch_size]
         width = max(len(ids) for _, ids in chunk)
         # Left padding keeps every prompt's last token at the same column for generate().
         input_ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
@@ -150,6 +158,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                                  pad_token_id=tok.pad_token_id, eos_token_id=eos_ids,
                                  prefill_chunk_size=columns, **sample_kwargs)
         cuts = [_cut_at_eos(row, eos_ids) for row in out[:, width:].tolist()]
+        records = []
         for i, ((conv, ids), (reply, stopped)) in enumerate(zip(chunk, cuts)):
             text = tok.decode(reply, skip_special_tokens=True)
             extra = {}
@@ -161,7 +170,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                                  for a in target.aux_layer_ids], dim=-1)
                 final = _fed_positions(final_calls, i, pad, fed, prefill_calls, own_dtype)
                 extra = {"_states": (ids + reply[:fed], aux, final)}
-            yield {
+            records.append({
                 "id": conv.id, "source": conv.source, "category": conv.category,
                 "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
                 **({"tools": conv.tools} if conv.tools else {}),
@@ -171,7 +180,10 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
                                "stopped": stopped, "reply_tokens": len(reply),
                                "prompt_tokens": len(ids)},
                 **extra,
-            }
+            })
+        if journal is not None:
+            journal.add(records)
+        yield from records
         done += len(chunk)
         pace["slowest_batch_s"] = max(pace.get("slowest_batch_s", 0.0), time.perf_counter() - t_batch)
         generated += sum(len(reply) for reply, _ in cuts)

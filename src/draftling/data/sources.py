@@ -82,7 +82,8 @@ def is_dataset_spec(spec: str) -> bool:
 
 def check_prompt_spec(spec: str, key: str = "data.prompts") -> None:
     """Fail before any slow step (loading the target, regenerating) when a spec cannot load:
-    a missing file, an unknown starter set, ``hf:`` without the ``datasets`` extra."""
+    a missing file or one that does not parse, an unknown starter set, ``hf:`` without the
+    ``datasets`` extra or without a network."""
     if is_dataset_spec(spec):
         from draftling.data.hub import check_dataset_spec
 
@@ -91,6 +92,7 @@ def check_prompt_spec(spec: str, key: str = "data.prompts") -> None:
     path = resolve_prompt_path(spec)
     if not path.is_file():
         raise ConfigError(f"{key}: {spec}: no such prompt file ({path})")
+    load_conversations(path)  # a bad byte, line or an empty file: reading it costs far less than a target
 
 
 def check_prompt_files(cfg) -> None:

@@ -162,8 +162,11 @@ def build_vocab_file(train_path: str | Path, target_vocab_size: int, size: int,
     ``prompt_weight`` > 0 the prompt token counts that `draftling data` wrote beside it join
     the ranking (see ``prompt_weighted_rank``)."""
     from draftling.data.prompt_counts import FILE_NAME, read_prompt_counts
+    from draftling.data.runs import check_one_run
     from draftling.train.dataset import load_tokenized
 
+    data = Path(train_path).parent
+    check_one_run(Path(train_path), data / "val.jsonl", data / FILE_NAME)
     rows = load_tokenized(train_path)
     counts = token_counts(((r.input_ids, r.loss_mask) for r in rows), target_vocab_size)
     rank = None

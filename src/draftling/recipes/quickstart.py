@@ -13,7 +13,7 @@ from draftling.config import load_config, save_config
 from draftling.data.prepare import check_data_dir, prepare_data
 from draftling.data.sources import check_prompt_files
 from draftling.draft.vocab import build_vocab_file
-from draftling.io import check_output_dir, write_json
+from draftling.io import OUTPUT_MARKER, check_output_dir, write_json
 from draftling.recipes.budget import BudgetPlan, plan_budget
 
 
@@ -33,6 +33,11 @@ def measure_and_plan(cfg, target, elapsed_s: float) -> BudgetPlan:
     return plan
 
 
+def _earlier_quickstart(out: Path) -> bool:
+    """A quickstart output from before the output marker: its config beside its data."""
+    return (out / "config.yaml").is_file() and (out / "data").is_dir() and not (out / OUTPUT_MARKER).exists()
+
+
 def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[str] | None = None) -> dict:
     from draftling.bench.simple import run_bench
     from draftling.cli import resolve_device
@@ -44,9 +49,13 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     out = Path(out)
     cfg = load_config(config, overrides)
     check_prompt_files(cfg)  # before any output or the minutes of loading and regenerating
+    # The quickstart owns its --out: it replaces its own earlier run there, nothing else.
+    if not _earlier_quickstart(out):
+        check_output_dir(out, "quickstart", overwrite=True)
     check_output_dir(out / "export-sglang", "export", overwrite=True)
     check_data_dir(out / "data")
     out.mkdir(parents=True, exist_ok=True)
+    write_json(out / OUTPUT_MARKER, {"kind": "quickstart"})
     timings = {}
 
     def stage(name):

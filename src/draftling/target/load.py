@@ -66,6 +66,12 @@ def resolve_target(target: str | None) -> TargetSpec:
             raise TargetError(f"--target {target}: directory has no config.json")
         return TargetSpec(target, str(p))
     if target.count("/") == 1 and not target.startswith((".", "/")):
+        from draftling.network import hub_model_cached, hub_unreachable
+
+        why = None if hub_model_cached(target) else hub_unreachable()
+        if why:
+            raise TargetError(f"--target {target}: not a local file or directory, not in the Hugging Face "
+                              f"cache, and the hub is out of reach: {why}")
         return TargetSpec(target, target)  # a hub id; from_pretrained reports if it cannot be fetched
     raise TargetError(f"--target {target}: not a GGUF file, a model directory or a hub id")
 

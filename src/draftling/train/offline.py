@@ -35,9 +35,10 @@ from pathlib import Path
 
 import torch
 
+from draftling.data.runs import check_one_run
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.errors import DataError
-from draftling.io import atomic_path, write_json
+from draftling.io import atomic_path, check_writable, write_json
 from draftling.train.dataset import collate, load_tokenized
 from draftling.train.teacher import TeacherBatch, teacher_forward
 
@@ -137,6 +138,16 @@ def _shard_ok(path: Path, expected: dict[str, str]) -> bool:
     return meta == expected
 
 
+def check_cache_dir(out_dir: Path) -> None:
+    """A cache directory is new, empty, or an earlier extract's (which this run resumes)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--out {out_dir}: is a file, not a directory")
+    check_writable(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise DataError(f"--out {out_dir}: not empty and not a cache written by `draftling extract`; choose "
+                        "an empty or new directory (nothing was changed)")
+
+
 def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str | Path | None = None,
             shard_size: int = 256, batch_size: int = 8, dtype: str | torch.dtype | None = None,
             echo=None, compile_teacher=False) -> dict:
@@ -151,8 +162,10 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
     if shard_size < 1 or batch_size < 1:
         raise DataError(f"shard_size and batch_size must be >= 1 (got {shard_size}, {batch_size})")
     data_dir, out_dir = Path(data_dir), Path(out_dir)
+    check_cache_dir(out_dir)
     vocab_path = Path(vocab_path) if vocab_path else data_dir / "vocab.safetensors"
     files = {s: data_dir / f"{s}.jsonl" for s in SPLITS}
+    check_one_run(*files.values())
     examples = {"train": load_tokenized(files["train"])}
     if files["val"].is_file():
         examples["val"] = load_tokenized(files["val"])

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.config import RunConfig, TrainConfig, save_config
+from draftling.data.runs import check_one_run
 from draftling.data.states import StoredStates, states_path
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
 from draftling.draft.store import WEIGHTS_FILE, save_draft
@@ -534,17 +535,25 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext) -> None:
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> list[Path]:
     """A run directory that holds an earlier run is refused unless the run resumes it or
-    starts over (``overwrite``: its checkpoints, draft and metrics go); a later ``--resume``
-    must never pick up a stale checkpoint of another run."""
+    starts over (``overwrite``); a later ``--resume`` must never pick up a stale checkpoint of
+    another run. Returns what an overwrite removes."""
+    run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir}: is a file, not a directory")
     earlier = [run_dir / n for n in ("checkpoints", "draft", "metrics.jsonl") if (run_dir / n).exists()]
-    if earlier and not resume:
-        if not overwrite:
-            raise ConfigError(f"--run-dir {run_dir}: holds an earlier run ({', '.join(p.name for p in earlier)}); "
-                              "pass --resume to continue it or --overwrite to start over")
+    if earlier and not resume and not overwrite:
+        raise ConfigError(f"--run-dir {run_dir}: holds an earlier run ({', '.join(p.name for p in earlier)}); "
+                          "pass --resume to continue it or --overwrite to start over")
+    return [] if resume else earlier
+
+
+def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext) -> None:
+    """check_run_dir, then make the directory: with ``overwrite`` the earlier run's
+    checkpoints, draft and metrics go."""
+    earlier = check_run_dir(run_dir, resume, overwrite)
+    if earlier:
         barrier(ctx)  # every rank has looked before rank 0 removes
         if ctx.is_main:
             for path in earlier + [run_dir / "tensorboard", run_dir / "train_result.json"]:
@@ -570,10 +579,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     with its own resident teacher and its share of each global batch; rank 0 writes."""
     ctx = current()
     run_dir = Path(run_dir)
-    claim_run_dir(run_dir, resume, overwrite, ctx)
-    changes = resume_config_changes(run_dir, cfg, allow_change) if resume else {}
-    if ctx.is_main:
-        save_config(cfg, run_dir / "config.yaml")
+    check_run_dir(run_dir, resume, overwrite)
     tc = cfg.train
     device = target.device
     torch.manual_seed(tc.seed)
@@ -590,6 +596,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
             print(line, flush=True)
 
     n_vocab = target.config.vocab_size
+    check_one_run(*[Path(p) for p in (train_path, val_path) if p])
     examples = load_tokenized(train_path, n_vocab)
     val_examples = load_tokenized(val_path, n_vocab) if val_path and Path(val_path).exists() else []
     val_source = None
@@ -597,6 +604,11 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         val_source = teacher_source.for_split("val", hash_dataset_file(val_path))
     vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path),
                        target_vocab_size=target.config.vocab_size)
+    # Inputs are read before the run directory is touched: a bad one leaves nothing behind.
+    claim_run_dir(run_dir, resume, overwrite, ctx)
+    changes = resume_config_changes(run_dir, cfg, allow_change) if resume else {}
+    if ctx.is_main:
+        save_config(cfg, run_dir / "config.yaml")
     if teacher_source is None:
         teacher_source = kept_states_teacher(target, train_path, vocab.t2d, say)
         if teacher_source is not None and val_examples:

@@ -1,0 +1,99 @@
+"""`draftling data` resumes from its reply journal: a rerun after a failure skips the batches
+that were done and writes exactly the files an uninterrupted run writes."""
+
+import errno
+import json
+
+import pytest
+import torch
+
+from draftling.cli import main
+from draftling.data.journal import ReplyJournal, journal_path
+from draftling.data.runs import check_one_run
+from draftling.errors import DataError
+from tests.test_cli import write_prompts
+
+
+def _data(target, prompts, out, *extra):
+    return main(["data", "--target", str(target), "--device", "cpu", "--prompts", str(prompts), "--out", str(out),
+                 "data.regen.max_new_tokens=6", "data.regen.batch_size=4", "data.val_fraction=0.25",
+                 "data.min_tokens=4", *extra])
+
+
+def _files(d):
+    """Every file's bytes; a safetensors file's tensors and metadata (safetensors writes its
+    metadata keys in hash-map order, so its bytes vary from run to run)."""
+    from safetensors import safe_open
+
+    out = {}
+    for p in sorted(d.iterdir()):
+        if p.suffix == ".safetensors":
+            with safe_open(str(p), "pt") as f:
+                out[p.name] = (f.metadata(), {k: f.get_tensor(k).view(-1).view(torch.uint8).tolist()
+                                              for k in sorted(f.keys())})
+        else:
+            out[p.name] = p.read_bytes()
+    return out
+
+
+@pytest.mark.parametrize("extra", [[], ["data.keep_teacher_states=true"],
+                                   ["data.regen.temperature=0.8", "data.keep_teacher_states=true"]],
+                         ids=["greedy", "kept-states", "sampled"])
+def test_a_rerun_after_a_full_disk_equals_an_uninterrupted_run(tmp_path, tiny_target_dir, monkeypatch,
+                                                                capsys, extra):
+    prompts = write_prompts(tmp_path / "p.jsonl", n=16)
+    assert _data(tiny_target_dir, prompts, tmp_path / "whole", *extra) == 0
+    real, calls = ReplyJournal.add, []
+
+    def full_after_two(self, records):  # the disk fills while the third batch is journaled
+        calls.append(len(records))
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real(self, records)
+
+    monkeypatch.setattr(ReplyJournal, "add", full_after_two)
+    out = tmp_path / "resumed"
+    assert _data(tiny_target_dir, prompts, out, *extra) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and err.count("\n") == 1
+    assert not out.exists() and journal_path(out).is_dir()
+    monkeypatch.setattr(ReplyJournal, "add", real)
+    assert _data(tiny_target_dir, prompts, out, *extra) == 0
+    assert "resuming with 8 replies" in capsys.readouterr().out
+    assert _files(out) == _files(tmp_path / "whole")
+    assert not journal_path(out).exists()
+
+
+def test_a_line_cut_short_is_dropped_and_other_settings_start_over(tmp_path, tiny_target_dir, capsys):
+    path = tmp_path / ".data.journal"
+    j = ReplyJournal(path, {"a": 1})
+    j.add([{"id": "x", "v": 1}, {"id": "y", "v": 2}])
+    with open(path / "replies.jsonl", "a") as f:
+        f.write('{"id": "z", "v"')  # a kill mid-line
+    j = ReplyJournal(path, {"a": 1})
+    assert sorted(j.records) == ["x", "y"] and j.get("y") == {"id": "y", "v": 2}
+    j.add([{"id": "z", "v": 3}])
+    assert sorted(ReplyJournal(path, {"a": 1}).records) == ["x", "y", "z"]
+    assert ReplyJournal(path, {"a": 2}).records == {}
+    assert "other settings; starting over" in capsys.readouterr().out
+
+
+def test_later_stages_refuse_files_of_two_data_runs(tmp_path, tiny_target_dir, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _data(tiny_target_dir, write_prompts(tmp_path / "p.jsonl", n=12), a) == 0
+    assert _data(tiny_target_dir, write_prompts(tmp_path / "q.jsonl", n=16), b) == 0
+    summary = json.loads((a / "summary.json").read_text())
+    rows = [json.loads(line) for line in (a / "train.jsonl").read_text().splitlines()]
+    assert {r["run"] for r in rows} == {summary["run"]}
+    check_one_run(a / "train.jsonl", a / "val.jsonl", a / "prompt_token_counts.safetensors")
+    (a / "val.jsonl").write_bytes((b / "val.jsonl").read_bytes())  # a mix, as a killed rerun once left
+    with pytest.raises(DataError, match="val.jsonl from run"):
+        check_one_run(a / "train.jsonl", a / "val.jsonl")
+    common = ["--target", str(tiny_target_dir), "--device", "cpu"]
+    for argv in (["vocab", "--data", str(a), "--target", str(tiny_target_dir)],
+                 ["extract", *common, "--data", str(a), "--out", str(tmp_path / "cache")],
+                 ["train", *common, "--data", str(a), "--run-dir", str(tmp_path / "run")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "different `draftling data` runs" in err and err.count("\n") == 1, argv
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
