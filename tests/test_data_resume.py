@@ -97,3 +97,27 @@ def test_later_stages_refuse_files_of_two_data_runs(tmp_path, tiny_target_dir, c
         err = capsys.readouterr().err
         assert "different `draftling data` runs" in err and err.count("\n") == 1, argv
     assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_timed_dtype_probe_is_decided_once_per_journal(tmp_path, tiny_target_dir, monkeypatch, capsys):
+    """bfloat16_if_fast is a timed probe; a rerun on a busy machine must not mix dtypes."""
+    from draftling import hardware
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=16)
+    monkeypatch.setattr(hardware, "bf16_matmul_is_faster", lambda device_type="cpu": True)
+    real, calls = ReplyJournal.add, []
+
+    def full_after_one(self, records):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real(self, records)
+
+    monkeypatch.setattr(ReplyJournal, "add", full_after_one)
+    out = tmp_path / "d"
+    assert _data(tiny_target_dir, prompts, out, "data.regen.dtype=bfloat16_if_fast") == 2
+    monkeypatch.setattr(ReplyJournal, "add", real)
+    monkeypatch.setattr(hardware, "bf16_matmul_is_faster", lambda device_type="cpu": False)  # now "slow"
+    assert _data(tiny_target_dir, prompts, out, "data.regen.dtype=bfloat16_if_fast") == 0
+    replies = [json.loads(line) for line in (out / "replies.jsonl").read_text().splitlines()]
+    assert {r["provenance"]["dtype"] for r in replies if r["split"] == "train"} == {"bfloat16"}

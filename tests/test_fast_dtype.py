@@ -45,7 +45,7 @@ def test_the_probe_wants_a_clear_bf16_win(monkeypatch, bf16_s, fp32_s, faster):
     # emulates it (the Xeon's 4x slower).
     hardware.bf16_matmul_is_faster.cache_clear()
     monkeypatch.setattr(hardware, "_cpu_matmul_seconds",
-                        lambda dtype: bf16_s if dtype == torch.bfloat16 else fp32_s)
+                        lambda dtypes: [bf16_s if d == torch.bfloat16 else fp32_s for d in dtypes])
     try:
         assert hardware.bf16_matmul_is_faster("cpu") is faster
         assert hardware.bf16_matmul_is_faster("cuda") is True

@@ -217,6 +217,6 @@ def test_cli_extract_and_train_offline(tmp_path, tiny_target, monkeypatch, capsy
                  "train.max_steps=2", "train.batch_size=4", "train.ttt_steps=2", "train.log_every=1"]) == 0
     out = capsys.readouterr().out
     assert "offline teacher" in out and (run / "draft" / "draft.safetensors").is_file()
-    assert main(["train", "--data", str(tmp_path), "--run-dir", str(run), "--offline",
+    assert main(["train", "--data", str(tmp_path), "--run-dir", str(tmp_path / "run2"), "--offline",
                  str(tmp_path / "nope")]) == 2
     assert "no offline teacher cache" in capsys.readouterr().err

@@ -255,3 +255,26 @@ def test_a_run_dir_that_is_a_file_is_refused(tmp_path, tiny_target):
     with pytest.raises(ConfigError, match="--run-dir .*afile: is a file"):
         run(tmp_path, tiny_target, "afile", 2)
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_resume_keeps_the_compute_dtype_its_run_measured(tmp_path, tiny_target, monkeypatch):
+    """bfloat16_if_fast is a timed probe: a resume on a busy machine keeps the run's answer."""
+    import shutil
+
+    from draftling.train import trainer
+
+    setup_data(tmp_path)
+    monkeypatch.setattr(trainer, "bf16_matmul_is_faster", lambda device_type="cpu": True)
+    opts = {"train.compute_dtype": "bfloat16_if_fast"}
+    run(tmp_path, tiny_target, "full", 6, **opts)
+    run(tmp_path, tiny_target, "cut", 6, **opts)
+    for ckpt in list_checkpoints(tmp_path / "cut")[2:]:
+        shutil.rmtree(ckpt)
+    shutil.rmtree(tmp_path / "cut" / "draft")
+    monkeypatch.setattr(trainer, "bf16_matmul_is_faster", lambda device_type="cpu": False)
+    run(tmp_path, tiny_target, "cut", 6, resume=True, **opts)
+    a = load_file(str(tmp_path / "full" / "draft" / "draft.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    meta = json.loads((list_checkpoints(tmp_path / "cut")[-1] / "meta.json").read_text())
+    assert meta["compute_dtype"] == "bfloat16"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from draftling.faults import fault_point
 from draftling.io import remove_path, umask_mode, write_json
 
 FORMAT = "draftling-reply-journal-1"
@@ -32,19 +33,29 @@ class ReplyJournal:
     def __init__(self, path: Path, settings: dict):
         self.path, self.records = Path(path), {}
         settings = json.loads(json.dumps({"format": FORMAT, **settings}))  # as it reads back
-        self.settings = settings
+        self.settings, self._pinned = settings, {}
         if self.path.is_dir() and self._settings() != settings:
             print(f"data: {self.path} was written with other settings; starting over", flush=True)
             remove_path(self.path)
+            self._pinned = {}
         self._load()
         if self.records:
             print(f"data: resuming with {len(self.records)} replies from {self.path}", flush=True)
 
     def _settings(self) -> dict | None:
         try:
-            return json.loads((self.path / "journal.json").read_text())
+            saved = json.loads((self.path / "journal.json").read_text())
         except (OSError, ValueError):
             return None
+        self._pinned = saved.pop("pinned", {})
+        return saved
+
+    def pinned(self, key: str, decide):
+        """A decision the replies depend on that a rerun must not make again (a timed probe):
+        the journal's, or ``decide()``'s, kept with the journal from its first reply."""
+        if key not in self._pinned:
+            self._pinned[key] = decide()
+        return self._pinned[key]
 
     def _load(self) -> None:
         lines = self.path / "replies.jsonl"
@@ -84,7 +95,7 @@ class ReplyJournal:
             return
         if not self.path.is_dir():  # made with the first reply: a run that fails before leaves none
             self.path.mkdir(parents=True, mode=umask_mode(directory=True))
-            write_json(self.path / "journal.json", self.settings)
+            write_json(self.path / "journal.json", {**self.settings, "pinned": self._pinned})
         name = None
         if any("_states" in r for r in records):
             from safetensors.torch import save_file
@@ -106,6 +117,7 @@ class ReplyJournal:
             if name is not None:
                 row["_states_file"] = name
             lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+        fault_point("data.journal")  # a batch's states are written, its lines not yet
         with open(self.path / "replies.jsonl", "a") as f:
             f.write("".join(lines))
             f.flush()

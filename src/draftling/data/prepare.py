@@ -156,9 +156,15 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     if dc.exclude:
         print(f"data: excluded {excluded} conversations that share an id or a user turn with "
               f"{', '.join(dc.exclude)}", flush=True)
-    # A bad data.regen.dtype fails here, before anything is written.
-    one_pass = (not isinstance(target, Target) or bool(dc.regen.server_url)
-                or regen_dtype(target, dc.regen) == target.model.dtype)
+    journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
+    regen_cfg, one_pass = dc.regen, True
+    if isinstance(target, Target) and not dc.regen.server_url:
+        # Resolved once and pinned in the journal: bfloat16_if_fast is a timed probe, which a busy
+        # machine could answer otherwise on a rerun, and replies of two dtypes must not mix.
+        # A bad data.regen.dtype fails here, before anything is written.
+        name = journal.pinned("regen_dtype", lambda: str(regen_dtype(target, dc.regen)).removeprefix("torch."))
+        regen_cfg = replace(dc.regen, dtype=name)
+        one_pass = regen_dtype(target, regen_cfg) == target.model.dtype
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
     val_ids = {c.id for c in val_convs}
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
@@ -166,8 +172,6 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     # Leave room for a reply inside the sequence cap.
     max_prompt = max(1, dc.max_tokens - dc.regen.max_new_tokens)
     server = None
-    settings = journal_settings(cfg, target, regen_seconds is not None)
-    journal = ReplyJournal(journal_path(out_dir), settings)
     if dc.regen.server_url:
         from draftling.data.openai_client import ChatServer, regenerate_via_server
 
@@ -186,21 +190,21 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
             val_records = list(regen(val_convs, replace(dc.regen, dtype=None)))
             val_skipped = len(val_convs) - len(val_records)
             budget = {"seconds": round(regen_seconds, 1), "val_s": round(time.perf_counter() - t0, 1)}
-            records = list(regenerate_within(partial(regen, cfg=dc.regen), train_convs, dc.regen.batch_size,
+            records = list(regenerate_within(partial(regen, cfg=regen_cfg), train_convs, dc.regen.batch_size,
                                              t0 + regen_seconds, dc.seed, budget)) + val_records
             budget["used_s"] = round(time.perf_counter() - t0, 1)
         elif one_pass:
-            records = list(regen(train_convs + val_convs, dc.regen))
+            records = list(regen(train_convs + val_convs, regen_cfg))
         else:
             # Training replies from the faster copy; validation's from the target as served.
-            records = list(regen(train_convs, dc.regen)) + list(regen(val_convs, replace(dc.regen, dtype=None)))
+            records = list(regen(train_convs, regen_cfg)) + list(regen(val_convs, replace(dc.regen, dtype=None)))
     else:
         raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
                         "the model or a server (data.regen.server_url)")
     if not records:
         raise DataError(f"no prompt of {', '.join(dc.prompts)} could be regenerated: every one is over the "
                         f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)")
-    run = run_id(records, settings)
+    run = run_id(records, journal.settings)
     for r in records:
         r["split"] = "val" if r["id"] in val_ids else "train"
         r[RUN_KEY] = run

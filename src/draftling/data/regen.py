@@ -15,6 +15,7 @@ from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages
 from draftling.data.template import render
 from draftling.errors import ConfigError
+from draftling.faults import fault_point
 from draftling.hardware import resolve_fast_dtype
 from draftling.progress import Progress
 from draftling.target import Target
@@ -183,6 +184,7 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
             })
         if journal is not None:
             journal.add(records)
+        fault_point("data.batch")
         yield from records
         done += len(chunk)
         pace["slowest_batch_s"] = max(pace.get("slowest_batch_s", 0.0), time.perf_counter() - t_batch)

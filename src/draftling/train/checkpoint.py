@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from draftling.draft.store import WEIGHTS_FILE, save_draft
+from draftling.faults import fault_point
 from draftling.io import atomic_dir, hash_dataset_file, remove_path, write_json
 
 STATE_FILE = "train_state.pt"
@@ -47,11 +48,13 @@ def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step
         # Written last, over every other file: resume checks it before trusting the checkpoint.
         write_json(tmp / MANIFEST_FILE, {p.name: {"bytes": p.stat().st_size, "sha256": hash_dataset_file(p)}
                                          for p in sorted(tmp.iterdir())})
+        fault_point("checkpoint.written")
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         # Renamed out of the list first: a kill while deleting leaves a temporary, never a
         # checkpoint with missing files.
         doomed = old.with_name(f".{old.name}.pruned.tmp")
         os.replace(old, doomed)
+        fault_point("checkpoint.prune")
         shutil.rmtree(doomed, ignore_errors=True)
     return final
 

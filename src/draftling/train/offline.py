@@ -38,6 +38,7 @@ import torch
 from draftling.data.runs import check_one_run
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.errors import DataError
+from draftling.faults import fault_point
 from draftling.io import atomic_path, check_writable, write_json
 from draftling.train.dataset import collate, load_tokenized
 from draftling.train.teacher import TeacherBatch, teacher_forward
@@ -280,6 +281,7 @@ def _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, devi
                     w.write("draft_logits", a, tb.draft_logits[r, :n])
                     w.write("target_argmax", a, tb.target_argmax[r, :n])
                     w.write("in_draft", a, tb.in_draft[r, :n])
+            fault_point("extract.shard")
         finally:
             w.close()
 

@@ -22,6 +22,7 @@ from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
+from draftling.faults import fault_point
 from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.io import atomic_dir, atomic_path, remove_path, write_json
 from draftling.target import Target
@@ -628,6 +629,11 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     state = load_train_state(ckpt) if ckpt is not None else None
     if ckpt is not None:  # weights before wrapping: DDP broadcasts them, FSDP shards them
         draft.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE), device=str(device)), strict=False)
+        # A timed probe (bfloat16_if_fast) could decide otherwise on a busy machine: keep the run's.
+        resolved = json.loads((ckpt / "meta.json").read_text()).get("compute_dtype")
+        if resolved:
+            tc = dataclasses.replace(tc, compute_dtype=resolved)
+            cfg = dataclasses.replace(cfg, train=tc)
     objective = wrap(draft, ctx, tc.parallel, param_dtype, offload)
     if not ctx.active:  # one process: the bare module, no data-parallel wrapper
         assert type(objective) is TTTObjective and not is_sharded(objective)
@@ -700,6 +706,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         loss, counts, tokens = train_step(objective, cfg, target, examples, batches.indices(epoch, index),
                                           device, ctx, params, optimizer, scheduler, teacher_source, cache)
         step += 1
+        fault_point("train.step")
         if fit is not None and fit.due(step, batches.position(step)[1] == 0):
             total_steps = schedule.total = fit.refit(step)
             if progress is not None:
@@ -732,7 +739,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
             opt_state = full_optimizer_state(objective, optimizer)
             if ctx.is_main:
                 save_checkpoint(run_dir, weights, opt_state, scheduler, step, e, i, tc.keep_checkpoints,
-                                {"total_steps": total_steps})
+                                {"total_steps": total_steps, "compute_dtype": mem_opts["autocast"] or "float32"})
             barrier(ctx)
     if progress is not None:
         progress.close()
@@ -749,6 +756,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         metrics_log.close()
         with atomic_dir(run_dir / "draft") as tmp:
             save_draft(final, tmp)
+            fault_point("draft.written")
         write_json(run_dir / "train_result.json", result)
     barrier(ctx)
     return result
