@@ -269,7 +269,7 @@ def test_v1_prompt_set():
 def test_cli_release(bench_run, tmp_path, monkeypatch, capsys):
     from draftling import cli
 
-    monkeypatch.setattr(cli, "_load_target", lambda cfg, chat_template=None: bench_run.target)
+    monkeypatch.setattr("draftling.target.load_target_from_config", lambda cfg: bench_run.target)
     monkeypatch.chdir(tmp_path)
     rc = cli.main(["bench", "--release", "--draft", str(bench_run.draft), "--prompt-set", str(bench_run.ps),
                    "--configs", "chain-2-1-3", "--max-new-tokens", "5", "--baselines", "engine_plain",
@@ -328,7 +328,8 @@ def test_committed_release_results_keep_the_contract():
     # The H200 results in bench/results are what BENCHMARKS.md quotes: each keeps the issue's
     # results contract, and the newest one is the file BENCHMARKS.md's release section links.
     root = Path(__file__).resolve().parents[1]
-    files = sorted((root / "bench" / "results").glob("????-??-??-nvidia-h200.json"))
+    # One folder per run (bench/results/<date>-<what>-<commit>-<machine>/); superseded runs are in archive/.
+    files = sorted((root / "bench" / "results").glob("*/????-??-??-nvidia-h200.json"), key=lambda f: f.name)
     if not files:
         pytest.skip("no committed GPU results (not a full checkout)")
     for f in files:
@@ -345,4 +346,4 @@ def test_committed_release_results_keep_the_contract():
             for v in c["per_workload"].values():
                 assert {"tau", "tok_s", "speedup"} <= set(v) and v["tau"] >= 1.0
     latest = files[-1]
-    assert f"[{latest.name}](bench/results/{latest.name})" in (root / "BENCHMARKS.md").read_text()
+    assert f"[{latest.name}](bench/results/{latest.parent.name}/{latest.name})" in (root / "BENCHMARKS.md").read_text()
