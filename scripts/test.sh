@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+${PYTHON:-python3} -m ruff check src tests scripts
 exec ${PYTHON:-python3} -m pytest -q "$@"

@@ -83,7 +83,7 @@ def test_bad_pipeline_files_are_one_line_errors(tmp_path, monkeypatch, capsys):
     from draftling.draft.store import load_draft
     from draftling.draft.vocab import load_vocab
     from draftling.errors import DraftlingError
-    from draftling.train.dataset import load_tokenized
+    from draftling.data.tokenized import load_tokenized
 
     (tmp_path / "vocab.safetensors").write_bytes(b"garbage" * 10)
     with pytest.raises(DraftlingError, match="vocab.safetensors: not a vocab file"):

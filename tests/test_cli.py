@@ -187,7 +187,7 @@ def test_bench_prompts_follow_the_mix_of_sources():
     # 6 of a, 2 of b, 1 of c: 4 prompts are 6*4/9 = 2.67 -> 3 of a, 0.89 -> 1 of b, 0.44 -> 0 of c.
     rows = [(f"a{i}", "a", [1]) for i in range(6)] + [("b0", "b", [1]), ("b1", "b", [1]), ("c0", "c", [1])]
     assert [r[0] for r in sample_by_source(rows, 4)] == ["a0", "b0", "a1", "a2"]
-    # The session-six validation split's sources, 8 prompts.
+    # The validation split's sources of the e2d856f quickstart (2026-12-01, cpu-xeon-2core), 8 prompts.
     counts = {"gsm8k": 14, "mbpp": 12, "alpaca": 11, "sharegpt": 9, "selfinstruct": 4, "oasst": 3}
     rows = [(f"{s}{i}", s, [1]) for s, k in counts.items() for i in range(k)]
     picked = [r[1] for r in sample_by_source(rows, 8)]

@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.cli import main
-from draftling.config import load_config
 from draftling.train.distributed import DistContext, rank_share
 from draftling.train.ttt import step_valid_counts, ttt_unroll
 from tests.conftest import random_batch, run_draftling
@@ -31,7 +30,8 @@ def test_rank_share_is_strided_and_never_empty():
 
 def test_global_denominators_make_half_batch_grads_average_to_full_batch_grads(tiny_target):
     from draftling.draft.model import Eagle3Draft, draft_config_from_target
-    from draftling.train.dataset import TokenizedExample, collate
+    from draftling.data.tokenized import TokenizedExample
+    from draftling.train.dataset import collate
     from draftling.train.teacher import teacher_forward
 
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from draftling.data.regen import regenerate
 from draftling.errors import ConfigError
 from draftling.hardware import BF16_IF_FAST, resolve_fast_dtype
 from draftling.target import load_target
-from draftling.train.trainer import memory_options
+from draftling.train.settings import memory_options
 
 
 def write_sea_prompts(path, n):
@@ -55,9 +55,9 @@ def test_the_probe_wants_a_clear_bf16_win(monkeypatch, bf16_s, fp32_s, faster):
 
 def test_train_compute_dtype_if_fast_follows_the_probe(monkeypatch):
     tc = TrainConfig(compute_dtype=BF16_IF_FAST)
-    monkeypatch.setattr("draftling.train.trainer.bf16_matmul_is_faster", lambda device_type: True)
+    monkeypatch.setattr("draftling.train.settings.bf16_matmul_is_faster", lambda device_type: True)
     assert memory_options(tc, "cpu")["autocast"] == "bfloat16"
-    monkeypatch.setattr("draftling.train.trainer.bf16_matmul_is_faster", lambda device_type: False)
+    monkeypatch.setattr("draftling.train.settings.bf16_matmul_is_faster", lambda device_type: False)
     assert memory_options(tc, "cpu")["autocast"] is None
     with pytest.raises(ConfigError, match="train.compute_dtype='bf16'"):
         memory_options(TrainConfig(compute_dtype="bf16"), "cpu")

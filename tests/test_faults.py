@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,28 +123,35 @@ def test_twenty_kills_during_training_resume_bitwise_equal(setup):
     checkpoints = len(range(2, s["steps"] + 1, 2)) + (s["steps"] % 2)
     plan = _kill_plan(20, s["steps"], checkpoints, s["train_s"])
 
-    def trial(i: int) -> str:
+    def trial(i: int) -> str | None:
+        """None if the kill was survived, else what went wrong."""
         point, at = plan[i]
         run_dir = s["root"] / f"killed{i:02d}"
-        if point == "time":
-            _train(s, run_dir, kill_after=at)
-        else:
-            rc, _, err = _train(s, run_dir, fault=f"{point}:{at}")
-            assert rc == -signal.SIGKILL, (point, at, err[-2000:])
-        # Resume (--resume on a directory the kill left empty simply starts).
-        rc, _, err = _train(s, run_dir, "--resume")
-        assert rc == 0, (point, at, err[-2000:])
-        _assert_same_run(s, run_dir)
+        try:
+            if point == "time":
+                _train(s, run_dir, kill_after=at)
+            else:
+                rc, _, err = _train(s, run_dir, fault=f"{point}:{at}")
+                assert rc == -signal.SIGKILL, f"exit {rc}: {err[-1500:]}"
+            # Resume (--resume on a directory the kill left empty simply starts).
+            rc, _, err = _train(s, run_dir, "--resume")
+            assert rc == 0, f"resume exit {rc}: {err[-1500:]}"
+            _assert_same_run(s, run_dir)
+        except AssertionError as e:
+            return f"{point}:{at}: {e}"
         shutil.rmtree(run_dir)
-        return f"{point}:{at}"
+        return None
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # each trial is two subprocesses
-        survived = list(pool.map(trial, range(len(plan))))
-    report = {"kills": len(plan), "kills_survived_bitwise_equal": len(survived), "points": survived,
+        outcomes = list(pool.map(trial, range(len(plan))))
+    failed = [f for f in outcomes if f is not None]
+    survived = [f"{p}:{a}" for (p, a), f in zip(plan, outcomes) if f is None]
+    report = {"kills": len(plan), "kills_survived_bitwise_equal": len(survived), "points": survived, "failed": failed,
               "train_steps": s["steps"], "train_opts": TRAIN_OPTS}
     print(json.dumps(report))
     if os.environ.get("DRAFTLING_FAULTS_JSON"):
         Path(os.environ["DRAFTLING_FAULTS_JSON"]).write_text(json.dumps(report, indent=2) + "\n")
+    assert failed == []
     assert len(survived) == 20
 
 

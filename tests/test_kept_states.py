@@ -9,9 +9,10 @@ from safetensors.torch import load_file
 
 from draftling.cli import main
 from draftling.data.states import StoredStates, states_path
+from draftling.data.tokenized import load_tokenized
 from draftling.draft.vocab import load_vocab
 from draftling.target import load_target
-from draftling.train.dataset import collate, load_tokenized
+from draftling.train.dataset import collate
 from draftling.train.teacher import KeptStatesTeacher, teacher_forward
 from tests.test_cli import write_prompts
 

@@ -64,7 +64,8 @@ def test_offline_training_matches_online(tmp_path, tiny_target, monkeypatch):
 
 def test_teacher_batch_equals_online_rows(tmp_path, tiny_target):
     """Row for row, the cached outputs are the online ones (fp32 target: stored losslessly)."""
-    from draftling.train.dataset import collate, load_tokenized
+    from draftling.data.tokenized import load_tokenized
+    from draftling.train.dataset import collate
     from draftling.train.teacher import teacher_forward
 
     setup_data(tmp_path)
@@ -204,7 +205,7 @@ def test_disk_estimate_is_printed_and_close(tmp_path, tiny_target, capsys):
 
 def test_cli_extract_and_train_offline(tmp_path, tiny_target, monkeypatch, capsys):
     setup_data(tmp_path)
-    monkeypatch.setattr("draftling.cli._load_target", lambda cfg, *a, **k: tiny_target)
+    monkeypatch.setattr("draftling.target.load_target_from_config", lambda cfg, *a, **k: tiny_target)
     with pytest.raises(SystemExit):
         main(["extract", "--help"])
     help_text = capsys.readouterr().out

@@ -8,9 +8,10 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from draftling.cli import add_plan_parser, cmd_plan
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
-from draftling.train.plan import (GIB, DraftShape, MemoryOptions, add_plan_parser, cmd_plan,
-                                  estimate_train_memory, parse_size, target_param_counts, teacher_weight_bytes)
+from draftling.train.plan import (GIB, DraftShape, MemoryOptions, estimate_train_memory, parse_size,
+                                  target_param_counts, teacher_weight_bytes)
 from draftling.train.teacher import TeacherBatch
 from draftling.train.ttt import ttt_unroll
 

@@ -169,7 +169,7 @@ def test_teacher_compile_auto_skips_quantized_teachers():
     """auto compiles a plain (or dequantized GGUF) teacher on CUDA, never a quantized one,
     and never on the CPU; an explicit setting wins."""
     from draftling.config import TrainConfig
-    from draftling.train.trainer import compile_teacher
+    from draftling.train.settings import compile_teacher
     from tests.conftest import tiny_llama
 
     model = tiny_llama(layers=2)

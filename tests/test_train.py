@@ -139,7 +139,8 @@ def test_narrower_draft_mlp_trains_saves_and_loads(tmp_path, tiny_target):
 
 
 def test_length_grouped_batches_cover_the_epoch_with_less_padding():
-    from draftling.train.dataset import EpochBatches, TokenizedExample
+    from draftling.data.tokenized import TokenizedExample
+    from draftling.train.dataset import EpochBatches
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(10, 400, (203,), generator=g).tolist()
@@ -261,20 +262,31 @@ def test_a_resume_keeps_the_compute_dtype_its_run_measured(tmp_path, tiny_target
     """bfloat16_if_fast is a timed probe: a resume on a busy machine keeps the run's answer."""
     import shutil
 
-    from draftling.train import trainer
+    from draftling.train import settings
 
     setup_data(tmp_path)
-    monkeypatch.setattr(trainer, "bf16_matmul_is_faster", lambda device_type="cpu": True)
+    monkeypatch.setattr(settings, "bf16_matmul_is_faster", lambda device_type="cpu": True)
     opts = {"train.compute_dtype": "bfloat16_if_fast"}
     run(tmp_path, tiny_target, "full", 6, **opts)
     run(tmp_path, tiny_target, "cut", 6, **opts)
     for ckpt in list_checkpoints(tmp_path / "cut")[2:]:
         shutil.rmtree(ckpt)
     shutil.rmtree(tmp_path / "cut" / "draft")
-    monkeypatch.setattr(trainer, "bf16_matmul_is_faster", lambda device_type="cpu": False)
+    monkeypatch.setattr(settings, "bf16_matmul_is_faster", lambda device_type="cpu": False)
     run(tmp_path, tiny_target, "cut", 6, resume=True, **opts)
     a = load_file(str(tmp_path / "full" / "draft" / "draft.safetensors"))
     b = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     meta = json.loads((list_checkpoints(tmp_path / "cut")[-1] / "meta.json").read_text())
     assert meta["compute_dtype"] == "bfloat16"
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path, tiny_target):
+    setup_data(tmp_path)
+    run(tmp_path, tiny_target, "m", 4)
+    metrics = tmp_path / "m" / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "split": "tr')  # a kill mid-write
+    run(tmp_path, tiny_target, "m", 4, resume=True)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]

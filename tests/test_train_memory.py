@@ -12,7 +12,7 @@ from draftling.errors import ConfigError
 from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import OffloadedAdamW, build_optimizer
 from draftling.train.teacher import teacher_forward
-from draftling.train.trainer import memory_options, optimizer_offload
+from draftling.train.settings import memory_options, optimizer_offload
 from draftling.train.ttt import (TTTAttention, flex_usable, shift_left, ttt_attention, ttt_mask_mod,
                                  ttt_unroll)
 from tests.conftest import tiny_llama
@@ -437,7 +437,8 @@ def test_train_with_all_memory_options_matches_plain(tmp_path, tiny_target, caps
 def test_auto_draft_dtype_is_bf16_only_with_offload_and_keeps_rotary_fp32(tiny_target):
     from draftling.config import TrainConfig
     from draftling.draft.model import Eagle3Draft, draft_config_from_target
-    from draftling.train.trainer import draft_param_dtype, place_draft
+    from draftling.train.settings import draft_param_dtype
+    from draftling.train.trainer import place_draft
 
     assert draft_param_dtype(TrainConfig(), "cpu") == torch.float32
     assert draft_param_dtype(TrainConfig(optimizer_offload=True), "cpu") == torch.bfloat16

@@ -72,7 +72,6 @@ def test_unroll_alignment_matches_decode_time_chain():
     draft.step = orig_step
 
     # Decode-time reference, written independently: a growing list of keys per position.
-    cfg = draft.config
     fused = draft.fuse(teacher.aux)
     t0 = 5
     with torch.no_grad():

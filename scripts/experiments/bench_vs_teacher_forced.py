@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 from draftling.config import load_config
+from draftling.data.tokenized import load_tokenized
 from draftling.draft.store import load_draft
 from draftling.io import write_json
 from draftling.target import load_target
-from draftling.train.dataset import collate, load_tokenized
+from draftling.train.dataset import collate
 from draftling.train.teacher import teacher_forward
 from draftling.train.trainer import evaluate
 

@@ -21,7 +21,7 @@ from draftling.io import write_json
 from draftling.target import load_target
 from draftling.train.teacher import teacher_forward
 from draftling.train.ttt import ttt_unroll
-from draftling.train.dataset import load_tokenized
+from draftling.data.tokenized import load_tokenized
 
 
 def main() -> None:

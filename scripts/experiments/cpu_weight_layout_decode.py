@@ -3,16 +3,18 @@ leaves): target forward at q = 1/4/8 queries, plain greedy and chain-3 speculati
 of one prompt with a trained head. Run with the weights as loaded, then after transposing.
 Usage: python3 scripts/experiments/cpu_weight_layout_decode.py DRAFT_DIR
 
-As run on 2026-12-01 (seventh session) this loaded the target row-major (before the layout
-change); with the change in place the first half already measures column-major weights."""
+As run on 2026-12-01 on a 2-core Xeon, before 5150e62 (bench/results/
+2026-12-01-cpu-weight-layout-0572392-cpu-xeon-2core/), this loaded the target row-major (before
+the layout change); with the change in place the first half already measures column-major weights."""
 import sys
 import time
 
 import torch
 
-from draftling.bench.simple import build_engine, load_any_draft
+from draftling.bench.simple import build_engine
 from draftling.engine.generate import greedy_generate, speculative_generate
 from draftling.engine.target_model import causal_mask
+from draftling.export.formats import load_any_draft
 from draftling.target import load_target
 
 tg = load_target(None, dtype="float32")

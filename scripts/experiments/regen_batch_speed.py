@@ -4,7 +4,7 @@ the quickstart profile's generation settings.
     python scripts/experiments/regen_batch_speed.py 64 128
 """
 
-import sys, time, torch
+import sys, time
 from draftling.config import load_config
 from draftling.target import load_target
 from draftling.data.prompts import load_conversations

@@ -37,7 +37,6 @@ def own(batch):
     K = torch.zeros(len(layers), B, nkv, S, hd); V = torch.zeros_like(K)
     cols = torch.arange(S)
     def step(x_ids, slots):
-        q = x_ids.shape[1]
         pos = (slots[None] - pad[:, None]).clamp(min=0)
         # A pad query sees only itself: a row with no visible slot would turn into NaN, and its
         # NaN K/V would reach real rows through 0 * NaN in probs @ V.
@@ -75,7 +74,6 @@ dt = time.perf_counter() - t0
 ntok = sum(len(o) for o in outs)
 print("own", bs, "prompts", len(prompts), "s", round(dt, 1), "tok/s", round(ntok / dt, 1), flush=True)
 rc = cfg.data.regen; rc.batch_size = bs
-from draftling.data.prompts import Conversation
 t0 = time.perf_counter()
 rows = list(regenerate(t, convs, rc, max_prompt_tokens=288, progress=False))
 dt = time.perf_counter() - t0

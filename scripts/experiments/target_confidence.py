@@ -16,7 +16,7 @@ from safetensors import safe_open
 from draftling.config import load_config
 from draftling.draft.vocab import load_vocab
 from draftling.target import load_target
-from draftling.train.dataset import load_tokenized
+from draftling.data.tokenized import load_tokenized
 
 BINS = ((0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01))
 

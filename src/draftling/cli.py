@@ -1,22 +1,78 @@
 """The `draftling` command. Each subcommand is one pipeline stage; `quickstart` runs them all.
 
 Errors in user input are printed as one line (`draftling: error: ...`) with exit code 2.
+
+Flags reach the run config one way: FLAG_KEYS names the config key a flag stands for, and
+``run_config`` hands the flags a command passes on to ``load_config`` as KEY=VALUE overrides
+after the command line's own, so a flag wins over its key and is checked exactly like it.
+Flags without a key (paths, modes, the release bench's protocol) stay the command's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-from draftling.errors import DraftlingError
+from draftling.errors import ConfigError, DraftlingError
+from draftling.progress import quiet_libraries
 
 EPILOG_OVERRIDES = ("Config overrides: trailing KEY=VALUE pairs override the YAML config, e.g. "
                     "train.lr=3e-4 data.regen.max_new_tokens=128 vocab.size=8192.")
 
+# --- flags -> config -------------------------------------------------------------------------
+
+# The config key each such flag sets, by its argparse dest (one dest means one key in every
+# command). Each command names the ones it passes on to run_config.
+FLAG_KEYS = {
+    "target": "target", "device": "device", "dtype": "dtype", "chat_template": "chat_template",
+    "prompts": "data.prompts", "server": "data.regen.server_url", "server_model": "data.regen.server_model",
+    "size": "vocab.size", "prompt_weight": "vocab.prompt_weight",
+    "configs": "bench.configs", "num_prompts": "bench.num_prompts", "max_new_tokens": "bench.max_new_tokens",
+    "temperature": "bench.temperature", "top_k": "bench.top_k", "top_p": "bench.top_p",
+    "minutes": "wall_minutes",
+}
+# A flag's value where it is not the key's value as it stands.
+FLAG_VALUES = {"configs": lambda text: [c for c in text.split(",") if c]}  # comma-separated
+
+TARGET_FLAGS = ("target", "device", "dtype")
+DATA_FLAGS = ("chat_template", "prompts", "server", "server_model")
+BENCH_FLAGS = ("configs", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p")
+
+
+def flag_overrides(args, flags) -> list[str]:
+    """``KEY=VALUE`` for each of ``flags`` given on the command line (an empty string counts as
+    not given). The value is written as JSON, which YAML reads back as the same string, number
+    or list: a path or URL is never re-read as YAML."""
+    out = []
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if value is None or value == "":
+            continue
+        value = FLAG_VALUES.get(flag, lambda v: v)(value)
+        out.append(f"{FLAG_KEYS[flag]}={json.dumps(value, ensure_ascii=False)}")
+    return out
+
+
+def run_config(args, flags=TARGET_FLAGS, base: tuple[str, ...] = ()):
+    """The run config: --config, then ``base`` (the command's fixed choices), then the trailing
+    KEY=VALUE overrides, then ``flags``."""
+    from draftling.config import load_config
+
+    overrides = [*base, *(getattr(args, "overrides", None) or [])]
+    if "prompts" in flags and getattr(args, "prompts", None):
+        # --prompts replaces the file list: the profile's per-file caps of files left out go.
+        caps = load_config(getattr(args, "config", None), overrides).data.max_prompts_by_file
+        kept = {spec: cap for spec, cap in caps.items() if spec in args.prompts}
+        overrides.append(f"data.max_prompts_by_file={json.dumps(kept)}")
+    return load_config(getattr(args, "config", None), overrides + flag_overrides(args, flags))
+
+
+# --- the parser ------------------------------------------------------------------------------
 
 def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
     p.add_argument("--target", help="HF hub id, local model directory, or .gguf file "
@@ -37,7 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `draftling quickstart` to do everything on the embedded default target.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (add_data_parser, add_vocab_parser, add_train_parser, add_plan_parser, add_extract_parser,
+                add_bench_parser, add_export_parser, add_quickstart_parser):
+        add(sub)
+    return parser
 
+
+def add_data_parser(sub) -> None:
+    """`draftling data`: prompts -> regenerated, tokenized, split data."""
     p = sub.add_parser("data", help="regenerate replies with the target, tokenize, split train/val",
                        description="Read prompt files (project schema, ShareGPT or OpenAI messages), "
                        "regenerate the assistant replies with the target itself, tokenize them with the "
@@ -64,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-model", metavar="NAME", help="model name the server serves "
                    "(default: the only one /v1/models lists)")
 
+
+def add_vocab_parser(sub) -> None:
+    """`draftling vocab`: the draft vocabulary from prepared data."""
     p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from prepared data",
                        description="Count loss-masked tokens in <data>/train.jsonl and keep the N most "
                        "frequent as the draft vocabulary. With a prompt weight W > 0 a token ranks by its "
@@ -78,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML config or built-in name")
     p.add_argument("--out", help="output file (default <data>/vocab.safetensors)")
 
+
+def add_train_parser(sub) -> None:
+    """`draftling train`: online (or --offline) training of the head."""
     p = sub.add_parser("train", help="train the EAGLE-3 head (teacher resident, TTT unroll)",
                        description="Online training: the target stays loaded and its aux hidden states "
                        "are recomputed for each batch. Logs per-step and conditional accuracy and a "
@@ -107,10 +176,41 @@ def build_parser() -> argparse.ArgumentParser:
                    "loads the teacher on its own GPU (cuda:<local rank>); train.batch_size stays the "
                    "global batch; train.parallel=ddp|fsdp picks the wrapper")
 
-    from draftling.train.plan import add_plan_parser
 
-    add_plan_parser(sub)
+def add_plan_parser(sub) -> argparse.ArgumentParser:
+    """`draftling plan`: the memory estimate of train/plan.py for a run, without weights."""
+    p = sub.add_parser(
+        "plan", help="will a training run fit on this GPU? (reads only the target's config)",
+        description="Estimate the peak GPU memory of `draftling train` from the target's config and "
+        "the run config, without loading weights: teacher weights, draft params, grads and optimizer "
+        "state, the teacher's outputs, activations and the largest transient. Prints a table and a "
+        "verdict; exit code 0 if it fits, 1 if not. The memory options are resolved as the trainer "
+        "resolves them on CUDA (train.optimizer_offload, train.grad_checkpoint, train.attention, "
+        "train.loss_chunk_tokens, train.compile, train.embedding_on_host, train.draft_dtype). The "
+        "estimate is for one process; under torchrun every rank holds its own teacher, so pass the "
+        "per-rank share of the batch as --batch-size.",
+        epilog="Config overrides: trailing KEY=VALUE pairs, e.g. train.batch_size=4 "
+        "train.optimizer_offload=false vocab.size=16000.")
+    p.add_argument("--target", help="HF hub id, local model directory, or .gguf file (default: the "
+                   "config's target)")
+    p.add_argument("--gpu-mem", required=True, metavar="SIZE",
+                   help="memory of one GPU, e.g. 80GiB, 24GB, 141 (a bare number is GiB)")
+    p.add_argument("--config", default=None, help="YAML config file or built-in name")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="sequences per step (default: train.batch_size)")
+    p.add_argument("--dtype", help="the target's dtype (default: from config)")
+    p.add_argument("--offline", action="store_true", help="plan for `train --offline` (no teacher forward; "
+                   "the target is still loaded)")
+    p.add_argument("--teacher-bits", type=float, default=None, metavar="BITS",
+                   help="bits per teacher decoder weight, e.g. 4.5 for a 4-bit quantized teacher "
+                   "(default: the dtype, or the config's quantization)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    return p
 
+
+def add_extract_parser(sub) -> None:
+    """`draftling extract`: the teacher's outputs cached for offline training."""
     p = sub.add_parser("extract", help="run the teacher once and cache its outputs for offline training",
                        description="Offline mode, step 1: run the target over <data>/train.jsonl (and "
                        "val.jsonl when present) and write what the loss needs (aux hidden states, "
@@ -132,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logits-dtype", choices=["float32", "bfloat16", "float16"],
                    help="storage dtype of the draft-vocab logits (default: the target's dtype, lossless)")
 
+
+def add_bench_parser(sub) -> None:
+    """`draftling bench`: the simple bench, or the release bench with --release."""
     p = sub.add_parser("bench", help="speculative decoding: acceptance length, speed, exactness",
                        description="Greedy speculative decoding with the draft against the same engine "
                        "without speculation. Reports tau (tokens per verify step, bonus token counted), "
@@ -176,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--update-benchmarks-md", nargs="?", const="BENCHMARKS.md", metavar="FILE",
                    help="rewrite the release-bench section of FILE (default BENCHMARKS.md)")
 
+
+def add_export_parser(sub) -> None:
+    """`draftling export`: a trained head in a serving format."""
     p = sub.add_parser("export", help="write the head in SGLang (EAGLE) or vLLM speculators format",
                        description="Export a trained head for serving. By default embedding-free, with "
                        "the d2t/t2d vocab maps, and with the aux layer ids translated to the engine's "
@@ -185,11 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["sglang", "speculators"], default="sglang")
     p.add_argument("--with-embedding", action="store_true", help="include the target's embedding")
     p.add_argument("--target", help="target (needed for --with-embedding and as the verifier name)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 | keep")
+    # The export's own dtype, not the target's (config key `dtype`): its own dest keeps it apart.
+    p.add_argument("--dtype", dest="export_dtype", metavar="DTYPE", default="bfloat16",
+                   help="bfloat16 | float16 | float32 | keep")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (only "
                    "the files draftling wrote there; other files stay). Without it --out must be new or "
                    "empty; a directory draftling did not write is always refused")
 
+
+def add_quickstart_parser(sub) -> None:
+    """`draftling quickstart`: every stage, on the embedded default target."""
     p = sub.add_parser("quickstart", help="run every stage on the embedded default target",
                        description="data -> vocab -> train -> bench -> export on SmolLM2-135M-Instruct "
                        "and the starter prompts shipped with draftling (starter:chat, starter:code, "
@@ -206,38 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the whole run's time budget in minutes, from start to summary (default: the "
                    "profile's wall_minutes, 13.5 in quickstart_cpu; 0 = no budget, the profile's fixed "
                    "counts). A budget too small for training on this machine is refused after the probe.")
-    return parser
 
 
-def _run_config(args):
-    from draftling.config import load_config
-
-    overrides = list(getattr(args, "overrides", None) or [])
-    for flag, key in (("target", "target"), ("device", "device"), ("dtype", "dtype")):
-        value = getattr(args, flag, None)
-        if value:
-            overrides.append(f"{key}={value}")
-    return load_config(getattr(args, "config", None), overrides)
-
-
-def _load_target(cfg, chat_template=None):
-    from draftling.target import load_target
-
-    return load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                       aux_layer_ids=cfg.aux_layer_ids, chat_template=chat_template or cfg.chat_template,
-                       quantization=cfg.quantization)
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device in (None, "", "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise DraftlingError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}"
-                             f"{'' if torch.version.cuda else ', a CPU-only build'}); use --device cpu")
-    return device
-
+# --- the commands ----------------------------------------------------------------------------
 
 def check_data_files(data: Path) -> None:
     """Before any model loads: the data directory's files come from one `draftling data` run."""
@@ -248,45 +330,34 @@ def check_data_files(data: Path) -> None:
 
 
 def cmd_data(args) -> None:
-    cfg = _run_config(args)
-    from draftling.data.sources import check_prompt_files
+    cfg = run_config(args, (*TARGET_FLAGS, *DATA_FLAGS))
     from draftling.data.prepare import check_data_dir, prepare_data
+    from draftling.data.sources import check_prompt_files
 
-    if args.prompts:
-        cfg.data.prompts = list(args.prompts)
-    if args.server:
-        cfg.data.regen.server_url = args.server
-    if args.server_model:
-        cfg.data.regen.server_model = args.server_model
     check_prompt_files(cfg)
     check_data_dir(Path(args.out))  # before the target loads
     if cfg.data.regen.server_url:
         from draftling.target.load import load_target_tokenizer
 
         # The server generates; the weights would only cost memory and load time here.
-        target = load_target_tokenizer(cfg.target, args.chat_template or cfg.chat_template)
+        target = load_target_tokenizer(cfg.target, cfg.chat_template)
     else:
-        target = _load_target(cfg, args.chat_template)
+        from draftling.target import load_target_from_config
+
+        target = load_target_from_config(cfg)
     prepare_data(cfg, target, args.out)
 
 
 def cmd_vocab(args) -> None:
-    from draftling.config import load_config
     from draftling.draft.vocab import build_vocab_file
     from draftling.target.load import load_target_config
 
-    overrides = [f"target={args.target}"] if args.target else []
-    if args.prompt_weight is not None:
-        overrides.append(f"vocab.prompt_weight={args.prompt_weight}")
-    if args.size is not None:
-        overrides.append(f"vocab.size={args.size}")  # checked with the config's bounds
-    cfg = load_config(args.config, overrides)
-    size = cfg.vocab.size
+    cfg = run_config(args, ("target", "size", "prompt_weight"))  # --size: checked with the config's bounds
     data = Path(args.data)
     check_data_files(data)
     out = Path(args.out) if args.out else data / "vocab.safetensors"
-    vocab = build_vocab_file(data / "train.jsonl", load_target_config(cfg.target).vocab_size, size, out,
-                             prompt_weight=cfg.vocab.prompt_weight)
+    vocab = build_vocab_file(data / "train.jsonl", load_target_config(cfg.target).vocab_size, cfg.vocab.size,
+                             out, prompt_weight=cfg.vocab.prompt_weight)
     print(f"vocab: {vocab.size} draft tokens ({vocab.num_distinct} distinct in data), "
           f"coverage {vocab.coverage:.1%} of loss tokens -> {out}")
 
@@ -319,15 +390,17 @@ def cmd_train(args) -> int | None:
             raise DraftlingError(f"--nproc {args.nproc}: expected a positive number of processes")
         if not launched_by_torchrun():
             return relaunch_under_torchrun(args.nproc, args.argv)
-    cfg = _run_config(args)
+    cfg = run_config(args)
     data = Path(args.data)
     check_data_files(data)
+    from draftling.target import load_target_from_config, resolve_device
     from draftling.train.trainer import check_run_dir, train
 
     check_run_dir(Path(args.run_dir), args.resume, args.overwrite)  # before the target loads
     vocab_path = args.vocab or data / "vocab.safetensors"
-    ctx, cfg.device = init_distributed(resolve_device(cfg.device))
-    target = _load_target(cfg)
+    ctx, device = init_distributed(resolve_device(cfg.device))
+    cfg = dataclasses.replace(cfg, device=device)
+    target = load_target_from_config(cfg)
     source = None
     if args.offline:
         from draftling.draft.vocab import hash_dataset_file, load_vocab
@@ -344,19 +417,39 @@ def cmd_train(args) -> int | None:
 
 
 def cmd_plan(args) -> int:
-    from draftling.train.plan import cmd_plan as plan
+    """`draftling plan`: prints the table and verdict; returns 0 if it fits, 1 if not."""
+    from draftling.target.load import load_target_config
+    from draftling.train.plan import format_plan, largest_fitting_batch, parse_size, plan_run
 
-    return plan(args)
+    cfg = run_config(args, ("target", "dtype"))
+    try:
+        gpu_bytes = parse_size(args.gpu_mem)
+    except ValueError as e:
+        raise ConfigError(f"--gpu-mem: {e}") from None
+    if args.seq < 1 or (args.batch_size is not None and args.batch_size < 1):
+        raise ConfigError("--seq and --batch-size must be positive")
+    batch = args.batch_size or cfg.train.batch_size
+    target_config = load_target_config(cfg.target)
+    try:
+        plan = plan_run(cfg, target_config, gpu_bytes, args.seq, batch, offline=args.offline,
+                        teacher_bits=args.teacher_bits)
+        max_batch = largest_fitting_batch(cfg, target_config, gpu_bytes, args.seq, args.offline,
+                                          args.teacher_bits)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(format_plan(plan, cfg.target, max_batch), flush=True)
+    return 0 if plan["fits"] else 1
 
 
 def cmd_extract(args) -> None:
-    cfg = _run_config(args)
+    cfg = run_config(args)  # --shard-size, --batch-size, --logits-dtype: the cache's own, no config keys
     check_data_files(Path(args.data))
+    from draftling.target import load_target_from_config
     from draftling.train.offline import check_cache_dir, extract
-    from draftling.train.trainer import compile_teacher
+    from draftling.train.settings import compile_teacher
 
     check_cache_dir(Path(args.out))  # before the target loads
-    target = _load_target(cfg)
+    target = load_target_from_config(cfg)
     # Compiled like the trainer's teacher (train.compile_teacher; auto: on CUDA).
     extract(target, args.data, args.out, args.vocab, shard_size=args.shard_size,
             batch_size=args.batch_size, dtype=args.logits_dtype,
@@ -372,6 +465,7 @@ def _int_arg(flag: str, value: str) -> int:
 
 def cmd_bench(args) -> None:
     from draftling.bench.simple import run_bench
+    from draftling.target import load_target_from_config
 
     if args.release:
         from draftling.bench import release
@@ -384,12 +478,12 @@ def cmd_bench(args) -> None:
                                  "fixes n, outputs go to --results-dir and the protocol is greedy)")
         if args.prompts and args.prompt_set:
             raise DraftlingError("bench --release: give --prompt-set or --prompts, not both")
-        cfg = _run_config(args)
+        cfg = run_config(args)
         results_dir = args.results_dir or "bench/results"
         if Path(results_dir).exists() and not Path(results_dir).is_dir():  # found before the target loads
             raise DraftlingError(f"--results-dir {results_dir}: is a file, not a directory")
         results = release.run_release_bench(
-            _load_target(cfg), args.draft, prompt_set=args.prompt_set or args.prompts or "v1",
+            load_target_from_config(cfg), args.draft, prompt_set=args.prompt_set or args.prompts or "v1",
             configs=args.configs or release.DEFAULT_CONFIGS,  # a comma string or a list
             max_new_tokens=args.max_new_tokens or 256,
             baselines=[b for b in (args.baselines or "").split(",") if b] or release.BASELINES,
@@ -416,53 +510,31 @@ def cmd_bench(args) -> None:
     if not args.prompts:
         raise DraftlingError("bench needs --prompts FILE (or --release to run the release bench "
                              "on a fixed prompt set)")
-    cfg = _run_config(args)
-    if args.configs:
-        cfg.bench.configs = [c for c in args.configs.split(",") if c]
-    flags = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-             **{k: getattr(args, k) for k in ("temperature", "top_k", "top_p")}}
-    # replace() re-runs the config's checks: --num-prompts 0 is refused, not read as "unset".
-    cfg.bench = dataclasses.replace(cfg.bench, **{k: v for k, v in flags.items() if v is not None})
+    # Checked as their config keys are: --num-prompts 0 is refused, not read as "unset".
+    cfg = run_config(args, (*TARGET_FLAGS, *BENCH_FLAGS))
     if args.out and Path(args.out).is_dir():  # found now, not after the whole bench
         raise DraftlingError(f"--out {args.out}: is a directory; name the results file, e.g. {args.out}/bench.json")
-    run_bench(cfg, _load_target(cfg), args.draft, args.prompts, out=args.out)
+    run_bench(cfg, load_target_from_config(cfg), args.draft, args.prompts, out=args.out)
 
 
 def cmd_export(args) -> None:
     from draftling.export.cli import export_from_cli
 
-    export_from_cli(args)
+    # The target is read only for its embedding and names: on the CPU, in the config's default dtype.
+    export_from_cli(args, run_config(args, ("target",), base=("device=cpu",)))
 
 
 def cmd_quickstart(args) -> None:
     from draftling.recipes.quickstart import quickstart
 
-    overrides = list(args.overrides or [])
-    for flag in ("target", "device", "dtype"):
-        if getattr(args, flag, None):
-            overrides.append(f"{flag}={getattr(args, flag)}")
-    if args.minutes is not None:
-        if args.minutes < 0:
-            raise DraftlingError(f"--minutes {args.minutes:g}: expected a positive budget (or 0 for none)")
-        overrides.append(f"wall_minutes={args.minutes}")
+    if args.minutes is not None and args.minutes < 0:
+        raise DraftlingError(f"--minutes {args.minutes:g}: expected a positive budget (or 0 for none)")
+    overrides = [*(args.overrides or []), *flag_overrides(args, (*TARGET_FLAGS, "minutes"))]
     quickstart(args.out, config=args.config or "quickstart_cpu", overrides=overrides)
 
 
 COMMANDS = {"plan": cmd_plan, "data": cmd_data, "vocab": cmd_vocab, "extract": cmd_extract, "train": cmd_train,
             "bench": cmd_bench, "export": cmd_export, "quickstart": cmd_quickstart}
-
-
-def quiet_libraries() -> None:
-    # transformers' per-tensor GGUF progress bars and deprecation chatter drown the run's own log.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Read when transformers is imported, so a bad value fails before that second of imports.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if "transformers" in sys.modules:  # main() called in a process that has imported it already
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:

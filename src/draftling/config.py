@@ -33,6 +33,23 @@ def check_bounds(section: str, obj, rules: dict) -> None:
             raise ConfigError(f"{section + '.' if section else ''}{name}={value!r}: expected {expected}")
 
 
+# The names enum-like string fields accept, checked when a config is built (not where used).
+TRAIN_CHOICES = {
+    "attention": ("auto", "sdpa", "flex"),
+    "compute_dtype": ("auto", "float32", "bfloat16", "bfloat16_if_fast"),
+    "memory_policy": ("auto", "config"),
+    "parallel": ("ddp", "fsdp"),
+    "draft_dtype": ("auto", "float32", "bfloat16"),
+}
+
+
+def check_choices(section: str, obj, choices: dict) -> None:
+    for name, allowed in choices.items():
+        value = getattr(obj, name)
+        if value not in allowed:
+            raise ConfigError(f"{section}.{name}={value!r}: expected one of {', '.join(allowed)}")
+
+
 @dataclass
 class RegenConfig:
     max_new_tokens: int = 512
@@ -241,6 +258,7 @@ class TrainConfig:
             "max_val_batches": AT_LEAST_ONE, "loss_chunk_tokens": ("an integer >= 0 (0 = off)", lambda v: v >= 0)})
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"train.betas={list(self.betas)}: expected two numbers in [0, 1)")
+        check_choices("train", self, TRAIN_CHOICES)
 
 
 @dataclass

@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from draftling.bench.simple import build_engine, device_name, load_any_draft, parse_decode_config
+from draftling.bench.simple import build_engine, device_name, parse_decode_config
 from draftling.data.sources import prompt_sets_dir
 from draftling.errors import ConfigError, DataError
+from draftling.export.formats import load_any_draft
 from draftling.io import atomic_path, write_json
 from draftling.target import Target
 

@@ -16,7 +16,7 @@ import torch
 from draftling.config import RunConfig
 from draftling.data.prompts import load_conversations, prompt_messages
 from draftling.data.template import render
-from draftling.errors import ConfigError, DataError, DraftlingError
+from draftling.errors import ConfigError, DataError
 from draftling.io import write_json
 from draftling.progress import Progress
 from draftling.target import Target
@@ -59,7 +59,7 @@ def load_bench_prompts(path: str | Path, target: Target, n: int) -> list[tuple[s
         raise DataError(f"{path.name}:1: malformed JSON") from None
     out = []
     if tokenized:
-        from draftling.train.dataset import load_tokenized
+        from draftling.data.tokenized import load_tokenized
 
         for ex in load_tokenized(path):
             start = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
@@ -101,20 +101,6 @@ def sample_by_source(rows: list[tuple], n: int) -> list[tuple]:
     return out
 
 
-def load_any_draft(path: str | Path, device, dtype):
-    """A draftling draft dir, a checkpoint dir, or an SGLang export dir."""
-    from draftling.draft.store import CONFIG_FILE, load_draft
-
-    path = Path(path)
-    if (path / CONFIG_FILE).is_file():
-        return load_draft(path, device=device, dtype=dtype)
-    if (path / "config.json").is_file():
-        from draftling.export.formats import load_sglang_export
-
-        return load_sglang_export(path).to(device=device, dtype=dtype).eval()
-    raise DraftlingError(f"{path}: not a draft directory (no draft_config.json or config.json)")
-
-
 def build_engine(target: Target, draft, max_seq_len: int, cuda_graphs: bool = False,
                  compile: bool = False, query_pad: int = 0, attention: str = "sdpa"):
     """The decode engine for a target and a draft (see engine/target_model.py for the options)."""
@@ -144,6 +130,7 @@ def _timed(fn):
 def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str | Path | None = None,
               quiet: bool = False) -> dict:
     from draftling.engine.generate import greedy_generate, speculative_generate
+    from draftling.export.formats import load_any_draft
 
     bc = cfg.bench
     configs = [parse_decode_config(c) for c in bc.configs]

@@ -46,9 +46,8 @@ from draftling.io import write_json
 from draftling.train.optim import build_optimizer
 from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.teacher import TeacherBatch, teacher_forward
-from draftling.train.trainer import (build_draft, compile_teacher, draft_embedding, draft_param_dtype,
-                                     memory_options, optimizer_offload, place_draft, prepare_draft,
-                                     resolve_memory_policy)
+from draftling.train.settings import compile_teacher, draft_param_dtype, memory_options, optimizer_offload
+from draftling.train.trainer import build_draft, draft_embedding, place_draft, prepare_draft, resolve_memory_policy
 from draftling.train.ttt import ttt_unroll
 
 SHAPE_36B = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128,
@@ -701,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.index is None:  # one spelling of the device everywhere (caches compare it)
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    from draftling.cli import quiet_libraries
+    from draftling.progress import quiet_libraries
 
     quiet_libraries()
     run_bench(args.out, settings, device, target=args.target, phases=phases)

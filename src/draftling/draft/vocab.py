@@ -163,7 +163,7 @@ def build_vocab_file(train_path: str | Path, target_vocab_size: int, size: int,
     the ranking (see ``prompt_weighted_rank``)."""
     from draftling.data.prompt_counts import FILE_NAME, read_prompt_counts
     from draftling.data.runs import check_one_run
-    from draftling.train.dataset import load_tokenized
+    from draftling.data.tokenized import load_tokenized
 
     data = Path(train_path).parent
     check_one_run(Path(train_path), data / "val.jsonl", data / FILE_NAME)

@@ -16,6 +16,7 @@ from draftling.export.formats import (
     NORM_BEFORE_RESIDUAL,
     export_sglang,
     export_speculators,
+    load_any_draft,
     load_sglang_export,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "export_speculators",
     "from_engine_aux_layer_ids",
     "is_default_aux_layer_ids",
+    "load_any_draft",
     "load_sglang_export",
     "to_engine_aux_layer_ids",
 ]

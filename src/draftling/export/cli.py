@@ -40,12 +40,15 @@ def export_draft(draft_dir, out, fmt: str = "sglang", with_embedding: bool = Fal
     raise DraftlingError(f"--format {fmt}: expected sglang or speculators")
 
 
-def export_from_cli(args) -> None:
+def export_from_cli(args, cfg) -> None:
+    """`draftling export`'s flags; ``cfg``: the run config naming the target, loaded only when
+    --with-embedding or --target asks for it."""
     check_output_dir(args.out, "export", args.overwrite)  # before the target loads
     target = None
     if args.with_embedding or args.target:
-        from draftling.target import load_target
+        from draftling.target import load_target_from_config
 
-        target = load_target(args.target)
-    out = export_draft(args.draft, args.out, args.format, args.with_embedding, target, args.dtype, args.overwrite)
+        target = load_target_from_config(cfg)
+    out = export_draft(args.draft, args.out, args.format, args.with_embedding, target, args.export_dtype,
+                       args.overwrite)
     print(f"exported {args.format} format to {out}")

@@ -5,6 +5,7 @@
   ``d2t``, ``t2d`` (and ``embed_tokens`` only on request).
 - :func:`export_speculators`: the vLLM "speculators" layout (``Eagle3Speculator``).
 - :func:`load_sglang_export`: rebuild an :class:`Eagle3Draft` from an SGLang-layout dir.
+- :func:`load_any_draft`: a draftling draft or an SGLang export, whichever the dir holds.
 
 Aux-layer ids are translated by :mod:`draftling.export.conventions` and nowhere else.
 Both writers refuse vocab maps that would serve garbage silently, and write atomically:
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from draftling.draft.model import Eagle3Draft
+from draftling.draft.store import CONFIG_FILE, load_draft
 from draftling.errors import DraftlingError
 from draftling.export.conventions import (
     check_vocab_maps,
@@ -362,6 +364,19 @@ def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None =
                              f"({vocab}, {config.hidden_size})")
     draft.embedding = embed
     return draft
+
+
+def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft:
+    """A draftling draft dir, a checkpoint dir, or an SGLang export dir (what `bench` accepts).
+
+    It lives here, not beside draftling's own format in draft/store.py, because it also reads
+    the SGLang layout this module writes: the draft stage must not import the export stage."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file():
+        return load_draft(path, device=device, dtype=dtype)
+    if (path / CONFIG_NAME).is_file():
+        return load_sglang_export(path).to(device=device, dtype=dtype).eval()
+    raise DraftlingError(f"{path}: not a draft directory (no {CONFIG_FILE} or {CONFIG_NAME})")
 
 
 # ----------------------------------------------------------------------------- speculators

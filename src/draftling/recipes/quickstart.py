@@ -40,9 +40,8 @@ def _earlier_quickstart(out: Path) -> bool:
 
 def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[str] | None = None) -> dict:
     from draftling.bench.simple import run_bench
-    from draftling.cli import resolve_device
     from draftling.export.cli import export_draft
-    from draftling.target import load_target
+    from draftling.target import load_target_from_config
     from draftling.train.trainer import train
 
     t0 = time.perf_counter()
@@ -66,9 +65,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         timings[name] = round(time.perf_counter() - timings[name], 1)
 
     stage("load target")
-    target = load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                         aux_layer_ids=cfg.aux_layer_ids, chat_template=cfg.chat_template,
-                         quantization=cfg.quantization)
+    target = load_target_from_config(cfg)
     print(f"target: {target.describe()}", flush=True)
     done("load target")
 

@@ -14,11 +14,15 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from draftling.errors import DraftlingError, TargetError, one_line
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
+
+if TYPE_CHECKING:
+    from draftling.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +150,26 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
     except Exception as e:  # a truncated or garbage GGUF, a folder with only config.json, ...
         raise TargetError(f"{spec.gguf_file or spec.path}: cannot load the target {spec.name!r}: "
                           f"{one_line(e)}") from e
+
+
+
+def load_target_from_config(cfg: RunConfig) -> Target:
+    """The target a run config names (``target``, ``dtype``, ``device``, ``aux_layer_ids``,
+    ``chat_template``, ``quantization``): how every command and recipe loads it."""
+    return load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                       aux_layer_ids=cfg.aux_layer_ids, chat_template=cfg.chat_template,
+                       quantization=cfg.quantization)
+
+
+def resolve_device(device: str | None) -> str:
+    """``auto`` (or unset): cuda if available, else cpu. A CUDA device on a machine without
+    one is refused here, before anything loads."""
+    if device in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise DraftlingError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}"
+                             f"{'' if torch.version.cuda else ', a CPU-only build'}); use --device cpu")
+    return device
 
 
 def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_template,

@@ -36,11 +36,12 @@ from pathlib import Path
 import torch
 
 from draftling.data.runs import check_one_run
+from draftling.data.tokenized import load_tokenized
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.errors import DataError
 from draftling.faults import fault_point
 from draftling.io import atomic_path, check_writable, write_json
-from draftling.train.dataset import collate, load_tokenized
+from draftling.train.dataset import collate
 from draftling.train.teacher import TeacherBatch, teacher_forward
 
 FORMAT = 1

@@ -34,7 +34,6 @@ beside each measurement.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -405,20 +404,14 @@ def parse_size(text: str) -> int:
 
 
 def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> MemoryOptions:
-    """The trainer's choices for one CUDA process (trainer.memory_options and the offload
-    and dtype rules), with the device's size given instead of queried."""
-    from draftling.train.trainer import DRAFT_DTYPES, OFFLOAD_AUTO_SHARE, memory_options
+    """The trainer's choices for one CUDA process (train/settings.py), with the device's size
+    given instead of queried."""
+    from draftling.train.settings import draft_param_dtype, memory_options, optimizer_offload
 
-    mem = memory_options(tc, "cuda")
-    offload = tc.optimizer_offload
-    if offload is None:
-        offload = 12 * n_params > OFFLOAD_AUTO_SHARE * gpu_bytes
-    if tc.draft_dtype == "auto":
-        draft_dtype = "bfloat16" if offload else "float32"
-    elif tc.draft_dtype in DRAFT_DTYPES:
-        draft_dtype = tc.draft_dtype
-    else:
-        raise ValueError(f"train.draft_dtype={tc.draft_dtype!r}: expected auto, {', '.join(DRAFT_DTYPES)}")
+    offload = optimizer_offload(tc, "cuda", n_params, device_bytes=gpu_bytes)
+    dtype = draft_param_dtype(tc, "cuda", n_params, device_bytes=gpu_bytes)
+    mem = memory_options(tc, "cuda", param_dtype=dtype)
+    draft_dtype = str(dtype).removeprefix("torch.")
     return MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=draft_dtype,
                                              embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
 
@@ -426,7 +419,7 @@ def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> Memo
 def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offline: bool = False,
              teacher_bits: float | None = None) -> dict:
     """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``."""
-    from draftling.train.trainer import FAST_MEMORY_SHARE, fast_train_config
+    from draftling.train.settings import FAST_MEMORY_SHARE, fast_train_config
 
     embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
     shape = DraftShape.from_config(target_config, cfg.vocab.size)
@@ -473,37 +466,6 @@ def largest_fitting_batch(cfg, target_config, gpu_bytes: int, seq: int, offline:
 
 
 # --- the CLI ---------------------------------------------------------------------------------
-
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "plan", help="will a training run fit on this GPU? (reads only the target's config)",
-        description="Estimate the peak GPU memory of `draftling train` from the target's config and "
-        "the run config, without loading weights: teacher weights, draft params, grads and optimizer "
-        "state, the teacher's outputs, activations and the largest transient. Prints a table and a "
-        "verdict; exit code 0 if it fits, 1 if not. The memory options are resolved as the trainer "
-        "resolves them on CUDA (train.optimizer_offload, train.grad_checkpoint, train.attention, "
-        "train.loss_chunk_tokens, train.compile, train.embedding_on_host, train.draft_dtype). The "
-        "estimate is for one process; under torchrun every rank holds its own teacher, so pass the "
-        "per-rank share of the batch as --batch-size.",
-        epilog="Config overrides: trailing KEY=VALUE pairs, e.g. train.batch_size=4 "
-        "train.optimizer_offload=false vocab.size=16000.")
-    p.add_argument("--target", help="HF hub id, local model directory, or .gguf file (default: the "
-                   "config's target)")
-    p.add_argument("--gpu-mem", required=True, metavar="SIZE",
-                   help="memory of one GPU, e.g. 80GiB, 24GB, 141 (a bare number is GiB)")
-    p.add_argument("--config", default=None, help="YAML config file or built-in name")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="sequences per step (default: train.batch_size)")
-    p.add_argument("--dtype", help="the target's dtype (default: from config)")
-    p.add_argument("--offline", action="store_true", help="plan for `train --offline` (no teacher forward; "
-                   "the target is still loaded)")
-    p.add_argument("--teacher-bits", type=float, default=None, metavar="BITS",
-                   help="bits per teacher decoder weight, e.g. 4.5 for a 4-bit quantized teacher "
-                   "(default: the dtype, or the config's quantization)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    return p
-
 
 def _gib(x: float) -> str:
     return f"{x / GIB:8.2f}"
@@ -555,40 +517,10 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
     return "\n".join(lines)
 
 
-def cmd_plan(args) -> int:
-    """``draftling plan``: prints the table and verdict; returns 0 if it fits, 1 if not."""
-    from draftling.config import load_config
-    from draftling.errors import ConfigError
-    from draftling.target.load import load_target_config
-
-    overrides = list(args.overrides or [])
-    for flag in ("target", "dtype"):
-        if getattr(args, flag, None):
-            overrides.append(f"{flag}={getattr(args, flag)}")
-    cfg = load_config(args.config, overrides)
-    try:
-        gpu_bytes = parse_size(args.gpu_mem)
-    except ValueError as e:
-        raise ConfigError(f"--gpu-mem: {e}") from None
-    if args.seq < 1 or (args.batch_size is not None and args.batch_size < 1):
-        raise ConfigError("--seq and --batch-size must be positive")
-    batch = args.batch_size or cfg.train.batch_size
-    target_config = load_target_config(cfg.target)
-    try:
-        plan = plan_run(cfg, target_config, gpu_bytes, args.seq, batch, offline=args.offline,
-                        teacher_bits=args.teacher_bits)
-        max_batch = largest_fitting_batch(cfg, target_config, gpu_bytes, args.seq, args.offline,
-                                          args.teacher_bits)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    print(format_plan(plan, cfg.target, max_batch), flush=True)
-    return 0 if plan["fits"] else 1
-
-
 def options_dict(options: MemoryOptions) -> dict:
     return dataclasses.asdict(options)
 
 
 __all__ = ["DraftShape", "MemoryOptions", "estimate_train_memory", "teacher_weight_bytes",
-           "target_param_counts", "teacher_forward_bytes", "parse_size", "plan_run", "add_plan_parser",
-           "cmd_plan", "format_plan", "largest_fitting_batch"]
+           "target_param_counts", "teacher_forward_bytes", "parse_size", "plan_run", "format_plan",
+           "largest_fitting_batch"]

@@ -17,26 +17,27 @@ from safetensors.torch import load_file
 from draftling.config import RunConfig, TrainConfig, save_config
 from draftling.data.runs import check_one_run
 from draftling.data.states import StoredStates, states_path
+from draftling.data.tokenized import load_tokenized
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
 from draftling.faults import fault_point
-from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.io import atomic_dir, atomic_path, remove_path, write_json
 from draftling.target import Target
-from draftling.target.quant import has_plain_weights
 from draftling.train.checkpoint import (latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
                                         set_rng_state)
-from draftling.train.dataset import EpochBatches, collate, load_tokenized
-from draftling.train.distributed import (PARALLEL_MODES, DistContext, TTTObjective, all_reduce_sum, any_rank,
+from draftling.train.dataset import EpochBatches, collate
+from draftling.train.distributed import (DistContext, TTTObjective, all_reduce_sum, any_rank,
                                          barrier, current, full_model_state, full_optimizer_state, is_sharded,
                                          load_optimizer_state, rank_share, unwrap, wrap)
 from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import build_optimizer
-from draftling.train.teacher import KeptStatesTeacher, TeacherCache, teacher_forward
-from draftling.train.ttt import ATTENTION_BACKENDS, StepCounts, flex_usable, step_valid_counts
+from draftling.train.teacher import KeptStatesTeacher, TeacherBatch, TeacherCache, teacher_forward
+from draftling.train.settings import (FAST_MEMORY_SHARE, compile_teacher, draft_param_dtype, fast_train_config,
+                                      memory_options, optimizer_offload)
+from draftling.train.ttt import StepCounts, step_valid_counts
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class MetricsLog:
         if resume_step is not None and path.exists():
             # Drop records the interrupted run wrote after the checkpoint we resume from.
             # The final validation comes after the last checkpoint: a resume writes it again.
-            records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+            records = [r for r in map(_json_or_none, path.read_text().splitlines()) if r is not None]
             kept = [json.dumps(r) for r in records if r.get("step", 0) <= resume_step and not r.get("final")]
             with atomic_path(path) as tmp:
                 tmp.write_text("".join(l + "\n" for l in kept))
@@ -103,6 +104,14 @@ class MetricsLog:
             self.tb.close()
 
 
+def _json_or_none(line: str) -> dict | None:
+    """A metrics record, or None for a blank line or one a kill cut short."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except ValueError:
+        return None
+
+
 def format_line(prefix: str, m: dict) -> str:
     acc = " ".join(f"{a:.2f}" for a in m["acc"])
     cond = " ".join(f"{a:.2f}" for a in m["cond_acc"])
@@ -126,77 +135,12 @@ def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
     return draft
 
 
-def memory_options(tc: TrainConfig, device, training: bool = True,
-                   param_dtype: torch.dtype = torch.float32) -> dict:
-    """The ``ttt_unroll`` keyword options for this device, with the config's auto values
-    (null / "auto") resolved: see TrainConfig for what each one does. ``param_dtype``: the
-    draft's device params (autocast only pays over fp32 params)."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    attention = tc.attention
-    if attention == "auto":
-        attention = "flex" if cuda and flex_usable(device, training)[0] else "sdpa"
-    elif attention == "flex":
-        ok, why = flex_usable(device, training)
-        if not ok:
-            raise ConfigError(f"train.attention=flex: {why}; use train.attention=sdpa (or auto)")
-    elif attention not in ATTENTION_BACKENDS:
-        raise ConfigError(f"train.attention={attention!r}: expected auto, {' or '.join(ATTENTION_BACKENDS)}")
-    if tc.loss_chunk_tokens < 0:
-        raise ConfigError(f"train.loss_chunk_tokens={tc.loss_chunk_tokens}: expected >= 0 (0 = off)")
-    grad_checkpoint = tc.grad_checkpoint if tc.grad_checkpoint is not None else cuda
-    # The chunked loss and the layer's halves; evaluation runs the loss eagerly (no_grad).
-    compile = tc.compile if tc.compile is not None else cuda
-    if tc.compute_dtype not in ("auto", "float32", "bfloat16", BF16_IF_FAST):
-        raise ConfigError(f"train.compute_dtype={tc.compute_dtype!r}: expected auto, float32, bfloat16 "
-                          f"or {BF16_IF_FAST}")
-    compute = tc.compute_dtype
-    if compute == "auto":
-        compute = "bfloat16" if cuda and param_dtype == torch.float32 else "float32"
-    elif compute == BF16_IF_FAST:
-        compute = "bfloat16" if bf16_matmul_is_faster(device.type) else "float32"
-    return {"loss_chunk_tokens": tc.loss_chunk_tokens, "grad_checkpoint": grad_checkpoint,
-            "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
-            "compile_layer": bool(compile),
-            "autocast": None if compute == "float32" else compute}
-
-
-def compile_teacher(tc: TrainConfig, device, target_model=None) -> bool:
-    """Whether the teacher's decoder layers run compiled: ``train.compile_teacher``, by
-    default as ``train.compile`` (auto: on CUDA), except for a quantized teacher (bitsandbytes
-    and friends bring their own kernels; a GGUF teacher is dequantized, so it is plain). A
-    small target's forward on a GPU is mostly unfused elementwise kernels."""
-    if tc.compile_teacher is not None:
-        return tc.compile_teacher
-    if target_model is not None and not has_plain_weights(target_model):
-        return False
-    return bool(tc.compile if tc.compile is not None else torch.device(device).type == "cuda")
-
-
-# train.memory_policy=auto: when the draft's estimated peak (train/plan.py) without activation
-# recomputation and with large loss chunks stays under this share of the device's free
-# memory, train that way: each recompute and each chunk costs host time, and a small draft
-# beside a small teacher is bound by the host, not by the device.
-FAST_MEMORY_SHARE = 0.5
-FAST_LOSS_CHUNK_TOKENS = 16384
-
-
-def fast_train_config(tc: TrainConfig) -> TrainConfig:
-    """What ``train.memory_policy=auto`` trains with when it fits: no recompute unless asked
-    for, and large loss chunks."""
-    return dataclasses.replace(
-        tc, grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
-        loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0)
-
-
 def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: int, batch: int, seq: int,
                           param_dtype: torch.dtype, offload: bool, embed_dtype) -> tuple[TrainConfig, str]:
     """The TrainConfig to train with, and why. ``batch``: sequences per process and step;
     ``seq``: the longest sequence; ``embed_dtype``: the target's (a dtype or its name)."""
     from draftling.train.plan import DraftShape, MemoryOptions, estimate_train_memory
 
-    if tc.memory_policy not in ("auto", "config"):
-        raise ConfigError(f"train.memory_policy={tc.memory_policy!r}: expected auto or config")
     device = torch.device(device)
     if tc.memory_policy == "config" or device.type != "cuda":
         return tc, "as configured"
@@ -213,36 +157,6 @@ def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: i
                       f"recompute and loss chunks of {fast.loss_chunk_tokens}")
     return tc, (f"as configured: the fast settings would need ~{need / gib:.1f} GiB, over "
                 f"{FAST_MEMORY_SHARE:.0%} of the {free / gib:.1f} GiB free")
-
-
-# "auto" offloads the optimizer once its fp32 state (masters and two moments, 12 bytes per
-# param) would take more than this share of the device's memory; below that the host
-# round trip costs more step time than the memory is worth.
-OFFLOAD_AUTO_SHARE = 0.02
-
-
-def optimizer_offload(tc: TrainConfig, device, n_params: int | None = None) -> bool:
-    if tc.optimizer_offload is not None:
-        return tc.optimizer_offload
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    if n_params is None:
-        return True
-    total = torch.cuda.get_device_properties(device).total_memory
-    return 12 * n_params > OFFLOAD_AUTO_SHARE * total
-
-
-DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def draft_param_dtype(tc: TrainConfig, device, n_params: int | None = None) -> torch.dtype:
-    """The dtype of the draft's device params (``train.draft_dtype``, "auto" resolved)."""
-    if tc.draft_dtype == "auto":
-        return torch.bfloat16 if optimizer_offload(tc, device, n_params) else torch.float32
-    if tc.draft_dtype not in DRAFT_DTYPES:
-        raise ConfigError(f"train.draft_dtype={tc.draft_dtype!r}: expected auto, {', '.join(DRAFT_DTYPES)}")
-    return DRAFT_DTYPES[tc.draft_dtype]
 
 
 def place_draft(draft: Eagle3Draft, device, dtype: torch.dtype) -> Eagle3Draft:
@@ -465,7 +379,7 @@ def measure_step_seconds(cfg: RunConfig, target: Target, seq_len: int, repeats: 
     the answer (a transient load on the machine must not make the budget refuse a run); the
     draft is thrown away and the RNG state restored."""
     from draftling.draft.vocab import build_vocab
-    from draftling.train.dataset import TokenizedExample
+    from draftling.data.tokenized import TokenizedExample
 
     rng = torch.get_rng_state()
     device, tc = target.device, cfg.train
@@ -569,6 +483,165 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext
     barrier(ctx)
 
 
+@dataclasses.dataclass
+class RunInputs:
+    """What a run reads before it touches its directory: a bad input leaves nothing behind."""
+    examples: list
+    val_examples: list
+    vocab: object
+    teacher: object | None  # None: the resident target is the teacher
+    val_teacher: object | None
+
+
+def load_run_inputs(target: Target, train_path, val_path, vocab_path, teacher_source, say) -> RunInputs:
+    n_vocab = target.config.vocab_size
+    check_one_run(*[Path(p) for p in (train_path, val_path) if p])
+    examples = load_tokenized(train_path, n_vocab)
+    val_examples = load_tokenized(val_path, n_vocab) if val_path and Path(val_path).exists() else []
+    val_teacher = None
+    if teacher_source is not None and val_examples and hasattr(teacher_source, "for_split"):
+        val_teacher = teacher_source.for_split("val", hash_dataset_file(val_path))
+    vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path), target_vocab_size=n_vocab)
+    if teacher_source is None:
+        teacher_source = kept_states_teacher(target, train_path, vocab.t2d, say)
+        if teacher_source is not None and val_examples:
+            val_teacher = kept_states_teacher(target, val_path, vocab.t2d, say)
+    return RunInputs(examples, val_examples, vocab, teacher_source, val_teacher)
+
+
+@dataclasses.dataclass
+class TrainRun:
+    """One run's live state, built by ``build_run`` and advanced by ``step``."""
+    cfg: RunConfig
+    target: Target
+    ctx: DistContext
+    run_dir: Path
+    inputs: RunInputs
+    draft: Eagle3Draft
+    objective: torch.nn.Module
+    optimizer: object
+    scheduled: object  # the optimizer the scheduler drives (the inner AdamW under offload)
+    scheduler: object
+    schedule: CosineSchedule
+    batches: EpochBatches
+    mem_opts: dict
+    offload: bool
+    param_dtype: torch.dtype
+    total_steps: int
+    ceiling: int
+    say: object
+    step: int = 0
+    cache: TeacherCache | None = None
+    metrics_log: MetricsLog | None = None
+
+    @property
+    def params(self) -> list:
+        return [p for p in self.objective.parameters() if p.requires_grad]
+
+    def train_step(self) -> tuple:
+        """One optimizer step on the next global batch: (loss, counts, tokens)."""
+        epoch, index = self.batches.position(self.step)
+        out = train_step(self.objective, self.cfg, self.target, self.inputs.examples,
+                         self.batches.indices(epoch, index), self.target.device, self.ctx, self.params,
+                         self.optimizer, self.scheduler, self.inputs.teacher, self.cache)
+        self.step += 1
+        return out
+
+    def validate(self, prefix: str, final: bool = False) -> dict:
+        tc = self.cfg.train
+        vm = evaluate(self.objective, self.target, self.inputs.val_examples, self.cfg, self.target.device,
+                      tc.max_val_batches, self.inputs.val_teacher, self.ctx)
+        vm.update(step=self.step, split="val", **({"final": True} if final else {}))
+        if self.metrics_log:
+            self.metrics_log.write(vm, format_line(prefix, vm))
+        return vm
+
+    def checkpoint(self) -> None:
+        tc = self.cfg.train
+        e, i = self.batches.position(self.step)
+        weights = host_draft(self.objective, self.draft.config)
+        opt_state = full_optimizer_state(self.objective, self.optimizer)
+        if self.ctx.is_main:
+            save_checkpoint(self.run_dir, weights, opt_state, self.scheduler, self.step, e, i, tc.keep_checkpoints,
+                            {"total_steps": self.total_steps, "compute_dtype": self.mem_opts["autocast"] or "float32"})
+        barrier(self.ctx)
+
+
+def build_run(cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, ckpt: Path | None,
+              ctx: DistContext, say) -> TrainRun:
+    """The draft (with the checkpoint's weights, before wrapping: DDP broadcasts them, FSDP
+    shards them), its wrapper, optimizer and schedule, with the memory policy resolved."""
+    tc, device = cfg.train, target.device
+    sharded = ctx.active and tc.parallel == "fsdp"
+    draft, offload, param_dtype = prepare_draft(cfg, target, inputs.vocab, device, sharded)
+    longest = max((len(e.input_ids) for e in inputs.examples + inputs.val_examples), default=1)
+    tc, policy = resolve_memory_policy(tc, device, target.config, inputs.vocab.size,
+                                       -(-tc.batch_size // ctx.world_size), longest, param_dtype, offload,
+                                       target.input_embeddings().weight.dtype)
+    say(f"memory policy: {policy}")
+    if ckpt is not None:
+        draft.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE), device=str(device)), strict=False)
+        # A timed probe (bfloat16_if_fast) could decide otherwise on a busy machine: keep the run's.
+        resolved = json.loads((ckpt / "meta.json").read_text()).get("compute_dtype")
+        if resolved:
+            tc = dataclasses.replace(tc, compute_dtype=resolved)
+    cfg = dataclasses.replace(cfg, train=tc)
+    objective = wrap(draft, ctx, tc.parallel, param_dtype, offload)
+    if not ctx.active:  # one process: the bare module, no data-parallel wrapper
+        assert type(objective) is TTTObjective and not is_sharded(objective)
+    objective.train()
+    params = [p for p in objective.parameters() if p.requires_grad]
+    # With offload the scheduler drives the inner torch AdamW over the host masters. Under
+    # FSDP, offload is its CPUOffloadPolicy and the plain optimizer steps the host shards.
+    optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not sharded)
+    batches = EpochBatches(inputs.examples, tc.batch_size, tc.seed, tc.group_by_length)
+    total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
+    schedule = CosineSchedule(tc.warmup_steps, total_steps, tc.min_lr_ratio)
+    # Through a lambda: LambdaLR would save a callable object's fields in its state and a resume
+    # would restore them over the config's; the fitted length is restored from meta.json instead.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: schedule(step))
+    return TrainRun(cfg, target, ctx, run_dir, inputs, draft, objective, optimizer, scheduled, scheduler, schedule,
+                    batches, memory_options(tc, device, param_dtype=param_dtype), offload, param_dtype,
+                    total_steps, total_steps, say)
+
+
+def restore_run(run: TrainRun, ckpt: Path, changes: dict) -> None:
+    """The optimizer, scheduler, RNG and step of ``ckpt``; a ``train.lr`` change applied."""
+    tc, state = run.cfg.train, load_train_state(ckpt)
+    opt_state = dict(state["optimizer"])
+    if not run.offload or (run.ctx.active and tc.parallel == "fsdp"):  # an offloaded run's also has fp32 masters
+        opt_state.pop("master_params", None)
+    load_optimizer_state(run.objective, run.optimizer, opt_state)
+    run.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    run.step = state["step"]
+    if tc.fit_schedule:  # the schedule as the interrupted run had fitted it
+        run.total_steps = run.schedule.total = json.loads((ckpt / "meta.json").read_text()).get(
+            "total_steps", run.total_steps)
+    if "train.lr" in changes:  # the scheduler's state holds the old base lr
+        run.scheduler.base_lrs = [tc.lr] * len(run.scheduler.base_lrs)
+        for group in run.scheduled.param_groups:
+            group["initial_lr"], group["lr"] = tc.lr, tc.lr * run.schedule(run.step)
+    run.say(f"resumed from {ckpt} at step {run.step}"
+            + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else ""))
+
+
+def describe_run(run: TrainRun) -> None:
+    tc, ctx, inputs = run.cfg.train, run.ctx, run.inputs
+    n_params = sum(p.numel() for p in run.draft.parameters() if p.requires_grad)
+    parallel = (f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ "
+                f"sequences per rank" if ctx.active else "")
+    m = run.mem_opts
+    run.say(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(inputs.examples)} train / "
+            f"{len(inputs.val_examples)} val sequences, {run.total_steps} steps of {tc.batch_size}, "
+            f"TTT {tc.ttt_steps}, device {run.target.device}{parallel}")
+    run.say(f"memory: loss_chunk_tokens {m['loss_chunk_tokens']}, grad_checkpoint {m['grad_checkpoint']}, "
+            f"attention {m['attention']}, optimizer_offload {run.offload}, draft_dtype "
+            f"{str(run.param_dtype).replace('torch.', '')}, embedding_on_host {tc.embedding_on_host}, compile "
+            f"{m['compile']} (layer {m['compile_layer']}, teacher "
+            f"{compile_teacher(tc, run.target.device, run.target.model)}), autocast {m['autocast'] or 'off'}")
+
+
 def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
           val_path: str | Path | None, vocab_path: str | Path, resume: bool = False,
           teacher_source=None, overwrite: bool = False, allow_change=()) -> dict:
@@ -578,16 +651,11 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
 
     Under torchrun (``distributed.init_distributed`` called first) every rank runs this
     with its own resident teacher and its share of each global batch; rank 0 writes."""
-    ctx = current()
-    run_dir = Path(run_dir)
+    ctx, run_dir, tc = current(), Path(run_dir), cfg.train
     check_run_dir(run_dir, resume, overwrite)
-    tc = cfg.train
-    device = target.device
     torch.manual_seed(tc.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 draft trains against a bf16 teacher
     allow_recompiles()  # batches of many lengths: flex and the loss chunks must stay compiled
-    if tc.parallel not in PARALLEL_MODES:
-        raise ConfigError(f"train.parallel={tc.parallel!r}: expected {' or '.join(PARALLEL_MODES)}")
     if tc.batch_size < ctx.world_size:
         raise ConfigError(f"train.batch_size={tc.batch_size} is the global batch; it must be at least "
                           f"the world size ({ctx.world_size})")
@@ -596,167 +664,110 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         if ctx.is_main:
             print(line, flush=True)
 
-    n_vocab = target.config.vocab_size
-    check_one_run(*[Path(p) for p in (train_path, val_path) if p])
-    examples = load_tokenized(train_path, n_vocab)
-    val_examples = load_tokenized(val_path, n_vocab) if val_path and Path(val_path).exists() else []
-    val_source = None
-    if teacher_source is not None and val_examples and hasattr(teacher_source, "for_split"):
-        val_source = teacher_source.for_split("val", hash_dataset_file(val_path))
-    vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path),
-                       target_vocab_size=target.config.vocab_size)
-    # Inputs are read before the run directory is touched: a bad one leaves nothing behind.
+    inputs = load_run_inputs(target, train_path, val_path, vocab_path, teacher_source, say)
     claim_run_dir(run_dir, resume, overwrite, ctx)
     changes = resume_config_changes(run_dir, cfg, allow_change) if resume else {}
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
-    if teacher_source is None:
-        teacher_source = kept_states_teacher(target, train_path, vocab.t2d, say)
-        if teacher_source is not None and val_examples:
-            val_source = kept_states_teacher(target, val_path, vocab.t2d, say)
-    sharded = ctx.active and tc.parallel == "fsdp"
-    draft, offload, param_dtype = prepare_draft(cfg, target, vocab, device, sharded)
-    n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    longest = max((len(e.input_ids) for e in examples + val_examples), default=1)
-    tc, policy = resolve_memory_policy(tc, device, target.config, vocab.size, -(-tc.batch_size // ctx.world_size),
-                                       longest, param_dtype, offload, target.input_embeddings().weight.dtype)
-    cfg = dataclasses.replace(cfg, train=tc)
-    say(f"memory policy: {policy}")
-
     ckpt = latest_checkpoint(run_dir, warn=say) if resume else None
     if resume and ckpt is None:
         log.warning("--resume: no checkpoint in %s, starting from scratch", run_dir)
-    state = load_train_state(ckpt) if ckpt is not None else None
-    if ckpt is not None:  # weights before wrapping: DDP broadcasts them, FSDP shards them
-        draft.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE), device=str(device)), strict=False)
-        # A timed probe (bfloat16_if_fast) could decide otherwise on a busy machine: keep the run's.
-        resolved = json.loads((ckpt / "meta.json").read_text()).get("compute_dtype")
-        if resolved:
-            tc = dataclasses.replace(tc, compute_dtype=resolved)
-            cfg = dataclasses.replace(cfg, train=tc)
-    objective = wrap(draft, ctx, tc.parallel, param_dtype, offload)
-    if not ctx.active:  # one process: the bare module, no data-parallel wrapper
-        assert type(objective) is TTTObjective and not is_sharded(objective)
-    objective.train()
-    params = [p for p in objective.parameters() if p.requires_grad]
-    mem_opts = memory_options(tc, device, param_dtype=param_dtype)
-    # With offload the scheduler drives the inner torch AdamW over the host masters. Under
-    # FSDP, offload is its CPUOffloadPolicy and the plain optimizer steps the host shards.
-    optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not sharded)
-    batches = EpochBatches(examples, tc.batch_size, tc.seed, tc.group_by_length)
-    total_steps = ceiling = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
-    schedule = CosineSchedule(tc.warmup_steps, total_steps, tc.min_lr_ratio)
-    # Through a lambda: LambdaLR would save a callable object's fields in its state and a resume
-    # would restore them over the config's; the fitted length is restored from meta.json instead.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: schedule(step))
+    run = build_run(cfg, target, inputs, run_dir, ckpt, ctx, say)
+    if ckpt is not None:
+        restore_run(run, ckpt, changes)
+    run.metrics_log = (MetricsLog(run_dir / "metrics.jsonl", run.step if ckpt is not None else None)
+                       if ctx.is_main else None)
+    if run.metrics_log and changes and ckpt is not None:
+        run.metrics_log.write({"step": run.step, "split": "config_change",
+                               "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}})
+    describe_run(run)
+    run.cache = TeacherCache(int(tc.teacher_cache_gb * 2**30)) if tc.teacher_cache_gb > 0 else None
+    t_start = train_loop(run)
+    return finish_run(run, t_start)
 
-    start_step = 0
-    if state is not None:
-        opt_state = dict(state["optimizer"])
-        if not offload or sharded:  # a checkpoint of an offloaded run also carries its fp32 masters
-            opt_state.pop("master_params", None)
-        load_optimizer_state(objective, optimizer, opt_state)
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start_step = state["step"]
-        if tc.fit_schedule:  # the schedule as the interrupted run had fitted it
-            total_steps = schedule.total = json.loads((ckpt / "meta.json").read_text()).get("total_steps", total_steps)
-        if "train.lr" in changes:  # the scheduler's state holds the old base lr
-            scheduler.base_lrs = [tc.lr] * len(scheduler.base_lrs)
-            for group in scheduled.param_groups:
-                group["initial_lr"], group["lr"] = tc.lr, tc.lr * schedule(start_step)
-        say(f"resumed from {ckpt} at step {start_step}"
-            + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else ""))
 
-    metrics_log = (MetricsLog(run_dir / "metrics.jsonl", start_step if ckpt is not None else None)
-                   if ctx.is_main else None)
-    if metrics_log and changes and ckpt is not None:
-        metrics_log.write({"step": start_step, "split": "config_change",
-                           "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}})
-    parallel = (f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ "
-                f"sequences per rank" if ctx.active else "")
-    say(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(examples)} train / "
-        f"{len(val_examples)} val sequences, {total_steps} steps of {tc.batch_size}, "
-        f"TTT {tc.ttt_steps}, device {device}{parallel}")
-    say(f"memory: loss_chunk_tokens {mem_opts['loss_chunk_tokens']}, grad_checkpoint "
-        f"{mem_opts['grad_checkpoint']}, attention {mem_opts['attention']}, optimizer_offload "
-        f"{offload}, draft_dtype {str(param_dtype).replace('torch.', '')}, embedding_on_host "
-        f"{tc.embedding_on_host}, compile {mem_opts['compile']} (layer {mem_opts['compile_layer']}, "
-        f"teacher {compile_teacher(tc, device, target.model)}), autocast {mem_opts['autocast'] or 'off'}")
+def train_loop(run: TrainRun) -> float:
+    """Steps to ``run.total_steps``, logging, validating and checkpointing on the way. Returns
+    the loop's start time."""
+    tc, ctx, device = run.cfg.train, run.ctx, run.target.device
     progress = None
     if sys.stderr.isatty() and ctx.is_main:
         from tqdm import tqdm
-        progress = tqdm(total=total_steps, initial=start_step, desc="train", leave=False)
-
-    def validate(prefix: str, step: int, final: bool = False) -> dict:
-        vm = evaluate(objective, target, val_examples, cfg, device, tc.max_val_batches, val_source, ctx)
-        vm.update(step=step, split="val", **({"final": True} if final else {}))
-        if metrics_log:
-            metrics_log.write(vm, format_line(prefix, vm))
-        return vm
-
-    window = StepCounts(tc.ttt_steps)
-    window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
-    cache = TeacherCache(int(tc.teacher_cache_gb * 2**30)) if tc.teacher_cache_gb > 0 else None
-    step = start_step
+        progress = tqdm(total=run.total_steps, initial=run.step, desc="train", leave=False)
+    window = StepWindow(tc.ttt_steps)
     t_start = time.perf_counter()
-    fit = FitToTime(tc, total_steps, t_start, start_step, ctx, device) if tc.fit_schedule else None
-    while step < total_steps:
-        epoch, index = batches.position(step)
-        loss, counts, tokens = train_step(objective, cfg, target, examples, batches.indices(epoch, index),
-                                          device, ctx, params, optimizer, scheduler, teacher_source, cache)
-        step += 1
+    fit = FitToTime(tc, run.total_steps, t_start, run.step, ctx, device) if tc.fit_schedule else None
+    while run.step < run.total_steps:
+        loss, counts, tokens = run.train_step()
         fault_point("train.step")
-        if fit is not None and fit.due(step, batches.position(step)[1] == 0):
-            total_steps = schedule.total = fit.refit(step)
+        if fit is not None and fit.due(run.step, run.batches.position(run.step)[1] == 0):
+            run.total_steps = run.schedule.total = fit.refit(run.step)
             if progress is not None:
-                progress.total = total_steps
+                progress.total = run.total_steps
         counts, (loss_sum, tokens) = _global_counts(counts, [loss.item(), tokens], ctx, device)
-        window.add(counts)
-        window_loss += loss_sum / ctx.world_size
-        window_tokens += int(tokens)
+        window.add(counts, loss_sum / ctx.world_size, int(tokens))
         if progress is not None:
             progress.update(1)
-        if step % tc.log_every == 0 or step == total_steps:
-            m = window.metrics()
-            n_logged = tc.log_every if step % tc.log_every == 0 else step % tc.log_every
-            m.update(step=step, epoch=epoch, loss=window_loss / n_logged, lr=scheduler.get_last_lr()[0],
-                     tok_s=window_tokens / (time.perf_counter() - window_t0), split="train")
-            if metrics_log:
-                metrics_log.write(m, format_line(f"step {step}/{total_steps}", m)
-                                  + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s")
-            window = StepCounts(tc.ttt_steps)
-            window_loss, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
-        if tc.val_every and step % tc.val_every == 0 and val_examples:
-            validate(f"val @ {step}", step)
+        if run.step % tc.log_every == 0 or run.step == run.total_steps:
+            window.log(run)
+        if tc.val_every and run.step % tc.val_every == 0 and run.inputs.val_examples:
+            run.validate(f"val @ {run.step}")
         out_of_time = tc.max_minutes > 0 and time.perf_counter() - t_start > 60 * tc.max_minutes
-        if tc.max_minutes > 0 and any_rank(out_of_time, ctx, device) and step < total_steps:
-            say(f"stopping at step {step}/{total_steps}: train.max_minutes={tc.max_minutes} reached")
-            total_steps = step
-        if step % tc.ckpt_every == 0 or step == total_steps:
-            e, i = batches.position(step)
-            weights = host_draft(objective, draft.config)
-            opt_state = full_optimizer_state(objective, optimizer)
-            if ctx.is_main:
-                save_checkpoint(run_dir, weights, opt_state, scheduler, step, e, i, tc.keep_checkpoints,
-                                {"total_steps": total_steps, "compute_dtype": mem_opts["autocast"] or "float32"})
-            barrier(ctx)
+        if tc.max_minutes > 0 and any_rank(out_of_time, ctx, device) and run.step < run.total_steps:
+            run.say(f"stopping at step {run.step}/{run.total_steps}: train.max_minutes={tc.max_minutes} reached")
+            run.total_steps = run.step
+        if run.step % tc.ckpt_every == 0 or run.step == run.total_steps:
+            run.checkpoint()
     if progress is not None:
         progress.close()
+    return t_start
 
-    result = {"steps": total_steps, "steps_ceiling": ceiling, "train_wall_s": time.perf_counter() - t_start,
+
+class StepWindow:
+    """The counts, loss and tokens since the last log line."""
+
+    def __init__(self, ttt_steps: int):
+        self.ttt_steps = ttt_steps
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts, self.loss, self.tokens = StepCounts(self.ttt_steps), 0.0, 0
+        self.t0 = time.perf_counter()
+
+    def add(self, counts: StepCounts, loss: float, tokens: int) -> None:
+        self.counts.add(counts)
+        self.loss += loss
+        self.tokens += tokens
+
+    def log(self, run: TrainRun) -> None:
+        every, step = run.cfg.train.log_every, run.step
+        m = self.counts.metrics()
+        n_logged = every if step % every == 0 else step % every
+        m.update(step=step, epoch=run.batches.position(step - 1)[0], loss=self.loss / n_logged,
+                 lr=run.scheduler.get_last_lr()[0], tok_s=self.tokens / (time.perf_counter() - self.t0),
+                 split="train")
+        if run.metrics_log:
+            run.metrics_log.write(m, format_line(f"step {step}/{run.total_steps}", m)
+                                  + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s")
+        self.reset()
+
+
+def finish_run(run: TrainRun, t_start: float) -> dict:
+    """The final validation, the head in ``<run>/draft`` and ``train_result.json``."""
+    ctx, device = run.ctx, run.target.device
+    result = {"steps": run.total_steps, "steps_ceiling": run.ceiling, "train_wall_s": time.perf_counter() - t_start,
               "world_size": ctx.world_size,
-              "compute_dtype": mem_opts["autocast"] or str(param_dtype).replace("torch.", "")}
+              "compute_dtype": run.mem_opts["autocast"] or str(run.param_dtype).replace("torch.", "")}
     if torch.cuda.is_available() and device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    if val_examples:
-        result["val"] = validate("validation", step, final=True)
-    final = host_draft(objective, draft.config)
+    if run.inputs.val_examples:
+        result["val"] = run.validate("validation", final=True)
+    final = host_draft(run.objective, run.draft.config)
     if ctx.is_main:
-        metrics_log.close()
-        with atomic_dir(run_dir / "draft") as tmp:
+        run.metrics_log.close()
+        with atomic_dir(run.run_dir / "draft") as tmp:
             save_draft(final, tmp)
             fault_point("draft.written")
-        write_json(run_dir / "train_result.json", result)
+        write_json(run.run_dir / "train_result.json", result)
     barrier(ctx)
     return result

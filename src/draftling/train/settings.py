@@ -1,0 +1,130 @@
+"""The one home of training's resolved settings: a TrainConfig's "auto" and null values
+turned into what this device runs with. The trainer, `plan` (train/plan.py) and the training
+bench all read them from here; the config has already checked every name (config.py).
+
+``resolve_train`` gives them as one frozen ``ResolvedTrain``; the functions below are its
+parts, for callers that need one of them (plan, with a device size given instead of queried).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from draftling.config import TrainConfig
+from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
+from draftling.target.quant import has_plain_weights
+from draftling.train.ttt import flex_usable
+
+# train.memory_policy=auto: when the draft's estimated peak (train/plan.py) without activation
+# recomputation and with large loss chunks stays under this share of the device's free
+# memory, train that way: each recompute and each chunk costs host time, and a small draft
+# beside a small teacher is bound by the host, not by the device.
+FAST_MEMORY_SHARE = 0.5
+FAST_LOSS_CHUNK_TOKENS = 16384
+# "auto" offloads the optimizer once its fp32 state (masters and two moments, 12 bytes per
+# param) would take more than this share of the device's memory; below that the host
+# round trip costs more step time than the memory is worth.
+OFFLOAD_AUTO_SHARE = 0.02
+DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ResolvedTrain:
+    """What one training process runs with. ``unroll_options()`` are ttt_unroll's keywords."""
+    attention: str
+    loss_chunk_tokens: int
+    grad_checkpoint: bool
+    compile: bool  # the chunked loss
+    compile_layer: bool  # the decoder layer's attention-free halves
+    autocast: str | None
+    optimizer_offload: bool
+    draft_dtype: torch.dtype
+    compile_teacher: bool
+
+    def unroll_options(self) -> dict:
+        return {k: getattr(self, k) for k in ("loss_chunk_tokens", "grad_checkpoint", "attention", "compile",
+                                              "compile_layer", "autocast")}
+
+
+def resolve_train(tc: TrainConfig, device, n_params: int | None = None, target_model=None,
+                  training: bool = True) -> ResolvedTrain:
+    offload = optimizer_offload(tc, device, n_params)
+    dtype = draft_param_dtype(tc, device, n_params)
+    return ResolvedTrain(**memory_options(tc, device, training, dtype), optimizer_offload=offload,
+                         draft_dtype=dtype, compile_teacher=compile_teacher(tc, device, target_model))
+
+
+def memory_options(tc: TrainConfig, device, training: bool = True,
+                   param_dtype: torch.dtype = torch.float32) -> dict:
+    """The ``ttt_unroll`` keyword options for this device, with the config's auto values
+    (null / "auto") resolved: see TrainConfig for what each one does. ``param_dtype``: the
+    draft's device params (autocast only pays over fp32 params)."""
+    from draftling.errors import ConfigError
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    attention = tc.attention
+    if attention == "auto":
+        attention = "flex" if cuda and flex_usable(device, training)[0] else "sdpa"
+    elif attention == "flex":
+        ok, why = flex_usable(device, training)
+        if not ok:
+            raise ConfigError(f"train.attention=flex: {why}; use train.attention=sdpa (or auto)")
+    grad_checkpoint = tc.grad_checkpoint if tc.grad_checkpoint is not None else cuda
+    # The chunked loss and the layer's halves; evaluation runs the loss eagerly (no_grad).
+    compile = tc.compile if tc.compile is not None else cuda
+    compute = tc.compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if cuda and param_dtype == torch.float32 else "float32"
+    elif compute == BF16_IF_FAST:
+        compute = "bfloat16" if bf16_matmul_is_faster(device.type) else "float32"
+    return {"loss_chunk_tokens": tc.loss_chunk_tokens, "grad_checkpoint": grad_checkpoint,
+            "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
+            "compile_layer": bool(compile),
+            "autocast": None if compute == "float32" else compute}
+
+
+def compile_teacher(tc: TrainConfig, device, target_model=None) -> bool:
+    """Whether the teacher's decoder layers run compiled: ``train.compile_teacher``, by
+    default as ``train.compile`` (auto: on CUDA), except for a quantized teacher (bitsandbytes
+    and friends bring their own kernels; a GGUF teacher is dequantized, so it is plain). A
+    small target's forward on a GPU is mostly unfused elementwise kernels."""
+    if tc.compile_teacher is not None:
+        return tc.compile_teacher
+    if target_model is not None and not has_plain_weights(target_model):
+        return False
+    return bool(tc.compile if tc.compile is not None else torch.device(device).type == "cuda")
+
+
+def fast_train_config(tc: TrainConfig) -> TrainConfig:
+    """What ``train.memory_policy=auto`` trains with when it fits: no recompute unless asked
+    for, and large loss chunks."""
+    return dataclasses.replace(
+        tc, grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
+        loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0)
+
+
+def optimizer_offload(tc: TrainConfig, device, n_params: int | None = None,
+                      device_bytes: int | None = None) -> bool:
+    """``train.optimizer_offload``, null resolved: on CUDA when the optimizer's fp32 state
+    would take over OFFLOAD_AUTO_SHARE of the device (``device_bytes``: its size, else queried)."""
+    if tc.optimizer_offload is not None:
+        return tc.optimizer_offload
+    if torch.device(device).type != "cuda":
+        return False
+    if n_params is None:
+        return True
+    total = device_bytes if device_bytes is not None else torch.cuda.get_device_properties(device).total_memory
+    return 12 * n_params > OFFLOAD_AUTO_SHARE * total
+
+
+def draft_param_dtype(tc: TrainConfig, device, n_params: int | None = None,
+                      device_bytes: int | None = None) -> torch.dtype:
+    """The dtype of the draft's device params (``train.draft_dtype``, "auto" resolved: bf16
+    exactly when the optimizer is offloaded, which keeps fp32 masters on the host)."""
+    if tc.draft_dtype == "auto":
+        return torch.bfloat16 if optimizer_offload(tc, device, n_params, device_bytes) else torch.float32
+    return DRAFT_DTYPES[tc.draft_dtype]
