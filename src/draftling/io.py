@@ -92,6 +92,15 @@ def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
         raise DraftlingError(f"{flag} {path}: cannot write in {folder} ({e.strerror or e})") from None
 
 
+def output_dir_in_use(path: Path, flag: str = "--out") -> bool:
+    """Whether an output directory already holds something, after refusing a file there and
+    a place that takes no new entry; what may be in it is the caller's to judge."""
+    if path.exists() and not path.is_dir():
+        raise DraftlingError(f"{flag} {path}: is a file, not a directory")
+    check_writable(path, flag)
+    return path.is_dir() and any(path.iterdir())
+
+
 # Written into every output directory that owns its contents (an export): what kind of output
 # it is and which files draftling put there, so a rerun replaces only those.
 OUTPUT_MARKER = ".draftling-output.json"
@@ -102,10 +111,7 @@ def check_output_dir(path: str | os.PathLike, kind: str, overwrite: bool, flag: 
     non-empty directory draftling did not write, another kind of draftling output, or an
     earlier ``kind`` output without ``overwrite``."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise DraftlingError(f"{flag} {path}: is a file, not a directory")
-    check_writable(path, flag)
-    if not path.is_dir() or not any(path.iterdir()):
+    if not output_dir_in_use(path, flag):
         return
     marker = path / OUTPUT_MARKER
     owner = _read_marker(marker)

@@ -32,7 +32,7 @@ from draftling.data.split import split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
 from draftling.errors import DataError
-from draftling.io import OUTPUT_MARKER, atomic_dir, check_writable, write_json, write_jsonl
+from draftling.io import OUTPUT_MARKER, atomic_dir, output_dir_in_use, write_json, write_jsonl
 from draftling.target import Target
 from draftling.target.load import TargetTokenizer
 
@@ -127,10 +127,7 @@ def check_data_dir(out_dir: Path) -> None:
     """A data directory is replaced whole, so refuse one that holds anything else: a file, or a
     non-empty directory that is not draftling's data (a marker, or an earlier version's
     summary.json beside train.jsonl)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DataError(f"--out {out_dir}: is a file, not a directory")
-    check_writable(out_dir)  # now, not after the minutes of regenerating
-    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+    if not output_dir_in_use(out_dir):  # checked now, not after the minutes of regenerating
         return
     ours = (out_dir / OUTPUT_MARKER).is_file() or ((out_dir / "summary.json").is_file()
                                                    and (out_dir / "train.jsonl").is_file())

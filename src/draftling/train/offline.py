@@ -40,7 +40,7 @@ from draftling.data.tokenized import load_tokenized
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.errors import DataError
 from draftling.faults import fault_point
-from draftling.io import atomic_path, check_writable, write_json
+from draftling.io import atomic_path, output_dir_in_use, write_json
 from draftling.train.dataset import collate
 from draftling.train.teacher import TeacherBatch, teacher_forward
 
@@ -142,10 +142,7 @@ def _shard_ok(path: Path, expected: dict[str, str]) -> bool:
 
 def check_cache_dir(out_dir: Path) -> None:
     """A cache directory is new, empty, or an earlier extract's (which this run resumes)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DataError(f"--out {out_dir}: is a file, not a directory")
-    check_writable(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+    if output_dir_in_use(out_dir) and not (out_dir / MANIFEST).is_file():
         raise DataError(f"--out {out_dir}: not empty and not a cache written by `draftling extract`; choose "
                         "an empty or new directory (nothing was changed)")
 

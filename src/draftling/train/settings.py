@@ -2,14 +2,12 @@
 turned into what this device runs with. The trainer, `plan` (train/plan.py) and the training
 bench all read them from here; the config has already checked every name (config.py).
 
-``resolve_train`` gives them as one frozen ``ResolvedTrain``; the functions below are its
-parts, for callers that need one of them (plan, with a device size given instead of queried).
+``plan`` calls the same functions with a device size given instead of queried.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -29,32 +27,6 @@ FAST_LOSS_CHUNK_TOKENS = 16384
 # round trip costs more step time than the memory is worth.
 OFFLOAD_AUTO_SHARE = 0.02
 DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ResolvedTrain:
-    """What one training process runs with. ``unroll_options()`` are ttt_unroll's keywords."""
-    attention: str
-    loss_chunk_tokens: int
-    grad_checkpoint: bool
-    compile: bool  # the chunked loss
-    compile_layer: bool  # the decoder layer's attention-free halves
-    autocast: str | None
-    optimizer_offload: bool
-    draft_dtype: torch.dtype
-    compile_teacher: bool
-
-    def unroll_options(self) -> dict:
-        return {k: getattr(self, k) for k in ("loss_chunk_tokens", "grad_checkpoint", "attention", "compile",
-                                              "compile_layer", "autocast")}
-
-
-def resolve_train(tc: TrainConfig, device, n_params: int | None = None, target_model=None,
-                  training: bool = True) -> ResolvedTrain:
-    offload = optimizer_offload(tc, device, n_params)
-    dtype = draft_param_dtype(tc, device, n_params)
-    return ResolvedTrain(**memory_options(tc, device, training, dtype), optimizer_offload=offload,
-                         draft_dtype=dtype, compile_teacher=compile_teacher(tc, device, target_model))
 
 
 def memory_options(tc: TrainConfig, device, training: bool = True,
