@@ -159,6 +159,35 @@ def test_update_benchmarks_md(bench_run, tmp_path):
     assert other.read_text().startswith("# Mine\n") and release.MARK_END in other.read_text()
 
 
+def test_run_folder_and_manifest(bench_run):
+    from draftling.bench.manifest import code_commit, machine_slug
+
+    r, folder = bench_run.results, bench_run.stem.parent
+    assert folder.name == f"{r['date']}-release-{code_commit()}-{machine_slug('cpu')}-test"
+    m = json.loads((folder / "manifest.json").read_text())
+    assert {"commit", "command", "config", "machine", "date"} <= set(m)
+    assert m["command"] == "pytest" and m["date"] == r["date"] and m["commit"] == code_commit()
+    assert m["config"]["baselines"] == ["engine_plain", "hf_eager"] and m["config"]["engine"]["query_pad"] == 0
+    assert m["files"] == sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    # The same date, commit, machine and tag again: refused before any work.
+    with pytest.raises(ConfigError, match="results of this date, machine and tag exist"):
+        release.run_release_bench(bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
+                                  out_dir=folder.parent, tag="test", quiet=True)
+
+
+def test_release_options_are_config_keys_checked_on_load():
+    from draftling.config import load_config
+
+    bench = load_config(None, ["bench.query_pad=8", "bench.engine_compile=off", "bench.baselines=[hf_eager]"]).bench
+    opts = release.ReleaseOptions.from_config(bench, overwrite=True)
+    assert opts.engine.query_pad == 8 and opts.engine.compile is False and opts.engine.attention == "auto"
+    assert opts.baselines == ("hf_eager",) and opts.hf_runs == ["hf_eager"] and opts.overwrite
+    for bad, match in (("bench.attention=fast", "bench.attention='fast'"), ("bench.engine_compile=maybe", "expected true/false"),
+                       ("bench.baselines=[hf_nope]", "unknown baselines"), ("bench.query_pad=-1", "bench.query_pad=-1")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [bad])
+
+
 def test_all_four_baselines(bench_run, tmp_path):
     r = release.run_release_bench(
         bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
@@ -177,7 +206,7 @@ def test_all_four_baselines(bench_run, tmp_path):
         assert all(split[p] > 0 for p in release.ROUND_PHASES)
         assert split["total"] == pytest.approx(sum(split[p] for p in release.ROUND_PHASES))
     assert any(n.startswith("round split:") for n in r["caveats"])
-    md = next(tmp_path.glob("*.md")).read_text()
+    md = next(tmp_path.glob("*/*.md")).read_text()  # in the run's folder
     assert "## Round split" in md and "| tree-2-2-4 |" in md
 
 
@@ -276,7 +305,7 @@ def test_cli_release(bench_run, tmp_path, monkeypatch, capsys):
                    "--results-dir", "res", "--tag", "cli", "--update-benchmarks-md", "--device", "cpu",
                    "--dtype", "float32"])
     assert rc == 0
-    jsons = list((tmp_path / "res").glob("*-cpu-cli.json"))
+    jsons = list((tmp_path / "res").glob("*/*-cpu-cli.json"))  # in the run's folder
     assert len(jsons) == 1
     r = json.loads(jsons[0].read_text())
     assert [c["name"] for c in r["configs"]] == ["chain-2-1-3"]

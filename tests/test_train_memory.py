@@ -266,12 +266,13 @@ def test_auto_defaults_resolve_per_device():
 def test_memory_policy_trades_recompute_for_speed_only_when_the_plan_says_it_fits(monkeypatch):
     from transformers import LlamaConfig
 
+    from draftling.train.plan import DraftShape
     from draftling.train.trainer import resolve_memory_policy
 
     target_config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                                 num_key_value_heads=3, vocab_size=49152)
     tc = load_config(None, []).train
-    args = (target_config, 32000, 8, 2048, torch.float32, False, "bfloat16")
+    args = (DraftShape.from_config(target_config, 32000), 8, 2048, torch.float32, False, "bfloat16")
     # On the CPU nothing changes.
     assert resolve_memory_policy(tc, "cpu", *args)[0] is tc
     gib = 2 ** 30

@@ -5,7 +5,7 @@ Errors in user input are printed as one line (`draftling: error: ...`) with exit
 Flags reach the run config one way: FLAG_KEYS names the config key a flag stands for, and
 ``run_config`` hands the flags a command passes on to ``load_config`` as KEY=VALUE overrides
 after the command line's own, so a flag wins over its key and is checked exactly like it.
-Flags without a key (paths, modes, the release bench's protocol) stay the command's own.
+Flags without a key (paths, modes) stay the command's own.
 """
 
 from __future__ import annotations
@@ -34,14 +34,25 @@ FLAG_KEYS = {
     "size": "vocab.size", "prompt_weight": "vocab.prompt_weight",
     "configs": "bench.configs", "num_prompts": "bench.num_prompts", "max_new_tokens": "bench.max_new_tokens",
     "temperature": "bench.temperature", "top_k": "bench.top_k", "top_p": "bench.top_p",
+    "prompt_set": "bench.prompt_set", "baselines": "bench.baselines",
+    "baseline_prompts_per_workload": "bench.baseline_prompts_per_workload", "results_dir": "bench.results_dir",
+    "tag": "bench.tag", "engine_compile": "bench.engine_compile", "query_pad": "bench.query_pad",
+    "attention": "bench.attention",
     "minutes": "wall_minutes",
 }
 # A flag's value where it is not the key's value as it stands.
-FLAG_VALUES = {"configs": lambda text: [c for c in text.split(",") if c]}  # comma-separated
+FLAG_VALUES = {
+    "configs": lambda text: [c for c in text.split(",") if c],  # comma-separated
+    "baselines": lambda text: [b for b in text.split(",") if b],
+    "engine_compile": lambda text: {"on": True, "off": False}.get(text),  # the key's null is auto
+    "query_pad": lambda text: None if text == "auto" else text,
+}
 
 TARGET_FLAGS = ("target", "device", "dtype")
 DATA_FLAGS = ("chat_template", "prompts", "server", "server_model")
 BENCH_FLAGS = ("configs", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p")
+RELEASE_FLAGS = ("configs", "max_new_tokens", "prompt_set", "baselines", "baseline_prompts_per_workload",
+                 "results_dir", "tag", "engine_compile", "query_pad", "attention")
 
 
 def flag_overrides(args, flags) -> list[str]:
@@ -234,7 +245,10 @@ def add_extract_parser(sub) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    """`draftling bench`: the simple bench, or the release bench with --release."""
+    """`draftling bench`: the simple bench, or the release bench with --release. The group a
+    flag is declared in says which of the two it belongs to; cmd_bench refuses it in the other."""
+    from draftling.config import BENCH_CHOICES
+
     p = sub.add_parser("bench", help="speculative decoding: acceptance length, speed, exactness",
                        description="Greedy speculative decoding with the draft against the same engine "
                        "without speculation. Reports tau (tokens per verify step, bonus token counted), "
@@ -247,37 +261,47 @@ def add_bench_parser(sub) -> None:
                    "required unless --release")
     p.add_argument("--configs", help="comma-separated decode configs steps-topk-draft_tokens, "
                    "e.g. chain-3-1-4,tree-3-4-8")
-    p.add_argument("--num-prompts", type=int, help="how many prompts (default: config bench.num_prompts)")
     p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default: config; --release: 256)")
-    p.add_argument("--temperature", type=float, help="sample at this temperature (default: config "
-                   "bench.temperature, 0 = greedy); speculative verification stays lossless, and only "
-                   "greedy runs check identity")
-    p.add_argument("--top-k", type=int, help="with --temperature: keep the k likeliest tokens (0 = off)")
-    p.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling mass (1 = off)")
-    p.add_argument("--out", help="write the results JSON here")
+    s = p.add_argument_group("simple bench", "a prompt file, greedy or sampled (not with --release)")
+    simple = [
+        s.add_argument("--num-prompts", type=int, help="how many prompts (default: config bench.num_prompts)"),
+        s.add_argument("--temperature", type=float, help="sample at this temperature (default: config "
+                       "bench.temperature, 0 = greedy); speculative verification stays lossless, and only "
+                       "greedy runs check identity"),
+        s.add_argument("--top-k", type=int, help="with --temperature: keep the k likeliest tokens (0 = off)"),
+        s.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling mass (1 = off)"),
+        s.add_argument("--out", help="write the results JSON here (with the run's manifest inside)"),
+    ]
     r = p.add_argument_group("release bench", "per-workload speedup on a fixed prompt set, with HF "
-                             "baselines, a cost account, JSON + markdown + plots (bench/release.py)")
+                             "baselines, a cost account, JSON + markdown + plots and a manifest.json in a "
+                             "folder per run (bench/release.py); each flag sets the config key bench.<name>")
     r.add_argument("--release", action="store_true", help="run the release bench instead of the simple "
                    "one (default configs chain-3-1-4,tree-3-4-8,tree-5-8-16; 256 new tokens)")
-    r.add_argument("--prompt-set", help="built-in prompt set name (v1, the default) or a jsonl path")
-    r.add_argument("--baselines", help="comma list of engine_plain,hf_static,hf_prompt_lookup,hf_eager "
-                   "(default: all four)")
-    r.add_argument("--baseline-prompts-per-workload", type=int, metavar="N",
-                   help="run the slow HF baselines on the first N prompts of each workload (default: all)")
-    r.add_argument("--engine-compile", choices=["auto", "on", "off"], default="auto",
-                   help="compile the target's and draft's layers (auto: on with CUDA)")
-    r.add_argument("--query-pad", default="auto", metavar="N",
-                   help="pad every target pass to N queries so plain and verify passes share kernels "
-                   "(auto: the largest config's draft tokens on CUDA, 0 = off on CPU)")
-    r.add_argument("--attention", choices=["auto", "sdpa", "matmul", "exact"], default="auto",
-                   help="engine attention: sdpa, matmul (bf16), or exact (float64 sums: tree output equals "
-                   "plain output). auto: exact on CUDA (the unpadded plain reference: matmul), sdpa on CPU")
-    r.add_argument("--results-dir", help="where results go (default bench/results)")
-    r.add_argument("--tag", help="suffix for the results file names")
-    r.add_argument("--overwrite", action="store_true", help="replace results of the same date, machine and "
-                   "tag (without it they are refused before the bench runs)")
-    r.add_argument("--update-benchmarks-md", nargs="?", const="BENCHMARKS.md", metavar="FILE",
-                   help="rewrite the release-bench section of FILE (default BENCHMARKS.md)")
+    release = [
+        r.add_argument("--prompt-set", help="built-in prompt set name (v1, the default) or a jsonl path"),
+        r.add_argument("--baselines", help="comma list of engine_plain,hf_static,hf_prompt_lookup,hf_eager "
+                       "(default: all four)"),
+        r.add_argument("--baseline-prompts-per-workload", type=int, metavar="N",
+                       help="run the slow HF baselines on the first N prompts of each workload (default: all)"),
+        r.add_argument("--engine-compile", choices=["auto", "on", "off"],
+                       help="compile the target's and draft's layers (default auto: on with CUDA)"),
+        r.add_argument("--query-pad", metavar="N", help="pad every target pass to N queries so plain and "
+                       "verify passes share kernels (default auto: the largest config's draft tokens on "
+                       "CUDA, 0 = off on CPU)"),
+        r.add_argument("--attention", choices=BENCH_CHOICES["attention"],
+                       help="engine attention: sdpa, matmul (bf16), or exact (float64 sums: tree output equals "
+                       "plain output). Default auto: exact on CUDA (the unpadded plain reference: matmul), "
+                       "sdpa on CPU"),
+        r.add_argument("--results-dir", help="where each run's folder <date>-release-<commit>-<machine>[-<tag>] "
+                       "goes (default bench/results)"),
+        r.add_argument("--tag", help="suffix for the run's folder and file names"),
+        r.add_argument("--overwrite", action="store_true", help="replace results of the same date, commit, "
+                       "machine and tag (without it they are refused before the bench runs)"),
+        r.add_argument("--update-benchmarks-md", nargs="?", const="BENCHMARKS.md", metavar="FILE",
+                       help="rewrite the release-bench section of FILE (default BENCHMARKS.md)"),
+    ]
+    p.set_defaults(simple_only=[(a.option_strings[0], a.dest) for a in simple],
+                   release_only=[(a.option_strings[0], a.dest) for a in release])
 
 
 def add_export_parser(sub) -> None:
@@ -456,11 +480,9 @@ def cmd_extract(args) -> None:
             compile_teacher=compile_teacher(cfg.train, target.device, target.model))
 
 
-def _int_arg(flag: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise DraftlingError(f"{flag}: expected an integer or 'auto', got {value!r}") from None
+def _given(args, flags) -> list[str]:
+    """Those of ``flags`` ((flag, dest) pairs) given on the command line."""
+    return [flag for flag, dest in flags if getattr(args, dest) not in (None, False)]
 
 
 def cmd_bench(args) -> None:
@@ -468,43 +490,8 @@ def cmd_bench(args) -> None:
     from draftling.target import load_target_from_config
 
     if args.release:
-        from draftling.bench import release
-
-        misplaced = [f for f, v in (("--num-prompts", args.num_prompts), ("--out", args.out),
-                                    ("--temperature", args.temperature), ("--top-k", args.top_k),
-                                    ("--top-p", args.top_p)) if v is not None]
-        if misplaced:
-            raise DraftlingError(f"bench --release: {', '.join(misplaced)} do not apply (the prompt set "
-                                 "fixes n, outputs go to --results-dir and the protocol is greedy)")
-        if args.prompts and args.prompt_set:
-            raise DraftlingError("bench --release: give --prompt-set or --prompts, not both")
-        cfg = run_config(args)
-        results_dir = args.results_dir or "bench/results"
-        if Path(results_dir).exists() and not Path(results_dir).is_dir():  # found before the target loads
-            raise DraftlingError(f"--results-dir {results_dir}: is a file, not a directory")
-        results = release.run_release_bench(
-            load_target_from_config(cfg), args.draft, prompt_set=args.prompt_set or args.prompts or "v1",
-            configs=args.configs or release.DEFAULT_CONFIGS,  # a comma string or a list
-            max_new_tokens=args.max_new_tokens or 256,
-            baselines=[b for b in (args.baselines or "").split(",") if b] or release.BASELINES,
-            baseline_prompts_per_workload=args.baseline_prompts_per_workload,
-            out_dir=results_dir, tag=args.tag,
-            compile={"auto": "auto", "on": True, "off": False}[args.engine_compile],
-            query_pad=args.query_pad if args.query_pad == "auto" else _int_arg("--query-pad", args.query_pad),
-            attention=args.attention, overwrite=args.overwrite)
-        if args.update_benchmarks_md:
-            stem = release.release_stem(results_dir, results["date"], results["gpu"], args.tag)
-            md = release.update_benchmarks_md(f"{stem}.json", args.update_benchmarks_md)
-            print(f"updated {md}")
-        return
-    release_only = [f for f, v in (("--prompt-set", args.prompt_set), ("--baselines", args.baselines),
-                                   ("--baseline-prompts-per-workload", args.baseline_prompts_per_workload),
-                                   ("--results-dir", args.results_dir), ("--tag", args.tag),
-                                   ("--overwrite", args.overwrite or None),
-                                   ("--update-benchmarks-md", args.update_benchmarks_md),
-                                   ("--engine-compile", None if args.engine_compile == "auto" else 1),
-                                   ("--query-pad", None if args.query_pad == "auto" else 1),
-                                   ("--attention", None if args.attention == "auto" else 1)) if v is not None]
+        return _release_bench(args)
+    release_only = _given(args, args.release_only)
     if release_only:
         raise DraftlingError(f"{', '.join(release_only)} only apply with --release")
     if not args.prompts:
@@ -515,6 +502,31 @@ def cmd_bench(args) -> None:
     if args.out and Path(args.out).is_dir():  # found now, not after the whole bench
         raise DraftlingError(f"--out {args.out}: is a directory; name the results file, e.g. {args.out}/bench.json")
     run_bench(cfg, load_target_from_config(cfg), args.draft, args.prompts, out=args.out)
+
+
+def _release_bench(args) -> None:
+    """`bench --release`: its options are config keys (bench.*), its outputs a run folder."""
+    from draftling.bench import release
+    from draftling.bench.report import update_benchmarks_md
+    from draftling.target import load_target_from_config
+
+    misplaced = _given(args, args.simple_only)
+    if misplaced:
+        raise DraftlingError(f"bench --release: {', '.join(misplaced)} do not apply (the prompt set "
+                             "fixes n, outputs go to --results-dir and the protocol is greedy)")
+    if args.prompts and args.prompt_set:
+        raise DraftlingError("bench --release: give --prompt-set or --prompts, not both")
+    args.prompt_set = args.prompt_set or args.prompts  # here --prompts names the prompt set
+    protocol = tuple(f"{key}={json.dumps(value)}" for key, value in release.PROTOCOL_KEYS.items())
+    cfg = run_config(args, (*TARGET_FLAGS, *RELEASE_FLAGS), base=protocol)
+    results_dir = Path(cfg.bench.results_dir)
+    if results_dir.exists() and not results_dir.is_dir():  # found before the target loads
+        raise DraftlingError(f"--results-dir {results_dir}: is a file, not a directory")
+    options = release.ReleaseOptions.from_config(cfg.bench, overwrite=args.overwrite)
+    results = release.run_release_bench(load_target_from_config(cfg), args.draft, options)
+    if args.update_benchmarks_md:
+        stem = release.release_stem(results_dir, results["date"], results["gpu"], cfg.bench.tag)
+        print(f"updated {update_benchmarks_md(f'{stem}.json', args.update_benchmarks_md)}")
 
 
 def cmd_export(args) -> None:

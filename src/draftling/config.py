@@ -261,6 +261,16 @@ class TrainConfig:
         check_choices("train", self, TRAIN_CHOICES)
 
 
+# The release bench's baselines and the decode engine's attention kinds (sdpa: SDPA with a
+# boolean mask; matmul: two matmuls and a softmax in the model's dtype; exact: the same with
+# float64 sums, whose logits do not depend on where in the cache a token's context sits, which
+# makes tree output equal plain output in bf16). Named here, the lowest stage, so that a config
+# is checked when it loads; bench/release.py and engine/options.py take them from here.
+RELEASE_BASELINES = ("engine_plain", "hf_static", "hf_prompt_lookup", "hf_eager")
+ENGINE_ATTENTION = ("sdpa", "matmul", "exact")
+BENCH_CHOICES = {"attention": ("auto", *ENGINE_ATTENTION)}
+
+
 @dataclass
 class BenchConfig:
     num_prompts: int = 8
@@ -272,12 +282,33 @@ class BenchConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int = 0  # sampling: prompt i uses seed + i, the same for plain and every config
+    # --- The release bench (`bench --release`, bench/release.py); the simple bench ignores these.
+    # Its protocol sets configs and max_new_tokens itself (the three DEFAULT_CONFIGS, 256 new
+    # tokens) over whatever a profile gives the simple bench; flags and overrides still win.
+    prompt_set: str = "v1"  # a built-in set name (v1, ...) or a jsonl path
+    baselines: list[str] = field(default_factory=lambda: list(RELEASE_BASELINES))  # engine_plain always runs
+    baseline_prompts_per_workload: int | None = None  # the slow HF baselines on the first N of each; null = all
+    results_dir: str = "bench/results"  # each run writes a folder of its own in here
+    tag: str | None = None  # suffix of the run's folder and file names
+    engine_compile: bool | None = None  # compile the target's and draft's layers; null = auto: on with CUDA
+    # Pad every target pass to this many queries, so plain and verify passes share kernels
+    # (0 = off); null = auto: the largest config's draft tokens on CUDA, off on CPU.
+    query_pad: int | None = None
+    attention: str = "auto"  # one of ENGINE_ATTENTION; auto = exact on CUDA, sdpa on CPU
+    round_timing: bool | None = None  # also time each round's phases; null = on CUDA
 
     def __post_init__(self):
-        check_bounds("bench", self, {"num_prompts": AT_LEAST_ONE, "max_new_tokens": AT_LEAST_ONE})
+        check_bounds("bench", self, {"num_prompts": AT_LEAST_ONE, "max_new_tokens": AT_LEAST_ONE,
+                                     "baseline_prompts_per_workload": ("an integer >= 1 (null = all)", lambda v: v >= 1),
+                                     "query_pad": ("an integer >= 0 (0 = off, null = auto)", lambda v: v >= 0)})
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"bench: temperature {self.temperature} must be >= 0, top_k {self.top_k} "
                               f">= 0 and top_p {self.top_p} in (0, 1]")
+        check_choices("bench", self, BENCH_CHOICES)
+        unknown = [b for b in self.baselines if b not in RELEASE_BASELINES]
+        if unknown:
+            raise ConfigError(f"bench.baselines: unknown baselines {unknown}; expected some of "
+                              f"{', '.join(RELEASE_BASELINES)}")
 
 
 @dataclass

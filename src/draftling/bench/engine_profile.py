@@ -27,7 +27,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
-from draftling.engine import CachedTarget, DraftRunner, causal_mask, greedy_generate, speculative_generate
+from draftling.engine import (CachedTarget, DraftRunner, EngineOptions, causal_mask, greedy_generate,
+                              speculative_generate)
 from draftling.io import write_json
 
 # SmolLM2-135M-Instruct's shape (its config.json).
@@ -88,9 +89,9 @@ def forward_ms(target, q, ctx, device, reps):
 def profile_variant(model, draft, aux, variant, device, prompts, new_tokens, max_len):
     graphs = device.type == "cuda"
     t0 = time.perf_counter()
-    target = CachedTarget.from_hf(model, aux, max_len, cuda_graphs=graphs, **variant)
-    runner = DraftRunner(draft, model.get_input_embeddings(), max_len, cuda_graphs=graphs,
-                         compile=variant["compile"], attention=variant["attention"])
+    options = EngineOptions(cuda_graphs=graphs, **variant)
+    target = CachedTarget.from_hf(model, aux, max_len, options=options)
+    runner = DraftRunner(draft, model.get_input_embeddings(), max_len, options=options)
     # Warm-up: compiles and captures every shape used below.
     greedy_generate(target, prompts[0], 8)
     for steps, topk, q in CONFIGS:

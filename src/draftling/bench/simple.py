@@ -3,23 +3,28 @@ without speculation, with an exactness check and printed caveats."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import platform
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from draftling.config import RunConfig
+from draftling.config import BenchConfig, RunConfig
 from draftling.data.prompts import load_conversations, prompt_messages
 from draftling.data.template import render
 from draftling.errors import ConfigError, DataError
 from draftling.io import write_json
 from draftling.progress import Progress
 from draftling.target import Target
+
+if TYPE_CHECKING:
+    from draftling.engine import EngineOptions
 
 WARMUP_TOKENS = 16
 _CONFIG = re.compile(r"^(?:(chain|tree)-)?(\d+)-(\d+)-(\d+)$")
@@ -101,19 +106,17 @@ def sample_by_source(rows: list[tuple], n: int) -> list[tuple]:
     return out
 
 
-def build_engine(target: Target, draft, max_seq_len: int, cuda_graphs: bool = False,
-                 compile: bool = False, query_pad: int = 0, attention: str = "sdpa"):
-    """The decode engine for a target and a draft (see engine/target_model.py for the options)."""
-    from draftling.engine.draft_runner import DraftRunner
-    from draftling.engine.target_model import CachedTarget
+def build_engine(target: Target, draft, max_seq_len: int, options: EngineOptions | None = None, **engine):
+    """The decode engine for a target and a draft, both with ``options`` (resolved; default the
+    plain eager engine), or its fields as keywords (see engine/options.py)."""
+    from draftling.engine import CachedTarget, DraftRunner, EngineOptions
 
+    options = EngineOptions.of(options, **engine)
     # The draft decides which layers feed it; using the target's defaults here instead would
     # be the silent off-by-one that collapses acceptance.
     ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
-    engine_target = CachedTarget.from_hf(target.model, ids, max_seq_len, cuda_graphs=cuda_graphs,
-                                         compile=compile, query_pad=query_pad, attention=attention)
-    runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, cuda_graphs=cuda_graphs,
-                         compile=compile, attention=attention)
+    engine_target = CachedTarget.from_hf(target.model, ids, max_seq_len, options=options)
+    runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, options=options)
     return engine_target, runner
 
 
@@ -127,9 +130,71 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+class _Decoder:
+    """Plain and speculative decoding on one eager engine with the bench's sampling settings;
+    prompt i draws from seed + i, the same for plain and every config."""
+
+    def __init__(self, target: Target, draft, max_len: int, bc: BenchConfig):
+        from draftling.engine import EngineOptions
+
+        self.options = EngineOptions()  # eager: this bench compares heads, bench --release times engines
+        self.engine, self.runner = build_engine(target, draft, max_len, self.options)
+        self.eos, self.bc, self.device = target.stop_token_ids(), bc, target.device
+        self.sampled = bc.temperature > 0
+        self.sampling = dict(temperature=bc.temperature, top_k=bc.top_k, top_p=bc.top_p)
+
+    def _generator(self, i: int):
+        return torch.Generator(device=self.device).manual_seed(self.bc.seed + i) if self.sampled else None
+
+    def plain(self, ids, n: int | None = None, i: int = 0):
+        from draftling.engine.generate import greedy_generate
+
+        n = self.bc.max_new_tokens if n is None else n
+        return greedy_generate(self.engine, ids, n, eos_ids=self.eos, generator=self._generator(i), **self.sampling)
+
+    def spec(self, ids, c: DecodeConfig, n: int | None = None, i: int = 0):
+        from draftling.engine.generate import speculative_generate
+
+        n = self.bc.max_new_tokens if n is None else n
+        return speculative_generate(self.engine, self.runner, ids, n, c.steps, c.topk, c.draft_tokens,
+                                    eos_ids=self.eos, generator=self._generator(i), **self.sampling)
+
+
+@dataclass
+class _Tally:
+    """What the timed prompts add up to: plain totals, and per config tokens, time, acceptance."""
+
+    configs: list[DecodeConfig]
+    per_prompt: list = field(default_factory=list)
+    plain_tokens: int = 0
+    plain_time: float = 0.0
+    natural_stops: int = 0
+    totals: dict = field(init=False)
+
+    def __post_init__(self):
+        self.totals = {c.name: {"tokens": 0, "time": 0.0, "accepted": 0, "verifies": 0, "identical": 0,
+                                "accept_counts": [0] * c.steps} for c in self.configs}
+
+    def add_spec(self, name: str, toks: list[int], stats, seconds: float, same: bool) -> None:
+        tot = self.totals[name]
+        tot["tokens"] += len(toks)
+        tot["time"] += seconds
+        tot["accepted"] += sum(stats.accept_lengths)
+        tot["verifies"] += len(stats.accept_lengths)
+        tot["identical"] += int(same)
+        tot["accept_counts"] = [a + b for a, b in zip(tot["accept_counts"], stats.accept_counts)]
+
+    def taus(self) -> str:
+        return ", ".join(f"{name} tau {t['accepted'] / max(1, t['verifies']):.2f}" for name, t in self.totals.items())
+
+
 def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str | Path | None = None,
               quiet: bool = False) -> dict:
-    from draftling.engine.generate import greedy_generate, speculative_generate
+    """Greedy (or sampled) speculative decoding of ``cfg.bench.num_prompts`` prompts of a file
+    against the same engine without speculation; writes the results JSON to ``out`` if given,
+    with the run's manifest fields inside it under "manifest"."""
+    from draftling.bench.manifest import manifest_fields
+    from draftling.config import to_dict
     from draftling.export.formats import load_any_draft
 
     bc = cfg.bench
@@ -139,63 +204,16 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
     draft = load_any_draft(draft_path, device, dtype)
     prompts = load_bench_prompts(prompts_path, target, bc.num_prompts)
     max_draft = max(c.draft_tokens for c in configs)
-    max_len = max(len(p) for _, p in prompts) + bc.max_new_tokens + max_draft + 8
-    engine_target, runner = build_engine(target, draft, max_len)
-    eos = target.stop_token_ids()
-
-    sampled = bc.temperature > 0
-    sampling = dict(temperature=bc.temperature, top_k=bc.top_k, top_p=bc.top_p)
-
-    def seeded(i):
-        return torch.Generator(device=device).manual_seed(bc.seed + i) if sampled else None
-
-    def plain(ids, n=bc.max_new_tokens, i=0):
-        return greedy_generate(engine_target, ids, n, eos_ids=eos, generator=seeded(i), **sampling)
-
-    def spec(ids, c, n=bc.max_new_tokens, i=0):
-        return speculative_generate(engine_target, runner, ids, n, c.steps, c.topk, c.draft_tokens,
-                                    eos_ids=eos, generator=seeded(i), **sampling)
-
+    dec = _Decoder(target, draft, max(len(p) for _, p in prompts) + bc.max_new_tokens + max_draft + 8, bc)
     # Warm-up (allocator, lazy init) is excluded from every timing. This engine is eager, so
     # a few tokens exercise every shape; a whole completion would cost as much as a prompt.
     warm = torch.tensor([prompts[0][1]], device=device)
-    plain(warm, WARMUP_TOKENS)
+    dec.plain(warm, WARMUP_TOKENS)
     for c in configs:
-        spec(warm, c, WARMUP_TOKENS)
+        dec.spec(warm, c, WARMUP_TOKENS)
+    tally = _time_prompts(dec, prompts, configs, quiet)
 
-    bar = Progress(len(prompts), "bench", enabled=not quiet)
-    started = time.perf_counter()
-    per_prompt = []
-    plain_tokens = plain_time = 0.0
-    natural_stops = 0
-    totals = {c.name: {"tokens": 0, "time": 0.0, "accepted": 0, "verifies": 0, "identical": 0,
-                       "accept_counts": [0] * c.steps} for c in configs}
-    for i, (pid, ids) in enumerate(prompts):
-        x = torch.tensor([ids], device=device)
-        ref, t_plain = _timed(lambda: plain(x, i=i))
-        ref = ref[0].tolist()
-        plain_tokens += len(ref)
-        plain_time += t_plain
-        natural_stops += int(len(ref) < bc.max_new_tokens)
-        row = {"id": pid, "prompt_tokens": len(ids), "plain_tokens": len(ref), "plain_s": t_plain}
-        for c in configs:
-            (toks, stats), t_spec = _timed(lambda: spec(x, c, i=i))
-            toks = toks[0].tolist()
-            tot = totals[c.name]
-            tot["tokens"] += len(toks)
-            tot["time"] += t_spec
-            tot["accepted"] += sum(stats.accept_lengths)
-            tot["verifies"] += len(stats.accept_lengths)
-            tot["identical"] += int(toks == ref)
-            tot["accept_counts"] = [a + b for a, b in zip(tot["accept_counts"], stats.accept_counts)]
-            row[c.name] = {"tau": stats.tau, "tokens": len(toks), "s": t_spec,
-                           "identical": None if sampled else toks == ref}
-        per_prompt.append(row)
-        taus = ", ".join(f"{name} tau {t['accepted'] / max(1, t['verifies']):.2f}" for name, t in totals.items())
-        bar.update(1, f"bench: {len(per_prompt)}/{len(prompts)} prompts, {time.perf_counter() - started:.0f}s, {taus}")
-    bar.close()
-
-    plain_tok_s = plain_tokens / plain_time
+    plain_tok_s = tally.plain_tokens / tally.plain_time
     results = {
         "date": datetime.date.today().isoformat(),
         "device": device_name(device),
@@ -205,29 +223,60 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
         "prompts": str(prompts_path),
         "num_prompts": len(prompts),
         "max_new_tokens": bc.max_new_tokens,
-        "sampling": {**sampling, "seed": bc.seed} if sampled else None,
+        "sampling": {**dec.sampling, "seed": bc.seed} if dec.sampled else None,
         "plain_tok_s": plain_tok_s,
-        "configs": [],
-        "per_prompt": per_prompt,
+        "configs": [_config_summary(c, tally.totals[c.name], plain_tok_s, len(prompts), dec.sampled)
+                    for c in configs],
+        "per_prompt": tally.per_prompt,
     }
-    for c in configs:
-        tot = totals[c.name]
-        tok_s = tot["tokens"] / tot["time"]
-        results["configs"].append({
-            "name": c.name, "steps": c.steps, "topk": c.topk, "draft_tokens": c.draft_tokens,
-            # tau counts the bonus token: tokens emitted per verify step.
-            "tau": tot["accepted"] / max(1, tot["verifies"]),
-            "tok_s": tok_s, "speedup": tok_s / plain_tok_s,
-            # Sampled decodes draw differently from the first rejection on: no token-level check.
-            "identical_to_greedy": None if sampled else tot["identical"] / len(prompts),
-            "accept_rate_by_depth": [a / max(1, tot["verifies"]) for a in tot["accept_counts"]],
-        })
-    results["caveats"] = caveats(results, natural_stops)
+    results["caveats"] = caveats(results, tally.natural_stops)
+    config = {"target": cfg.target, "dtype": results["dtype"], "device": str(device), "draft": str(draft_path),
+              "prompts": str(prompts_path), "bench": to_dict(bc), "engine": dataclasses.asdict(dec.options)}
+    results["manifest"] = manifest_fields(None, config, device, results["date"])
     if not quiet:
         print(format_table(results))
     if out:
         write_json(out, results)
     return results
+
+
+def _time_prompts(dec: _Decoder, prompts: list, configs: list[DecodeConfig], quiet: bool) -> _Tally:
+    """Each prompt plain, then with each config, timed alone; one progress line per prompt."""
+    bar = Progress(len(prompts), "bench", enabled=not quiet)
+    started = time.perf_counter()
+    tally = _Tally(configs)
+    for i, (pid, ids) in enumerate(prompts):
+        x = torch.tensor([ids], device=dec.device)
+        ref, t_plain = _timed(lambda: dec.plain(x, i=i))
+        ref = ref[0].tolist()
+        tally.plain_tokens += len(ref)
+        tally.plain_time += t_plain
+        tally.natural_stops += int(len(ref) < dec.bc.max_new_tokens)
+        row = {"id": pid, "prompt_tokens": len(ids), "plain_tokens": len(ref), "plain_s": t_plain}
+        for c in configs:
+            (toks, stats), t_spec = _timed(lambda: dec.spec(x, c, i=i))
+            toks = toks[0].tolist()
+            tally.add_spec(c.name, toks, stats, t_spec, toks == ref)
+            row[c.name] = {"tau": stats.tau, "tokens": len(toks), "s": t_spec,
+                           "identical": None if dec.sampled else toks == ref}
+        tally.per_prompt.append(row)
+        bar.update(1, f"bench: {len(tally.per_prompt)}/{len(prompts)} prompts, "
+                      f"{time.perf_counter() - started:.0f}s, {tally.taus()}")
+    bar.close()
+    return tally
+
+
+def _config_summary(c: DecodeConfig, tot: dict, plain_tok_s: float, n: int, sampled: bool) -> dict:
+    tok_s = tot["tokens"] / tot["time"]
+    return {
+        "name": c.name, "steps": c.steps, "topk": c.topk, "draft_tokens": c.draft_tokens,
+        # tau counts the bonus token: tokens emitted per verify step.
+        "tau": tot["accepted"] / max(1, tot["verifies"]),
+        "tok_s": tok_s, "speedup": tok_s / plain_tok_s,
+        # Sampled decodes draw differently from the first rejection on: no token-level check.
+        "identical_to_greedy": None if sampled else tot["identical"] / n,
+        "accept_rate_by_depth": [a / max(1, tot["verifies"]) for a in tot["accept_counts"]],
+    }
 
 
 # What the bench decodes, in plain-decode token times: each prompt once plain and once per

@@ -6,16 +6,18 @@ ablations and sequence scaling, and training throughput against a real small tea
 Memory (teacher stubbed by random tensors): a draft of a 36B-class target's shape (hidden
 5120, intermediate 27648, 64 heads, 8 KV heads, head_dim 128, vocab 155136, draft vocab
 32000) is built and placed exactly as ``trainer.train`` does it (``build_draft`` on the
-host, ``place_draft``, ``build_optimizer``, ``draft_embedding``, ``memory_options``), and full
-training steps run: ``ttt_unroll``, backward, grad clip, optimizer step. The peak is
+host, ``place_draft``, ``distributed.wrap``, ``build_optimizer``), and the trainer's own step
+runs (``trainer.train_step``: the teacher's outputs, here served by a stub source, the TTT
+unroll, backward, grad clip, optimizer step). The peak is
 ``torch.cuda.max_memory_allocated`` over the whole run (placement and steps). Then each
 feature is turned off in turn, and the all-on run is repeated at other sequence lengths;
 each run also carries ``train.plan``'s estimate for it.
 
 Throughput: the real teacher (``--target``, loaded in bf16 on the GPU), synthetic batches of
 random token ids, the trainer's CUDA defaults against the eager SDPA path (attention sdpa,
-no compile, everything else the same). Each path runs its measured batches twice: once
-with a sync after every phase, for the time split into teacher prefill, draft
+no compile, everything else the same). Each path is a run as ``trainer.build_run`` builds it,
+stepped by ``TrainRun.train_step``. It runs its measured batches twice: once with a sync
+after every phase of the step, for the time split into teacher prefill, draft
 forward+backward and optimizer step; then back to back with one sync at the end, as the
 trainer runs, which gives tokens/s.
 
@@ -26,6 +28,7 @@ limit still leaves what it finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -33,6 +36,7 @@ import gc
 import statistics
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -40,15 +44,18 @@ import torch._dynamo
 
 from draftling.bench.simple import device_name
 from draftling.config import RunConfig, TrainConfig
+from draftling.data.tokenized import TokenizedExample
 from draftling.draft.vocab import build_vocab
 from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
+from draftling.train.distributed import DistContext, TTTObjective, shard, wrap
 from draftling.train.optim import build_optimizer
 from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.teacher import TeacherBatch, teacher_forward
-from draftling.train.settings import compile_teacher, draft_param_dtype, memory_options, optimizer_offload
-from draftling.train.trainer import build_draft, draft_embedding, place_draft, prepare_draft, resolve_memory_policy
-from draftling.train.ttt import ttt_unroll
+from draftling.train.settings import (compile_teacher, draft_param_dtype, memory_options, optimizer_offload,
+                                      unroll_options)
+from draftling.train.trainer import (BatchSource, RunInputs, TrainRun, build_draft, build_run, place_draft,
+                                     train_step)
 
 SHAPE_36B = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128,
                        vocab=155136, draft_vocab=32000)
@@ -165,7 +172,7 @@ def guarded(device: torch.device, fn, *args, **kwargs) -> dict:
 
 class StubTarget:
     """What the trainer reads from a target when no teacher forward runs: its config, aux
-    layer ids and input embedding. No weights besides the embedding."""
+    layer ids, input embedding and pad id. No weights besides the embedding."""
 
     def __init__(self, config, embedding: torch.nn.Embedding):
         self.config = config
@@ -173,6 +180,7 @@ class StubTarget:
         self.aux_layer_ids = [2, n // 2, n - 3]
         self.embedding = embedding
         self.model = None
+        self.tokenizer = types.SimpleNamespace(pad_token_id=0)
 
     def input_embeddings(self) -> torch.nn.Embedding:
         return self.embedding
@@ -204,7 +212,7 @@ def tiled_embedding(vocab: int, hidden: int, dtype: torch.dtype, seed: int = 0) 
 
 def stub_batch(shape: DraftShape, batch: int, seq: int, device: torch.device, aux_dtype: torch.dtype,
                seed: int = 0):
-    """A teacher's outputs as random tensors, and token ids / masks (every position a loss)."""
+    """A teacher's outputs as random tensors, and the token ids they stand for."""
     g = torch.Generator(device=device).manual_seed(seed)
     aux = torch.randn(batch, seq, 3 * shape.ht, generator=g, device=device).to(aux_dtype)
     # The draft-vocab logits in the teacher's dtype, as teacher_forward returns them.
@@ -212,8 +220,24 @@ def stub_batch(shape: DraftShape, batch: int, seq: int, device: torch.device, au
     teacher = TeacherBatch(aux=aux, draft_logits=logits, target_argmax=logits.argmax(-1),
                            in_draft=torch.ones(batch, seq, dtype=torch.bool, device=device))
     ids = torch.randint(0, shape.vocab, (batch, seq), generator=g, device=device)
-    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
-    return teacher, ids, mask
+    return teacher, ids
+
+
+class StubTeacher:
+    """A teacher source (as trainer.BatchSource takes one) that serves the one stub batch."""
+
+    cacheable = False
+
+    def __init__(self, batch: TeacherBatch):
+        self.batch = batch
+
+    def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
+        return self.batch
+
+
+def token_examples(ids: torch.Tensor, source: str) -> list[TokenizedExample]:
+    """The rows of [N, T] token ids as examples with a loss on every position."""
+    return [TokenizedExample(str(i), source, row, [1] * len(row)) for i, row in enumerate(ids.tolist())]
 
 
 def _single_process_group(device: torch.device) -> bool:
@@ -270,65 +294,21 @@ class MemoryBench:
         _reset_peak(dev)
         baseline = torch.cuda.memory_allocated(dev) / GIB if _cuda(dev) else None  # left by earlier runs
         t0 = time.perf_counter()
-        made_group = False
-        try:
-            cfg = RunConfig(train=tc)
-            # The target (here: only its embedding) is resident before the draft arrives.
-            target = self.target if tc.embedding_on_host else self.target.with_embedding_on(dev)
-            if build_on_device:  # the ablation: random init in fp32 on the device, then the cast
-                torch.manual_seed(0)
-                with torch.device(dev):
-                    draft = build_draft(cfg, target, self.vocab)
-            else:
-                draft = copy.deepcopy(self.base_draft)
-            dtype = draft_param_dtype(tc, dev, self.num_params)
-            mem_opts = memory_options(tc, dev, param_dtype=dtype)
-            if fsdp:
-                made_group = _single_process_group(dev)
-                forward, params, optimizer = self._fsdp(draft, tc, dtype, opts.optimizer_offload, mem_opts)
-            else:
-                place_draft(draft, dev, dtype)
-                draft.train()
-                params = [p for p in draft.parameters() if p.requires_grad]
-                optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, opts.optimizer_offload)
-
-                def forward(embed, teacher, ids, loss_mask, attention_mask):
-                    return ttt_unroll(draft, embed, teacher, ids, loss_mask, attention_mask, tc.ttt_steps,
-                                      tc.step_weight_decay, **mem_opts)
-            embed = draft_embedding(cfg, target, dev)
-            teacher, ids, mask = stub_batch(s.shape, s.batch, seq, dev, s.aux_dtype)
-            setup_peak, reserved = _peak_gib(dev), [_reserved_gib(dev)]
-            step_peaks, step_s, losses = [], [], []
-            for _ in range(warmup + measured):
-                _reset_peak(dev)
-                t = time.perf_counter()
-                loss, _counts = forward(embed, teacher, ids, mask, mask)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                _sync(dev)
-                step_s.append(time.perf_counter() - t)
-                step_peaks.append(_peak_gib(dev))
-                reserved.append(_reserved_gib(dev))
-                losses.append(float(loss.detach()))
-            del forward, optimizer, params, draft, embed, teacher, target, loss, _counts
-        finally:
-            if made_group:
-                import torch.distributed as dist
-                dist.destroy_process_group()
+        with contextlib.ExitStack() as cleanup:  # an FSDP run's process group ends after its steps
+            m = self._measure(tc, seq, cleanup, build_on_device=build_on_device, fsdp=fsdp,
+                              steps=warmup + measured)
         _free(dev)
         est = estimate_train_memory(s.shape, s.batch, seq, tc.ttt_steps, opts)
-        peak = None if setup_peak is None else max([setup_peak] + step_peaks)
+        peak = None if m["setup_peak"] is None else max([m["setup_peak"]] + m["step_peaks"])
         out = {
             "peak_gib": _round(peak),
-            "setup_peak_gib": _round(setup_peak),
-            "step_peak_gib": [_round(p) for p in step_peaks],
-            "reserved_peak_gib": None if setup_peak is None else _round(max(reserved)),
+            "setup_peak_gib": _round(m["setup_peak"]),
+            "step_peak_gib": [_round(p) for p in m["step_peaks"]],
+            "reserved_peak_gib": None if m["setup_peak"] is None else _round(max(m["reserved"])),
             "baseline_gib": _round(baseline),
             "seq": seq, "batch": s.batch, "steps": warmup + measured,
-            "step_s": [round(x, 3) for x in step_s],
-            "loss": round(losses[-1], 4),
+            "step_s": [round(x, 3) for x in m["step_s"]],
+            "loss": round(m["losses"][-1], 4),
             "options": dataclasses.asdict(opts),
             "plan_estimate_gib": _round(est["total"] / GIB),
             "plan_peak_phase": est["peak_phase"],
@@ -338,22 +318,59 @@ class MemoryBench:
         log(f"  {name}: peak {out['peak_gib']} GiB (plan {out['plan_estimate_gib']}), steps {out['step_s']} s")
         return out
 
-    def _fsdp(self, draft, tc: TrainConfig, dtype: torch.dtype, offload: bool, mem_opts: dict):
-        """The draft as distributed.wrap shards it (FSDP2 over the whole TTT objective: fp32
-        shards, compute in the draft dtype, fp32 reduce, the host shards stepped by a plain
-        AdamW under CPUOffloadPolicy), here at world size 1."""
-        from draftling.train.distributed import TTTObjective, shard
+    def _measure(self, tc: TrainConfig, seq: int, cleanup: contextlib.ExitStack, *, build_on_device: bool,
+                 fsdp: bool, steps: int) -> dict:
+        """The draft placed and given its optimizer as the trainer does it, then ``steps`` of the
+        trainer's step on the stub batch: the peak of the setup, and each step's peak and time."""
+        s, dev = self.s, self.device
+        cfg = RunConfig(train=tc)
+        # The target (here: only its embedding) is resident before the draft arrives.
+        target = self.target if tc.embedding_on_host else self.target.with_embedding_on(dev)
+        if build_on_device:  # the ablation: random init in fp32 on the device, then the cast
+            torch.manual_seed(0)
+            with torch.device(dev):
+                draft = build_draft(cfg, target, self.vocab)
+        else:
+            draft = copy.deepcopy(self.base_draft)
+        dtype = draft_param_dtype(tc, dev, self.num_params)
+        if fsdp and _single_process_group(dev):
+            import torch.distributed as dist
 
-        place_draft(draft, self.device, torch.float32)
-        objective = shard(TTTObjective(draft), dtype, offload)
+            cleanup.callback(dist.destroy_process_group)
+        objective, optimizer, scheduler = self._optimized(draft, tc, dtype, fsdp)
+        teacher, ids = stub_batch(s.shape, s.batch, seq, dev, s.aux_dtype)
+        # The options the plan estimates, fixed (under FSDP the params are fp32 shards).
+        source = BatchSource(cfg, target, token_examples(ids, "stub"), dev, teacher=StubTeacher(teacher),
+                             unroll=unroll_options(tc, dev, param_dtype=dtype))
+        m = {"setup_peak": _peak_gib(dev), "reserved": [_reserved_gib(dev)], "step_peaks": [], "step_s": [],
+             "losses": []}
+        for _ in range(steps):
+            _reset_peak(dev)
+            t = time.perf_counter()
+            loss, _counts, _tokens = train_step(objective, optimizer, scheduler, source, list(range(s.batch)))
+            _sync(dev)
+            m["step_s"].append(time.perf_counter() - t)
+            m["step_peaks"].append(_peak_gib(dev))
+            m["reserved"].append(_reserved_gib(dev))
+            m["losses"].append(float(loss.detach()))
+        return m
+
+    def _optimized(self, draft, tc: TrainConfig, dtype: torch.dtype, fsdp: bool):
+        """(objective, optimizer, constant-LR scheduler) over the draft, placed as the trainer
+        places it. ``fsdp``: sharded as distributed.wrap shards it (FSDP2 over the whole TTT
+        objective: fp32 shards, compute in the draft dtype, fp32 reduce, the host shards stepped
+        by a plain AdamW under CPUOffloadPolicy), here at world size 1."""
+        offload = optimizer_offload(tc, self.device, self.num_params)
+        if fsdp:
+            place_draft(draft, self.device, torch.float32)
+            objective = shard(TTTObjective(draft), dtype, offload)
+        else:
+            place_draft(draft, self.device, dtype)
+            objective = wrap(draft, DistContext(), tc.parallel, dtype, offload)  # the bare objective
         objective.train()
         params = [p for p in objective.parameters() if p.requires_grad]
-        optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, False)
-
-        def forward(embed, teacher, ids, loss_mask, attention_mask):
-            return objective(embed, teacher, ids, loss_mask, attention_mask, tc.ttt_steps,
-                             tc.step_weight_decay, mem_opts)
-        return forward, params, optimizer
+        optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not fsdp)
+        return objective, optimizer, torch.optim.lr_scheduler.LambdaLR(scheduled, lambda _: 1.0)
 
 
 def _round(x, nd: int = 3):
@@ -397,74 +414,80 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
                         for e in ranked]}
 
 
-def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[torch.Tensor],
-                    warmup: int, device: torch.device, profile: bool = False) -> dict:
-    """tokens/s of training steps as the trainer runs them, each step timed in three parts."""
-    torch.manual_seed(0)
-    draft, offload, dtype = prepare_draft(RunConfig(train=tc), target, vocab, device)
-    n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    tc, policy = resolve_memory_policy(tc, device, target.config, vocab.size, batches[0].shape[0],
-                                       batches[0].shape[1], dtype, offload, target.input_embeddings().weight.dtype)
-    cfg = RunConfig(train=tc)
-    draft.train()
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer, _ = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
-    mem_opts = memory_options(tc, device, param_dtype=dtype)
-    teacher_compiled = compile_teacher(tc, device, target.model)
-    embed = draft_embedding(cfg, target, device)
-    log(f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {offload}, {mem_opts}; "
-        f"memory policy {policy}")
-    split = []
-    valid = 0.0
+def synthetic_run(target, vocab, tc: TrainConfig, batches: list[torch.Tensor]) -> TrainRun:
+    """A training run as ``trainer.build_run`` builds it (memory policy resolved, the draft placed
+    and wrapped, its optimizer and LR schedule), over the batches' rows as its examples; no run
+    directory, checkpoint or validation."""
+    examples = token_examples(torch.cat(batches), "synthetic")
+    inputs = RunInputs(examples, [], vocab, None, None)
+    return build_run(RunConfig(train=tc), target, inputs, None, None, DistContext(), say=lambda line: None)
 
-    def step(ids, times, phase_syncs=True):
-        """One training step. ``phase_syncs``: sync after each phase and time it (the time
-        split); otherwise run it as the trainer does, without them."""
-        def mark():
-            if phase_syncs:
-                _sync(device)
-                times.append(time.perf_counter())
 
-        mask = torch.ones_like(ids)
-        times.append(time.perf_counter())
-        teacher = teacher_forward(target, ids, mask, draft.t2d, compile=teacher_compiled)
-        mark()
-        loss, counts = ttt_unroll(draft, embed, teacher, ids, mask, mask, tc.ttt_steps, tc.step_weight_decay,
-                                  **mem_opts)
-        mark()
-        loss.backward()
-        mark()
-        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mark()
-        return counts
+def timed_step(run: TrainRun, keys: list[int], times: list[float]):
+    """``run.train_step`` on the global batch ``keys``, with a sync after each phase and its end
+    time appended to ``times`` (after the start time). Returns the step's counts."""
+    device = run.target.device
 
-    for i, ids in enumerate(batches):
-        ids = ids.to(device)
+    def phase_end(_phase: str) -> None:
         _sync(device)
+        times.append(time.perf_counter())
+
+    times.append(time.perf_counter())
+    return run.train_step(keys, phase_end)[1]
+
+
+def phase_split(name: str, run: TrainRun, batch_keys: list[list[int]], warmup: int, tokens: int):
+    """Each batch's step with a sync after every phase: [(teacher, draft fwd+bwd, optimizer,
+    draft fwd) seconds] and the last step's share of positions with a loss at TTT step 0."""
+    split, valid = [], 0.0
+    for i, keys in enumerate(batch_keys):
+        _sync(run.target.device)
         t = []
-        counts = step(ids, t)
+        counts = timed_step(run, keys, t)
         t0, t1, t_fwd, t2, t3 = t
         split.append((t1 - t0, t2 - t1, t3 - t2, t_fwd - t1))
-        valid = counts.valid[0] / ids.numel()
-        log(f"  {name} step {i + 1}/{len(batches)}: {t3 - t0:.3f}s (teacher {t1 - t0:.3f}, draft fwd+bwd "
+        valid = counts.valid[0] / tokens
+        log(f"  {name} step {i + 1}/{len(batch_keys)}: {t3 - t0:.3f}s (teacher {t1 - t0:.3f}, draft fwd+bwd "
             f"{t2 - t1:.3f} of which fwd {t_fwd - t1:.3f}, optimizer {t3 - t2:.3f})"
             + (" [warm-up]" if i < warmup else ""))
-    measured = split[warmup:] or split
-    mean = [statistics.fmean(x[k] for x in measured) for k in range(4)]
-    # tokens/s as training runs: the measured batches again, back to back, one sync at the end.
-    flow_batches = [ids.to(device) for ids in batches[warmup:] or batches]
+    return split, valid
+
+
+def flow_step_seconds(run: TrainRun, batch_keys: list[list[int]]) -> float:
+    """Seconds per step as training runs: the steps back to back, one sync at the end."""
+    device = run.target.device
     _sync(device)
     t0 = time.perf_counter()
-    for ids in flow_batches:
-        step(ids, [], phase_syncs=False)
+    for keys in batch_keys:
+        run.train_step(keys)
     _sync(device)
-    flow_step_s = (time.perf_counter() - t0) / len(flow_batches)
-    profiled = profile_step(lambda: step(batches[-1].to(device), []), device) if profile else None
-    split_step_s = sum(mean[:3])
+    return (time.perf_counter() - t0) / len(batch_keys)
+
+
+def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[torch.Tensor],
+                    warmup: int, device: torch.device, profile: bool = False) -> dict:
+    """tokens/s of the trainer's own training step (``TrainRun.train_step``), each step also
+    timed in its phases."""
+    torch.manual_seed(0)
+    run = synthetic_run(target, vocab, tc, batches)
+    tc, dtype = run.cfg.train, run.param_dtype
+    mem_opts = memory_options(tc, device, param_dtype=dtype)
+    n_params = sum(p.numel() for p in run.draft.parameters() if p.requires_grad)
+    log(f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {run.offload}, {mem_opts}; "
+        f"memory policy {run.memory_policy}")
     tokens = batches[0].numel()
-    del draft, optimizer, params, embed
+    batch_keys = [list(range(i * len(b), (i + 1) * len(b))) for i, b in enumerate(batches)]
+    split, valid = phase_split(name, run, batch_keys, warmup, tokens)
+    measured = split[warmup:] or split
+    mean = [statistics.fmean(x[k] for x in measured) for k in range(4)]
+    # tokens/s as training runs: the measured batches again, back to back.
+    flow_step_s = flow_step_seconds(run, batch_keys[warmup:] or batch_keys)
+    profiled = profile_step(lambda: timed_step(run, batch_keys[-1], []), device) if profile else None
+    split_step_s = sum(mean[:3])
+    about = {"draft_dtype": str(dtype).replace("torch.", ""), "optimizer_offload": run.offload,
+             "memory_options": mem_opts, "teacher_compiled": compile_teacher(tc, device, target.model),
+             "memory_policy": run.memory_policy}
+    del run
     _free(device)
     return {"tok_s": round(tokens / flow_step_s, 1), "step_s": round(flow_step_s, 4),
             "tok_s_with_phase_syncs": round(tokens / split_step_s, 1),
@@ -473,9 +496,7 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
                            "optimizer_s": round(mean[2], 4), "draft_forward_s": round(mean[3], 4)},
             "warmup_step_s": [round(sum(x[:3]), 3) for x in split[:warmup]],
             "measured_steps": len(measured), "tokens_per_step": tokens,
-            "valid_fraction_step0": round(valid, 4), "draft_dtype": str(dtype).replace("torch.", ""),
-            "optimizer_offload": offload, "memory_options": mem_opts, "teacher_compiled": teacher_compiled,
-            "memory_policy": policy,
+            "valid_fraction_step0": round(valid, 4), **about,
             "peak_gib": _round(_peak_gib(device)),
             **({"profile": profiled} if profiled else {})}
 
@@ -578,7 +599,9 @@ def caveats(results: dict, settings: Settings) -> list[str]:
         "teacher logits keep the teacher's dtype), CPUOffloadPolicy (plain AdamW steps the host shards)",
         "throughput: synthetic batches of random token ids; the draft vocab holds the teacher's argmax "
         "tokens on them, so nearly every position carries a loss (see valid_fraction_step0)",
-        "the LR scheduler is not stepped in the bench (it costs nothing measurable)",
+        "every run times the trainer's own step (trainer.train_step): the teacher phase includes collating "
+        "the batch and moving it to the device; memory runs step a constant LR schedule, throughput runs "
+        "the trainer's warmup/cosine one",
     ]
     if not _cuda(torch.device(results["device"])):
         notes.append("not run on CUDA: peaks are null; flex attention and compile are off, so the "
@@ -615,62 +638,74 @@ def run_bench(out, settings: Settings, device: torch.device, target=None, phases
     allow_recompiles(64)
     results = new_results(settings, device)
     s = settings
-    bench = None
-    if {"memory", "ablation", "seq"} & set(phases):
-        bench = MemoryBench(s, device)
-
+    bench = MemoryBench(s, device) if {"memory", "ablation", "seq"} & set(phases) else None
     if "memory" in phases:
-        all_on = guarded(device, bench.run, "all_on", all_on_config(s.ttt_steps), warmup=s.warmup,
-                         measured=s.measured)
-        results["all_on"] = all_on
-        if "error" not in all_on:
-            results["peak_gib_36b_shape"] = all_on["peak_gib"]
-            results["plan_estimate_gib"] = all_on["plan_estimate_gib"]
-            results["plan_error"] = all_on["plan_error"]
-            results["seq_scaling"][str(s.seq)] = all_on
-        _save(out, results, s)
-
+        _bench_memory(bench, results, out)
     if "throughput" in phases:
-        if target is None:
-            s.caveats.append("throughput phase skipped: no --target")
-        else:
-            tp = guarded(device, throughput_phase, target, s, device)
-            results["throughput"] = tp
-            if "error" not in tp:
-                results["time_split"] = {k: v["time_split"] for k, v in tp.items() if "time_split" in v}
-                results["tok_s_default"] = tp["default"].get("tok_s")
-                results["tok_s_eager"] = tp["eager"].get("tok_s")
-                if results["tok_s_default"] and results["tok_s_eager"]:
-                    results["speedup_vs_eager"] = round(results["tok_s_default"] / results["tok_s_eager"], 3)
-            _save(out, results, s)
-
+        _bench_throughput(target, results, out, s, device)
     if "seq" in phases:
-        for seq in s.seq_scaling:
-            if str(seq) in results["seq_scaling"]:
-                continue
-            results["seq_scaling"][str(seq)] = guarded(device, bench.run, f"all_on_seq{seq}",
-                                                       all_on_config(s.ttt_steps), seq=seq, measured=s.case_steps)
-            _save(out, results, s)
-        results["seq_scaling"] = dict(sorted(results["seq_scaling"].items(), key=lambda kv: int(kv[0])))
-
+        _bench_seq(bench, results, out)
     if "ablation" in phases:
-        base_peak = results["peak_gib_36b_shape"]
-        for name in s.ablations:
-            spec = ABLATIONS[name]
-            tc = all_on_config(s.ttt_steps, **spec.get("train", {}))
-            entry = guarded(device, bench.run, name, tc, build_on_device=spec.get("build_on_device", False),
-                            fsdp=spec.get("fsdp", False), measured=s.case_steps)
-            if "error" not in entry and base_peak is not None and entry["peak_gib"] is not None:
-                entry["delta_vs_all_on_gib"] = round(entry["peak_gib"] - base_peak, 3)
-            results["ablation"][name] = entry
-            _save(out, results, s)
-
+        _bench_ablations(bench, results, out)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     _save(out, results, s)
     log(f"done in {results['wall_s']}s: peak {results['peak_gib_36b_shape']} GiB (plan "
         f"{results['plan_estimate_gib']}), tok/s default {results['tok_s_default']} vs eager "
         f"{results['tok_s_eager']} (x{results['speedup_vs_eager']})")
     return results
+
+
+def _bench_memory(bench: MemoryBench, results: dict, out) -> None:
+    s = bench.s
+    all_on = guarded(bench.device, bench.run, "all_on", all_on_config(s.ttt_steps), warmup=s.warmup,
+                     measured=s.measured)
+    results["all_on"] = all_on
+    if "error" not in all_on:
+        results["peak_gib_36b_shape"] = all_on["peak_gib"]
+        results["plan_estimate_gib"] = all_on["plan_estimate_gib"]
+        results["plan_error"] = all_on["plan_error"]
+        results["seq_scaling"][str(s.seq)] = all_on
+    _save(out, results, s)
+
+
+def _bench_throughput(target, results: dict, out, s: Settings, device: torch.device) -> None:
+    if target is None:
+        s.caveats.append("throughput phase skipped: no --target")
+        return
+    tp = guarded(device, throughput_phase, target, s, device)
+    results["throughput"] = tp
+    if "error" not in tp:
+        results["time_split"] = {k: v["time_split"] for k, v in tp.items() if "time_split" in v}
+        results["tok_s_default"] = tp["default"].get("tok_s")
+        results["tok_s_eager"] = tp["eager"].get("tok_s")
+        if results["tok_s_default"] and results["tok_s_eager"]:
+            results["speedup_vs_eager"] = round(results["tok_s_default"] / results["tok_s_eager"], 3)
+    _save(out, results, s)
+
+
+def _bench_seq(bench: MemoryBench, results: dict, out) -> None:
+    s = bench.s
+    for seq in s.seq_scaling:
+        if str(seq) in results["seq_scaling"]:
+            continue
+        results["seq_scaling"][str(seq)] = guarded(bench.device, bench.run, f"all_on_seq{seq}",
+                                                   all_on_config(s.ttt_steps), seq=seq, measured=s.case_steps)
+        _save(out, results, s)
+    results["seq_scaling"] = dict(sorted(results["seq_scaling"].items(), key=lambda kv: int(kv[0])))
+
+
+def _bench_ablations(bench: MemoryBench, results: dict, out) -> None:
+    s = bench.s
+    base_peak = results["peak_gib_36b_shape"]
+    for name in s.ablations:
+        spec = ABLATIONS[name]
+        tc = all_on_config(s.ttt_steps, **spec.get("train", {}))
+        entry = guarded(bench.device, bench.run, name, tc, build_on_device=spec.get("build_on_device", False),
+                        fsdp=spec.get("fsdp", False), measured=s.case_steps)
+        if "error" not in entry and base_peak is not None and entry["peak_gib"] is not None:
+            entry["delta_vs_all_on_gib"] = round(entry["peak_gib"] - base_peak, 3)
+        results["ablation"][name] = entry
+        _save(out, results, s)
 
 
 def main(argv: list[str] | None = None) -> int:

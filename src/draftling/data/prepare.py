@@ -16,17 +16,17 @@ import dataclasses
 import json
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from draftling.config import RunConfig
+from draftling.config import RegenConfig, RunConfig
 from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.journal import ReplyJournal, journal_path
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
 from draftling.data.prompts import Conversation, has_tool_calls
 from draftling.data.sources import load_prompt_spec
-from draftling.data.regen import regen_dtype, regenerate, regenerate_within
+from draftling.data.regen import RegenRun, regen_dtype, regenerate, regenerate_within
 from draftling.data.runs import RUN_KEY, run_id
 from draftling.data.split import split_by_task, task_of
 from draftling.data.states import states_path, write_states
@@ -136,6 +136,38 @@ def check_data_dir(out_dir: Path) -> None:
                         "replaced whole, so choose an empty or new directory (nothing was changed)")
 
 
+@dataclass
+class Reply:
+    """One regenerated conversation: its record (replies.jsonl's line, less the split and the
+    run), the split it went to, and, where regeneration kept them, the target's states at the
+    tokens it was fed: (fed ids, aux, final)."""
+
+    record: dict
+    split: str
+    states: tuple | None = None
+
+    @classmethod
+    def of(cls, record: dict, split: str) -> "Reply":
+        """From a record as regenerate() (or the journal) yields it: states under "_states"."""
+        record = dict(record)
+        states = record.pop("_states", None)
+        return cls(record, split, states)
+
+    def line(self, run: str | None) -> dict:
+        return {**self.record, "split": self.split, **({RUN_KEY: run} if run is not None else {})}
+
+
+@dataclass
+class Regenerated:
+    """The replies, and how they were made: by ``server`` (None: the target itself); under a
+    time budget, the budget's report and how many validation prompts were too long."""
+
+    replies: list[Reply]
+    server: object = None
+    budget: dict | None = None
+    val_skipped: int | None = None
+
+
 def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path,
                  regen_seconds: float | None = None) -> dict:
     """With ``data.regen.server_url`` set the replies come from that server and ``target``
@@ -147,92 +179,111 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     out_dir = Path(out_dir)
     check_data_dir(out_dir)
     dc = cfg.data
-    budget = val_skipped = None  # set when regeneration runs under a time budget
     pool: list[Conversation] = []
     convs, excluded = load_prompt_files(cfg, pool)
     if dc.exclude:
         print(f"data: excluded {excluded} conversations that share an id or a user turn with "
               f"{', '.join(dc.exclude)}", flush=True)
     journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
-    regen_cfg, one_pass = dc.regen, True
-    if isinstance(target, Target) and not dc.regen.server_url:
-        # Resolved once and pinned in the journal: bfloat16_if_fast is a timed probe, which a busy
-        # machine could answer otherwise on a rerun, and replies of two dtypes must not mix.
-        # A bad data.regen.dtype fails here, before anything is written.
-        name = journal.pinned("regen_dtype", lambda: str(regen_dtype(target, dc.regen)).removeprefix("torch."))
-        regen_cfg = replace(dc.regen, dtype=name)
-        one_pass = regen_dtype(target, regen_cfg) == target.model.dtype
+    local = _pinned_regen(dc, target, journal)
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
-    val_ids = {c.id for c in val_convs}
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
           f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
+    regenerated = _regenerate(dc, target, journal, local, (train_convs, val_convs), regen_seconds)
+    replies = regenerated.replies
+    run = run_id([r.record for r in replies], journal.settings)
+    # The directory is built aside and swapped in whole: a killed rerun leaves the earlier
+    # data as it was, never a new train.jsonl beside an old val.jsonl.
+    with atomic_dir(out_dir) as tmp:
+        write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, tmp / PROMPT_COUNTS_FILE, run)
+        rows = write_splits(target, dc, tmp, replies, run)
+        summary = {"run": run, **data_summary(cfg, target, convs, excluded, regenerated, rows)}
+        write_json(tmp / "summary.json", summary)
+        write_json(tmp / OUTPUT_MARKER, {"kind": "data", "run": run})
+    journal.remove()
+    print(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
+          f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
+          f"{len(replies)} replies hit the {dc.regen.max_new_tokens}-token cap", flush=True)
+    return summary
+
+
+@dataclass(frozen=True)
+class _LocalRegen:
+    """data.regen for the loaded target, its dtype resolved and pinned in the journal."""
+
+    cfg: RegenConfig
+    one_pass: bool  # that dtype is the target's own: validation's replies need no pass of their own
+
+
+def _pinned_regen(dc, target, journal: ReplyJournal) -> _LocalRegen | None:
+    """None when the replies come from a server or there is no model to write them.
+
+    Resolved once and pinned in the journal: bfloat16_if_fast is a timed probe, which a busy
+    machine could answer otherwise on a rerun, and replies of two dtypes must not mix. A bad
+    data.regen.dtype fails here, before anything is written."""
+    if not isinstance(target, Target) or dc.regen.server_url:
+        return None
+    name = journal.pinned("regen_dtype", lambda: str(regen_dtype(target, dc.regen)).removeprefix("torch."))
+    regen_cfg = replace(dc.regen, dtype=name)
+    return _LocalRegen(regen_cfg, regen_dtype(target, regen_cfg) == target.model.dtype)
+
+
+def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
+                splits: tuple[list[Conversation], list[Conversation]], regen_seconds: float | None) -> Regenerated:
+    """The replies to the (train, val) prompts of ``splits``, from data.regen.server_url's
+    server or from the target itself."""
+    train_convs, val_convs = splits
     # Leave room for a reply inside the sequence cap.
     max_prompt = max(1, dc.max_tokens - dc.regen.max_new_tokens)
-    server = None
+    out = Regenerated([])
     if dc.regen.server_url:
         from draftling.data.openai_client import ChatServer, regenerate_via_server
 
-        server = ChatServer.from_config(dc.regen)
+        out.server = server = ChatServer.from_config(dc.regen)
         print(f"data: replies from {server.base_url} ({server.model})", flush=True)
         if dc.keep_teacher_states:
             print("data: data.keep_teacher_states is ignored: a server's replies come without the "
                   "target's states, so training will run the target", flush=True)
         records = list(regenerate_via_server(target.tokenizer, train_convs + val_convs, dc.regen,
                                              max_prompt_tokens=max_prompt, server=server, journal=journal))
-    elif isinstance(target, Target):
-        regen = partial(regenerate, target, max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states,
-                        journal=journal)
+    elif local is not None:
+        regen = partial(regenerate, target, run=RegenRun(max_prompt_tokens=max_prompt,
+                                                         keep_states=dc.keep_teacher_states, journal=journal))
+        as_served = replace(dc.regen, dtype=None)  # the target as served, for validation's replies
         if regen_seconds is not None:
             t0 = time.perf_counter()
-            val_records = list(regen(val_convs, replace(dc.regen, dtype=None)))
-            val_skipped = len(val_convs) - len(val_records)
-            budget = {"seconds": round(regen_seconds, 1), "val_s": round(time.perf_counter() - t0, 1)}
-            records = list(regenerate_within(partial(regen, cfg=regen_cfg), train_convs, dc.regen.batch_size,
+            val_records = list(regen(val_convs, as_served))
+            out.val_skipped = len(val_convs) - len(val_records)
+            out.budget = budget = {"seconds": round(regen_seconds, 1), "val_s": round(time.perf_counter() - t0, 1)}
+            records = list(regenerate_within(partial(regen, cfg=local.cfg), train_convs, dc.regen.batch_size,
                                              t0 + regen_seconds, dc.seed, budget)) + val_records
             budget["used_s"] = round(time.perf_counter() - t0, 1)
-        elif one_pass:
-            records = list(regen(train_convs + val_convs, regen_cfg))
-        else:
-            # Training replies from the faster copy; validation's from the target as served.
-            records = list(regen(train_convs, regen_cfg)) + list(regen(val_convs, replace(dc.regen, dtype=None)))
+        elif local.one_pass:
+            records = list(regen(train_convs + val_convs, local.cfg))
+        else:  # training replies from the faster copy
+            records = list(regen(train_convs, local.cfg)) + list(regen(val_convs, as_served))
     else:
         raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
                         "the model or a server (data.regen.server_url)")
     if not records:
         raise DataError(f"no prompt of {', '.join(dc.prompts)} could be regenerated: every one is over the "
                         f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)")
-    run = run_id(records, journal.settings)
-    for r in records:
-        r["split"] = "val" if r["id"] in val_ids else "train"
-        r[RUN_KEY] = run
-    # The directory is built aside and swapped in whole: a killed rerun leaves the earlier
-    # data as it was, never a new train.jsonl beside an old val.jsonl.
-    with atomic_dir(out_dir) as tmp:
-        write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, tmp / PROMPT_COUNTS_FILE, run)
-        rows = write_splits(target, dc, tmp, records, run)
-        summary = {"run": run, **data_summary(cfg, target, convs, records, rows, excluded, server, budget,
-                                              val_skipped)}
-        write_json(tmp / "summary.json", summary)
-        write_json(tmp / OUTPUT_MARKER, {"kind": "data", "run": run})
-    journal.remove()
-    print(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
-          f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
-          f"{len(records)} replies hit the {dc.regen.max_new_tokens}-token cap", flush=True)
-    return summary
+    val_ids = {c.id for c in val_convs}
+    out.replies = [Reply.of(r, "val" if r["id"] in val_ids else "train") for r in records]
+    return out
 
 
-def write_splits(target, dc, out_dir: Path, records: list[dict], run: str | None = None) -> dict:
+def write_splits(target, dc, out_dir: Path, replies: list[Reply], run: str | None = None) -> dict:
     """replies.jsonl, {train,val}.jsonl (every row tagged with the data ``run``) and, where
     regeneration kept them, the target's states."""
-    kept = any("_states" in r for r in records)
-    states = [r.pop("_states", None) for r in records]
-    write_jsonl(out_dir / "replies.jsonl", records)
+    kept = any(r.states is not None for r in replies)
+    write_jsonl(out_dir / "replies.jsonl", [r.line(run) for r in replies])
     rows = {}
     for split in ("train", "val"):
-        picked = [j for j, r in enumerate(records) if r["split"] == split]
+        picked = [r for r in replies if r.split == split]
         rows[split], row_states = tokenize_records(
-            target, [records[j] for j in picked], dc.min_tokens, dc.max_tokens,
-            [states[j] for j in picked] if kept else None)
+            target, [r.record for r in picked], dc.min_tokens, dc.max_tokens,
+            [r.states for r in picked] if kept else None)
         if run is not None:
             for row in rows[split]:
                 row[RUN_KEY] = run
@@ -245,20 +296,22 @@ def write_splits(target, dc, out_dir: Path, records: list[dict], run: str | None
     return rows
 
 
-def data_summary(cfg: RunConfig, target, convs, records, rows, excluded, server, budget, val_skipped) -> dict:
+def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: int, regenerated: Regenerated,
+                 rows: dict) -> dict:
     """summary.json: counts, tokens, caps, and the regeneration settings and budget."""
     dc = cfg.data
+    replies, server, budget = regenerated.replies, regenerated.server, regenerated.budget
     train_rows, val_rows = rows["train"], rows["val"]
-    stopped = [r["provenance"]["stopped"] for r in records]
+    stopped = [r.record["provenance"]["stopped"] for r in replies]
     summary = {
         "target": target.spec.name,
         **({"server": server.base_url, "server_model": server.model} if server else {}),
         "prompts": len(convs),
         **({"excluded": excluded, "exclude": list(dc.exclude)} if dc.exclude else {}),
-        "regenerated": len(records),
+        "regenerated": len(replies),
         # Under a budget, prompts that were never offered are neither regenerated nor skipped.
-        "skipped_long_prompts": (val_skipped + budget["skipped_long"] if budget is not None
-                                 else len(convs) - len(records)),
+        "skipped_long_prompts": (regenerated.val_skipped + budget["skipped_long"] if budget is not None
+                                 else len(convs) - len(replies)),
         "train_sequences": len(train_rows),
         "val_sequences": len(val_rows),
         "train_tokens": sum(len(r["input_ids"]) for r in train_rows),
@@ -268,7 +321,7 @@ def data_summary(cfg: RunConfig, target, convs, records, rows, excluded, server,
         "regen": json.loads(json.dumps(dc.regen.__dict__)),
         **({"regen_budget": budget} if budget is not None else {}),
         # The dtype each split's replies were written in (see data.regen.dtype).
-        "regen_dtypes": {split: sorted({r["provenance"].get("dtype", "server") for r in records
-                                        if r["split"] == split}) for split in ("train", "val")},
+        "regen_dtypes": {split: sorted({r.record["provenance"].get("dtype", "server") for r in replies
+                                        if r.split == split}) for split in ("train", "val")},
     }
     return summary

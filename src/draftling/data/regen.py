@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 import time
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 
@@ -87,59 +89,142 @@ def prefill_chunk_columns(cfg: RegenConfig, rows: int, width: int, device) -> in
     return max(16, budget // rows)
 
 
-@torch.no_grad()
-def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
-               max_prompt_tokens: int | None = None, progress: bool = True,
-               keep_states: bool = False, deadline: float | None = None,
-               pace: dict | None = None, journal=None) -> Iterable[dict]:
+@dataclass(frozen=True)
+class RegenRun:
+    """How one ``regenerate`` call runs, beside what it generates (``RegenConfig``)."""
+
+    max_prompt_tokens: int | None = None  # longer prompts are skipped, and counted in pace["skipped_long"]
+    progress: bool = True
+    # Also attach record["_states"] = (ids, aux, final), the target's aux and final-normed
+    # states at every token it was fed (the prompt and every reply token but the last
+    # generated one), so training need not run the target over them again. Not JSON: the
+    # caller takes it off before writing the record.
+    keep_states: bool = False
+    # A time.perf_counter() value: start no batch that would likely end after it, judged by
+    # the slowest batch so far (pace["slowest_batch_s"], carried over from earlier calls that
+    # share ``pace``); what is done is kept.
+    deadline: float | None = None
+    pace: dict | None = None
+    # data/journal.py: a batch whose replies are all journaled is not run again; every batch
+    # that is run is journaled before its records are yielded.
+    journal: object = None
+
+
+def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run: RegenRun | None = None,
+               **run_fields) -> Iterable[dict]:
     """Yield one record per conversation: the prompt messages plus the target's reply,
     with provenance (target, generation parameters, and whether the reply hit the cap).
 
-    ``keep_states``: also attach ``record["_states"] = (ids, aux, final)``, the target's aux
-    and final-normed states at every token it was fed (the prompt and every reply token but
-    the last generated one), so training need not run the target over them again. Not JSON:
-    the caller takes it off before writing the record.
+    ``run_fields``: RegenRun's fields by name (progress=False, keep_states=True, ...), over
+    ``run``. Nothing runs until the first record is asked for."""
+    return _regenerate(target, convs, cfg, dataclasses.replace(run or RegenRun(), **run_fields))
 
-    ``deadline`` (a ``time.perf_counter()`` value): start no batch that would likely end after
-    it, judged by the slowest batch so far (``pace["slowest_batch_s"]``, carried over from
-    earlier calls that share ``pace``); what is done is kept.
 
-    ``journal`` (data/journal.py): a batch whose replies are all journaled is not run again;
-    every batch that is run is journaled before its records are yielded."""
-    tok, model = target.tokenizer, generating_model(target, cfg)
-    own_dtype = target.model.dtype
-    prompts = [(c, render_prompt_ids(tok, c)) for c in convs]
-    if max_prompt_tokens:
-        long = [c.id for c, ids in prompts if len(ids) > max_prompt_tokens]
-        if long:
-            print(f"regenerate: skipping {len(long)} prompts over the {max_prompt_tokens}-token prompt limit "
-                  f"(data.max_tokens - data.regen.max_new_tokens): {', '.join(long[:5])}"
-                  f"{' ...' if len(long) > 5 else ''}", flush=True)
-        if pace is not None:
-            pace["skipped_long"] = pace.get("skipped_long", 0) + len(long)
-        prompts = [(c, ids) for c, ids in prompts if len(ids) <= max_prompt_tokens]
-    # Similar lengths per batch waste less padding; the output order does not matter.
-    prompts.sort(key=lambda p: len(p[1]))
-    eos_ids = target.stop_token_ids()
-    bar = Progress(len(prompts), "regenerate", enabled=progress)
+@torch.no_grad()
+def _regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run: RegenRun) -> Iterator[dict]:
+    model = generating_model(target, cfg)
+    prompts = _prompts(target.tokenizer, convs, run)
+    batches = _BatchGenerator(target, model, cfg, target.stop_token_ids(), run.keep_states)
+    bar = Progress(len(prompts), "regenerate", enabled=run.progress)
     done = generated = 0
     t0 = time.perf_counter()
-    pace = {} if pace is None else pace
+    pace = {} if run.pace is None else run.pace
     for start in range(0, len(prompts), cfg.batch_size):
         chunk = prompts[start:start + cfg.batch_size]
-        if journal is not None and journal.has_all(c.id for c, _ in chunk):
-            yield from (journal.get(c.id) for c, _ in chunk)
+        if run.journal is not None and run.journal.has_all(c.id for c, _ in chunk):
+            yield from (run.journal.get(c.id) for c, _ in chunk)
             done += len(chunk)
             bar.update(len(chunk))
             continue
         slowest = pace.get("slowest_batch_s")
-        if deadline is not None and slowest is not None and time.perf_counter() + slowest > deadline:
+        if run.deadline is not None and slowest is not None and time.perf_counter() + slowest > run.deadline:
             print(f"\nregenerate: stopped at its time budget after {done} of {len(prompts)} prompts", flush=True)
             break
         t_batch = time.perf_counter()
+        records, reply_tokens = batches.records(chunk, start)
+        if run.journal is not None:
+            run.journal.add(records)
+        fault_point("data.batch")
+        yield from records
+        done += len(chunk)
+        pace["slowest_batch_s"] = max(pace.get("slowest_batch_s", 0.0), time.perf_counter() - t_batch)
+        generated += reply_tokens
+        dt = time.perf_counter() - t0
+        width = max(len(ids) for _, ids in chunk)
+        bar.update(len(chunk), f"regenerate: {done}/{len(prompts)} prompts, {dt:.0f}s, {generated / dt:.1f} reply "
+                               f"tok/s (batch of {len(chunk)}, prompts up to {width} tokens)")
+    bar.close()
+
+
+def _prompts(tokenizer, convs: list[Conversation], run: RegenRun) -> list[tuple[Conversation, list[int]]]:
+    """Each conversation with its prompt's ids, less those over ``run.max_prompt_tokens``,
+    shortest first: similar lengths per batch waste less padding (the output order does not
+    matter)."""
+    prompts = [(c, render_prompt_ids(tokenizer, c)) for c in convs]
+    limit = run.max_prompt_tokens
+    if limit:
+        long = [c.id for c, ids in prompts if len(ids) > limit]
+        if long:
+            print(f"regenerate: skipping {len(long)} prompts over the {limit}-token prompt limit "
+                  f"(data.max_tokens - data.regen.max_new_tokens): {', '.join(long[:5])}"
+                  f"{' ...' if len(long) > 5 else ''}", flush=True)
+        if run.pace is not None:
+            run.pace["skipped_long"] = run.pace.get("skipped_long", 0) + len(long)
+        prompts = [(c, ids) for c, ids in prompts if len(ids) <= limit]
+    prompts.sort(key=lambda p: len(p[1]))
+    return prompts
+
+
+@dataclass(frozen=True)
+class _Recording:
+    """What one generate() recorded per forward call (see _recording_states)."""
+
+    aux_calls: dict[int, list[torch.Tensor]]
+    final_calls: list[torch.Tensor]
+    prefill_calls: int  # the first calls, the prompt's prefill in pieces along the columns
+
+    def row(self, target: Target, row: int, pad: int, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s aux and final states over the tokens it was fed, in the target's dtype."""
+        dtype = target.model.dtype
+        aux = torch.cat([_fed_positions(self.aux_calls[a], row, pad, fed, self.prefill_calls, dtype)
+                         for a in target.aux_layer_ids], dim=-1)
+        return aux, _fed_positions(self.final_calls, row, pad, fed, self.prefill_calls, dtype)
+
+
+@dataclass(frozen=True)
+class _BatchGenerator:
+    """Generates the batches of one regenerate() call."""
+
+    target: Target
+    model: object  # the target's model, or its copy in data.regen.dtype
+    cfg: RegenConfig
+    eos_ids: list[int]
+    keep_states: bool
+
+    def records(self, chunk: list[tuple[Conversation, list[int]]], start: int) -> tuple[list[dict], int]:
+        """The batch's records, and how many reply tokens it generated."""
+        out, width, recording = self._generate(chunk, start)
+        records, reply_tokens = [], 0
+        for i, ((conv, ids), row) in enumerate(zip(chunk, out[:, width:].tolist())):
+            reply, stopped = _cut_at_eos(row, self.eos_ids)
+            reply_tokens += len(reply)
+            record = self._record(conv, ids, reply, stopped)
+            if recording is not None:
+                # Fed: every generated token but the last (the eos, or the one that hit the cap).
+                fed = len(reply) if stopped == "eos" else max(0, len(reply) - 1)
+                aux, final = recording.row(self.target, i, width - len(ids), fed)
+                record["_states"] = (ids + reply[:fed], aux, final)
+            records.append(record)
+        return records, reply_tokens
+
+    def _generate(self, chunk: list[tuple[Conversation, list[int]]],
+                  start: int) -> tuple[torch.Tensor, int, _Recording | None]:
+        """generate()'s output ids (prompt columns first), the prompt columns, and with
+        keep_states the states recorded on the way."""
+        target, cfg, pad_id = self.target, self.cfg, self.target.tokenizer.pad_token_id
         width = max(len(ids) for _, ids in chunk)
         # Left padding keeps every prompt's last token at the same column for generate().
-        input_ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
+        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         attn = torch.zeros_like(input_ids)
         for i, (_, ids) in enumerate(chunk):
             input_ids[i, width - len(ids):] = torch.tensor(ids)
@@ -150,49 +235,30 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig,
             torch.manual_seed(cfg.seed + start)
         sample_kwargs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": None} if sampling else {}
         columns = prefill_chunk_columns(cfg, len(chunk), width, target.device)
-        prefill_calls = 1 if columns is None else -(-width // columns)
-        recording = (_recording_states(model, target.aux_layer_ids) if keep_states
+        recording = (_recording_states(self.model, target.aux_layer_ids) if self.keep_states
                      else contextlib.nullcontext((None, None)))
         with recording as (aux_calls, final_calls):
-            out = model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
-                                 max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=eos_ids,
-                                 prefill_chunk_size=columns, **sample_kwargs)
-        cuts = [_cut_at_eos(row, eos_ids) for row in out[:, width:].tolist()]
-        records = []
-        for i, ((conv, ids), (reply, stopped)) in enumerate(zip(chunk, cuts)):
-            text = tok.decode(reply, skip_special_tokens=True)
-            extra = {}
-            if keep_states:
-                # Fed: every generated token but the last (the eos, or the one that hit the cap).
-                fed = len(reply) if stopped == "eos" else max(0, len(reply) - 1)
-                pad = width - len(ids)
-                aux = torch.cat([_fed_positions(aux_calls[a], i, pad, fed, prefill_calls, own_dtype)
-                                 for a in target.aux_layer_ids], dim=-1)
-                final = _fed_positions(final_calls, i, pad, fed, prefill_calls, own_dtype)
-                extra = {"_states": (ids + reply[:fed], aux, final)}
-            records.append({
-                "id": conv.id, "source": conv.source, "category": conv.category,
-                "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
-                **({"tools": conv.tools} if conv.tools else {}),
-                "provenance": {"target": target.spec.name, "dtype": str(model.dtype).removeprefix("torch."),
-                               "max_new_tokens": cfg.max_new_tokens,
-                               "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
-                               "stopped": stopped, "reply_tokens": len(reply),
-                               "prompt_tokens": len(ids)},
-                **extra,
-            })
-        if journal is not None:
-            journal.add(records)
-        fault_point("data.batch")
-        yield from records
-        done += len(chunk)
-        pace["slowest_batch_s"] = max(pace.get("slowest_batch_s", 0.0), time.perf_counter() - t_batch)
-        generated += sum(len(reply) for reply, _ in cuts)
-        dt = time.perf_counter() - t0
-        bar.update(len(chunk), f"regenerate: {done}/{len(prompts)} prompts, {dt:.0f}s, {generated / dt:.1f} reply "
-                               f"tok/s (batch of {len(chunk)}, prompts up to {width} tokens)")
-    bar.close()
+            out = self.model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
+                                      max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
+                                      pad_token_id=pad_id, eos_token_id=self.eos_ids,
+                                      prefill_chunk_size=columns, **sample_kwargs)
+        if not self.keep_states:
+            return out, width, None
+        return out, width, _Recording(aux_calls, final_calls, 1 if columns is None else -(-width // columns))
+
+    def _record(self, conv: Conversation, ids: list[int], reply: list[int], stopped: str) -> dict:
+        cfg = self.cfg
+        text = self.target.tokenizer.decode(reply, skip_special_tokens=True)
+        return {
+            "id": conv.id, "source": conv.source, "category": conv.category,
+            "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
+            **({"tools": conv.tools} if conv.tools else {}),
+            "provenance": {"target": self.target.spec.name, "dtype": str(self.model.dtype).removeprefix("torch."),
+                           "max_new_tokens": cfg.max_new_tokens,
+                           "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
+                           "stopped": stopped, "reply_tokens": len(reply),
+                           "prompt_tokens": len(ids)},
+        }
 
 
 def regenerate_within(regen, convs: list[Conversation], batch_size: int, deadline: float, seed: int,

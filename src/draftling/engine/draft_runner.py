@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft
+from draftling.engine.options import EngineOptions
 from draftling.engine.target_model import StaticFn, causal_mask, compile_once, matmul_attention
 
 
@@ -36,10 +37,14 @@ def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, us
 
 
 class DraftRunner(nn.Module):
+    """``options``: the engine's EngineOptions, resolved (the target's, so both run alike; its
+    query_pad is the target's alone); its fields may also come as keywords (``compile=True``)."""
+
     def __init__(self, draft: Eagle3Draft, embed: nn.Embedding, max_seq_len: int,
-                 max_spec_nodes: int = 64, batch_size: int = 1, compile: bool = False,
-                 cuda_graphs: bool = False, attention: str = "sdpa"):
+                 max_spec_nodes: int = 64, batch_size: int = 1, options: EngineOptions | None = None,
+                 **engine):
         super().__init__()
+        options = EngineOptions.of(options, **engine).check_resolved()
         self.draft = draft
         self.embed = embed  # the target's, frozen and shared
         self.max_seq_len = int(max_seq_len)
@@ -52,12 +57,12 @@ class DraftRunner(nn.Module):
                              persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device),
                              persistent=False)
-        self.graphed = cuda_graphs or compile
+        self.graphed = options.cuda_graphs or options.compile
         # Compiled like the target's layers: the two halves around the eager cache write.
         # The draft only proposes: "exact" buys it nothing over plain matmul attention.
-        self.compile, self.use_matmul = compile, attention in ("matmul", "exact")
-        self._extend_fn = StaticFn(self._extend, cuda_graphs=cuda_graphs)
-        self._step_fn = StaticFn(self.forward, cuda_graphs=cuda_graphs)
+        self.compile, self.use_matmul = options.compile, options.attention in ("matmul", "exact")
+        self._extend_fn = StaticFn(self._extend, cuda_graphs=options.cuda_graphs)
+        self._step_fn = StaticFn(self.forward, cuda_graphs=options.cuda_graphs)
         # spec_round.SpecRound per (target, steps, topk, num_draft_tokens): its graphs are
         # captured once and replayed by every later generation with that config.
         self.rounds: dict = {}

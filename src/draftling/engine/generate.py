@@ -181,65 +181,114 @@ def _accept_sample(logits, toks, children, temperature, top_k, top_p, generator)
         cur = path[-1]
 
 
-@torch.no_grad()
-def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: torch.Tensor,
-                         max_new_tokens: int, steps: int, topk: int, num_draft_tokens: int,
-                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                         eos_ids=None, generator: torch.Generator | None = None,
-                         timing: bool = False, device_rounds: bool | None = None):
-    """EAGLE speculative decoding. Returns (new tokens [1, m], SpecStats).
-
-    At temperature 0 the tokens equal ``greedy_generate``'s; above it they follow the
-    target's processed distribution exactly (see ``_accept_sample``). ``timing``: fill
+@dataclass(frozen=True)
+class SpecOptions:
+    """The keyword options of ``speculative_generate``. ``temperature`` 0 = greedy; above it
+    tokens follow the target's distribution after ``top_k`` and ``top_p``. ``timing``: fill
     ``SpecStats.timing`` with the mean per-round phase split (see ``RoundTimer``).
     ``device_rounds``: greedy rounds accept and commit on the device and the host queues up
     to RUN_AHEAD_ROUNDS of them per read (``SpecRound.device_round``); None = on when the
     draft runs graphed or compiled (then both paths pad the draft's extend alike and agree
     bit for bit). Sampling and ``timing`` always take the host-side round."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_ids: int | list[int] | None = None
+    generator: torch.Generator | None = None
+    timing: bool = False
+    device_rounds: bool | None = None
+
+    def pick(self, logits: torch.Tensor) -> int:
+        return _pick(logits, self.temperature, self.top_k, self.top_p, self.generator)
+
+
+@dataclass
+class _Output:
+    """What a generation has emitted so far, and whether it is over (eos or the budget)."""
+
+    max_new_tokens: int
+    eos: set[int]
+    stats: SpecStats
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+
+    def emit(self, new: list[int]) -> bool:
+        self.done = _emit(self.tokens, new, self.max_new_tokens, self.eos)
+        return self.done
+
+
+def _check_tree(draft: DraftRunner, steps: int, topk: int, num_draft_tokens: int) -> None:
     if steps < 1 or topk < 1 or not 2 <= num_draft_tokens <= 1 + topk + (steps - 1) * topk * topk:
         raise ConfigError(f"tree steps={steps} topk={topk} num_draft_tokens={num_draft_tokens}: "
                           "need steps, topk >= 1 and 2 <= num_draft_tokens <= 1 + candidates")
     if (steps - 1) * topk > draft.max_spec_nodes:
         raise ConfigError(f"the draft cache has {draft.max_spec_nodes} scratch slots; "
                           f"steps={steps} topk={topk} needs {(steps - 1) * topk}")
+
+
+@torch.no_grad()
+def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: torch.Tensor,
+                         max_new_tokens: int, steps: int, topk: int, num_draft_tokens: int, **options):
+    """EAGLE speculative decoding. Returns (new tokens [1, m], SpecStats). ``options``: the
+    fields of SpecOptions as keywords (``eos_ids=``, ``temperature=``, ``timing=``, ...).
+
+    At temperature 0 the tokens equal ``greedy_generate``'s; above it they follow the
+    target's processed distribution exactly (see ``_accept_sample``)."""
+    o = SpecOptions(**options)
+    _check_tree(draft, steps, topk, num_draft_tokens)
     input_ids = _prepare(target, input_ids, max_new_tokens + max(num_draft_tokens, target.query_pad))
     if draft.max_seq_len < target.max_seq_len:
         raise ConfigError("the draft cache must be at least as long as the target cache")
-    eos, out = _eos_set(eos_ids), []
     stats = SpecStats(accept_counts=[0] * steps)
     if max_new_tokens <= 0:
         return torch.zeros(1, 0, dtype=torch.long), stats
-    dev = input_ids.device
+    out = _Output(max_new_tokens, _eos_set(o.eos_ids), stats)
     logits, aux = _prefill(target, input_ids)
-    root = _pick(logits[0, -1], temperature, top_k, top_p, generator)
+    root = o.pick(logits[0, -1])
     n = input_ids.shape[1]
-    done = _emit(out, [root], max_new_tokens, eos)
-    timer = RoundTimer(dev) if timing else None
-    if not done:
+    timer = RoundTimer(input_ids.device) if o.timing else None
+    if not out.emit([root]):
         rnd = SpecRound.cached(target, draft, steps, topk, num_draft_tokens)
-        next_ids = torch.cat([input_ids[:, 1:], torch.tensor([[root]], device=dev)], dim=1)
+        next_ids = torch.cat([input_ids[:, 1:], torch.tensor([[root]], device=input_ids.device)], dim=1)
         r_hidden, r_logits = draft.extend(next_ids, aux, 0)
         ctrl = rnd.upload([n, root])
-        n_t, root_t = ctrl[0:1], ctrl[1:2]  # the round's varying inputs live on the device
-    if device_rounds is None:
-        device_rounds = draft.graphed
-    if not done and device_rounds and temperature <= 0 and timer is None:
-        state = (n_t, root_t, r_hidden, r_logits)
-        while not done:
-            # Queue only rounds the budget surely needs: none is wasted unless an eos comes.
-            queued = []
-            for _ in range(max(1, min(RUN_AHEAD_ROUNDS, (max_new_tokens - len(out)) // rnd.path_len))):
-                *state, emitted = rnd.fused_round(*state)
-                queued.append(emitted)
-            for row in torch.stack(queued).tolist():
-                k, moved, new = row[0], row[1], row[2:2 + row[0]]
-                stats.add_round(k)
-                done = _emit(out, new, max_new_tokens, eos)
-                if done:
-                    break
-                stats.compactions += moved
-                n += k
-    while not done:
+        state = (ctrl[0:1], ctrl[1:2], r_hidden, r_logits)  # the round's varying inputs live on the device
+        on_device = draft.graphed if o.device_rounds is None else o.device_rounds
+        if on_device and o.temperature <= 0 and timer is None:
+            n = _device_rounds(rnd, state, n, out)
+        else:
+            n = _host_rounds(rnd, state, n, out, o, timer)
+    stats.cache_len = n
+    stats.tokens = len(out.tokens)
+    stats.timing = timer.summary() if timer else None
+    return torch.tensor([out.tokens], dtype=torch.long), stats
+
+
+def _device_rounds(rnd: SpecRound, state, n: int, out: _Output) -> int:
+    """Greedy rounds accepted and committed on the device, several queued per read of what
+    they emitted. Returns the committed length."""
+    while not out.done:
+        # Queue only rounds the budget surely needs: none is wasted unless an eos comes.
+        queued = []
+        for _ in range(max(1, min(RUN_AHEAD_ROUNDS, (out.max_new_tokens - len(out.tokens)) // rnd.path_len))):
+            *state, emitted = rnd.fused_round(*state)
+            queued.append(emitted)
+        for row in torch.stack(queued).tolist():
+            k, moved, new = row[0], row[1], row[2:2 + row[0]]
+            out.stats.add_round(k)
+            if out.emit(new):
+                break
+            out.stats.compactions += moved
+            n += k
+    return n
+
+
+def _host_rounds(rnd: SpecRound, state, n: int, out: _Output, o: SpecOptions, timer: RoundTimer | None) -> int:
+    """Rounds whose tree the host reads back (one sync per round) to accept in Python, greedy
+    or sampled, before the commit. Returns the committed length."""
+    n_t, root_t, r_hidden, r_logits = state
+    while True:
         if timer:
             timer.start()
         packed, aux, logits = rnd.propose(n_t, root_t, r_hidden, r_logits, timer)
@@ -248,23 +297,19 @@ def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: to
         for i in range(1, len(toks)):
             assert 0 <= parents[i] < i, "tree must be connected, parents before children"
             children[parents[i]].append(i)
-        if temperature <= 0:
+        if o.temperature <= 0:
             path, bonus = _accept_greedy(best, toks, children)
         else:
-            path, bonus = _accept_sample(logits[0], toks, children, temperature, top_k, top_p,
-                                         generator)
+            path, bonus = _accept_sample(logits[0], toks, children, o.temperature, o.top_k, o.top_p,
+                                         o.generator)
         new = [toks[i] for i in path[1:]] + [bonus]
-        stats.add_round(len(path))
-        done = _emit(out, new, max_new_tokens, eos)
+        out.stats.add_round(len(path))
+        out.emit(new)
         if timer:
             timer.mark()
-        if done:
-            break
+        if out.done:
+            return n
         # root + accepted drafts: positions n .. n+len(path)-1 to commit; bonus is the next root
         moved, n_t, root_t, r_hidden, r_logits = rnd.commit(n, path, new, aux)
-        stats.compactions += int(moved)
+        out.stats.compactions += int(moved)
         n += len(path)
-    stats.cache_len = n
-    stats.tokens = len(out)
-    stats.timing = timer.summary() if timer else None
-    return torch.tensor([out], dtype=torch.long), stats

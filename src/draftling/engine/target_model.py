@@ -21,6 +21,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from draftling.dynamo import allow_recompiles
+from draftling.engine.options import EngineOptions
 from draftling.errors import ConfigError, TargetError
 from draftling.target.aux import decoder_layers, validate_aux_layer_ids
 
@@ -96,8 +97,8 @@ def matmul_attention(q, k, v, mask, scale, exact: bool = False):
 
 
 def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str):
-    """The rest of a decoder layer: attention (``kind``, see ATTENTION_KINDS) over the whole
-    static cache, o_proj, MLP."""
+    """The rest of a decoder layer: attention (``kind``, see engine.options.ATTENTION_KINDS)
+    over the whole static cache, o_proj, MLP."""
     attn = layer.self_attn
     if kind != "sdpa":
         o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling, exact=kind == "exact")
@@ -123,12 +124,6 @@ def compile_once(fn):
     return _COMPILED[fn]
 
 
-# sdpa: F.scaled_dot_product_attention with a boolean mask; matmul: matmul_attention in the
-# model's dtype; exact: matmul_attention(exact=True), whose logits do not depend on where in
-# the cache a token's context sits (what makes tree output equal plain output in bf16).
-ATTENTION_KINDS = ("sdpa", "matmul", "exact")
-
-
 class CachedTarget(nn.Module):
     """Own-KV-cache forward of an HF Llama/Mistral/Qwen2/Qwen3 causal LM.
 
@@ -138,7 +133,9 @@ class CachedTarget(nn.Module):
 
     ``forward`` is always eager (prefill: its length varies); ``decode`` (and ``fast``, its
     CUDA graphs) runs each layer as two compiled halves around the eager cache write when
-    ``compile`` is set. ``attention``: one of ATTENTION_KINDS.
+    ``compile`` is set. ``attention``: one of engine.options.ATTENTION_KINDS. These and
+    ``cuda_graphs`` come in ``options``, an EngineOptions without "auto" (``from_hf`` also
+    takes its fields as keywords).
     ``query_pad``: pad every pass of 1..query_pad queries to exactly ``query_pad`` rows. Then
     plain decode and every verify pass run the same kernels on the same shapes, so a token's
     logits do not depend on how many drafts were verified beside it: in bf16 a different
@@ -149,12 +146,10 @@ class CachedTarget(nn.Module):
     """
 
     def __init__(self, model, aux_layer_ids, max_seq_len: int, batch_size: int = 1, dtype=None,
-                 compile: bool = False, cuda_graphs: bool = False, query_pad: int = 0,
-                 attention: str = "sdpa"):
+                 options: EngineOptions | None = None):
         super().__init__()
         _check_architecture(model, max_seq_len)
-        if attention not in ATTENTION_KINDS:
-            raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        options = (options or EngineOptions()).check_resolved()
         cfg = model.config
         self.config = cfg
         base = model.get_decoder()
@@ -179,18 +174,22 @@ class CachedTarget(nn.Module):
         shape = (len(self.layers), batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
         self.register_buffer("k_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self.register_buffer("v_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
-        self.compile, self.cuda_graphs = compile, cuda_graphs
-        self.query_pad = int(query_pad)
-        self.attention = attention
-        self.fast = StaticFn(self.decode, cuda_graphs=cuda_graphs)
+        self.options = options
+        self.compile, self.cuda_graphs = options.compile, options.cuda_graphs
+        self.query_pad = options.query_pad
+        self.attention = options.attention
+        graphs = options.cuda_graphs
+        self.fast = StaticFn(self.decode, cuda_graphs=graphs)
         self.register_buffer("cols", torch.arange(self.max_seq_len, device=device), persistent=False)
-        self.fast_greedy = StaticFn(self.greedy_step, cuda_graphs=cuda_graphs)
-        self._gather_fn = StaticFn(self.gather_kv, cuda_graphs=cuda_graphs)
-        self._scatter_fn = StaticFn(self.scatter_kv, cuda_graphs=cuda_graphs)
+        self.fast_greedy = StaticFn(self.greedy_step, cuda_graphs=graphs)
+        self._gather_fn = StaticFn(self.gather_kv, cuda_graphs=graphs)
+        self._scatter_fn = StaticFn(self.scatter_kv, cuda_graphs=graphs)
 
     @classmethod
-    def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, **kwargs) -> "CachedTarget":
-        return cls(model, aux_layer_ids, max_seq_len, dtype=dtype, **kwargs)
+    def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
+                options: EngineOptions | None = None, **engine) -> "CachedTarget":
+        """``engine``: EngineOptions fields as keywords (``compile=True``, ...), over ``options``."""
+        return cls(model, aux_layer_ids, max_seq_len, batch_size, dtype, EngineOptions.of(options, **engine))
 
     def kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_all[i], self.v_all[i]

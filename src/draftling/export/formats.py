@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -298,49 +299,10 @@ def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None =
     cfg = _read_config(path)
     tensors = _read_tensors(path)
     ids = _aux_ids_from_config(cfg, path, target_num_layers)
-
-    fields = {k: v for k, v in cfg.items()
-              if k not in _EAGLE_KEYS + _CONFIG_NOISE + ("transformers_version",)}
-    vocab = int(cfg["vocab_size"])
-    fields["draft_vocab_size"] = int(cfg.get("draft_vocab_size") or vocab)
-    fields["target_hidden_size"] = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
-    fields["eagle_aux_hidden_state_layer_ids"] = ids
-    fields["architectures"] = [SGLANG_ARCHITECTURE]
-    fields["num_hidden_layers"] = 1
-    fields["tie_word_embeddings"] = False
-    if int(cfg.get("num_hidden_layers", 1)) != 1:
-        raise DraftlingError(f"{path / CONFIG_NAME}: num_hidden_layers={cfg['num_hidden_layers']}; "
-                             "draftling loads one-layer EAGLE-3 heads only")
-    try:
-        config = LlamaConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise DraftlingError(f"{path / CONFIG_NAME}: not a usable Llama config ({e})") from None
+    config = _export_config(cfg, path, ids)
     draft = Eagle3Draft(config)
-
-    sd: dict[str, torch.Tensor] = {}
-    embed = None
-    for name, t in tensors.items():
-        if name.startswith("model."):
-            name = name[len("model."):]
-        if name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
-        if name == "embed_tokens.weight":
-            embed = t
-            continue
-        sd[name] = t
-    draft_vocab = int(config.draft_vocab_size)
-    if "d2t" not in sd:
-        if draft_vocab != vocab:
-            raise DraftlingError(f"{path}: no d2t in the weights but draft_vocab_size {draft_vocab} "
-                                 f"< vocab_size {vocab}; the draft ids cannot be mapped")
-        sd["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
-    if "t2d" not in sd:
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        targets = torch.arange(draft_vocab) + sd["d2t"].long()
-        if int(targets.min()) >= 0 and int(targets.max()) < vocab:
-            t2d[targets] = True
-        sd["t2d"] = t2d
-    sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
+    vocab, draft_vocab = int(cfg["vocab_size"]), int(config.draft_vocab_size)
+    sd, embed = _export_state_dict(tensors, vocab, draft_vocab, path)
     expected = set(draft.trainable_state_dict())
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
@@ -366,6 +328,56 @@ def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None =
     return draft
 
 
+def _export_config(cfg: dict[str, Any], path: Path, ids: list[int]) -> LlamaConfig:
+    """The draft's config from an SGLang-layout config.json, the EAGLE-3 keys in draftling's form."""
+    fields = {k: v for k, v in cfg.items()
+              if k not in _EAGLE_KEYS + _CONFIG_NOISE + ("transformers_version",)}
+    vocab = int(cfg["vocab_size"])
+    fields["draft_vocab_size"] = int(cfg.get("draft_vocab_size") or vocab)
+    fields["target_hidden_size"] = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
+    fields["eagle_aux_hidden_state_layer_ids"] = ids
+    fields["architectures"] = [SGLANG_ARCHITECTURE]
+    fields["num_hidden_layers"] = 1
+    fields["tie_word_embeddings"] = False
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        raise DraftlingError(f"{path / CONFIG_NAME}: num_hidden_layers={cfg['num_hidden_layers']}; "
+                             "draftling loads one-layer EAGLE-3 heads only")
+    try:
+        return LlamaConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise DraftlingError(f"{path / CONFIG_NAME}: not a usable Llama config ({e})") from None
+
+
+def _export_state_dict(tensors: dict[str, torch.Tensor], vocab: int, draft_vocab: int,
+                       path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """(the head's state dict under draftling's names, the exported embedding or None). Vocab
+    maps an export leaves out are rebuilt: an identity d2t, and t2d from d2t."""
+    sd: dict[str, torch.Tensor] = {}
+    embed = None
+    for name, t in tensors.items():
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        if name == "embed_tokens.weight":
+            embed = t
+            continue
+        sd[name] = t
+    if "d2t" not in sd:
+        if draft_vocab != vocab:
+            raise DraftlingError(f"{path}: no d2t in the weights but draft_vocab_size {draft_vocab} "
+                                 f"< vocab_size {vocab}; the draft ids cannot be mapped")
+        sd["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    if "t2d" not in sd:
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        targets = torch.arange(draft_vocab) + sd["d2t"].long()
+        if int(targets.min()) >= 0 and int(targets.max()) < vocab:
+            t2d[targets] = True
+        sd["t2d"] = t2d
+    sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
+    return sd, embed
+
+
 def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft:
     """A draftling draft dir, a checkpoint dir, or an SGLang export dir (what `bench` accepts).
 
@@ -381,19 +393,28 @@ def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft:
 
 # ----------------------------------------------------------------------------- speculators
 
+@dataclass(frozen=True)
+class ExportWeights:
+    """What model.safetensors holds beside the head's own tensors, and in which dtype."""
+
+    include_embedding: bool = False
+    embedding: torch.Tensor | None = None  # the target's, needed with include_embedding
+    dtype: torch.dtype | str = torch.bfloat16  # floating tensors cast to it ("keep" keeps them)
+
+
 def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
                        verifier_name_or_path: str, verifier_architectures: list[str],
-                       speculative_tokens: int = 3,
-                       include_embedding: bool = False, embedding: torch.Tensor | None = None,
-                       dtype: torch.dtype | str = torch.bfloat16,
-                       target_config=None) -> Path:
+                       speculative_tokens: int = 3, target_config=None, **weights) -> Path:
     """Write ``draft`` in the vLLM "speculators" layout (``Eagle3Speculator``).
 
     Tensor names follow speculators' Eagle3 model and its EAGLE-3 converter
     (``midlayer.`` -> ``layers.0.``; ``fc.``, ``norm.``, ``lm_head.``, ``d2t``, ``t2d``,
     ``embed_tokens.`` kept). Aux-layer ids are always written, in vLLM numbering.
     ``norm_before_residual`` is written explicitly (False; see NORM_BEFORE_RESIDUAL).
+    ``weights``: ExportWeights' fields by name (include_embedding, embedding, dtype), as
+    export_sglang takes them.
     """
+    w = ExportWeights(**weights)
     if not verifier_name_or_path:
         raise DraftlingError("export_speculators needs verifier_name_or_path (the target model)")
     if (not isinstance(verifier_architectures, (list, tuple)) or not verifier_architectures
@@ -402,13 +423,13 @@ def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
                              f"got {verifier_architectures!r}")
     if int(speculative_tokens) < 1:
         raise DraftlingError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
-    _check_draft(draft, target_config, include_embedding, embedding)
+    _check_draft(draft, target_config, w.include_embedding, w.embedding)
     ids = [int(i) for i in draft.config.eagle_aux_hidden_state_layer_ids]
-    dt = _resolve_dtype(dtype)
+    dt = _resolve_dtype(w.dtype)
     full_vocab = int(draft.config.draft_vocab_size) == int(draft.config.vocab_size)
     # speculators registers d2t/t2d only when draft_vocab_size != the verifier's vocab.
-    tensors = _tensors(draft, dt, layer_prefix="layers.0.", include_embedding=include_embedding,
-                       embedding=embedding, include_vocab_maps=not full_vocab)
+    tensors = _tensors(draft, dt, layer_prefix="layers.0.", include_embedding=w.include_embedding,
+                       embedding=w.embedding, include_vocab_maps=not full_vocab)
 
     layer_cfg = _llama_layer_fields(draft, target_config)
     cfg: dict[str, Any] = {

@@ -33,10 +33,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step: int, epoch: int,
-                    batch_index: int, keep: int, extra: dict | None = None) -> Path:
+def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step: int,
+                    position: tuple[int, int], keep: int, extra: dict | None = None) -> Path:
     """``draft``: a plain draft with full weights; ``optimizer_state``: the full optimizer
-    state in the single-process layout (see distributed.full_optimizer_state)."""
+    state in the single-process layout (see distributed.full_optimizer_state); ``position``:
+    the data position (epoch, batch index) of the next batch, as EpochBatches.position gives it."""
+    epoch, batch_index = position
     final = Path(run_dir) / "checkpoints" / f"step_{step:07d}"
     with atomic_dir(final) as tmp:
         save_draft(draft, tmp)

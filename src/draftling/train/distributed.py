@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from draftling.train.ttt import UnrollOptions
 
 PARALLEL_MODES = ("ddp", "fsdp")
 # Never NVLink multicast (NVLS): it is off in every launch draftling makes.
@@ -107,12 +111,12 @@ class TTTObjective(torch.nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, embed, teacher, input_ids, loss_mask, attention_mask, steps: int,
-                decay: float, options: dict, loss_denominators=None):
-        from draftling.train.ttt import ttt_unroll
+    def forward(self, embed, teacher, input_ids, loss_mask, attention_mask, options: UnrollOptions,
+                loss_denominators=None):
+        from draftling.train.ttt import ttt_unroll  # looked up per call: a script may wrap it
 
-        return ttt_unroll(self.draft, embed, teacher, input_ids, loss_mask, attention_mask, steps,
-                          decay, loss_denominators=loss_denominators, **options)
+        return ttt_unroll(self.draft, embed, teacher, input_ids, loss_mask, attention_mask, options,
+                          loss_denominators=loss_denominators)
 
 
 def wrap(draft: torch.nn.Module, ctx: DistContext, mode: str, param_dtype: torch.dtype,

@@ -26,12 +26,15 @@ known up front from the token counts), so host memory stays at one batch, not on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -147,105 +150,108 @@ def check_cache_dir(out_dir: Path) -> None:
                         "an empty or new directory (nothing was changed)")
 
 
+@dataclass(frozen=True)
+class ExtractOptions:
+    """How ``extract`` runs: rows per shard and per teacher batch; ``dtype``, the storage dtype
+    of draft_logits (None keeps the target's compute dtype, which is lossless);
+    ``compile_teacher``, ``teacher_forward``'s ``compile`` (the CLI follows
+    ``train.compile_teacher``: on for CUDA)."""
+
+    shard_size: int = 256
+    batch_size: int = 8
+    dtype: str | torch.dtype | None = None
+    compile_teacher: bool | str = False
+
+    def __post_init__(self):
+        if self.shard_size < 1 or self.batch_size < 1:
+            raise DataError(f"shard_size and batch_size must be >= 1 (got {self.shard_size}, {self.batch_size})")
+
+
+@dataclass(frozen=True)
+class _ShardLayout:
+    """The per-token tensors' widths and dtypes, the same in every shard of a cache."""
+
+    hidden: int
+    aux_dtype: torch.dtype
+    draft_vocab: int
+    logits_dtype: torch.dtype
+
+    def specs(self, n_seq: int, n_tok: int) -> list[tuple[str, torch.dtype, list[int]]]:
+        return [("offsets", torch.int64, [n_seq + 1]), ("example_index", torch.int64, [n_seq]),
+                ("target_argmax", torch.int64, [n_tok]), ("aux", self.aux_dtype, [n_tok, 3 * self.hidden]),
+                ("draft_logits", self.logits_dtype, [n_tok, self.draft_vocab]), ("in_draft", torch.bool, [n_tok])]
+
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.hidden, self.aux_dtype, self.draft_vocab, self.logits_dtype)
+
+
+@dataclass(frozen=True)
+class _Extraction:
+    """One extract run: what every shard is written with, and where."""
+
+    target: object
+    layout: _ShardLayout
+    options: ExtractOptions
+    out_dir: Path
+    manifest: dict
+    t2d: torch.Tensor
+    echo: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """Shard k of a split: its rows' indices, token counts and offsets."""
+
+    ids: list[int]
+    lens: list[int]
+    offsets: list[int]
+
+    @classmethod
+    def of(cls, rows: list, k: int, shard_size: int) -> "_Shard":
+        ids = list(range(k * shard_size, min((k + 1) * shard_size, len(rows))))
+        lens = [len(rows[i].input_ids) for i in ids]
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        return cls(ids, lens, offsets)
+
+
 def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str | Path | None = None,
-            shard_size: int = 256, batch_size: int = 8, dtype: str | torch.dtype | None = None,
-            echo=None, compile_teacher=False) -> dict:
+            options: ExtractOptions | None = None, *, echo=None, **option_fields) -> dict:
     """Run the teacher over <data_dir>/train.jsonl (and val.jsonl) and write the shards.
 
-    ``dtype`` is the storage dtype of draft_logits; None keeps the target's compute dtype,
-    which is lossless. ``compile_teacher``: ``teacher_forward``'s ``compile`` (the CLI follows
-    ``train.compile_teacher``: on for CUDA). Returns {"manifest", "written": {split: [shard ids]},
-    "skipped": {split: [shard ids]}, "estimate_bytes", "bytes"}.
+    ``option_fields``: ExtractOptions' fields by name (shard_size=..., dtype=...), over
+    ``options``. Returns {"manifest", "written": {split: [shard ids]}, "skipped": {split:
+    [shard ids]}, "estimate_bytes", "bytes"}.
     """
+    options = dataclasses.replace(options or ExtractOptions(), **option_fields)
     echo = echo or (lambda msg: print(msg, flush=True))
-    if shard_size < 1 or batch_size < 1:
-        raise DataError(f"shard_size and batch_size must be >= 1 (got {shard_size}, {batch_size})")
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     check_cache_dir(out_dir)
     vocab_path = Path(vocab_path) if vocab_path else data_dir / "vocab.safetensors"
-    files = {s: data_dir / f"{s}.jsonl" for s in SPLITS}
-    check_one_run(*files.values())
-    examples = {"train": load_tokenized(files["train"])}
-    if files["val"].is_file():
-        examples["val"] = load_tokenized(files["val"])
+    files, examples = _read_splits(data_dir)
     hashes = {s: hash_dataset_file(files[s]) for s in examples}
     vocab = load_vocab(vocab_path, expect_data_hash=hashes["train"],
                        target_vocab_size=target.config.vocab_size)
-    head = target.output_head()
-    aux_dtype = head.weight.dtype
-    logits_dtype = parse_dtype(dtype) or aux_dtype
-    hidden = target.input_embeddings().weight.shape[1]
-    device = target.device
-    pad_id = target.tokenizer.pad_token_id
-
-    splits = {}
-    for s, rows in examples.items():
-        n = len(rows)
-        splits[s] = {"file": files[s].name, "data_hash": hashes[s], "num_examples": n,
-                     "num_tokens": sum(len(e.input_ids) for e in rows),
-                     "num_shards": math.ceil(n / shard_size), "complete": []}
-    manifest = {"format": FORMAT, "target": target.spec.name, "aux_layer_ids": list(target.aux_layer_ids),
-                "hidden_size": int(hidden), "target_vocab_size": int(target.config.vocab_size),
-                "draft_vocab_size": vocab.size, "vocab_data_hash": vocab.data_hash,
-                "aux_dtype": _dtype_name(aux_dtype), "logits_dtype": _dtype_name(logits_dtype),
-                "shard_size": shard_size, "splits": splits}
-    manifest_path = out_dir / MANIFEST
-    if manifest_path.is_file():
-        old = json.loads(manifest_path.read_text())
-        for key in ("format", "target", "aux_layer_ids", "hidden_size", "target_vocab_size",
-                    "draft_vocab_size", "vocab_data_hash", "aux_dtype", "logits_dtype", "shard_size"):
-            if old.get(key) != manifest[key]:
-                raise DataError(f"{manifest_path}: this cache was extracted with {key}={old.get(key)!r}, "
-                                f"now {manifest[key]!r}; delete {out_dir} or choose another --out")
-        for s, info in splits.items():
-            prev = old.get("splits", {}).get(s)
-            if prev is not None and prev.get("data_hash") != info["data_hash"]:
-                raise DataError(f"{manifest_path}: {info['file']} changed since this cache was "
-                                f"extracted; delete {out_dir} or choose another --out")
-            if prev is not None:
-                info["complete"] = sorted(int(i) for i in prev.get("complete", []))
-
-    per_token = bytes_per_token(hidden, aux_dtype, vocab.size, logits_dtype)
-    tokens = sum(info["num_tokens"] for info in splits.values())
-    n_seq = sum(info["num_examples"] for info in splits.values())
-    estimate = tokens * per_token + 16 * n_seq
-    logits_kb = vocab.size * _itemsize(logits_dtype) / 1024
-    echo(f"extract: estimated disk {estimate / 2**30:.2f} GiB ({estimate} bytes) = {tokens} tokens x "
-         f"{per_token} bytes/token [aux 3x{hidden} {_dtype_name(aux_dtype)}, draft_logits {vocab.size} "
-         f"{_dtype_name(logits_dtype)} = {logits_kb:.1f} KB/token]; draft_logits dominate at a large "
-         f"draft vocab (32000 x bf16 = 64 KB/token); top-k logit storage is not implemented yet")
+    aux_dtype = target.output_head().weight.dtype
+    layout = _ShardLayout(target.input_embeddings().weight.shape[1], aux_dtype, vocab.size,
+                          parse_dtype(options.dtype) or aux_dtype)
+    splits = {s: {"file": files[s].name, "data_hash": hashes[s], "num_examples": len(rows),
+                  "num_tokens": sum(len(e.input_ids) for e in rows),
+                  "num_shards": math.ceil(len(rows) / options.shard_size), "complete": []}
+              for s, rows in examples.items()}
+    manifest = _manifest(target, vocab, layout, options.shard_size, splits)
+    if (out_dir / MANIFEST).is_file():
+        _resume(out_dir, manifest)
+    estimate = _echo_estimate(echo, splits, layout)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(manifest_path, manifest)
-    t2d = vocab.t2d.to(device)
+    write_json(out_dir / MANIFEST, manifest)
+    run = _Extraction(target, layout, options, out_dir, manifest, vocab.t2d.to(target.device), echo)
     written = {s: [] for s in splits}
     skipped = {s: [] for s in splits}
     for s, rows in examples.items():
-        info = splits[s]
-        split_dir = out_dir / s
-        split_dir.mkdir(parents=True, exist_ok=True)
-        for tmp in split_dir.glob(".shard_*.tmp"):  # left by a killed run; never a shard
-            tmp.unlink()
-        for k in range(info["num_shards"]):
-            ids = list(range(k * shard_size, min((k + 1) * shard_size, len(rows))))
-            lens = [len(rows[i].input_ids) for i in ids]
-            offsets = [0]
-            for n in lens:
-                offsets.append(offsets[-1] + n)
-            meta = _shard_metadata(s, k, len(ids), offsets[-1], info["data_hash"], vocab.data_hash)
-            path = split_dir / shard_name(k)
-            if _shard_ok(path, meta):
-                skipped[s].append(k)
-            else:
-                t0 = time.perf_counter()
-                _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, device,
-                             batch_size, hidden, aux_dtype, vocab.size, logits_dtype, compile_teacher)
-                written[s].append(k)
-                echo(f"extract {s} shard {k + 1}/{info['num_shards']}: {len(ids)} sequences, "
-                     f"{offsets[-1]} tokens, {time.perf_counter() - t0:.1f}s")
-            if k not in info["complete"]:
-                info["complete"] = sorted(info["complete"] + [k])
-                write_json(manifest_path, manifest)
+        _extract_split(run, s, rows, written[s], skipped[s])
     actual = sum(p.stat().st_size for s in splits for p in (out_dir / s).glob("shard_*.safetensors"))
     echo(f"extract: done, {actual / 2**30:.2f} GiB in {out_dir} "
          f"({sum(map(len, written.values()))} shards written, {sum(map(len, skipped.values()))} "
@@ -254,14 +260,93 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
             "bytes": actual}
 
 
-def _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, device, batch_size,
-                 hidden, aux_dtype, draft_vocab, logits_dtype, compile_teacher=False) -> None:
-    n_tok = offsets[-1]
-    specs = [("offsets", torch.int64, [len(ids) + 1]), ("example_index", torch.int64, [len(ids)]),
-             ("target_argmax", torch.int64, [n_tok]), ("aux", aux_dtype, [n_tok, 3 * hidden]),
-             ("draft_logits", logits_dtype, [n_tok, draft_vocab]), ("in_draft", torch.bool, [n_tok])]
+def _read_splits(data_dir: Path) -> tuple[dict[str, Path], dict[str, list]]:
+    """Each split's file (val's may not exist) and the rows of those that do."""
+    files = {s: data_dir / f"{s}.jsonl" for s in SPLITS}
+    check_one_run(*files.values())
+    examples = {"train": load_tokenized(files["train"])}
+    if files["val"].is_file():
+        examples["val"] = load_tokenized(files["val"])
+    return files, examples
+
+
+# A cache is resumed only if these match; the splits' data hashes are checked one by one.
+_MANIFEST_KEYS = ("format", "target", "aux_layer_ids", "hidden_size", "target_vocab_size", "draft_vocab_size",
+                  "vocab_data_hash", "aux_dtype", "logits_dtype", "shard_size")
+
+
+def _manifest(target, vocab, layout: _ShardLayout, shard_size: int, splits: dict) -> dict:
+    return {"format": FORMAT, "target": target.spec.name, "aux_layer_ids": list(target.aux_layer_ids),
+            "hidden_size": int(layout.hidden), "target_vocab_size": int(target.config.vocab_size),
+            "draft_vocab_size": vocab.size, "vocab_data_hash": vocab.data_hash,
+            "aux_dtype": _dtype_name(layout.aux_dtype), "logits_dtype": _dtype_name(layout.logits_dtype),
+            "shard_size": shard_size, "splits": splits}
+
+
+def _resume(out_dir: Path, manifest: dict) -> None:
+    """Refuse an earlier extract's cache made with other settings or data; take over the list
+    of shards it completed."""
+    manifest_path = out_dir / MANIFEST
+    old = json.loads(manifest_path.read_text())
+    for key in _MANIFEST_KEYS:
+        if old.get(key) != manifest[key]:
+            raise DataError(f"{manifest_path}: this cache was extracted with {key}={old.get(key)!r}, "
+                            f"now {manifest[key]!r}; delete {out_dir} or choose another --out")
+    for s, info in manifest["splits"].items():
+        prev = old.get("splits", {}).get(s)
+        if prev is not None and prev.get("data_hash") != info["data_hash"]:
+            raise DataError(f"{manifest_path}: {info['file']} changed since this cache was "
+                            f"extracted; delete {out_dir} or choose another --out")
+        if prev is not None:
+            info["complete"] = sorted(int(i) for i in prev.get("complete", []))
+
+
+def _echo_estimate(echo, splits: dict, layout: _ShardLayout) -> int:
+    """The disk the shards will take, in bytes, said before the hours of extraction."""
+    per_token = layout.bytes_per_token()
+    tokens = sum(info["num_tokens"] for info in splits.values())
+    n_seq = sum(info["num_examples"] for info in splits.values())
+    estimate = tokens * per_token + 16 * n_seq
+    aux, logits = _dtype_name(layout.aux_dtype), _dtype_name(layout.logits_dtype)
+    logits_kb = layout.draft_vocab * _itemsize(layout.logits_dtype) / 1024
+    echo(f"extract: estimated disk {estimate / 2**30:.2f} GiB ({estimate} bytes) = {tokens} tokens x "
+         f"{per_token} bytes/token [aux 3x{layout.hidden} {aux}, draft_logits {layout.draft_vocab} "
+         f"{logits} = {logits_kb:.1f} KB/token]; draft_logits dominate at a large "
+         f"draft vocab (32000 x bf16 = 64 KB/token); top-k logit storage is not implemented yet")
+    return estimate
+
+
+def _extract_split(run: _Extraction, split: str, rows: list, written: list, skipped: list) -> None:
+    """Write the split's missing shards (appending their ids to ``written``, the others' to
+    ``skipped``), marking each complete in the manifest as it is done."""
+    info = run.manifest["splits"][split]
+    split_dir = run.out_dir / split
+    split_dir.mkdir(parents=True, exist_ok=True)
+    for tmp in split_dir.glob(".shard_*.tmp"):  # left by a killed run; never a shard
+        tmp.unlink()
+    for k in range(info["num_shards"]):
+        shard = _Shard.of(rows, k, run.options.shard_size)
+        meta = _shard_metadata(split, k, len(shard.ids), shard.offsets[-1], info["data_hash"],
+                               run.manifest["vocab_data_hash"])
+        path = split_dir / shard_name(k)
+        if _shard_ok(path, meta):
+            skipped.append(k)
+        else:
+            t0 = time.perf_counter()
+            _write_shard(path, meta, rows, shard, run)
+            written.append(k)
+            run.echo(f"extract {split} shard {k + 1}/{info['num_shards']}: {len(shard.ids)} sequences, "
+                     f"{shard.offsets[-1]} tokens, {time.perf_counter() - t0:.1f}s")
+        if k not in info["complete"]:
+            info["complete"] = sorted(info["complete"] + [k])
+            write_json(run.out_dir / MANIFEST, run.manifest)
+
+
+def _write_shard(path: Path, meta: dict[str, str], rows: list, shard: _Shard, run: _Extraction) -> None:
+    lens, offsets, ids = shard.lens, shard.offsets, shard.ids
+    target, batch_size = run.target, run.options.batch_size
     with atomic_path(path) as tmp:
-        w = _ShardWriter(tmp, specs, meta)
+        w = _ShardWriter(tmp, run.layout.specs(len(ids), offsets[-1]), meta)
         try:
             w.write("offsets", 0, torch.tensor(offsets, dtype=torch.int64))
             w.write("example_index", 0, torch.tensor(ids, dtype=torch.int64))
@@ -270,9 +355,10 @@ def _write_shard(path, target, rows, ids, lens, offsets, meta, t2d, pad_id, devi
                 js = [j for j in order[b:b + batch_size] if lens[j] > 0]
                 if not js:
                     continue
-                batch = collate([rows[ids[j]] for j in js], pad_id)
-                tb = teacher_forward(target, batch["input_ids"].to(device),
-                                     batch["attention_mask"].to(device), t2d, compile=compile_teacher)
+                batch = collate([rows[ids[j]] for j in js], target.tokenizer.pad_token_id)
+                tb = teacher_forward(target, batch["input_ids"].to(target.device),
+                                     batch["attention_mask"].to(target.device), run.t2d,
+                                     compile=run.options.compile_teacher)
                 for r, j in enumerate(js):
                     a, n = offsets[j], lens[j]
                     w.write("aux", a, tb.aux[r, :n])

@@ -1,11 +1,13 @@
 """Peak device memory of one draft training step, estimated from shapes and options alone.
 
-``estimate_train_memory`` is a pure function of the draft's shape (it is the target's width:
-hidden, intermediate, heads, kv heads, head_dim, vocab), the draft vocab, batch, sequence
-length, TTT steps and the memory options. It counts what ``ttt_unroll`` actually keeps for
-backward under each option (see the per-term comments), walks the phases of a step (draft
-placement, teacher forward, the loss backward of the last TTT step, the layer backward, the
-optimizer step) and reports the components at the peak phase, in bytes.
+``estimate_step_memory`` is a pure function of a ``TrainStep`` (the draft's shape, which is
+the target's width: hidden, intermediate, heads, kv heads, head_dim, vocab; the draft vocab,
+batch, sequence length, TTT steps, the teacher's share) and the memory options;
+``estimate_train_memory`` takes the same as loose arguments. It counts what ``ttt_unroll``
+actually keeps for backward under each option (see the per-term comments), walks the phases
+of a step (draft placement, teacher forward, the loss backward of the last TTT step, the layer
+backward, the optimizer step) and reports the components at the peak phase, in bytes. Each
+component has its own function giving its bytes in every phase; the estimate adds them up.
 
 ``draftling plan`` (``add_plan_parser`` / ``cmd_plan``) reads only the target's config, adds
 the teacher's weights (param count from the config x bytes per param) and prints whether a
@@ -140,17 +142,35 @@ class MemoryOptions:
                    draft_dtype=name(draft_dtype), embed_dtype=name(embed_dtype))
 
 
-def estimate_train_memory(shape: DraftShape, batch: int, seq: int, ttt_steps: int,
-                          options: MemoryOptions = MemoryOptions(), *, valid_fraction: float = 1.0,
-                          teacher_weight_bytes: int = 0, teacher_forward_bytes: int = 0,
-                          embedding_in_teacher: bool = False) -> dict:
-    """Peak device bytes of one training step, with the components at the peak phase.
+@dataclass(frozen=True)
+class TrainStep:
+    """One training step as the estimate sees it: the draft's shape, the batch and the
+    teacher's share of the device."""
 
-    ``valid_fraction``: the share of positions with a loss (the chunked head only sees those);
-    ``teacher_weight_bytes``: the resident teacher (0 when it is stubbed or absent);
-    ``teacher_forward_bytes``: the teacher forward's working memory (0 = no teacher forward
-    phase, e.g. offline); ``embedding_in_teacher``: the token embedding is the resident
-    teacher's own table, so it costs nothing extra on the device.
+    shape: DraftShape
+    batch: int
+    seq: int
+    ttt_steps: int
+    valid_fraction: float = 1.0  # the share of positions with a loss (the chunked head sees only those)
+    teacher_weight_bytes: int = 0  # the resident teacher (0 when it is stubbed or absent)
+    teacher_forward_bytes: int = 0  # its forward's working memory (0: no teacher forward phase, e.g. offline)
+    embedding_in_teacher: bool = False  # the token embedding is the teacher's own table: nothing extra
+
+
+# The phases of a step, in order; _phases drops those the options do not have.
+PHASES = ("build", "fsdp_unshard", "teacher_forward", "loss_backward", "layer_backward",
+          "layer_backward_2", "fsdp_reduce", "optimizer_step")
+
+
+def estimate_train_memory(shape: DraftShape, batch: int, seq: int, ttt_steps: int,
+                          options: MemoryOptions = MemoryOptions(), **step) -> dict:
+    """``estimate_step_memory`` of ``TrainStep(shape, batch, seq, ttt_steps, **step)``: ``step``
+    takes TrainStep's optional fields by name (valid_fraction, teacher_weight_bytes, ...)."""
+    return estimate_step_memory(TrainStep(shape, batch, seq, ttt_steps, **step), options)
+
+
+def estimate_step_memory(step: TrainStep, options: MemoryOptions = MemoryOptions()) -> dict:
+    """Peak device bytes of one training step, with the components at the peak phase.
 
     Returns a dict of ints (bytes): draft_params, draft_grads, optimizer_state, embedding,
     teacher_weights, teacher_outputs, activations, transient, total: what is resident at the
@@ -162,152 +182,211 @@ def estimate_train_memory(shape: DraftShape, batch: int, seq: int, ttt_steps: in
     o = options
     if o.attention not in ("flex", "sdpa"):
         raise ValueError(f"attention {o.attention!r}: expected flex or sdpa")
-    a, e = _dtype_bytes(o.draft_dtype), _dtype_bytes(o.embed_dtype)
-    s, S, T = shape, ttt_steps, seq
-    H, I, Ht, Vd = s.hidden, s.intermediate, s.ht, s.draft_vocab
-    nh, q, kv = s.heads, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    tok = batch * seq
-    n_valid = int(tok * valid_fraction)
-    counts = s.param_counts()
-    P = sum(counts.values())
-    P_head = counts["lm_head"] + counts["norm"]
+    z = _Sizes(step, o)
+    saved = _activations(z)
+    opt_state, opt_step = _optimizer(z)
+    embedding = 0 if (o.embedding_on_host or step.embedding_in_teacher) else z.s.vocab * z.H * z.e
+    # Each component's bytes by phase (absent: 0), in the result's order.
+    columns = {"draft_params": _draft_params(z), "draft_grads": _draft_grads(z),
+               "optimizer_state": {p: opt_state for p in PHASES if p != "build"},
+               "embedding": dict.fromkeys(PHASES, embedding),
+               "teacher_weights": dict.fromkeys(PHASES, step.teacher_weight_bytes),
+               "teacher_outputs": _teacher_outputs(z), "activations": _activations_by_phase(z, saved),
+               "transient": _transients(z, opt_step)}
+    phases = {}
+    for name in _phases(z):
+        parts = {k: int(column.get(name, 0)) for k, column in columns.items()}
+        phases[name] = {**parts, "total": sum(parts.values())}
+    peak_phase = max(phases, key=lambda k: phases[k]["total"])
+    return {**phases[peak_phase], "peak_phase": peak_phase,
+            "activations_saved": int(saved.total),  # all steps' saved state at the end of forward
+            "phases": {k: v["total"] for k, v in phases.items()}, "num_params": z.P,
+            "host": {"optimizer": 16 * z.P if o.optimizer_offload else 0,
+                     "embedding": z.s.vocab * z.H * z.e if o.embedding_on_host else 0}}
 
-    def attention_saved(j: int) -> float:
-        """Bytes per token the attention of step j saves for backward (beyond q, k, v)."""
-        if o.attention == "flex":
-            out = a * q + 4 * nh  # output and logsumexp
-            return out + (2 * (j + 1) * a * kv if j > 0 else 0)  # keys/values of steps 0..j, concatenated
-        rep = s.heads > s.kv_heads  # GQA: keys/values repeated to the query heads
-        if j == 0:  # F.scaled_dot_product_attention, causal: repeated k/v, output, logsumexp
-            return (2 * a * q if rep else 0) + a * q + 4 * nh
-        out = 2 * a * q if rep else 0  # repeated step-0 keys/values
-        out += (j * a * q if rep else 0) + j * a * q  # repeated diagonal keys, stacked diagonal values
-        out += (4 + (a if a != 4 else 0)) * nh * (T + j)  # softmax probabilities in fp32, cast back
-        return out + T / batch  # the [T, T] bool causal mask, per token
 
-    def layer_saved(j: int) -> float:
-        """Bytes per token one decoder-layer call keeps for backward (no checkpointing)."""
-        if o.compile_layer:
-            # Compiled halves keep what the matmul backwards need and recompute the cheap rest:
-            # the 2H-wide q/k/v input and the two norms' fp32 rstd; q, k, v, cos and sin; the
-            # attention's own state; o_proj's input; the residual and the MLP input; gate and up.
-            b = 2 * a * H + 8 + a * (q + 2 * kv) + 2 * a * s.head_dim + attention_saved(j)
-            return b + a * q + 2 * a * H + 4 + 2 * a * I
-        b = a * H  # input_layernorm(embeds): the normalized embeds (the embeds need no grad)
-        b += 4 * H + a * H  # hidden_norm: fp32 copy of the hidden state, normalized output
-        b += 2 * a * H  # cat(...) of width 2H, saved once by q/k/v_proj
-        b += a * (q + 2 * kv) + 2 * a * s.head_dim  # q, k after RoPE, v; cos and sin
-        b += attention_saved(j)
-        b += a * q  # o_proj input (the attention output made contiguous)
-        b += 4 * H + 2 * a * H  # post_attention_layernorm: fp32 copy, normalized, weighted
-        return b + 4 * a * I  # MLP: gate, silu(gate), up, silu(gate) * up
+class _Sizes:
+    """A step's sizes in the terms' notation: a, e bytes per element of the draft and the
+    embedding dtype; widths H, I, Ht (aux), Vd (draft vocab), q and kv (projections); nh heads;
+    S TTT steps, T sequence length, tok tokens, n_valid of them with a loss; P params."""
 
-    # --- what the forward leaves alive for backward, summed over the TTT steps -----------
-    saved_step = []
-    for j in range(S):
-        if o.grad_checkpoint:  # the checkpoint's inputs only; positions + j is int64
-            per_tok = e * H + a * H + 8 + (2 * a * kv if j < S - 1 else 0)
-        else:
-            per_tok = layer_saved(j)
-        saved_step.append(per_tok * tok)
-    if o.loss_chunk_tokens > 0:  # gathered valid rows, their indices
-        loss_saved = n_valid * (a * H + 24)
-    else:  # head norm (fp32 copy, y, output), log-softmax and teacher softmax in fp32
-        loss_saved = tok * (4 * H + 2 * a * H + 8 * Vd + 1)
-    fuse_saved = tok * 3 * Ht * a if a != e else 0  # fc's input cast to the draft dtype
-    embed_rows = min(tok + 1, s.vocab) * (H * e + 8) if o.embedding_on_host else 0
-    activations = sum(saved_step) + S * loss_saved + fuse_saved + embed_rows
+    def __init__(self, step: TrainStep, options: MemoryOptions):
+        s = self.s = step.shape
+        self.step, self.o = step, options
+        self.a, self.e = _dtype_bytes(options.draft_dtype), _dtype_bytes(options.embed_dtype)
+        self.S, self.T, self.batch = step.ttt_steps, step.seq, step.batch
+        self.H, self.I, self.Ht, self.Vd = s.hidden, s.intermediate, s.ht, s.draft_vocab
+        self.nh, self.q, self.kv = s.heads, s.heads * s.head_dim, s.kv_heads * s.head_dim
+        self.tok = step.batch * step.seq
+        self.n_valid = int(self.tok * step.valid_fraction)
+        self.counts = s.param_counts()
+        self.P = sum(self.counts.values())
 
-    teacher_outputs = tok * (3 * Ht * e + e * Vd + 8 + 1) + tok * 8  # aux, draft logits, argmaxes, mask
 
-    # --- working memory of each phase ---------------------------------------------------
-    grad_of_hidden = a * H * (tok + n_valid)  # index backward's [B, T, H] and the rows' grads
-    if o.loss_chunk_tokens > 0:
-        c = min(o.loss_chunk_tokens, max(n_valid, 1))
-        per_vocab = 2 * a + COMPILED_CHUNK_EXTRA_BYTES if o.compile else EAGER_CHUNK_BYTES
-        loss_transient = c * (4 * H + 2 * a * H + per_vocab * Vd) + a * H * Vd + grad_of_hidden
-    else:  # grads of log-softmax in fp32, of the logits in fp32 and in the draft dtype
-        loss_transient = tok * (8 + a) * Vd + a * H * Vd + grad_of_hidden
-    # Backward of one decoder-layer call, on top of what it saved: the MLP part first (the
-    # grads of the output and of two [I]-wide tensors, and the weight grad being formed),
-    # then the attention part, by which time the MLP's saved tensors are gone.
-    if o.attention == "flex":
-        attn_grads = a * (q + 2 * S * kv) + 4 * nh  # dq, dk/dv of all concatenated steps, delta
-    else:  # grads of the probabilities (draft dtype, fp32) and of the scores, dq/dk/dv repeated
-        attn_grads = (8 + a) * nh * (T + S) + a * (q + 2 * S * q)
-    freed_by_attention = 4 * a * I + 4 * H + 2 * a * H
-    weight_grad = a * max(H * I, 2 * H * q)
-    grad_flow = max(tok * (2 * a * H + 2 * a * I) + weight_grad,
-                    tok * (2 * a * H + attn_grads - freed_by_attention))
+def _phases(z: _Sizes) -> list[str]:
+    present = {"fsdp_unshard": z.o.fsdp, "fsdp_reduce": z.o.fsdp,
+               "teacher_forward": bool(z.step.teacher_forward_bytes), "layer_backward_2": z.S > 1}
+    return [p for p in PHASES if present.get(p, True)]
 
-    def layer_transient(j: int) -> float:
-        return grad_flow + (layer_saved(j) * tok if o.grad_checkpoint else 0)
 
-    params = a * P
+# --- the components, by phase ----------------------------------------------------------------
+
+def _draft_params(z: _Sizes) -> dict[str, int]:
+    """Placed in fp32 (then cast, or sharded with FSDP), then in the draft dtype; FSDP frees
+    the gathered params before the reduce, and with offload steps the host's shards."""
+    out = dict.fromkeys(PHASES, z.a * z.P)
+    out["build"] = 4 * z.P
+    out["fsdp_reduce"] = 0
+    if z.o.fsdp and z.o.optimizer_offload:
+        out["optimizer_step"] = 0
+    return out
+
+
+def _draft_grads(z: _Sizes) -> dict[str, int]:
+    a, P, counts = z.a, z.P, z.counts
+    head = counts["lm_head"] + counts["norm"]
+    return {"loss_backward": a * head,
+            # The last step's layer: of its grads the MLP's exist once its backward is under way.
+            "layer_backward": a * (head + counts["mlp"]),
+            "layer_backward_2": a * (P - counts["fc"]),  # the next one down: every layer grad exists
+            "fsdp_reduce": a * P, "optimizer_step": 0 if z.o.fsdp else a * P}
+
+
+def _optimizer(z: _Sizes) -> tuple[int, int]:
+    """(state kept on the device, working memory of the optimizer step)."""
+    o, a, P = z.o, z.a, z.P
     if o.fsdp:
         # distributed.wrap's layout: fp32 shards (on the host with offload, else on the device
         # with fp32 moments and sharded grads); the device holds the gathered params in the
         # compute dtype through forward and backward.
-        opt_state = 0 if o.optimizer_offload else (4 + 8 + 4) * P
-        optimizer_transient = 0 if o.optimizer_offload else 4 * P
-    else:
-        opt_state = 0 if o.optimizer_offload else 2 * a * P
-        if o.optimizer_offload:  # each grad goes to the pinned fp32 buffer through an fp32 copy
-            optimizer_transient = 4 * s.largest_param() if a != 4 else 0
-        else:  # foreach AdamW: sqrt of the second moments for all params at once
-            optimizer_transient = a * P
-    embedding = 0 if (o.embedding_on_host or embedding_in_teacher) else s.vocab * H * e
+        return (0, 0) if o.optimizer_offload else ((4 + 8 + 4) * P, 4 * P)
+    if o.optimizer_offload:  # each grad goes to the pinned fp32 buffer through an fp32 copy
+        return 0, 4 * z.s.largest_param() if a != 4 else 0
+    return 2 * a * P, a * P  # AdamW's two moments; its foreach step's sqrt of all second moments
 
-    def phase(**parts) -> dict:
-        out = {"draft_params": 0, "draft_grads": 0, "optimizer_state": opt_state, "embedding": embedding,
-               "teacher_weights": teacher_weight_bytes, "teacher_outputs": 0, "activations": 0,
-               "transient": 0}
-        out.update(parts)
-        out = {k: int(v) for k, v in out.items()}
-        out["total"] = sum(out.values())
-        return out
 
-    phases = {}
-    if o.fsdp:  # placed in fp32, then sharded
-        phases["build"] = phase(draft_params=4 * P, optimizer_state=0)
+def _teacher_outputs(z: _Sizes) -> dict[str, int]:
+    """Aux states, draft logits, argmaxes and mask, from the teacher forward on (the previous
+    batch's outputs died with its graph: run_batch's locals)."""
+    outputs = z.tok * (3 * z.Ht * z.e + z.e * z.Vd + 8 + 1) + z.tok * 8
+    return {p: outputs for p in PHASES if p != "build"}
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What the forward leaves alive for backward: each TTT step's, one step's loss rows, all."""
+
+    steps: list[float]
+    loss: float
+    total: float
+
+
+def _activations(z: _Sizes) -> _Saved:
+    a, e, H, S, tok = z.a, z.e, z.H, z.S, z.tok
+    steps = []
+    for j in range(S):
+        if z.o.grad_checkpoint:  # the checkpoint's inputs only; positions + j is int64
+            per_tok = e * H + a * H + 8 + (2 * a * z.kv if j < S - 1 else 0)
+        else:
+            per_tok = _layer_saved(z, j)
+        steps.append(per_tok * tok)
+    if z.o.loss_chunk_tokens > 0:  # gathered valid rows, their indices
+        loss = z.n_valid * (a * H + 24)
+    else:  # head norm (fp32 copy, y, output), log-softmax and teacher softmax in fp32
+        loss = tok * (4 * H + 2 * a * H + 8 * z.Vd + 1)
+    fuse = tok * 3 * z.Ht * a if a != e else 0  # fc's input cast to the draft dtype
+    embed_rows = min(tok + 1, z.s.vocab) * (H * e + 8) if z.o.embedding_on_host else 0
+    return _Saved(steps, loss, sum(steps) + S * loss + fuse + embed_rows)
+
+
+def _activations_by_phase(z: _Sizes, saved: _Saved) -> dict[str, float]:
+    """All of it in the loss backward; then the last step's loss rows are freed, and in the
+    next layer down one more step's loss rows and saved state."""
+    out = {"loss_backward": saved.total, "layer_backward": saved.total - saved.loss}
+    if z.S > 1:
+        out["layer_backward_2"] = saved.total - 2 * saved.loss - saved.steps[z.S - 1]
+    return out
+
+
+def _transients(z: _Sizes, optimizer_step: int) -> dict[str, float]:
+    """Working memory of each phase, on top of what is resident."""
+    o, a, P, largest = z.o, z.a, z.P, z.s.largest_param()
+    out = {"teacher_forward": z.step.teacher_forward_bytes, "loss_backward": _loss_transient(z),
+           "layer_backward": _layer_transient(z, z.S - 1), "optimizer_step": optimizer_step}
+    if z.S > 1:
+        out["layer_backward_2"] = _layer_transient(z, z.S - 2)
+    if o.fsdp:
         # The cast all-gather inputs beside the gathered output, plus (offload) one fp32 shard
-        # on its way from the host.
-        copy_in = a * P + (4 * s.largest_param() if o.optimizer_offload else 0)
-        phases["fsdp_unshard"] = phase(draft_params=params, teacher_outputs=teacher_outputs,
-                                       transient=copy_in)
-    else:  # place_draft moves fp32 weights, then casts one param at a time
-        phases["build"] = phase(draft_params=4 * P, optimizer_state=0,
-                                transient=a * s.largest_param() if a != 4 else 0)
-    if teacher_forward_bytes:  # the previous batch's outputs died with its graph (run_batch's locals)
-        phases["teacher_forward"] = phase(draft_params=params, teacher_outputs=teacher_outputs,
-                                          transient=teacher_forward_bytes)
-    phases["loss_backward"] = phase(draft_params=params, draft_grads=a * P_head,
-                                    teacher_outputs=teacher_outputs, activations=activations,
-                                    transient=loss_transient)
-    # The last step's layer: its own loss is done; of the layer's grads the MLP's exist
-    # once its backward is under way.
-    phases["layer_backward"] = phase(draft_params=params, draft_grads=a * (P_head + counts["mlp"]),
-                                     teacher_outputs=teacher_outputs, activations=activations - loss_saved,
-                                     transient=layer_transient(S - 1))
-    if S > 1:  # the next one down: every layer grad exists, one more step's saved state is gone
-        phases["layer_backward_2"] = phase(
-            draft_params=params, draft_grads=a * (P - counts["fc"]), teacher_outputs=teacher_outputs,
-            activations=activations - 2 * loss_saved - saved_step[S - 1], transient=layer_transient(S - 2))
-    if o.fsdp:  # grads cast to fp32 for the reduce; the gathered params are already freed
-        phases["fsdp_reduce"] = phase(draft_grads=a * P, teacher_outputs=teacher_outputs,
-                                      transient=max(4 * P, 8 * P - a * P))
-    phases["optimizer_step"] = phase(draft_params=0 if o.fsdp and o.optimizer_offload else params,
-                                     draft_grads=0 if o.fsdp else a * P, teacher_outputs=teacher_outputs,
-                                     transient=optimizer_transient)
-    peak_phase = max(phases, key=lambda k: phases[k]["total"])
-    result = dict(phases[peak_phase])
-    result["peak_phase"] = peak_phase
-    result["activations_saved"] = int(activations)  # all steps' saved state at the end of forward
-    result["phases"] = {k: v["total"] for k, v in phases.items()}
-    result["num_params"] = P
-    result["host"] = {"optimizer": 16 * P if o.optimizer_offload else 0,
-                      "embedding": s.vocab * H * e if o.embedding_on_host else 0}
-    return result
+        # on its way from the host; then the grads cast to fp32 for the reduce.
+        out["fsdp_unshard"] = a * P + (4 * largest if o.optimizer_offload else 0)
+        out["fsdp_reduce"] = max(4 * P, 8 * P - a * P)
+    else:  # place_draft casts the fp32 weights one param at a time
+        out["build"] = a * largest if a != 4 else 0
+    return out
+
+
+def _loss_transient(z: _Sizes) -> float:
+    """The loss backward of the last TTT step: its softmax math (one chunk at a time when
+    chunked), the head's weight grad, and the grads on their way to the hidden state."""
+    a, H, Vd = z.a, z.H, z.Vd
+    grad_of_hidden = a * H * (z.tok + z.n_valid)  # index backward's [B, T, H] and the rows' grads
+    if z.o.loss_chunk_tokens > 0:
+        c = min(z.o.loss_chunk_tokens, max(z.n_valid, 1))
+        per_vocab = 2 * a + COMPILED_CHUNK_EXTRA_BYTES if z.o.compile else EAGER_CHUNK_BYTES
+        return c * (4 * H + 2 * a * H + per_vocab * Vd) + a * H * Vd + grad_of_hidden
+    # grads of log-softmax in fp32, of the logits in fp32 and in the draft dtype
+    return z.tok * (8 + a) * Vd + a * H * Vd + grad_of_hidden
+
+
+def _layer_transient(z: _Sizes, j: int) -> float:
+    """Backward of step j's decoder-layer call, on top of what it saved (with grad_checkpoint,
+    that comes back first): the MLP part (the grads of the output and of two [I]-wide tensors,
+    and the weight grad being formed), then the attention part, by which time the MLP's saved
+    tensors are gone."""
+    a, H, I, q, S = z.a, z.H, z.I, z.q, z.S
+    if z.o.attention == "flex":
+        attn_grads = a * (q + 2 * S * z.kv) + 4 * z.nh  # dq, dk/dv of all concatenated steps, delta
+    else:  # grads of the probabilities (draft dtype, fp32) and of the scores, dq/dk/dv repeated
+        attn_grads = (8 + a) * z.nh * (z.T + S) + a * (q + 2 * S * q)
+    freed_by_attention = 4 * a * I + 4 * H + 2 * a * H
+    weight_grad = a * max(H * I, 2 * H * q)
+    grad_flow = max(z.tok * (2 * a * H + 2 * a * I) + weight_grad,
+                    z.tok * (2 * a * H + attn_grads - freed_by_attention))
+    return grad_flow + (_layer_saved(z, j) * z.tok if z.o.grad_checkpoint else 0)
+
+
+def _layer_saved(z: _Sizes, j: int) -> float:
+    """Bytes per token one decoder-layer call keeps for backward (no checkpointing)."""
+    a, H, I, q, kv, d = z.a, z.H, z.I, z.q, z.kv, z.s.head_dim
+    if z.o.compile_layer:
+        # Compiled halves keep what the matmul backwards need and recompute the cheap rest:
+        # the 2H-wide q/k/v input and the two norms' fp32 rstd; q, k, v, cos and sin; the
+        # attention's own state; o_proj's input; the residual and the MLP input; gate and up.
+        b = 2 * a * H + 8 + a * (q + 2 * kv) + 2 * a * d + _attention_saved(z, j)
+        return b + a * q + 2 * a * H + 4 + 2 * a * I
+    b = a * H  # input_layernorm(embeds): the normalized embeds (the embeds need no grad)
+    b += 4 * H + a * H  # hidden_norm: fp32 copy of the hidden state, normalized output
+    b += 2 * a * H  # cat(...) of width 2H, saved once by q/k/v_proj
+    b += a * (q + 2 * kv) + 2 * a * d  # q, k after RoPE, v; cos and sin
+    b += _attention_saved(z, j)
+    b += a * q  # o_proj input (the attention output made contiguous)
+    b += 4 * H + 2 * a * H  # post_attention_layernorm: fp32 copy, normalized, weighted
+    return b + 4 * a * I  # MLP: gate, silu(gate), up, silu(gate) * up
+
+
+def _attention_saved(z: _Sizes, j: int) -> float:
+    """Bytes per token the attention of step j saves for backward (beyond q, k, v)."""
+    a, q, nh, T = z.a, z.q, z.nh, z.T
+    if z.o.attention == "flex":
+        out = a * q + 4 * nh  # output and logsumexp
+        return out + (2 * (j + 1) * a * z.kv if j > 0 else 0)  # keys/values of steps 0..j, concatenated
+    rep = z.s.heads > z.s.kv_heads  # GQA: keys/values repeated to the query heads
+    if j == 0:  # F.scaled_dot_product_attention, causal: repeated k/v, output, logsumexp
+        return (2 * a * q if rep else 0) + a * q + 4 * nh
+    out = 2 * a * q if rep else 0  # repeated step-0 keys/values
+    out += (j * a * q if rep else 0) + j * a * q  # repeated diagonal keys, stacked diagonal values
+    out += (4 + (a if a != 4 else 0)) * nh * (T + j)  # softmax probabilities in fp32, cast back
+    return out + T / z.batch  # the [T, T] bool causal mask, per token
 
 
 # --- the teacher -----------------------------------------------------------------------------
@@ -521,6 +600,6 @@ def options_dict(options: MemoryOptions) -> dict:
     return dataclasses.asdict(options)
 
 
-__all__ = ["DraftShape", "MemoryOptions", "estimate_train_memory", "teacher_weight_bytes",
-           "target_param_counts", "teacher_forward_bytes", "parse_size", "plan_run", "format_plan",
-           "largest_fitting_batch"]
+__all__ = ["DraftShape", "MemoryOptions", "TrainStep", "estimate_train_memory", "estimate_step_memory",
+           "teacher_weight_bytes", "target_param_counts", "teacher_forward_bytes", "parse_size", "plan_run",
+           "format_plan", "largest_fitting_batch"]

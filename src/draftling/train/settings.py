@@ -14,7 +14,7 @@ import torch
 from draftling.config import TrainConfig
 from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.target.quant import has_plain_weights
-from draftling.train.ttt import flex_usable
+from draftling.train.ttt import UnrollOptions, flex_usable
 
 # train.memory_policy=auto: when the draft's estimated peak (train/plan.py) without activation
 # recomputation and with large loss chunks stays under this share of the device's free
@@ -29,11 +29,19 @@ OFFLOAD_AUTO_SHARE = 0.02
 DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def unroll_options(tc: TrainConfig, device, training: bool = True,
+                   param_dtype: torch.dtype = torch.float32) -> UnrollOptions:
+    """What ``ttt_unroll`` runs with on this device: the config's TTT depth and step weights
+    and its memory options (``memory_options``)."""
+    return UnrollOptions(steps=tc.ttt_steps, step_weight_decay=tc.step_weight_decay,
+                         **memory_options(tc, device, training, param_dtype))
+
+
 def memory_options(tc: TrainConfig, device, training: bool = True,
                    param_dtype: torch.dtype = torch.float32) -> dict:
-    """The ``ttt_unroll`` keyword options for this device, with the config's auto values
-    (null / "auto") resolved: see TrainConfig for what each one does. ``param_dtype``: the
-    draft's device params (autocast only pays over fp32 params)."""
+    """The unroll's memory options (those fields of ``UnrollOptions``) for this device, with the
+    config's auto values (null / "auto") resolved: see TrainConfig for what each one does.
+    ``param_dtype``: the draft's device params (autocast only pays over fp32 params)."""
     from draftling.errors import ConfigError
 
     device = torch.device(device)

@@ -10,6 +10,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -36,8 +37,8 @@ from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import build_optimizer
 from draftling.train.teacher import KeptStatesTeacher, TeacherBatch, TeacherCache, teacher_forward
 from draftling.train.settings import (FAST_MEMORY_SHARE, compile_teacher, draft_param_dtype, fast_train_config,
-                                      memory_options, optimizer_offload)
-from draftling.train.ttt import StepCounts, step_valid_counts
+                                      memory_options, optimizer_offload, unroll_options)
+from draftling.train.ttt import StepCounts, UnrollOptions, step_valid_counts
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +136,12 @@ def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
     return draft
 
 
-def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: int, batch: int, seq: int,
-                          param_dtype: torch.dtype, offload: bool, embed_dtype) -> tuple[TrainConfig, str]:
-    """The TrainConfig to train with, and why. ``batch``: sequences per process and step;
-    ``seq``: the longest sequence; ``embed_dtype``: the target's (a dtype or its name)."""
-    from draftling.train.plan import DraftShape, MemoryOptions, estimate_train_memory
+def resolve_memory_policy(tc: TrainConfig, device, shape, batch: int, seq: int, param_dtype: torch.dtype,
+                          offload: bool, embed_dtype) -> tuple[TrainConfig, str]:
+    """The TrainConfig to train with, and why. ``shape``: the draft's (a plan.DraftShape);
+    ``batch``: sequences per process and step; ``seq``: the longest sequence; ``embed_dtype``:
+    the target's (a dtype or its name)."""
+    from draftling.train.plan import MemoryOptions, estimate_train_memory
 
     device = torch.device(device)
     if tc.memory_policy == "config" or device.type != "cuda":
@@ -148,7 +150,6 @@ def resolve_memory_policy(tc: TrainConfig, device, target_config, draft_vocab: i
     mem = memory_options(fast, device, param_dtype=param_dtype)
     options = MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=param_dtype,
                                                 embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
-    shape = DraftShape.from_config(target_config, draft_vocab)
     need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, options)["total"]
     free = torch.cuda.mem_get_info(device)[0]
     gib = 2 ** 30
@@ -238,22 +239,52 @@ def kept_states_teacher(target: Target, jsonl_path, t2d, say) -> KeptStatesTeach
     return KeptStatesTeacher(target, states, t2d)
 
 
-def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[int], device,
-              ctx: DistContext, teacher_source=None, cache: TeacherCache | None = None):
-    """This rank's share of one global batch through the teacher and the TTT unroll.
-    Returns (loss, counts, tokens) of the share; the loss is normalized over the whole
-    global batch, so gradients averaged over ranks are the single-process gradients."""
-    tc = cfg.train
-    share, stand_in = rank_share(keys, ctx)
-    chunk = [examples[k] for k in share]
+@dataclasses.dataclass
+class BatchSource:
+    """Where a global batch's inputs come from: the examples its keys index, the target (its
+    tokenizer pads them; it is the teacher unless ``teacher`` is set), the device, the ranks
+    that share each batch and the teacher cache."""
+
+    cfg: RunConfig
+    target: Target
+    examples: list
+    device: torch.device
+    ctx: DistContext = DistContext()
+    teacher: object | None = None  # get(keys, lengths, device) -> TeacherBatch; None: the target runs
+    cache: TeacherCache | None = None
+    # Fixed unroll options (the training bench runs the options it estimates); None: resolved
+    # per batch for the draft's params, as a run does.
+    unroll: UnrollOptions | None = None
+
+
+@dataclasses.dataclass
+class RankBatch:
+    """This rank's share of a global batch on the device, and the teacher's outputs for it."""
+
+    tensors: dict  # input_ids, loss_mask, attention_mask
+    teacher: TeacherBatch
+    stand_in: bool  # a stand-in share (see rank_share): its loss mask is zero
+
+
+def load_batch(source: BatchSource, keys: list[int], t2d: torch.Tensor) -> RankBatch:
+    """This rank's share of the global batch ``keys``, collated on the device, with its teacher
+    outputs (from the cache, the teacher source, or a forward of the target)."""
+    share, stand_in = rank_share(keys, source.ctx)
+    chunk = [source.examples[k] for k in share]
     lengths = [len(e.input_ids) for e in chunk]
-    batch = {k: v.to(device) for k, v in collate(chunk, target.tokenizer.pad_token_id).items()}
+    batch = {k: v.to(source.device) for k, v in collate(chunk, source.target.tokenizer.pad_token_id).items()}
     if stand_in:
         batch["loss_mask"].zero_()
-    elif tc.loss_on_prompt and torch.is_grad_enabled():
+    elif source.cfg.train.loss_on_prompt and torch.is_grad_enabled():
         # Every real position has a teacher label; validation keeps the assistant-only mask.
         batch["loss_mask"] = batch["attention_mask"].clone()
-    draft = unwrap(objective)
+    return RankBatch(batch, teacher_outputs(source, share, lengths, batch, t2d), stand_in)
+
+
+def teacher_outputs(source: BatchSource, share: list[int], lengths: list[int], batch: dict,
+                    t2d: torch.Tensor) -> TeacherBatch:
+    """The teacher's outputs for this rank's ``share`` of a batch, collated as ``batch``."""
+    cache, device, teacher_source = source.cache, source.device, source.teacher
     # An offline cache already holds the final outputs; kept states still need the head.
     if cache and not getattr(teacher_source, "cacheable", teacher_source is None):
         cache = None
@@ -262,23 +293,36 @@ def run_batch(objective, cfg: RunConfig, target: Target, examples, keys: list[in
         if teacher_source is not None:
             teacher = teacher_source.get(share, lengths, device)
         else:
-            teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], draft.t2d,
-                                      compile=compile_teacher(tc, device, target.model))
+            target = source.target
+            teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], t2d,
+                                      compile=compile_teacher(source.cfg.train, device, target.model))
         if cache:
             teacher = cache.put(share, lengths, teacher)
+    return teacher
+
+
+def unroll_batch(objective, source: BatchSource, batch: RankBatch):
+    """The TTT unroll over a loaded batch. Returns (loss, counts, tokens) of this rank's share;
+    the loss is normalized over the whole global batch, so gradients averaged over ranks are
+    the single-process gradients."""
+    tc, device, ctx, b = source.cfg.train, source.device, source.ctx, batch.tensors
+    draft = unwrap(objective)
     denominators = None
     if ctx.active:
-        valid = step_valid_counts(batch["loss_mask"], batch["attention_mask"], teacher.in_draft,
+        valid = step_valid_counts(b["loss_mask"], b["attention_mask"], batch.teacher.in_draft,
                                   tc.ttt_steps).to(torch.float64)
         denominators = (all_reduce_sum(valid, ctx) / ctx.world_size).tolist()
-    training = torch.is_grad_enabled()
-    loss, counts = objective(draft_embedding(cfg, target, device), teacher, batch["input_ids"],
-                             batch["loss_mask"], batch["attention_mask"], tc.ttt_steps,
-                             tc.step_weight_decay,
-                             memory_options(tc, device, training, next(draft.parameters()).dtype),
-                             denominators)
-    tokens = 0 if stand_in else int(batch["attention_mask"].sum())
+    options = source.unroll or unroll_options(tc, device, torch.is_grad_enabled(), next(draft.parameters()).dtype)
+    loss, counts = objective(draft_embedding(source.cfg, source.target, device), batch.teacher, b["input_ids"],
+                             b["loss_mask"], b["attention_mask"], options, denominators)
+    tokens = 0 if batch.stand_in else int(b["attention_mask"].sum())
     return loss, counts, tokens
+
+
+def run_batch(objective, source: BatchSource, keys: list[int]):
+    """This rank's share of one global batch through the teacher and the TTT unroll:
+    ``unroll_batch``'s (loss, counts, tokens)."""
+    return unroll_batch(objective, source, load_batch(source, keys, unwrap(objective).t2d))
 
 
 @torch.no_grad()
@@ -294,9 +338,10 @@ def evaluate(objective, target: Target, examples, cfg: RunConfig, device, max_ba
     loss = 0.0
     n = 0
     bs = cfg.train.batch_size
+    source = BatchSource(cfg, target, examples, device, ctx, teacher_source)
     for i in range(0, min(len(examples), max_batches * bs), bs):
         keys = list(range(i, min(i + bs, len(examples))))
-        l, c, _ = run_batch(objective, cfg, target, examples, keys, device, ctx, teacher_source)
+        l, c, _ = run_batch(objective, source, keys)
         c, (l_sum,) = _global_counts(c, [l.item()], ctx, device)
         counts.add(c)
         loss += l_sum / ctx.world_size
@@ -309,16 +354,24 @@ def evaluate(objective, target: Target, examples, cfg: RunConfig, device, max_ba
     return m
 
 
-def train_step(objective, cfg: RunConfig, target: Target, examples, keys: list[int], device, ctx: DistContext,
-               params, optimizer, scheduler, teacher_source=None, cache: TeacherCache | None = None):
-    """One optimizer step on the global batch ``keys`` (this rank's share of it). Returns
-    run_batch's (loss, counts, tokens)."""
-    loss, counts, tokens = run_batch(objective, cfg, target, examples, keys, device, ctx, teacher_source, cache)
+def train_step(objective, optimizer, scheduler, source: BatchSource, keys: list[int], phase_end=None):
+    """One optimizer step on the global batch ``keys`` (this rank's share of it): teacher
+    outputs, TTT unroll, backward, clip, optimizer and LR scheduler. Returns unroll_batch's
+    (loss, counts, tokens). ``phase_end(phase)`` is called as each phase ends: "teacher",
+    "forward", "backward", "optimizer" (the training bench syncs and times them there)."""
+    end = phase_end or (lambda phase: None)
+    batch = load_batch(source, keys, unwrap(objective).t2d)
+    end("teacher")
+    loss, counts, tokens = unroll_batch(objective, source, batch)
+    end("forward")
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+    end("backward")
+    params = [p for p in objective.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, source.cfg.train.grad_clip)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    end("optimizer")
     return loss, counts, tokens
 
 
@@ -392,11 +445,12 @@ def measure_step_seconds(cfg: RunConfig, target: Target, seq_len: int, repeats: 
     examples = [TokenizedExample(str(i), "probe", torch.randint(0, vocab.size, (seq_len,)).tolist(),
                                  [1] * seq_len) for i in range(tc.batch_size)]
     teacher = _RandomStates(target, vocab.t2d.to(device)) if cfg.data.keep_teacher_states else None
+    source = BatchSource(cfg, target, examples, device, current(), teacher)
     keys = list(range(tc.batch_size))
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        train_step(objective, cfg, target, examples, keys, device, current(), params, optimizer, scheduler, teacher)
+        train_step(objective, optimizer, scheduler, source, keys)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
@@ -511,7 +565,7 @@ def load_run_inputs(target: Target, train_path, val_path, vocab_path, teacher_so
 
 @dataclasses.dataclass
 class TrainRun:
-    """One run's live state, built by ``build_run`` and advanced by ``step``."""
+    """One run's live state, built by ``build_run`` and advanced by ``train_step``."""
     cfg: RunConfig
     target: Target
     ctx: DistContext
@@ -524,26 +578,29 @@ class TrainRun:
     scheduler: object
     schedule: CosineSchedule
     batches: EpochBatches
-    mem_opts: dict
+    unroll: UnrollOptions  # as resolved for training (a batch resolves its own: see unroll_batch)
     offload: bool
     param_dtype: torch.dtype
     total_steps: int
     ceiling: int
     say: object
+    memory_policy: str = "as configured"  # resolve_memory_policy's reason
     step: int = 0
     cache: TeacherCache | None = None
     metrics_log: MetricsLog | None = None
 
     @property
-    def params(self) -> list:
-        return [p for p in self.objective.parameters() if p.requires_grad]
+    def source(self) -> BatchSource:
+        """Where the training batches come from."""
+        return BatchSource(self.cfg, self.target, self.inputs.examples, self.target.device, self.ctx,
+                           self.inputs.teacher, self.cache)
 
-    def train_step(self) -> tuple:
-        """One optimizer step on the next global batch: (loss, counts, tokens)."""
-        epoch, index = self.batches.position(self.step)
-        out = train_step(self.objective, self.cfg, self.target, self.inputs.examples,
-                         self.batches.indices(epoch, index), self.target.device, self.ctx, self.params,
-                         self.optimizer, self.scheduler, self.inputs.teacher, self.cache)
+    def train_step(self, keys: list[int] | None = None, phase_end=None) -> tuple:
+        """One optimizer step (see ``train_step``) on the global batch ``keys`` of the run's
+        examples, by default the schedule's next one: (loss, counts, tokens)."""
+        if keys is None:
+            keys = self.batches.indices(*self.batches.position(self.step))
+        out = train_step(self.objective, self.optimizer, self.scheduler, self.source, keys, phase_end)
         self.step += 1
         return out
 
@@ -558,12 +615,12 @@ class TrainRun:
 
     def checkpoint(self) -> None:
         tc = self.cfg.train
-        e, i = self.batches.position(self.step)
         weights = host_draft(self.objective, self.draft.config)
         opt_state = full_optimizer_state(self.objective, self.optimizer)
         if self.ctx.is_main:
-            save_checkpoint(self.run_dir, weights, opt_state, self.scheduler, self.step, e, i, tc.keep_checkpoints,
-                            {"total_steps": self.total_steps, "compute_dtype": self.mem_opts["autocast"] or "float32"})
+            save_checkpoint(self.run_dir, weights, opt_state, self.scheduler, self.step,
+                            self.batches.position(self.step), tc.keep_checkpoints,
+                            {"total_steps": self.total_steps, "compute_dtype": self.unroll.autocast or "float32"})
         barrier(self.ctx)
 
 
@@ -571,11 +628,13 @@ def build_run(cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, 
               ctx: DistContext, say) -> TrainRun:
     """The draft (with the checkpoint's weights, before wrapping: DDP broadcasts them, FSDP
     shards them), its wrapper, optimizer and schedule, with the memory policy resolved."""
+    from draftling.train.plan import DraftShape
+
     tc, device = cfg.train, target.device
     sharded = ctx.active and tc.parallel == "fsdp"
     draft, offload, param_dtype = prepare_draft(cfg, target, inputs.vocab, device, sharded)
     longest = max((len(e.input_ids) for e in inputs.examples + inputs.val_examples), default=1)
-    tc, policy = resolve_memory_policy(tc, device, target.config, inputs.vocab.size,
+    tc, policy = resolve_memory_policy(tc, device, DraftShape.from_config(target.config, inputs.vocab.size),
                                        -(-tc.batch_size // ctx.world_size), longest, param_dtype, offload,
                                        target.input_embeddings().weight.dtype)
     say(f"memory policy: {policy}")
@@ -601,8 +660,8 @@ def build_run(cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, 
     # would restore them over the config's; the fitted length is restored from meta.json instead.
     scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: schedule(step))
     return TrainRun(cfg, target, ctx, run_dir, inputs, draft, objective, optimizer, scheduled, scheduler, schedule,
-                    batches, memory_options(tc, device, param_dtype=param_dtype), offload, param_dtype,
-                    total_steps, total_steps, say)
+                    batches, unroll_options(tc, device, param_dtype=param_dtype), offload, param_dtype,
+                    total_steps, total_steps, say, policy)
 
 
 def restore_run(run: TrainRun, ckpt: Path, changes: dict) -> None:
@@ -631,28 +690,41 @@ def describe_run(run: TrainRun) -> None:
     n_params = sum(p.numel() for p in run.draft.parameters() if p.requires_grad)
     parallel = (f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ "
                 f"sequences per rank" if ctx.active else "")
-    m = run.mem_opts
+    m = run.unroll
     run.say(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(inputs.examples)} train / "
             f"{len(inputs.val_examples)} val sequences, {run.total_steps} steps of {tc.batch_size}, "
             f"TTT {tc.ttt_steps}, device {run.target.device}{parallel}")
-    run.say(f"memory: loss_chunk_tokens {m['loss_chunk_tokens']}, grad_checkpoint {m['grad_checkpoint']}, "
-            f"attention {m['attention']}, optimizer_offload {run.offload}, draft_dtype "
+    run.say(f"memory: loss_chunk_tokens {m.loss_chunk_tokens}, grad_checkpoint {m.grad_checkpoint}, "
+            f"attention {m.attention}, optimizer_offload {run.offload}, draft_dtype "
             f"{str(run.param_dtype).replace('torch.', '')}, embedding_on_host {tc.embedding_on_host}, compile "
-            f"{m['compile']} (layer {m['compile_layer']}, teacher "
-            f"{compile_teacher(tc, run.target.device, run.target.model)}), autocast {m['autocast'] or 'off'}")
+            f"{m.compile} (layer {m.compile_layer}, teacher "
+            f"{compile_teacher(tc, run.target.device, run.target.model)}), autocast {m.autocast or 'off'}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDirClaim:
+    """How ``train`` takes its run directory: ``resume`` the run there (``allow_change``: config
+    keys the resume may change, see resume_config_changes), or ``overwrite`` an earlier run;
+    by default the directory must hold none (check_run_dir)."""
+
+    resume: bool = False
+    overwrite: bool = False
+    allow_change: Sequence[str] = ()
 
 
 def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
-          val_path: str | Path | None, vocab_path: str | Path, resume: bool = False,
-          teacher_source=None, overwrite: bool = False, allow_change=()) -> dict:
+          val_path: str | Path | None, vocab_path: str | Path, teacher_source=None, **claim) -> dict:
     """``teacher_source``: an object with ``get(keys, lengths, device) -> TeacherBatch`` (e.g. an
     offline.OfflineTeacher) used instead of running the teacher; its ``for_split("val", hash)``,
-    when it has one, serves validation.
+    when it has one, serves validation. ``claim``: RunDirClaim's fields (resume, overwrite,
+    allow_change).
 
     Under torchrun (``distributed.init_distributed`` called first) every rank runs this
     with its own resident teacher and its share of each global batch; rank 0 writes."""
     ctx, run_dir, tc = current(), Path(run_dir), cfg.train
-    check_run_dir(run_dir, resume, overwrite)
+    claim = RunDirClaim(**claim)
+    resume = claim.resume
+    check_run_dir(run_dir, resume, claim.overwrite)
     torch.manual_seed(tc.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 draft trains against a bf16 teacher
     allow_recompiles()  # batches of many lengths: flex and the loss chunks must stay compiled
@@ -665,8 +737,8 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
             print(line, flush=True)
 
     inputs = load_run_inputs(target, train_path, val_path, vocab_path, teacher_source, say)
-    claim_run_dir(run_dir, resume, overwrite, ctx)
-    changes = resume_config_changes(run_dir, cfg, allow_change) if resume else {}
+    claim_run_dir(run_dir, resume, claim.overwrite, ctx)
+    changes = resume_config_changes(run_dir, cfg, claim.allow_change) if resume else {}
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
     ckpt = latest_checkpoint(run_dir, warn=say) if resume else None
@@ -757,7 +829,7 @@ def finish_run(run: TrainRun, t_start: float) -> dict:
     ctx, device = run.ctx, run.target.device
     result = {"steps": run.total_steps, "steps_ceiling": run.ceiling, "train_wall_s": time.perf_counter() - t_start,
               "world_size": ctx.world_size,
-              "compute_dtype": run.mem_opts["autocast"] or str(run.param_dtype).replace("torch.", "")}
+              "compute_dtype": run.unroll.autocast or str(run.param_dtype).replace("torch.", "")}
     if torch.cuda.is_available() and device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if run.inputs.val_examples:

@@ -33,10 +33,11 @@ Memory options (all exact up to float summation order; see TrainConfig for defau
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -373,23 +374,40 @@ def _denominator(denominators, j: int, n_valid: int) -> float:
     return max(float(denominators[j]), 1e-12)
 
 
+@dataclass(frozen=True)
+class UnrollOptions:
+    """How ``ttt_unroll`` runs: the TTT depth, the loss weight of step j (``step_weight_decay ** j``)
+    and the memory options of the module doc. The defaults are the plain path; the trainer's
+    come from ``train.settings.unroll_options``.
+
+    ``compile``: False, True (inductor), or another ``torch.compile`` backend (a name or a
+    callable; the CPU tests use "aot_eager"). ``compile_layer``: the same for the decoder
+    layer's two attention-free halves. ``autocast``: run the forward under ``torch.autocast``
+    in this dtype (a dtype or its name): matmuls and attention in bf16 over fp32 params; the
+    softmaxes and loss stay fp32."""
+
+    steps: int
+    step_weight_decay: float = 0.8
+    loss_chunk_tokens: int = 0
+    grad_checkpoint: bool = False
+    attention: str = "sdpa"
+    compile: bool | str | Callable = False
+    compile_layer: bool | str | Callable = False
+    autocast: torch.dtype | str | None = None
+
+
 def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
                input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor,
-               steps: int, step_weight_decay: float = 0.8, *, loss_chunk_tokens: int = 0,
-               grad_checkpoint: bool = False, attention: str = "sdpa", compile=False,
-               compile_layer=False, autocast: torch.dtype | str | None = None,
-               loss_denominators: Sequence[float] | None = None) -> tuple[torch.Tensor, StepCounts]:
+               options: UnrollOptions | int | None = None, *,
+               loss_denominators: Sequence[float] | None = None, **overrides) -> tuple[torch.Tensor, StepCounts]:
     """Run the k-step unroll. Returns the weighted loss (mean over valid tokens per step)
     and the counts behind the per-step and conditional accuracies.
 
     ``embed`` maps token ids to embeddings: the target's embedding module, or anything
     with ``for_batch(input_ids) -> lookup`` (see ``HostEmbedding``), which is asked once
-    per batch. The keyword options are the memory options described in the module doc;
-    their defaults here are the plain path. ``compile``: False, True (inductor), or another
-    ``torch.compile`` backend (a name or a callable; the CPU tests use "aot_eager").
-    ``compile_layer``: the same for the decoder layer's two attention-free halves.
-    ``autocast``: run the forward under ``torch.autocast`` in this dtype (a dtype or its
-    name): matmuls and attention in bf16 over fp32 params; the softmaxes and loss stay fp32.
+    per batch. ``options``: an ``UnrollOptions``, or just the step count (the plain path);
+    ``overrides``: UnrollOptions fields set over it, so ``ttt_unroll(..., 3)`` and
+    ``ttt_unroll(..., steps=3, grad_checkpoint=True)`` need no options object.
 
     ``loss_denominators``: step j's summed loss is divided by ``loss_denominators[j]``
     instead of this batch's valid count. Data parallelism passes the global count over
@@ -398,101 +416,162 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     Without gradients (validation) the counts also hold a chain walk over each sequence
     (``chain_walk``), which costs a host sync: ``metrics()["chain_tau"]``.
     """
+    options = _with_overrides(options, overrides)
+    autocast = options.autocast
     if isinstance(autocast, str):
         autocast = getattr(torch, autocast)
     with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        return _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, step_weight_decay,
-                       loss_chunk_tokens, grad_checkpoint, attention, compile, compile_layer, loss_denominators)
+        return _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options, loss_denominators)
 
 
-def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, steps, step_weight_decay,
-            loss_chunk_tokens, grad_checkpoint, attention, compile, compile_layer, loss_denominators):
-    device = input_ids.device
-    b, t = input_ids.shape
-    positions = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
-    lookup = embed.for_batch(input_ids) if hasattr(embed, "for_batch") else embed
-    hidden = draft.fuse(teacher.aux)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    use_ckpt = grad_checkpoint and torch.is_grad_enabled()
-    if loss_chunk_tokens > 0:
-        with torch.no_grad():
-            teacher_lse = teacher_logsumexp(teacher.draft_logits)
-        chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, teacher_lse, compile=compile)
+def _with_overrides(options: UnrollOptions | int | None, overrides: dict) -> UnrollOptions:
+    if isinstance(options, UnrollOptions):
+        return dataclasses.replace(options, **overrides) if overrides else options
+    if options is not None:
+        if "steps" in overrides:
+            raise TypeError("ttt_unroll: the step count given twice")
+        overrides = {"steps": options, **overrides}
+    if "steps" not in overrides:
+        raise TypeError("ttt_unroll: give the step count (steps=) or an UnrollOptions")
+    return UnrollOptions(**overrides)
+
+
+def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options: UnrollOptions,
+            loss_denominators):
     loss_mask = loss_mask.bool() & attention_mask.bool()
-    draft_argmax = teacher.draft_logits.argmax(-1)
-    # The chunked loss's row indices for all steps come from one nonzero up front and the
-    # counts stay on the device until the end: host syncs only before and after the step
-    # loop, none inside it, so the host keeps queueing kernels ahead of the device.
-    scored_steps, valid_steps = step_masks(loss_mask, teacher.in_draft, steps)
-    if loss_chunk_tokens > 0:
-        js, vbs, vts = valid_steps.nonzero(as_tuple=True)  # ordered by step
-        sizes = torch.bincount(js, minlength=steps).tolist()
-        step_rows = list(zip(vbs.split(sizes), vts.split(sizes)))
-    per_step: list[torch.Tensor] = []
-    walking = not torch.is_grad_enabled()  # validation: walk each sequence as a chain decode would
-    correct_steps: list[torch.Tensor] = []
-    chain_ok = torch.ones(b, t, dtype=torch.bool, device=device)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for j in range(steps):
+    scored_steps, valid_steps = step_masks(loss_mask, teacher.in_draft, options.steps)
+    layer = _LayerSteps(draft, embed, teacher, input_ids, options)
+    step_loss = _StepLoss(draft, teacher, valid_steps, options, loss_denominators)
+    tally = _StepTally(scored_steps)
+    total = layer.hidden.new_zeros((), dtype=torch.float32)
+    for j in range(options.steps):
+        hidden = layer(j)
+        loss_sum, n_valid, correct, weighted = step_loss(j, hidden)
+        total = total + (options.step_weight_decay ** j) * weighted
+        tally.add(j, loss_sum, n_valid, correct)
+    return total, tally.counts(loss_mask)
+
+
+class _LayerSteps:
+    """The TTT steps' decoder-layer forwards. The attention state (every earlier step's keys
+    and values) is explicit, so a step recomputed under checkpointing appends nothing twice."""
+
+    def __init__(self, draft: Eagle3Draft, embed, teacher: TeacherBatch, input_ids: torch.Tensor,
+                 options: UnrollOptions):
+        b, t = input_ids.shape
+        self.draft, self.input_ids, self.options = draft, input_ids, options
+        self.positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
+        self.lookup = embed.for_batch(input_ids) if hasattr(embed, "for_batch") else embed
+        self.hidden = draft.fuse(teacher.aux)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.checkpointed = options.grad_checkpoint and torch.is_grad_enabled()
+
+    def __call__(self, j: int) -> torch.Tensor:
+        """Step j's hidden states [B, T, H]; its keys and values join the state."""
         with torch.no_grad():
-            embeds = lookup(shift_left(input_ids, 1 + j))
-        step_args = (embeds, hidden, positions + j, tuple(keys), tuple(values))
-        if use_ckpt:
-            hidden, k, v = checkpoint(_draft_step, draft, attention, compile_layer, *step_args,
-                                      use_reentrant=False)
+            embeds = self.lookup(shift_left(self.input_ids, 1 + j))
+        args = (self.draft, self.options.attention, self.options.compile_layer, embeds, self.hidden,
+                self.positions + j, tuple(self.keys), tuple(self.values))
+        if self.checkpointed:
+            self.hidden, k, v = checkpoint(_draft_step, *args, use_reentrant=False)
         else:
-            hidden, k, v = _draft_step(draft, attention, compile_layer, *step_args)
-        keys.append(k)
-        values.append(v)
+            self.hidden, k, v = _draft_step(*args)
+        self.keys.append(k)
+        self.values.append(v)
+        return self.hidden
+
+
+class _StepLoss:
+    """Step j's loss against the teacher: (summed soft cross-entropy, valid count, [B, T] where
+    the draft's argmax matches the teacher's, the sum over its denominator). Over chunks of the
+    valid rows with ``loss_chunk_tokens``, else over the whole batch's logits."""
+
+    def __init__(self, draft: Eagle3Draft, teacher: TeacherBatch, valid_steps: torch.Tensor,
+                 options: UnrollOptions, denominators):
+        self.draft, self.teacher, self.valid_steps = draft, teacher, valid_steps
+        self.chunk, self.denominators = options.loss_chunk_tokens, denominators
+        self.draft_argmax = teacher.draft_logits.argmax(-1)
+        if self.chunk > 0:
+            with torch.no_grad():
+                teacher_lse = teacher_logsumexp(teacher.draft_logits)
+            self.chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, teacher_lse,
+                                              compile=options.compile)
+            # The chunked loss's row indices for all steps come from one nonzero up front and the
+            # counts stay on the device until the end: host syncs only before and after the step
+            # loop, none inside it, so the host keeps queueing kernels ahead of the device.
+            js, vbs, vts = valid_steps.nonzero(as_tuple=True)  # ordered by step
+            sizes = torch.bincount(js, minlength=options.steps).tolist()
+            self.step_rows = list(zip(vbs.split(sizes), vts.split(sizes)))
+
+    def __call__(self, j: int, hidden: torch.Tensor):
         # The label for position t at step j is the target's prediction at t+1+j.
-        valid = valid_steps[j]
-        if loss_chunk_tokens > 0:
-            vb, vt = step_rows[j]
-            n_valid = vb.numel()
-            rows = hidden[vb, vt]  # [N, H]: only the valid positions ever reach the head
-            loss_sum = hidden.new_zeros((), dtype=torch.float32)
-            argmax = []
-            # At least one (possibly empty) chunk, so the head always joins the graph.
-            for s in range(0, max(n_valid, 1), loss_chunk_tokens):
-                part, am = chunk_fn(rows[s:s + loss_chunk_tokens], vb[s:s + loss_chunk_tokens],
-                                    vt[s:s + loss_chunk_tokens] + 1 + j)
-                loss_sum = loss_sum + part
-                argmax.append(am)
-            step_loss = loss_sum / _denominator(loss_denominators, j, n_valid)
-            with torch.no_grad():
-                correct = torch.zeros(b, t, dtype=torch.bool, device=device)
-                correct[vb, vt] = torch.cat(argmax) == draft_argmax[vb, vt + 1 + j]
-                n_valid = torch.tensor(n_valid, device=device)
-        else:
-            logits = draft.compute_logits(hidden).float()
-            target_p = shift_left(teacher.draft_logits, 1 + j).float().softmax(-1)
-            logp = logits.log_softmax(-1)
-            token_loss = -(target_p * logp).sum(-1)
-            loss_sum = (token_loss * valid).sum()
-            n_valid = valid.sum()
-            denominator = (n_valid.clamp(min=1) if loss_denominators is None
-                           else _denominator(loss_denominators, j, 0))
-            step_loss = loss_sum / denominator
-            with torch.no_grad():
-                correct = (logits.argmax(-1) == shift_left(draft_argmax, 1 + j)) & valid
-        total = total + (step_weight_decay ** j) * step_loss
-        if walking:
-            correct_steps.append(correct)
+        return self.chunked(j, hidden) if self.chunk > 0 else self.whole(j, hidden)
+
+    def chunked(self, j: int, hidden: torch.Tensor):
+        vb, vt = self.step_rows[j]
+        n_valid, c = vb.numel(), self.chunk
+        rows = hidden[vb, vt]  # [N, H]: only the valid positions ever reach the head
+        loss_sum = hidden.new_zeros((), dtype=torch.float32)
+        argmax = []
+        # At least one (possibly empty) chunk, so the head always joins the graph.
+        for s in range(0, max(n_valid, 1), c):
+            part, am = self.chunk_fn(rows[s:s + c], vb[s:s + c], vt[s:s + c] + 1 + j)
+            loss_sum = loss_sum + part
+            argmax.append(am)
+        step_loss = loss_sum / _denominator(self.denominators, j, n_valid)
         with torch.no_grad():
-            scored = scored_steps[j]
-            chain_valid = chain_ok & scored
-            chain_ok = chain_valid & correct
-            per_step.append(torch.stack([loss_sum.detach().double(), n_valid.double(), correct.sum().double(),
-                                         chain_valid.sum().double(), chain_ok.sum().double(),
-                                         scored.sum().double()]))
-    rows = torch.stack(per_step).T.tolist()  # [field][step], in StepCounts.FIELDS order
-    counts = StepCounts(steps, loss_sum=rows[0], **{name: [int(x) for x in col]
-                                                    for name, col in zip(StepCounts.FIELDS[1:], rows[1:])})
-    if walking:
-        flags = torch.stack(correct_steps).cpu().tolist()  # [steps][b][t]
-        for i, mask in enumerate(loss_mask.cpu().tolist()):
-            walked = chain_walk([f[i] for f in flags], mask)
-            counts.walk_rounds += len(walked)
-            counts.walk_accepted += sum(walked)
-    return total, counts
+            correct = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+            correct[vb, vt] = torch.cat(argmax) == self.draft_argmax[vb, vt + 1 + j]
+            n_valid = torch.tensor(n_valid, device=hidden.device)
+        return loss_sum, n_valid, correct, step_loss
+
+    def whole(self, j: int, hidden: torch.Tensor):
+        valid = self.valid_steps[j]
+        logits = self.draft.compute_logits(hidden).float()
+        target_p = shift_left(self.teacher.draft_logits, 1 + j).float().softmax(-1)
+        logp = logits.log_softmax(-1)
+        token_loss = -(target_p * logp).sum(-1)
+        loss_sum = (token_loss * valid).sum()
+        n_valid = valid.sum()
+        denominator = (n_valid.clamp(min=1) if self.denominators is None
+                       else _denominator(self.denominators, j, 0))
+        step_loss = loss_sum / denominator
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == shift_left(self.draft_argmax, 1 + j)) & valid
+        return loss_sum, n_valid, correct, step_loss
+
+
+class _StepTally:
+    """The per-step counts, kept on the device until the unroll ends (one host sync), and
+    without gradients (validation) each step's hits for the chain walk."""
+
+    def __init__(self, scored_steps: torch.Tensor):
+        self.scored_steps = scored_steps
+        self.walking = not torch.is_grad_enabled()  # validation: walk each sequence as a chain decode would
+        self.correct_steps: list[torch.Tensor] = []
+        self.chain_ok = torch.ones(scored_steps.shape[1:], dtype=torch.bool, device=scored_steps.device)
+        self.per_step: list[torch.Tensor] = []
+
+    def add(self, j: int, loss_sum: torch.Tensor, n_valid: torch.Tensor, correct: torch.Tensor) -> None:
+        if self.walking:
+            self.correct_steps.append(correct)
+        with torch.no_grad():
+            scored = self.scored_steps[j]
+            chain_valid = self.chain_ok & scored
+            self.chain_ok = chain_valid & correct
+            self.per_step.append(torch.stack([loss_sum.detach().double(), n_valid.double(), correct.sum().double(),
+                                              chain_valid.sum().double(), self.chain_ok.sum().double(),
+                                              scored.sum().double()]))
+
+    def counts(self, loss_mask: torch.Tensor) -> StepCounts:
+        rows = torch.stack(self.per_step).T.tolist()  # [field][step], in StepCounts.FIELDS order
+        counts = StepCounts(len(self.per_step), loss_sum=rows[0],
+                            **{name: [int(x) for x in col] for name, col in zip(StepCounts.FIELDS[1:], rows[1:])})
+        if self.walking:
+            flags = torch.stack(self.correct_steps).cpu().tolist()  # [steps][b][t]
+            for i, mask in enumerate(loss_mask.cpu().tolist()):
+                walked = chain_walk([f[i] for f in flags], mask)
+                counts.walk_rounds += len(walked)
+                counts.walk_accepted += sum(walked)
+        return counts

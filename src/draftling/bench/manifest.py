@@ -1,0 +1,119 @@
+"""One folder per bench run, and the manifest that says what made it.
+
+A run's folder is ``<date>-<what>-<commit>-<machine>[-<tag>]`` (bench/results/README.md) and
+holds its files and a ``manifest.json``: commit, command, config, machine and date. A bench
+that writes one file the user named records ``manifest_fields`` inside it instead, so nothing
+is written beside that file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from draftling import __version__
+from draftling.io import write_json
+
+MANIFEST = "manifest.json"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def tag_slug(tag: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", tag).strip("-")
+
+
+@functools.cache
+def code_commit() -> str:
+    """The short git hash of the checkout this package is imported from, or "unknown" (an
+    installed copy; the manifest's ``version`` then names the code). Read once per process, so
+    every name a run derives from it agrees."""
+    package = Path(__file__).resolve().parents[1]
+    try:
+        found = subprocess.run(["git", "-C", str(package), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    lines = found.stdout.split()
+    # A copy installed inside some other repository (a venv in a checkout) is not its code.
+    if found.returncode or len(lines) != 2 or (Path(lines[0]) / "src" / "draftling").resolve() != package:
+        return "unknown"
+    return lines[1]
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_slug(device) -> str:
+    """"cpu", or the GPU's name as a slug ("nvidia-h200"): the release files' ``gpu``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    return slug(torch.cuda.get_device_name(device))
+
+
+def machine_slug(gpu: str) -> str:
+    """The machine in a folder name: the GPU's slug, or for the CPU its family and cores
+    (cpu-epyc-2core), as bench/results/README.md lists them."""
+    if gpu != "cpu":
+        return gpu
+    model = cpu_model().lower()
+    family = next((f for f in ("epyc", "xeon", "ryzen") if f in model), None)
+    if family is None:
+        arch = platform.machine().lower()
+        family = {"x86_64": "x86", "amd64": "x86", "aarch64": "arm", "arm64": "arm"}.get(arch, slug(arch) or "cpu")
+    return f"cpu-{family}-{os.cpu_count()}core"
+
+
+def machine_line(device) -> str:
+    """One line: the machine's slug, GPU name or CPU model and cores, torch and transformers."""
+    import transformers
+
+    device = torch.device(device)
+    gpu = device_slug(device)
+    what = torch.cuda.get_device_name(device) if gpu != "cpu" else f"{cpu_model()}, {os.cpu_count()} cores"
+    return f"{machine_slug(gpu)}: {what}; torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def run_folder_name(date: str, what: str, commit: str, machine: str, tag: str | None = None) -> str:
+    name = f"{date}-{slug(what)}-{commit}-{machine}"
+    return f"{name}-{tag_slug(tag)}" if tag else name
+
+
+def manifest_fields(command: str | None, config: dict, device, date: str | None = None) -> dict:
+    """commit (with the package version, which names the code where the commit is unknown),
+    date, machine, command (default: this process's argv, quoted as a shell would need it) and
+    the resolved config."""
+    return {"commit": code_commit(), "version": __version__,
+            "date": date or datetime.date.today().isoformat(), "machine": machine_line(device),
+            "command": command if command is not None else shlex.join(sys.argv), "config": config}
+
+
+def write_manifest(folder: str | Path, command: str | None, config: dict, device, date: str | None = None,
+                   what: str | None = None, **extra) -> Path:
+    """``<folder>/manifest.json``: what the run measured, ``manifest_fields``, then ``extra``
+    (e.g. ``files``)."""
+    path = Path(folder) / MANIFEST
+    head = {"what": what} if what else {}
+    write_json(path, {**head, **manifest_fields(command, config, device, date), **extra})
+    return path

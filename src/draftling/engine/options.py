@@ -1,0 +1,95 @@
+"""How the decode engine runs: one frozen set of options for the target, the draft and the
+benches that build them, with "auto" resolved in one place (``EngineOptions.resolve``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from draftling.config import ENGINE_ATTENTION
+from draftling.errors import ConfigError
+
+# The config checks these names when it loads, and it cannot import the engine: it keeps them.
+ATTENTION_KINDS = ENGINE_ATTENTION
+AUTO = "auto"
+# "auto" attention on CUDA: "exact" for the speculative engine and its padded plain twin (the
+# identity reference); an unpadded plain reference takes the faster bf16 "matmul"
+# (bench/engine_profile.py measured both), so speedups are against the fastest plain engine.
+GPU_ATTENTION, GPU_UNPADDED_ATTENTION = "exact", "matmul"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """``cuda_graphs``: replay decode passes as CUDA graphs (a no-op for CPU tensors).
+    ``compile``: run each decoder layer as two compiled halves around the eager cache write.
+    ``query_pad``: pad every target pass of 1..query_pad queries to query_pad rows, 0 = off
+    (see ``CachedTarget``). ``attention``: one of ATTENTION_KINDS; the draft only proposes, so
+    "exact" gives it plain matmul attention. Each may be "auto" until ``resolve``; the engine's
+    classes take resolved options only. The defaults are the plain eager engine."""
+
+    cuda_graphs: bool | str = False
+    compile: bool | str = False
+    query_pad: int | str = 0
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        for name in ("cuda_graphs", "compile", "query_pad", "attention"):
+            if getattr(self, name) is None:  # None reads as "auto", as the config's nulls do
+                object.__setattr__(self, name, AUTO)
+        if self.attention not in (AUTO, *ATTENTION_KINDS):
+            raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        pad = self.query_pad
+        if pad != AUTO and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
+            raise ConfigError(f"query_pad must be an integer >= 0 or 'auto', got {pad!r}")
+        for name in ("cuda_graphs", "compile"):
+            if getattr(self, name) not in (AUTO, True, False):
+                raise ConfigError(f"{name} must be true, false or 'auto', got {getattr(self, name)!r}")
+
+    @classmethod
+    def auto(cls) -> EngineOptions:
+        """Every option "auto": the GPU settings on CUDA, the plain eager engine elsewhere."""
+        return cls(AUTO, AUTO, AUTO, AUTO)
+
+    @classmethod
+    def of(cls, options: EngineOptions | None = None, **fields) -> EngineOptions:
+        """``options`` (default: plain eager) with ``fields`` replaced: where the keyword form
+        (``cuda_graphs=``, ``compile=``, ``query_pad=``, ``attention=``) becomes options."""
+        return dataclasses.replace(options or cls(), **fields)
+
+    @property
+    def resolved(self) -> bool:
+        return AUTO not in (self.cuda_graphs, self.compile, self.query_pad, self.attention)
+
+    def resolve(self, device, max_draft_tokens: int = 0) -> EngineOptions:
+        """These options for ``device`` without "auto": on CUDA graphs, compiled layers, exact
+        attention and every pass padded to ``max_draft_tokens`` (the largest verify pass);
+        elsewhere eager SDPA, unpadded. A pad below ``max_draft_tokens`` is refused: the larger
+        verify passes would run other kernels than plain decoding."""
+        gpu = torch.device(device).type == "cuda"
+
+        def pick(value, auto):
+            return auto if value == AUTO else value
+
+        out = EngineOptions(cuda_graphs=bool(pick(self.cuda_graphs, gpu)), compile=bool(pick(self.compile, gpu)),
+                            query_pad=int(pick(self.query_pad, max_draft_tokens if gpu else 0)),
+                            attention=pick(self.attention, GPU_ATTENTION if gpu else "sdpa"))
+        if out.query_pad and out.query_pad < max_draft_tokens:
+            raise ConfigError(f"query_pad {out.query_pad} is below the largest config's {max_draft_tokens} "
+                              "draft tokens")
+        return out
+
+    def unpadded(self, device) -> EngineOptions:
+        """The unpadded plain reference beside a padded engine: these options resolved, without
+        padding; "auto" attention is the faster bf16 matmul there on CUDA."""
+        out = dataclasses.replace(self.resolve(device), query_pad=0)
+        if self.attention == AUTO and torch.device(device).type == "cuda":
+            out = dataclasses.replace(out, attention=GPU_UNPADDED_ATTENTION)
+        return out
+
+    def check_resolved(self) -> EngineOptions:
+        if not self.resolved:
+            raise ConfigError(f"{self} still holds 'auto': resolve it for a device first "
+                              "(EngineOptions.resolve)")
+        return self
