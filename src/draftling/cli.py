@@ -38,6 +38,8 @@ FLAG_KEYS = {
     "baseline_prompts_per_workload": "bench.baseline_prompts_per_workload", "results_dir": "bench.results_dir",
     "tag": "bench.tag", "engine_compile": "bench.engine_compile", "query_pad": "bench.query_pad",
     "attention": "bench.attention",
+    "shard_size": "extract.shard_size", "extract_batch_size": "extract.batch_size",
+    "logits_dtype": "extract.logits_dtype",
     "minutes": "wall_minutes",
 }
 # A flag's value where it is not the key's value as it stands.
@@ -53,6 +55,7 @@ DATA_FLAGS = ("chat_template", "prompts", "server", "server_model")
 BENCH_FLAGS = ("configs", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p")
 RELEASE_FLAGS = ("configs", "max_new_tokens", "prompt_set", "baselines", "baseline_prompts_per_workload",
                  "results_dir", "tag", "engine_compile", "query_pad", "attention")
+EXTRACT_FLAGS = ("shard_size", "extract_batch_size", "logits_dtype")
 
 
 def flag_overrides(args, flags) -> list[str]:
@@ -222,6 +225,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
 
 def add_extract_parser(sub) -> None:
     """`draftling extract`: the teacher's outputs cached for offline training."""
+    from draftling.config import EXTRACT_CHOICES
+
     p = sub.add_parser("extract", help="run the teacher once and cache its outputs for offline training",
                        description="Offline mode, step 1: run the target over <data>/train.jsonl (and "
                        "val.jsonl when present) and write what the loss needs (aux hidden states, "
@@ -236,12 +241,14 @@ def add_extract_parser(sub) -> None:
     p.add_argument("--data", required=True, help="directory written by `draftling data`")
     p.add_argument("--out", required=True, metavar="CACHE", help="cache directory to write (or resume)")
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
-    p.add_argument("--shard-size", type=int, default=256, metavar="N",
-                   help="sequences per shard (default 256)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="N",
-                   help="sequences per teacher forward pass (default 8)")
-    p.add_argument("--logits-dtype", choices=["float32", "bfloat16", "float16"],
-                   help="storage dtype of the draft-vocab logits (default: the target's dtype, lossless)")
+    # Each sets its config key extract.<name> (this --batch-size is not plan's: its own dest).
+    p.add_argument("--shard-size", type=int, metavar="N",
+                   help="sequences per shard (default: config extract.shard_size, 256)")
+    p.add_argument("--batch-size", dest="extract_batch_size", type=int, metavar="N",
+                   help="sequences per teacher forward pass (default: config extract.batch_size, 8)")
+    p.add_argument("--logits-dtype", choices=EXTRACT_CHOICES["logits_dtype"],
+                   help="storage dtype of the draft-vocab logits (default: config extract.logits_dtype, null: "
+                   "the target's dtype, lossless)")
 
 
 def add_bench_parser(sub) -> None:
@@ -466,18 +473,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_extract(args) -> None:
-    cfg = run_config(args)  # --shard-size, --batch-size, --logits-dtype: the cache's own, no config keys
+    cfg = run_config(args, (*TARGET_FLAGS, *EXTRACT_FLAGS))
     check_data_files(Path(args.data))
     from draftling.target import load_target_from_config
-    from draftling.train.offline import check_cache_dir, extract
-    from draftling.train.settings import compile_teacher
+    from draftling.train.offline import ExtractOptions, check_cache_dir, extract
 
     check_cache_dir(Path(args.out))  # before the target loads
     target = load_target_from_config(cfg)
-    # Compiled like the trainer's teacher (train.compile_teacher; auto: on CUDA).
-    extract(target, args.data, args.out, args.vocab, shard_size=args.shard_size,
-            batch_size=args.batch_size, dtype=args.logits_dtype,
-            compile_teacher=compile_teacher(cfg.train, target.device, target.model))
+    extract(target, args.data, args.out, args.vocab, ExtractOptions.from_config(cfg, target))
 
 
 def _given(args, flags) -> list[str]:

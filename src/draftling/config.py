@@ -44,9 +44,10 @@ TRAIN_CHOICES = {
 
 
 def check_choices(section: str, obj, choices: dict) -> None:
+    """None passes where a field allows it (its type says so; an unset choice)."""
     for name, allowed in choices.items():
         value = getattr(obj, name)
-        if value not in allowed:
+        if value is not None and value not in allowed:
             raise ConfigError(f"{section}.{name}={value!r}: expected one of {', '.join(allowed)}")
 
 
@@ -311,6 +312,25 @@ class BenchConfig:
                               f"{', '.join(RELEASE_BASELINES)}")
 
 
+# The storage dtypes `extract` writes the draft-vocab logits in (train/offline.py).
+EXTRACT_CHOICES = {"logits_dtype": ("float32", "bfloat16", "float16")}
+
+
+@dataclass
+class ExtractConfig:
+    """`draftling extract` (train/offline.py): how the offline teacher cache is written."""
+
+    shard_size: int = 256  # sequences per shard
+    batch_size: int = 8  # sequences per teacher forward pass
+    # Storage dtype of the draft-vocab logits: float32, bfloat16 or float16; null = the
+    # target's compute dtype (lossless). They dominate the cache's size.
+    logits_dtype: str | None = None
+
+    def __post_init__(self):
+        check_bounds("extract", self, {"shard_size": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE})
+        check_choices("extract", self, EXTRACT_CHOICES)
+
+
 @dataclass
 class RunConfig:
     target: str = "smollm2-135m-instruct"
@@ -330,6 +350,7 @@ class RunConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
 
     def __post_init__(self):
         check_bounds("", self, {"wall_minutes": ("a number >= 0 (0 = no budget)", lambda v: v >= 0)})

@@ -22,7 +22,8 @@ forward+backward and optimizer step; then back to back with one sync at the end,
 trainer runs, which gives tokens/s.
 
 The results JSON is rewritten (atomically) after every run, so a bench cut off by a time
-limit still leaves what it finished.
+limit still leaves what it finished. It records the run's manifest fields (commit, command,
+config, machine, date; bench/manifest.py) inside it under "manifest".
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo
 
+from draftling.bench.manifest import manifest_fields
 from draftling.bench.simple import device_name
 from draftling.config import RunConfig, TrainConfig
 from draftling.data.tokenized import TokenizedExample
@@ -51,7 +53,7 @@ from draftling.io import write_json
 from draftling.train.distributed import DistContext, TTTObjective, shard, wrap
 from draftling.train.optim import build_optimizer
 from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
-from draftling.train.teacher import TeacherBatch, teacher_forward
+from draftling.train.teacher import TeacherBatch, TeacherSource, teacher_forward
 from draftling.train.settings import (compile_teacher, draft_param_dtype, memory_options, optimizer_offload,
                                       unroll_options)
 from draftling.train.trainer import (BatchSource, RunInputs, TrainRun, build_draft, build_run, place_draft,
@@ -224,7 +226,7 @@ def stub_batch(shape: DraftShape, batch: int, seq: int, device: torch.device, au
 
 
 class StubTeacher:
-    """A teacher source (as trainer.BatchSource takes one) that serves the one stub batch."""
+    """A TeacherSource (as trainer.BatchSource takes one) that serves the one stub batch."""
 
     cacheable = False
 
@@ -233,6 +235,9 @@ class StubTeacher:
 
     def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
         return self.batch
+
+    def for_split(self, split: str, data_hash: str | None = None) -> TeacherSource | None:
+        return None
 
 
 def token_examples(ids: torch.Tensor, source: str) -> list[TokenizedExample]:
@@ -581,6 +586,18 @@ def new_results(settings: Settings, device: torch.device) -> dict:
     }
 
 
+def manifest_config(settings: Settings, device: torch.device, target, phases) -> dict:
+    """What a run was asked to do, as JSON values for its manifest: the settings (caveats left
+    out: they are the results'), the phases, the device and the throughput teacher."""
+    record = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name != "caveats"}
+    record["shape"] = dataclasses.asdict(settings.shape)
+    record["aux_dtype"] = str(settings.aux_dtype).removeprefix("torch.")
+    spec = getattr(target, "spec", None)
+    return {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in record.items()},
+            "phases": list(phases), "device": str(device),
+            "target": spec.name if spec is not None else (None if target is None else str(target))}
+
+
 def caveats(results: dict, settings: Settings) -> list[str]:
     notes = [
         "memory runs stub the teacher with random tensors: no teacher weights or teacher forward on the "
@@ -625,11 +642,12 @@ def _save(out, results: dict, settings: Settings) -> None:
         write_json(out, results)
 
 
-def run_bench(out, settings: Settings, device: torch.device, target=None, phases=PHASES) -> dict:
+def run_bench(out, settings: Settings, device: torch.device, target=None, phases=PHASES,
+              command: str | None = None) -> dict:
     """Run the phases in order (headline memory, throughput, sequence scaling, ablations; the
     FSDP ablation, the one run that needs a process group, last), rewriting ``out`` after
     each run. ``target``: a loaded Target, a path/name to load in bf16, or None to skip the
-    throughput phase."""
+    throughput phase. ``command``: the manifest's (default: this process's argv)."""
     started = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = True  # as trainer.train sets it
     # One bench process compiles flex attention and the loss chunk for several shapes and
@@ -637,6 +655,8 @@ def run_bench(out, settings: Settings, device: torch.device, target=None, phases
     # silently runs eagerly, which would measure the wrong thing.
     allow_recompiles(64)
     results = new_results(settings, device)
+    results["manifest"] = manifest_fields(command, manifest_config(settings, device, target, phases), device,
+                                          results["date"])
     s = settings
     bench = MemoryBench(s, device) if {"memory", "ablation", "seq"} & set(phases) else None
     if "memory" in phases:

@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from draftling.config import ExtractConfig, RunConfig
 from draftling.data.runs import check_one_run
 from draftling.data.tokenized import load_tokenized
 from draftling.draft.vocab import hash_dataset_file, load_vocab
@@ -45,6 +46,7 @@ from draftling.errors import DataError
 from draftling.faults import fault_point
 from draftling.io import atomic_path, output_dir_in_use, write_json
 from draftling.train.dataset import collate
+from draftling.train.settings import compile_teacher as resolve_compile_teacher
 from draftling.train.teacher import TeacherBatch, teacher_forward
 
 FORMAT = 1
@@ -154,17 +156,25 @@ def check_cache_dir(out_dir: Path) -> None:
 class ExtractOptions:
     """How ``extract`` runs: rows per shard and per teacher batch; ``dtype``, the storage dtype
     of draft_logits (None keeps the target's compute dtype, which is lossless);
-    ``compile_teacher``, ``teacher_forward``'s ``compile`` (the CLI follows
+    ``compile_teacher``, ``teacher_forward``'s ``compile`` (``from_config`` follows
     ``train.compile_teacher``: on for CUDA)."""
 
-    shard_size: int = 256
-    batch_size: int = 8
+    shard_size: int = ExtractConfig.shard_size  # the config's defaults, as the CLI's
+    batch_size: int = ExtractConfig.batch_size
     dtype: str | torch.dtype | None = None
     compile_teacher: bool | str = False
 
     def __post_init__(self):
         if self.shard_size < 1 or self.batch_size < 1:
             raise DataError(f"shard_size and batch_size must be >= 1 (got {self.shard_size}, {self.batch_size})")
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, target) -> ExtractOptions:
+        """The options of ``cfg.extract`` (the CLI's flags set its keys), with the teacher
+        compiled as the trainer's is (``train.compile_teacher``; auto: on CUDA)."""
+        e = cfg.extract
+        return cls(shard_size=e.shard_size, batch_size=e.batch_size, dtype=e.logits_dtype,
+                   compile_teacher=resolve_compile_teacher(cfg.train, target.device, target.model))
 
 
 @dataclass(frozen=True)
@@ -376,7 +386,10 @@ class OfflineTeacher:
     Shards are memory-mapped on first use (safetensors safe_open) and only the rows of the
     requested examples are read. ``vocab_hash`` is the draft vocab's data hash and
     ``data_hash`` the hash of this split's jsonl; both are checked against the manifest.
+    A TeacherSource; ``cacheable`` is False: the cache already holds the final outputs.
     """
+
+    cacheable = False
 
     def __init__(self, cache_dir: str | Path, split: str = "train", vocab_hash: str | None = None,
                  data_hash: str | None = None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -78,6 +79,24 @@ def pad_stack(rows: list[torch.Tensor], length: int, fill=0) -> torch.Tensor:
                                                 value=fill) for x in rows])
 
 
+@runtime_checkable
+class TeacherSource(Protocol):
+    """Where the teacher's outputs come from instead of the resident target's forward (the
+    trainer takes ``TeacherSource | None``; None: the target runs).
+
+    ``cacheable``: whether the trainer's TeacherCache keeps its outputs (worth it when the
+    source still runs the output head; an offline cache already holds the final outputs).
+    ``get``: the outputs for the examples ``keys`` of ``lengths`` tokens, padded to the longest,
+    on ``device``. ``for_split``: the same source's teacher for another split of the data (e.g.
+    "val", whose jsonl hashes to ``data_hash``), or None when it has none."""
+
+    cacheable: bool
+
+    def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch: ...
+
+    def for_split(self, split: str, data_hash: str | None = None) -> TeacherSource | None: ...
+
+
 class TeacherCache:
     """Hybrid online/offline: keep each example's teacher outputs in host RAM on first
     sight and reuse them in later epochs, up to a byte budget. Rows are stored unpadded,
@@ -130,6 +149,11 @@ class KeptStatesTeacher:
 
     def __repr__(self) -> str:
         return f"KeptStatesTeacher({str(self.states.path)!r})"
+
+    def for_split(self, split: str, data_hash: str | None = None) -> TeacherSource | None:
+        """None: states are kept per jsonl file, and the trainer finds another split's beside
+        its own file (trainer.kept_states_teacher)."""
+        return None
 
     def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
         t = max(lengths)

@@ -35,7 +35,7 @@ from draftling.train.distributed import (DistContext, TTTObjective, all_reduce_s
                                          load_optimizer_state, rank_share, unwrap, wrap)
 from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import build_optimizer
-from draftling.train.teacher import KeptStatesTeacher, TeacherBatch, TeacherCache, teacher_forward
+from draftling.train.teacher import KeptStatesTeacher, TeacherBatch, TeacherCache, TeacherSource, teacher_forward
 from draftling.train.settings import (FAST_MEMORY_SHARE, compile_teacher, draft_param_dtype, fast_train_config,
                                       memory_options, optimizer_offload, unroll_options)
 from draftling.train.ttt import StepCounts, UnrollOptions, step_valid_counts
@@ -250,7 +250,7 @@ class BatchSource:
     examples: list
     device: torch.device
     ctx: DistContext = DistContext()
-    teacher: object | None = None  # get(keys, lengths, device) -> TeacherBatch; None: the target runs
+    teacher: TeacherSource | None = None  # None: the target runs
     cache: TeacherCache | None = None
     # Fixed unroll options (the training bench runs the options it estimates); None: resolved
     # per batch for the draft's params, as a run does.
@@ -286,7 +286,7 @@ def teacher_outputs(source: BatchSource, share: list[int], lengths: list[int], b
     """The teacher's outputs for this rank's ``share`` of a batch, collated as ``batch``."""
     cache, device, teacher_source = source.cache, source.device, source.teacher
     # An offline cache already holds the final outputs; kept states still need the head.
-    if cache and not getattr(teacher_source, "cacheable", teacher_source is None):
+    if cache and teacher_source is not None and not teacher_source.cacheable:
         cache = None
     teacher = cache.get(share, lengths, device) if cache else None
     if teacher is None:
@@ -327,7 +327,7 @@ def run_batch(objective, source: BatchSource, keys: list[int]):
 
 @torch.no_grad()
 def evaluate(objective, target: Target, examples, cfg: RunConfig, device, max_batches: int,
-             teacher_source=None, ctx: DistContext | None = None) -> dict:
+             teacher_source: TeacherSource | None = None, ctx: DistContext | None = None) -> dict:
     """Validation metrics over the first ``max_batches`` batches, exact over any world size.
     ``objective`` is what ``distributed.wrap`` returns, or a bare draft."""
     ctx = ctx or current()
@@ -415,6 +415,9 @@ class _RandomStates:
     def __init__(self, target: Target, t2d: torch.Tensor):
         self.target, self.t2d = target, t2d
 
+    def for_split(self, split: str, data_hash: str | None = None) -> TeacherSource | None:
+        return None
+
     def get(self, keys: list[int], lengths: list[int], device) -> "TeacherBatch":
         from draftling.train.teacher import head_outputs
 
@@ -472,7 +475,7 @@ def host_draft(objective, config) -> Eagle3Draft:
 # the weights a step computes.
 RESUME_FREE_KEYS = ("train.max_minutes", "train.fit_schedule", "train.log_every", "train.ckpt_every",
                     "train.keep_checkpoints", "train.val_every", "train.max_val_batches", "wall_minutes",
-                    "device", "data.", "bench.")
+                    "device", "data.", "bench.", "extract.")
 
 
 def resume_config_changes(run_dir: Path, cfg: RunConfig, allow_change) -> dict:
@@ -543,17 +546,21 @@ class RunInputs:
     examples: list
     val_examples: list
     vocab: object
-    teacher: object | None  # None: the resident target is the teacher
-    val_teacher: object | None
+    teacher: TeacherSource | None  # None: the resident target is the teacher
+    val_teacher: TeacherSource | None
 
 
-def load_run_inputs(target: Target, train_path, val_path, vocab_path, teacher_source, say) -> RunInputs:
+def load_run_inputs(target: Target, train_path, val_path, vocab_path, teacher_source: TeacherSource | None,
+                    say) -> RunInputs:
+    """The examples, the vocab and the teachers of both splits. A given ``teacher_source`` serves
+    validation through its ``for_split("val", hash)``; without one, the states kept beside each
+    jsonl file (if any) are the teacher of its split."""
     n_vocab = target.config.vocab_size
     check_one_run(*[Path(p) for p in (train_path, val_path) if p])
     examples = load_tokenized(train_path, n_vocab)
     val_examples = load_tokenized(val_path, n_vocab) if val_path and Path(val_path).exists() else []
     val_teacher = None
-    if teacher_source is not None and val_examples and hasattr(teacher_source, "for_split"):
+    if teacher_source is not None and val_examples:
         val_teacher = teacher_source.for_split("val", hash_dataset_file(val_path))
     vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path), target_vocab_size=n_vocab)
     if teacher_source is None:
@@ -713,11 +720,11 @@ class RunDirClaim:
 
 
 def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
-          val_path: str | Path | None, vocab_path: str | Path, teacher_source=None, **claim) -> dict:
-    """``teacher_source``: an object with ``get(keys, lengths, device) -> TeacherBatch`` (e.g. an
-    offline.OfflineTeacher) used instead of running the teacher; its ``for_split("val", hash)``,
-    when it has one, serves validation. ``claim``: RunDirClaim's fields (resume, overwrite,
-    allow_change).
+          val_path: str | Path | None, vocab_path: str | Path, teacher_source: TeacherSource | None = None,
+          **claim) -> dict:
+    """``teacher_source``: a TeacherSource (e.g. an offline.OfflineTeacher) used instead of running
+    the teacher; its ``for_split("val", hash)``, when not None, serves validation. ``claim``:
+    RunDirClaim's fields (resume, overwrite, allow_change).
 
     Under torchrun (``distributed.init_distributed`` called first) every rank runs this
     with its own resident teacher and its share of each global batch; rank 0 writes."""
