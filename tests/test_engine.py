@@ -304,8 +304,9 @@ def test_tree_is_connected_and_masked():
     for steps, topk, q in TREES:
         rnd = SpecRound(target, dr, steps, topk, q)
         with torch.no_grad():
-            tokens, parents_t, depths_t = rnd.draft_tree(n_t, root_t, h, lg)
-            mask = rnd.tree_mask(n_t, parents_t)
+            # The round's device functions work on batch rows: this test has one.
+            tokens, parents_t, depths_t = (t[0] for t in rnd.draft_tree(n_t, root_t, h, lg))
+            mask = rnd.tree_mask(n_t, parents_t[None])[0]
             want = ref_build_tree(dr, 5, h[0], lg[0], n, steps, topk, q)
         for got, ref in zip((tokens, parents_t, depths_t), want):
             assert torch.equal(got, ref)
@@ -341,12 +342,12 @@ def test_rounds_match_reference(kind, steps, topk, ndt, monkeypatch):
 
     def draft_tree(self, n, root, h, lg):
         out = tree_of(self, n, root, h, lg)
-        got_rounds.append([int(n), *[t.tolist() for t in out]])
+        got_rounds.append([int(n), *[t[0].tolist() for t in out]])  # batch row 0
         return out
 
     def tree_mask(self, n, parents):
         mask = mask_of(self, n, parents)
-        got_rounds[-1].append(mask)
+        got_rounds[-1].append(mask[0])
         return mask
 
     monkeypatch.setattr(SpecRound, "draft_tree", draft_tree)
@@ -783,11 +784,11 @@ def test_tree_selection_on_a_hand_worked_example():
 
     draft = StubDraft()
     target = SimpleNamespace(device=torch.device("cpu"), max_seq_len=32, cuda_graphs=False,
-                             move_kv=lambda src, dst: None)
+                             batch_size=1, query_pad=0)
     rnd = SpecRound(target, draft, steps=3, topk=2, num_draft_tokens=6)
     root_logits = log_probs({1: 0.6, 2: 0.3})[None]
     n = torch.tensor([4])
-    tokens, parents, depths = rnd.draft_tree(n, torch.tensor([9]), torch.zeros(1, 8), root_logits)
+    tokens, parents, depths = (t[0] for t in rnd.draft_tree(n, torch.tensor([9]), torch.zeros(1, 8), root_logits))
     # Candidates (cumulative probability): depth 1: 1 (.6), 2 (.3); depth 2, expanding both:
     # 1-3 (.54), 1-4 (.03), 2-5 (.15), 2-3 (.12); depth 3, expanding the best two, 1-3 and 2-5:
     # 1-3-4 (.378), 1-3-5 (.108), 2-5-0 (.075), 2-5-1 (.045). The best five, in expansion order:
@@ -796,7 +797,7 @@ def test_tree_selection_on_a_hand_worked_example():
     assert parents.tolist() == [0, 0, 0, 1, 2, 3]
     assert depths.tolist() == [0, 1, 1, 2, 2, 3]
     # Verify's mask: the context (< n) plus each node's ancestors and itself, at slots n + node.
-    mask = rnd.tree_mask(n, parents)
+    mask = rnd.tree_mask(n, parents[None])[0]
     assert mask[:, :4].all() and not mask[:, 10:].any()
     ancestors = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 2, 4}, 5: {0, 1, 3, 5}}
     for node, seen in ancestors.items():

@@ -376,7 +376,9 @@ def cmd_data(args) -> None:
         from draftling.target import load_target_from_config
 
         target = load_target_from_config(cfg)
-    prepare_data(cfg, target, args.out)
+    from draftling.engine.batch import reply_engine_for
+
+    prepare_data(cfg, target, args.out, replies=reply_engine_for(cfg.data, target))
 
 
 def cmd_vocab(args) -> None:

@@ -78,8 +78,14 @@ class RegenConfig:
     api_key_env: str = "OPENAI_API_KEY"  # env var holding the key (the key is never written)
     request_timeout_s: float = 600.0
     max_retries: int = 5  # on connection errors, HTTP 429 and 5xx
+    # Write greedy replies with the batched plain engine (engine/batch.py) instead of HF
+    # generate: data.regen.batch_size engine rows, finished rows refilled. auto = on with CUDA,
+    # greedy, without kept teacher states, for an architecture the engine serves; on = the same
+    # but refused (with the reason) where it cannot; off = HF generate.
+    engine: str = "auto"
 
     def __post_init__(self):
+        check_choices("data.regen", self, {"engine": ("auto", "on", "off")})
         check_bounds("data.regen", self, {
             "max_new_tokens": AT_LEAST_ONE, "temperature": NON_NEGATIVE,
             "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1), "batch_size": AT_LEAST_ONE,

@@ -106,17 +106,19 @@ def sample_by_source(rows: list[tuple], n: int) -> list[tuple]:
     return out
 
 
-def build_engine(target: Target, draft, max_seq_len: int, options: EngineOptions | None = None, **engine):
+def build_engine(target: Target, draft, max_seq_len: int, options: EngineOptions | None = None,
+                 batch_size: int = 1, **engine):
     """The decode engine for a target and a draft, both with ``options`` (resolved; default the
-    plain eager engine), or its fields as keywords (see engine/options.py)."""
+    plain eager engine), or its fields as keywords (see engine/options.py); ``batch_size`` rows
+    for engine/batch.py's ragged batches."""
     from draftling.engine import CachedTarget, DraftRunner, EngineOptions
 
     options = EngineOptions.of(options, **engine)
     # The draft decides which layers feed it; using the target's defaults here instead would
     # be the silent off-by-one that collapses acceptance.
     ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
-    engine_target = CachedTarget.from_hf(target.model, ids, max_seq_len, options=options)
-    runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, options=options)
+    engine_target = CachedTarget.from_hf(target.model, ids, max_seq_len, batch_size=batch_size, options=options)
+    runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, batch_size=batch_size, options=options)
     return engine_target, runner
 
 

@@ -169,9 +169,10 @@ class Regenerated:
 
 
 def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path,
-                 regen_seconds: float | None = None) -> dict:
+                 regen_seconds: float | None = None, replies=None) -> dict:
     """With ``data.regen.server_url`` set the replies come from that server and ``target``
-    may be just the tokenizer (``load_target_tokenizer``).
+    may be just the tokenizer (``load_target_tokenizer``). ``replies``: RegenRun.replies, the
+    batched engine's replies where data.regen.engine picks it (engine.batch.reply_engine_for).
 
     ``regen_seconds``: a time budget for local regeneration. Validation's replies are all
     written first; the training replies are then a random sample of the training prompts,
@@ -189,6 +190,8 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
           f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
+    if local is not None and replies is not None:
+        local = replace(local, replies=replies)
     regenerated = _regenerate(dc, target, journal, local, (train_convs, val_convs), regen_seconds)
     replies = regenerated.replies
     run = run_id([r.record for r in replies], journal.settings)
@@ -213,6 +216,7 @@ class _LocalRegen:
 
     cfg: RegenConfig
     one_pass: bool  # that dtype is the target's own: validation's replies need no pass of their own
+    replies: object = None  # RegenRun.replies: the batched engine's, or None for HF generate
 
 
 def _pinned_regen(dc, target, journal: ReplyJournal) -> _LocalRegen | None:
@@ -247,8 +251,8 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
         records = list(regenerate_via_server(target.tokenizer, train_convs + val_convs, dc.regen,
                                              max_prompt_tokens=max_prompt, server=server, journal=journal))
     elif local is not None:
-        regen = partial(regenerate, target, run=RegenRun(max_prompt_tokens=max_prompt,
-                                                         keep_states=dc.keep_teacher_states, journal=journal))
+        regen = partial(regenerate, target, run=RegenRun(max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states,
+                                                         journal=journal, replies=local.replies))
         as_served = replace(dc.regen, dtype=None)  # the target as served, for validation's replies
         if regen_seconds is not None:
             t0 = time.perf_counter()

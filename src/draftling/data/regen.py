@@ -25,6 +25,11 @@ from draftling.target.aux import recording_aux_states
 from draftling.target.quant import has_plain_weights
 
 
+# With an engine's replies, a regeneration batch holds this many times data.regen.batch_size
+# prompts for batch_size engine rows: rows that finish early take the next prompt.
+REPLY_CHUNKS = 4
+
+
 def render_prompt_ids(tokenizer, conv: Conversation) -> list[int]:
     text = render(tokenizer, prompt_messages(conv), tools=conv.tools, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -108,6 +113,11 @@ class RegenRun:
     # data/journal.py: a batch whose replies are all journaled is not run again; every batch
     # that is run is journaled before its records are yielded.
     journal: object = None
+    # Greedy replies from a batched engine instead of HF generate: ``replies(model)`` gives
+    # ``fn(prompt_ids, max_new_tokens, eos_ids) -> [(reply, "eos" | "length")]`` for the model
+    # that writes the replies (engine.batch.reply_engine_for). A batch then holds REPLY_CHUNKS x
+    # data.regen.batch_size prompts, so finished rows are refilled.
+    replies: object = None
 
 
 def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run: RegenRun | None = None,
@@ -124,13 +134,18 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run:
 def _regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run: RegenRun) -> Iterator[dict]:
     model = generating_model(target, cfg)
     prompts = _prompts(target.tokenizer, convs, run)
-    batches = _BatchGenerator(target, model, cfg, target.stop_token_ids(), run.keep_states)
+    if run.replies is not None and (run.keep_states or cfg.temperature > 0):
+        raise ConfigError("regeneration through the engine is greedy and keeps no states; "
+                          "use HF generate (data.regen.engine=off) for sampled replies or kept states")
+    replies = run.replies(model) if run.replies is not None else None
+    batches = _BatchGenerator(target, model, cfg, target.stop_token_ids(), run.keep_states, replies)
     bar = Progress(len(prompts), "regenerate", enabled=run.progress)
     done = generated = 0
     t0 = time.perf_counter()
     pace = {} if run.pace is None else run.pace
-    for start in range(0, len(prompts), cfg.batch_size):
-        chunk = prompts[start:start + cfg.batch_size]
+    chunk_size = cfg.batch_size * (REPLY_CHUNKS if run.replies is not None else 1)
+    for start in range(0, len(prompts), chunk_size):
+        chunk = prompts[start:start + chunk_size]
         if run.journal is not None and run.journal.has_all(c.id for c, _ in chunk):
             yield from (run.journal.get(c.id) for c, _ in chunk)
             done += len(chunk)
@@ -200,9 +215,14 @@ class _BatchGenerator:
     cfg: RegenConfig
     eos_ids: list[int]
     keep_states: bool
+    replies: object = None  # RegenRun.replies(model)
 
     def records(self, chunk: list[tuple[Conversation, list[int]]], start: int) -> tuple[list[dict], int]:
         """The batch's records, and how many reply tokens it generated."""
+        if self.replies is not None:
+            done = self.replies([ids for _, ids in chunk], self.cfg.max_new_tokens, self.eos_ids)
+            records = [self._record(conv, ids, reply, stopped) for (conv, ids), (reply, stopped) in zip(chunk, done)]
+            return records, sum(len(reply) for reply, _ in done)
         out, width, recording = self._generate(chunk, start)
         records, reply_tokens = [], 0
         for i, ((conv, ids), row) in enumerate(zip(chunk, out[:, width:].tolist())):

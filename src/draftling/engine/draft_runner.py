@@ -21,7 +21,7 @@ from torch import nn
 
 from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft
 from draftling.engine.options import EngineOptions
-from draftling.engine.target_model import StaticFn, causal_mask, compile_once, matmul_attention
+from draftling.engine.target_model import StaticFn, causal_mask, compile_once, matmul_attention, row_mask, write_kv
 
 
 def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul: bool):
@@ -30,7 +30,7 @@ def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, us
     if use_matmul:
         o = matmul_attention(q, k_cache, v_cache, attn_mask, q.shape[-1] ** -0.5)
     else:
-        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attn_mask,
+        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=row_mask(attn_mask),
                                            enable_gqa=k_cache.shape[1] != q.shape[1])
     out = draft.midlayer.attention_to_output(hidden, o)
     return out, draft.compute_logits(out)
@@ -57,6 +57,7 @@ class DraftRunner(nn.Module):
                              persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device),
                              persistent=False)
+        self.register_buffer("cols", torch.arange(shape[2], device=w.device), persistent=False)
         self.graphed = options.cuda_graphs or options.compile
         # Compiled like the target's layers: the two halves around the eager cache write.
         # The draft only proposes: "exact" buys it nothing over plain matmul attention.
@@ -75,10 +76,12 @@ class DraftRunner(nn.Module):
     def cache_size(self) -> int:
         return self.k_cache.shape[2]
 
-    def forward(self, input_ids, hidden, positions, cache_positions, attn_mask, compiled=None):
+    def forward(self, input_ids, hidden, positions, cache_positions, attn_mask, compiled=None, kv=None):
         """One draft layer pass. ``hidden`` is the fused target feature or the draft's own
         previous output. Returns (pre-norm hidden [B,T,H], draft logits [B,T,Vd]).
-        ``compiled``: default ``self.compile``; the prompt's extend passes False (its length varies)."""
+        ``cache_positions`` [T] or [B,T], ``attn_mask`` [T,C] or [B,T,C] (see ``write_kv``).
+        ``compiled``: default ``self.compile``; the prompt's extend passes False (its length
+        varies). ``kv``: (K, V) scratch buffers instead of the cache (``extend_rows``)."""
         b, t = input_ids.shape
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(b, t)
@@ -88,15 +91,33 @@ class DraftRunner(nn.Module):
         attn_out = compile_once(draft_outputs) if fast else draft_outputs
         cos, sin = self.draft.rotary_emb(hidden, positions)
         q, k, v = attn_in(layer, self.embed(input_ids).to(hidden.dtype), hidden, cos, sin)
-        self.k_cache.index_copy_(2, cache_positions, k)
-        self.v_cache.index_copy_(2, cache_positions, v)
-        return attn_out(self.draft, hidden, q, self.k_cache, self.v_cache, attn_mask, self.use_matmul)
+        k_cache, v_cache = kv if kv is not None else (self.k_cache, self.v_cache)
+        write_kv(k_cache, cache_positions, k)
+        write_kv(v_cache, cache_positions, v)
+        return attn_out(self.draft, hidden, q, k_cache, v_cache, attn_mask, self.use_matmul)
 
     def _extend(self, input_ids, aux, start, compiled=None):
-        # Slots and mask from the device tensor ``start``: nothing here depends on host values.
-        slots = start + torch.arange(input_ids.shape[1], device=input_ids.device)
-        mask = causal_mask(start, input_ids.shape[1], self.cache_size, input_ids.device)
+        """Commit rows at ``start`` [B] (each batch row its own start). Slots and mask come from
+        the device tensor: nothing here depends on host values."""
+        slots = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = self.cols[None, None] <= slots[:, :, None]
         return self.forward(input_ids, self.draft.fuse(aux), slots, slots, mask, compiled)
+
+    @torch.no_grad()
+    def extend_rows(self, rows: torch.Tensor, next_ids: torch.Tensor, aux: torch.Tensor, lengths: torch.Tensor):
+        """The prompts of new requests into batch rows ``rows`` [g] (right-padded [g,T], as
+        ``CachedTarget.prefill_rows``), eager through a scratch cache. Returns each row's
+        (hidden [g,H], logits [g,Vd]) at its last real position."""
+        g, t = next_ids.shape
+        shape = (g, self.k_cache.shape[1], t, self.k_cache.shape[3])
+        kv = tuple(torch.zeros(shape, dtype=self.k_cache.dtype, device=self.k_cache.device) for _ in range(2))
+        pos = torch.arange(t, device=next_ids.device)
+        mask = causal_mask(0, t, t, next_ids.device)
+        hidden, logits = self.forward(next_ids, self.draft.fuse(aux), pos, pos, mask, False, kv)
+        self.k_cache[rows, :, :t] = kv[0]
+        self.v_cache[rows, :, :t] = kv[1]
+        last = torch.arange(g, device=next_ids.device), lengths - 1
+        return hidden[last], logits[last]
 
     @torch.no_grad()
     def extend(self, next_ids: torch.Tensor, aux: torch.Tensor, start, pad_to: int | None = None):

@@ -181,6 +181,22 @@ def _accept_sample(logits, toks, children, temperature, top_k, top_p, generator)
         cur = path[-1]
 
 
+def accept_tree(packed: list, logits: torch.Tensor, o: "SpecOptions") -> tuple[list[int], list[int]]:
+    """Host-side acceptance of one row's verified tree: ``packed`` = (tokens, parents, target
+    argmax) as lists, ``logits`` [q,V]. Returns (path: node indices from the root, new: the
+    accepted drafts then the bonus token)."""
+    toks, parents, best = packed
+    children = [[] for _ in toks]
+    for i in range(1, len(toks)):
+        assert 0 <= parents[i] < i, "tree must be connected, parents before children"
+        children[parents[i]].append(i)
+    if o.temperature <= 0:
+        path, bonus = _accept_greedy(best, toks, children)
+    else:
+        path, bonus = _accept_sample(logits, toks, children, o.temperature, o.top_k, o.top_p, o.generator)
+    return path, [toks[i] for i in path[1:]] + [bonus]
+
+
 @dataclass(frozen=True)
 class SpecOptions:
     """The keyword options of ``speculative_generate``. ``temperature`` 0 = greedy; above it
@@ -274,7 +290,7 @@ def _device_rounds(rnd: SpecRound, state, n: int, out: _Output) -> int:
         for _ in range(max(1, min(RUN_AHEAD_ROUNDS, (out.max_new_tokens - len(out.tokens)) // rnd.path_len))):
             *state, emitted = rnd.fused_round(*state)
             queued.append(emitted)
-        for row in torch.stack(queued).tolist():
+        for (row,) in torch.stack(queued).tolist():
             k, moved, new = row[0], row[1], row[2:2 + row[0]]
             out.stats.add_round(k)
             if out.emit(new):
@@ -292,17 +308,7 @@ def _host_rounds(rnd: SpecRound, state, n: int, out: _Output, o: SpecOptions, ti
         if timer:
             timer.start()
         packed, aux, logits = rnd.propose(n_t, root_t, r_hidden, r_logits, timer)
-        toks, parents, best = packed.tolist()  # the round's one device->host sync
-        children = [[] for _ in toks]
-        for i in range(1, len(toks)):
-            assert 0 <= parents[i] < i, "tree must be connected, parents before children"
-            children[parents[i]].append(i)
-        if o.temperature <= 0:
-            path, bonus = _accept_greedy(best, toks, children)
-        else:
-            path, bonus = _accept_sample(logits[0], toks, children, o.temperature, o.top_k, o.top_p,
-                                         o.generator)
-        new = [toks[i] for i in path[1:]] + [bonus]
+        path, new = accept_tree(packed[0].tolist(), logits[0], o)  # the round's one device->host sync
         out.stats.add_round(len(path))
         out.emit(new)
         if timer:
@@ -310,6 +316,6 @@ def _host_rounds(rnd: SpecRound, state, n: int, out: _Output, o: SpecOptions, ti
         if out.done:
             return n
         # root + accepted drafts: positions n .. n+len(path)-1 to commit; bonus is the next root
-        moved, n_t, root_t, r_hidden, r_logits = rnd.commit(n, path, new, aux)
-        out.stats.compactions += int(moved)
+        moved, n_t, root_t, r_hidden, r_logits = rnd.commit([n], [path], [new], aux)
+        out.stats.compactions += int(moved[0])
         n += len(path)

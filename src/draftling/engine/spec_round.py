@@ -70,12 +70,14 @@ class SpecRound:
         # memory is truly asynchronous (torch.tensor(..., device=) waits for the stream).
         # Every upload is followed by a round's .tolist() before the next one, so the buffer
         # is never rewritten while a copy from it is in flight.
-        n_ctrl = 3 + 2 * self.path_len
+        b = target.batch_size
+        n_ctrl = b * (2 + 2 * self.path_len)
         self.cuda = dev.type == "cuda"
         self.ctrl_host = torch.zeros(n_ctrl, dtype=torch.long, pin_memory=self.cuda)
         self.ctrl = torch.zeros(n_ctrl, **long)
-        # Capture the move graphs now, not inside a timed round: an identity move changes nothing.
-        target.move_kv(self.path_rows, self.path_rows)
+        # A row whose next round would not fit the cache stops advancing (see commit_rows).
+        self.n_cap = target.max_seq_len - max(num_draft_tokens, target.query_pad)
+        self._commit_fn = StaticFn(self.commit_rows, **graphs)
 
     @classmethod
     def cached(cls, target: CachedTarget, draft: DraftRunner, steps: int, topk: int,
@@ -89,95 +91,113 @@ class SpecRound:
     # ------------------------------------------------------------------ device functions
 
     def draft_tree(self, n, root, r_hidden, r_logits):
-        """EAGLE-2 dynamic tree: expand ``topk`` children per frontier node for ``steps``
-        levels, score = cumulative draft log-prob, keep the best ``q - 1`` candidates.
+        """EAGLE-2 dynamic tree, per batch row: expand ``topk`` children per frontier node for
+        ``steps`` levels, score = cumulative draft log-prob, keep the best ``q - 1`` candidates.
 
-        ``n``, ``root``: [1] long; ``r_hidden`` [1,H], ``r_logits`` [1,Vd] propose the root's
-        children. Returns tokens [q] (node 0 = root), parents [q] (root: 0), depths [q]; nodes
-        are kept candidates in expansion order, so parents come before children."""
-        k, d2t = self.topk, self.draft.draft.draft_to_target
-        score, ids = torch.log_softmax(r_logits[0].float(), -1).topk(k)
+        ``n``, ``root``: [B] long; ``r_hidden`` [B,H], ``r_logits`` [B,Vd] propose the root's
+        children. Returns tokens [B,q] (node 0 = root), parents [B,q] (root: 0), depths [B,q];
+        nodes are kept candidates in expansion order, so parents come before children."""
+        k, d2t, b = self.topk, self.draft.draft.draft_to_target, n.shape[0]
+        score, ids = torch.log_softmax(r_logits.float(), -1).topk(k)  # [B,k]
         tok = d2t(ids)
-        c_tok, c_score, c_parent = [tok], [score], [self.root_parent]
-        front, f_tok, f_score, f_hidden = self.rows, tok, score, r_hidden.expand(k, -1)
-        f_mask = (self.draft_cols < n).expand(k, -1).clone()  # frontier row -> visible draft slots
+        c_tok, c_score, c_parent = [tok], [score], [self.root_parent.expand(b, k)]
+        front, f_tok, f_score, f_hidden = self.rows.expand(b, k), tok, score, r_hidden[:, None].expand(-1, k, -1)
+        # frontier row -> visible draft slots
+        f_mask = (self.draft_cols[None, None] < n[:, None, None]).expand(-1, k, -1).clone()
         for level in range(1, self.steps):
             slots = self.scratch[level - 1]
-            f_mask[self.rows, slots] = self.true_k  # a node sees the context, its ancestors and itself
-            h, logits = self.draft(f_tok[None], f_hidden[None], (n + level - 1).expand(k), slots,
-                                   f_mask)
-            s, ids = torch.log_softmax(logits[0].float(), -1).topk(k, dim=-1)  # [k, k]
+            f_mask[:, self.rows, slots] = self.true_k  # a node sees the context, its ancestors and itself
+            h, logits = self.draft(f_tok, f_hidden, (n + level - 1)[:, None].expand(-1, k), slots, f_mask)
+            s, ids = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B,k,k]
             # min() keeps scores monotone along a path even under rounding; with the stable
             # sort below a parent then always ranks before its children: the kept set is connected.
-            child = torch.minimum(f_score[:, None] + s, f_score[:, None]).flatten()
-            child_tok = d2t(ids).flatten()
+            child = torch.minimum(f_score[..., None] + s, f_score[..., None]).flatten(1)
+            child_tok = d2t(ids).flatten(1)
             c_tok.append(child_tok)
             c_score.append(child)
-            c_parent.append(front[:, None].expand(-1, k).flatten())
+            c_parent.append(front[..., None].expand(-1, -1, k).flatten(1))
             if level + 1 < self.steps:
                 f_score, best = child.topk(k)
                 parent_row = best // k
-                front, f_tok = self.first[level] + best, child_tok[best]
-                f_hidden, f_mask = h[0, parent_row], f_mask[parent_row]
+                front, f_tok = self.first[level] + best, child_tok.gather(1, best)
+                f_hidden = h.gather(1, parent_row[..., None].expand(-1, -1, h.shape[-1]))
+                f_mask = f_mask.gather(1, parent_row[..., None].expand(-1, -1, f_mask.shape[-1]))
+        return self._select(root, torch.cat(c_tok, 1), torch.cat(c_score, 1), torch.cat(c_parent, 1))
+
+    def _select(self, root, c_tok, c_score, c_parent):
+        """The best ``q - 1`` candidates of each row as (tokens, parents, depths) [B,q]."""
+        b = root.shape[0]
         keep = self.q - 1
-        sel = torch.sort(torch.cat(c_score), descending=True, stable=True).indices[:keep].sort().values
-        node_of = self.node_of_init.clone()
-        node_of[sel] = self.node_ids
-        parents = node_of[torch.cat(c_parent)[sel]]
-        return (torch.cat([root, torch.cat(c_tok)[sel]]), torch.cat([self.zero, parents]),
-                torch.cat([self.zero, self.cand_depth[sel]]))
+        sel = torch.sort(c_score, dim=1, descending=True, stable=True).indices[:, :keep].sort(dim=1).values
+        node_of = self.node_of_init.expand(b, -1).clone()
+        node_of.scatter_(1, sel, self.node_ids.expand(b, -1))
+        parents = node_of.gather(1, c_parent.gather(1, sel))
+        zero = self.zero.expand(b, 1)
+        return (torch.cat([root[:, None], c_tok.gather(1, sel)], 1), torch.cat([zero, parents], 1),
+                torch.cat([zero, self.cand_depth[sel]], 1))
 
     def tree_mask(self, n, parents):
-        """[q, max_seq_len]: every node sees slots < n and the slots n+j of its ancestors and itself."""
-        anc = self.eye
+        """[B, q, max_seq_len]: every node sees slots < n and the slots n+j of its ancestors and itself."""
+        b, q = parents.shape
+        anc = self.eye.expand(b, q, q)
         for _ in range(self.steps):  # depth <= steps: that many hops reach the root from any node
-            anc = self.eye | anc[parents]
-        mask = (self.target_cols < n).expand(self.q, -1).clone()
-        return mask.index_copy_(1, n + self.nodes, anc)
+            anc = self.eye | anc.gather(1, parents[..., None].expand(-1, -1, q))
+        mask = (self.target_cols[None, None] < n[:, None, None]).expand(-1, q, -1).clone()
+        return mask.scatter_(2, (n[:, None] + self.nodes)[:, None].expand(-1, q, -1), anc)
 
     def verify(self, n, tokens, parents, depths):
-        """The target on the whole tree (K/V to slots n..n+q-1). Returns packed [3, q] =
-        (tokens, parents, target argmax per node), aux [1,q,3H], logits [1,q,V]."""
-        logits, aux = self.target.decode(tokens[None], n + depths, n + self.nodes,
+        """The target on each row's tree (K/V to slots n..n+q-1). Returns packed [B, 3, q] =
+        (tokens, parents, target argmax per node), aux [B,q,3H], logits [B,q,V]."""
+        logits, aux = self.target.decode(tokens, n[:, None] + depths, n[:, None] + self.nodes,
                                          self.tree_mask(n, parents))
-        return torch.stack([tokens, parents, logits[0].argmax(-1)]), aux, logits
+        return torch.stack([tokens, parents, logits.argmax(-1)], 1), aux, logits
 
     def draft_and_verify(self, n, root, r_hidden, r_logits):
         return self.verify(n, *self.draft_tree(n, root, r_hidden, r_logits))
 
-    def accept_and_commit(self, n, packed, depths, aux):
-        """Greedy acceptance and the commit as device work, for rounds the host reads back
-        later. Same result as ``generate._accept_greedy`` followed by ``commit``: siblings
-        carry distinct tokens, so the nodes whose whole ancestry matches the target's argmax
-        form one path from the root. Returns (next n, next root, r_hidden, r_logits,
-        emitted [2+p] = (path length k, moved, k new tokens then padding))."""
-        tokens, parents, best = packed[0], packed[1], packed[2]
-        match = (tokens == best[parents]) | (self.nodes == 0)
+    def greedy_path(self, packed, depths):
+        """Greedy acceptance on the device, per row: same result as ``generate._accept_greedy``
+        (siblings carry distinct tokens, so the nodes whose whole ancestry matches the target's
+        argmax form one path from the root). Returns (path [B,p] padded with its own rows,
+        k [B] path length, new [B,p]: the accepted drafts then the bonus, then padding)."""
+        tokens, parents, best = packed[:, 0], packed[:, 1], packed[:, 2]
+        match = (tokens == best.gather(1, parents)) | (self.nodes == 0)
         accepted = match
         for _ in range(self.steps):  # depth <= steps: that many hops reach the root
-            accepted = match & accepted[parents]
-        at_depth = accepted[None] & (depths[None] == self.path_rows[:, None])  # [p, q]
+            accepted = match & accepted.gather(1, parents)
+        at_depth = accepted[:, None] & (depths[:, None] == self.path_rows[:, None])  # [B,p,q]
         found = at_depth.any(-1)
-        k = found.sum().view(1)
-        # Pad rows move a slot onto itself, as in ``commit``.
+        k = found.sum(1)
         path = torch.where(found, at_depth.float().argmax(-1), self.path_rows)
-        bonus = best[path.gather(0, k - 1)]
+        bonus = best.gather(1, path.gather(1, (k - 1)[:, None]))
         # Row j holds the token after path[j]: the next accepted draft, or the bonus at j = k-1.
-        new = torch.where(self.path_rows == k - 1, bonus, tokens[path.roll(-1)])
-        moved = (path != self.path_rows).any().view(1).long()
-        k_rows, v_rows = self.target.gather_kv(n + path)
-        self.target.scatter_kv(n + self.path_rows, k_rows, v_rows)
-        hidden, logits = self.draft._extend(new[None], aux[:, path], n)
-        last = k - 1
-        r_hidden, r_logits = hidden.index_select(1, last)[:, 0], logits.index_select(1, last)[:, 0]
-        return n + k, bonus, r_hidden, r_logits, torch.cat([k, moved, new])
+        new = torch.where(self.path_rows == (k - 1)[:, None], bonus, tokens.gather(1, path.roll(-1, 1)))
+        return path, k, new
+
+    def commit_rows(self, n, path, k, new, aux):
+        """Make each row's accepted ``path`` permanent: its target K/V move to slots n.. (pad
+        rows move a slot onto itself) and the draft extends over ``new``. Returns (next n,
+        next root, r_hidden, r_logits, moved [B]). A row past the cache's end (a finished
+        request still stepping until the host refills it) stays where it is."""
+        k_rows, v_rows = self.target.gather_kv(n[:, None] + path)
+        self.target.scatter_kv(n[:, None] + self.path_rows, k_rows, v_rows)
+        hidden, logits = self.draft._extend(new, aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1])), n)
+        last = (k - 1)[:, None, None]
+        r_hidden = hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0]
+        r_logits = logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0]
+        moved = (path != self.path_rows).any(1).long()
+        n_next = torch.where(n + k > self.n_cap, n, n + k)
+        return n_next, new.gather(1, (k - 1)[:, None])[:, 0], r_hidden, r_logits, moved
 
     def device_round(self, n, root, r_hidden, r_logits):
         """A whole greedy round (draft, verify, accept, commit): one graph on a GPU, with no
-        host value in or out, so the host can queue rounds before reading any back."""
+        host value in or out, so the host can queue rounds before reading any back. The last
+        output, emitted [B, 2+p], holds per row (path length k, moved, k new tokens, padding)."""
         tokens, parents, depths = self.draft_tree(n, root, r_hidden, r_logits)
         packed, aux, _ = self.verify(n, tokens, parents, depths)
-        return self.accept_and_commit(n, packed, depths, aux)
+        path, k, new = self.greedy_path(packed, depths)
+        *state, moved = self.commit_rows(n, path, k, new, aux)
+        return (*state, torch.cat([k[:, None], moved[:, None], new], 1))
 
     # ------------------------------------------------------------------ host side
 
@@ -202,22 +222,23 @@ class SpecRound:
         timer.mark()
         return out
 
-    def commit(self, n: int, path: list[int], new: list[int], aux: torch.Tensor):
-        """Make the accepted ``path`` (node indices from the root) permanent: its target K/V
-        move to slots n.., the draft extends over ``new`` (accepted tokens + bonus).
+    def commit(self, n: list[int], paths: list[list[int]], news: list[list[int]], aux: torch.Tensor):
+        """Make each row's accepted path (node indices from the root), chosen on the host,
+        permanent: ``commit_rows`` fed by one upload. ``news``: accepted tokens + bonus.
 
-        Returns (moved, next n [1], next root [1], r_hidden [1,H], r_logits [1,Vd]), all on
-        the device, ready for the next ``propose``."""
-        k, p = len(path), self.path_len
-        # The move has the fixed length p (one graph): its pad rows copy a slot onto itself.
-        ctrl = self.upload([n + k, new[-1], n, *path, *range(k, p), *new])
-        n_next, root, start = ctrl[0:1], ctrl[1:2], ctrl[2:3]
-        path_t, new_t = ctrl[3:3 + p], ctrl[3 + p:]
-        moved = path != list(range(k))
-        if moved:
-            self.target.move_kv(start + path_t, start + self.path_rows)
-        r_hidden, r_logits = self.draft.extend(new_t[None], aux[:, path_t[:k]], start, pad_to=p)
-        return moved, n_next, root, r_hidden, r_logits
+        Returns (moved per row, next n [B], next root [B], r_hidden [B,H], r_logits [B,Vd]), all
+        but ``moved`` on the device, ready for the next ``propose``."""
+        b, p = len(n), self.path_len
+        flat = list(n) + [len(x) for x in paths]
+        for x in paths:  # padded with its own rows: a pad row moves a slot onto itself
+            flat += x + list(range(len(x), p))
+        for x in news:
+            flat += x + [0] * (p - len(x))
+        ctrl = self.upload(flat)
+        n_t, k_t = ctrl[:b], ctrl[b:2 * b]
+        path_t, new_t = ctrl[2 * b:2 * b + b * p].view(b, p), ctrl[2 * b + b * p:].view(b, p)
+        n_next, root, r_hidden, r_logits, _ = self._commit_fn(n_t, path_t, k_t, new_t, aux)
+        return [x != list(range(len(x))) for x in paths], n_next, root, r_hidden, r_logits
 
 
 class RoundTimer:

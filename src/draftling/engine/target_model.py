@@ -87,6 +87,8 @@ def matmul_attention(q, k, v, mask, scale, exact: bool = False):
         scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
     else:
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    if mask.dim() == 3:  # a mask per batch row: [B, t, s]
+        mask = mask[:, None, None]
     scores = scores.view(b, nkv, rep, t, s).masked_fill(~mask, float("-inf"))
     if exact:
         e = (scores - scores.amax(-1, keepdim=True)).exp().double()
@@ -104,12 +106,26 @@ def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str):
         o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling, exact=kind == "exact")
     else:
         # Whole static cache + boolean mask: shapes never depend on the context length.
-        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attn_mask,
+        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=row_mask(attn_mask),
                                            scale=attn.scaling,
                                            enable_gqa=k_cache.shape[1] != q.shape[1])
     b, _, t, _ = q.shape
     x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def row_mask(attn_mask):
+    """An SDPA mask: [q, S] for every batch row, or [B, q, S] (one per row) made [B, 1, q, S]."""
+    return attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask
+
+
+def write_kv(cache, cache_positions, rows) -> None:
+    """Write K or V ``rows`` [B, nkv, q, d] into ``cache`` [B, nkv, S, d] at ``cache_positions``:
+    [q] (the same slots in every batch row) or [B, q] (each row its own, as a ragged batch needs)."""
+    if cache_positions.dim() == 1:
+        cache.index_copy_(2, cache_positions, rows)
+    else:
+        cache.scatter_(2, cache_positions[:, None, :, None].expand(-1, rows.shape[1], -1, rows.shape[3]), rows)
 
 
 # Compiled once per process as plain functions of (layer, ...): one graph serves every layer
@@ -171,6 +187,7 @@ class CachedTarget(nn.Module):
         device = self.embed.weight.device
         # One buffer for all layers' K and one for V: moving the accepted path is then one
         # gather and one scatter per buffer instead of two per layer.
+        self.batch_size = int(batch_size)  # independent requests, one cache row each
         shape = (len(self.layers), batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
         self.register_buffer("k_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self.register_buffer("v_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
@@ -206,13 +223,18 @@ class CachedTarget(nn.Module):
         return self._run(input_ids, positions, cache_positions, attn_mask, compiled=self.compile)
 
     def greedy_step(self, token, position):
-        """One plain greedy step as device work only: ``token`` [1,1] at ``position`` [1] ->
-        (the argmax next token [1,1], position + 1). No host value goes in or out, so the host
-        can queue many steps before it reads any token back."""
-        logits, _ = self.decode(token, position, position, self.cols[None] <= position)
-        return logits[:, -1].argmax(-1, keepdim=True), position + 1
+        """One plain greedy step as device work only: ``token`` [B,1] at ``position`` [B] ->
+        (the argmax next token [B,1], position + 1). No host value goes in or out, so the host
+        can queue many steps before it reads any token back. A batch row that has finished
+        keeps stepping at the cache's last slot until the host refills it."""
+        logits, _ = self.decode(token, position[:, None], position[:, None],
+                                self.cols[None, None] <= position[:, None, None])
+        return logits[:, -1].argmax(-1, keepdim=True), (position + 1).clamp(max=self.max_seq_len - 1)
 
-    def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool):
+    def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool, kv=None, last=None):
+        """``cache_positions`` [q] or [B,q], ``attn_mask`` [q,S] or [B,q,S] (see ``write_kv``).
+        ``kv``: (K, V) buffers to use instead of the cache (a prefill's scratch). ``last`` [B]:
+        the logits of that query only per row, [B,1,V] (a ragged prefill's last real token)."""
         b, q = input_ids.shape
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(b, q)
@@ -220,35 +242,66 @@ class CachedTarget(nn.Module):
         if pad:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(b, pad)], dim=1)
             positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
-            extra = cache_positions[-1:] + torch.arange(1, pad + 1, device=cache_positions.device)
-            cache_positions = torch.cat([cache_positions, extra.clamp_(max=self.max_seq_len - 1)])
-            attn_mask = torch.cat([attn_mask, attn_mask[:1].expand(pad, -1)])
+            extra = cache_positions[..., -1:] + torch.arange(1, pad + 1, device=cache_positions.device)
+            cache_positions = torch.cat([cache_positions, extra.clamp_(max=self.max_seq_len - 1)], dim=-1)
+            attn_mask = torch.cat([attn_mask, attn_mask[..., :1, :].expand(*attn_mask.shape[:-2], pad, -1)], dim=-2)
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(x, positions)
         attn_in = compile_once(attention_inputs) if compiled else attention_inputs
         attn_out = compile_once(attention_outputs) if compiled else attention_outputs
+        k_all, v_all = kv if kv is not None else (self.k_all, self.v_all)
         want = set(self.aux_layer_ids)
         aux = {}
         for i, layer in enumerate(self.layers):
             qs, ks, vs = attn_in(layer, x, cos, sin)
-            k_cache, v_cache = self.kv(i)
-            k_cache.index_copy_(2, cache_positions, ks)
-            v_cache.index_copy_(2, cache_positions, vs)
-            x = attn_out(layer, x, qs, k_cache, v_cache, attn_mask, self.attention)
+            write_kv(k_all[i], cache_positions, ks)
+            write_kv(v_all[i], cache_positions, vs)
+            x = attn_out(layer, x, qs, k_all[i], v_all[i], attn_mask, self.attention)
             if i + 1 in want:
                 aux[i + 1] = x
-        logits = self.lm_head(self.norm(x[:, :q]))
-        return logits, torch.cat([aux[i][:, :q] for i in self.aux_layer_ids], dim=-1)
+        x = x[:, :q] if last is None else x.gather(1, last[:, None, None].expand(-1, 1, x.shape[-1]))
+        return self.lm_head(self.norm(x)), torch.cat([aux[i][:, :q] for i in self.aux_layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def prefill_rows(self, rows: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor):
+        """Prefill new requests into batch rows ``rows`` [g] while the other rows keep their
+        state: ``input_ids`` [g,T] right-padded, ``lengths`` [g]. Eager, through a scratch cache
+        of the prompts' width (a fresh prompt attends only to itself); pad queries write slots
+        past a row's length, which decoding overwrites before any query sees them. Returns
+        (logits at each row's last token [g,1,V], aux [g,T,3H])."""
+        g, t = input_ids.shape
+        width = max(t, self.query_pad)
+        shape = (len(self.layers), g, self.num_kv_heads, width, self.head_dim)
+        kv = tuple(torch.zeros(shape, dtype=self.k_all.dtype, device=self.device) for _ in range(2))
+        pos = torch.arange(t, device=self.device)
+        logits, aux = self._run(input_ids, pos, pos, causal_mask(0, t, width, self.device), False, kv, lengths - 1)
+        self.k_all[:, rows, :, :t] = kv[0][:, :, :, :t]
+        self.v_all[:, rows, :, :t] = kv[1][:, :, :, :t]
+        return logits, aux
 
     def gather_kv(self, src):
-        """Cache slots ``src`` of every layer (K and V). With ``scatter_kv``, a move in two
-        halves: ``move_kv`` graphs each; ``SpecRound.device_round`` runs both in its graph."""
-        return self.k_all.index_select(3, src), self.v_all.index_select(3, src)
+        """Cache slots ``src`` of every layer (K and V): [p] in every batch row, or [B,p] per
+        row. With ``scatter_kv``, a move in two halves: ``move_kv`` graphs each;
+        ``SpecRound.device_round`` runs both in its graph."""
+        if src.dim() == 1:
+            return self.k_all.index_select(3, src), self.v_all.index_select(3, src)
+        idx = self._row_index(src)
+        return self.k_all.gather(3, idx), self.v_all.gather(3, idx)
 
     def scatter_kv(self, dst, k_rows, v_rows):
-        self.k_all.index_copy_(3, dst, k_rows)
-        self.v_all.index_copy_(3, dst, v_rows)
+        if dst.dim() == 1:
+            self.k_all.index_copy_(3, dst, k_rows)
+            self.v_all.index_copy_(3, dst, v_rows)
+        else:
+            idx = self._row_index(dst)
+            self.k_all.scatter_(3, idx, k_rows)
+            self.v_all.scatter_(3, idx, v_rows)
         return ()
+
+    def _row_index(self, slots):
+        """[B,p] slots -> a gather/scatter index into [layers, B, nkv, S, d]."""
+        layers, _, nkv, _, d = self.k_all.shape
+        return slots[None, :, None, :, None].expand(layers, -1, nkv, -1, d)
 
     @torch.no_grad()
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:

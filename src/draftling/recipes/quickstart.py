@@ -13,6 +13,7 @@ from draftling.config import load_config, save_config
 from draftling.data.prepare import check_data_dir, prepare_data
 from draftling.data.sources import check_prompt_files
 from draftling.draft.vocab import build_vocab_file
+from draftling.engine.batch import reply_engine_for
 from draftling.io import OUTPUT_MARKER, check_output_dir, write_json
 from draftling.recipes.budget import BudgetPlan, plan_budget
 
@@ -78,7 +79,8 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     stage("data")
     data_dir = out / "data"
-    data_summary = prepare_data(cfg, target, data_dir, regen_seconds=plan.data_s if plan else None)
+    data_summary = prepare_data(cfg, target, data_dir, regen_seconds=plan.data_s if plan else None,
+                                replies=reply_engine_for(cfg.data, target))
     done("data")
 
     stage("vocab")

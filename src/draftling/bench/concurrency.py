@@ -1,0 +1,234 @@
+"""`draftling bench --concurrency 1,2,4,...`: where speculation stops paying under load.
+
+At each concurrency level C the batched engine (engine/batch.py) decodes the same requests,
+C at a time with continuous batching, once without speculation and once per decode config,
+on one engine per level (the same weights, caches and graphs for all of them). Per level and
+config it reports aggregate tok/s, per-stream tok/s (aggregate / C), tau (bonus included),
+the speedup over plain decoding at the same level, and the cost account at that level: the
+measured plain-step and verify-pass times of a C-row batch, and what a free drafter would
+give at this tau. Speculation pays while the verify pass costs less than tau plain steps;
+a batch fills the device, so verify passes get dearer as C grows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftling.bench.manifest import device_slug, machine_slug, run_folder_name, write_manifest, code_commit
+from draftling.bench.release import DEFAULT_CONFIGS, load_prompt_set
+from draftling.bench.simple import build_engine, parse_decode_config
+from draftling.engine import EngineOptions
+from draftling.engine.batch import batch_generate
+from draftling.errors import ConfigError
+from draftling.export.formats import load_any_draft
+from draftling.io import write_json
+from draftling.target import Target
+
+LEVELS = (1, 2, 4, 8, 16, 32, 64)
+RESULT = "concurrency.json"
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """``requests``: requests per level, at least ``min_requests`` and ``per_slot`` per slot,
+    so every level refills slots (continuous batching) and the batch stays full most of the
+    run. ``engine``: graphs on CUDA but no compile (each batch size is a new set of shapes,
+    and compiling them all would cost minutes), unpadded: every config's own verify size."""
+
+    levels: tuple[int, ...] = LEVELS
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    prompt_set: str = "v1"
+    max_new_tokens: int = 256
+    min_requests: int = 16
+    per_slot: int = 2
+    engine: EngineOptions = field(default_factory=lambda: EngineOptions(cuda_graphs="auto", compile=False,
+                                                                         query_pad=0, attention="auto"))
+    out_dir: str | Path = "bench/results"
+    command: str | None = None
+
+    def __post_init__(self):
+        if not self.levels or min(self.levels) < 1:
+            raise ConfigError(f"concurrency levels must be integers >= 1, got {list(self.levels)}")
+        for c in self.configs:
+            parse_decode_config(c)
+
+    def requests(self, level: int) -> int:
+        return max(self.min_requests, self.per_slot * level)
+
+
+def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log=print) -> dict:
+    """The sweep's results (see RESULT_KEYS in the module doc); writes them with a plot and a
+    manifest into one run folder under ``options.out_dir``."""
+    configs = [parse_decode_config(c) for c in options.configs]
+    engine = options.engine.resolve(target.device, 0)
+    info, prompts = load_prompt_set(options.prompt_set, target)
+    draft = load_any_draft(draft_path, target.device, next(target.model.parameters()).dtype)
+    rows = []
+    for level in options.levels:
+        ids = [prompts[i % len(prompts)].input_ids for i in range(options.requests(level))]
+        max_len = max(map(len, ids)) + options.max_new_tokens + max(c.draft_tokens for c in configs) + 8
+        tgt, runner = build_engine(target, draft, max_len, engine, batch_size=level)
+        rows += _level(tgt, runner, ids, configs, options.max_new_tokens)
+        log(_level_line(rows[-1 - len(configs):]))
+        del tgt, runner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    results = _assemble(target, draft_path, info, options, engine, rows)
+    _write(results, options, engine)
+    return results
+
+
+def _level(tgt, runner, ids, configs, max_new) -> list[dict]:
+    """Plain then each config at one level, each timed after a warm-up on the same engine."""
+    level = tgt.batch_size
+    plain, plain_s = _timed(tgt, lambda: batch_generate(tgt, ids, max_new), lambda: batch_generate(tgt, ids[:level], 4))
+    step_ms = {1: _step_ms(tgt, 1)}
+    rows = [_row(level, "plain", plain, plain_s, None, step_ms)]
+    for c in configs:
+        tree = (c.steps, c.topk, c.draft_tokens)
+        out, s = _timed(tgt, lambda: batch_generate(tgt, ids, max_new, draft=runner, tree=tree),
+                        lambda: batch_generate(tgt, ids[:level], 4, draft=runner, tree=tree))
+        step_ms[c.draft_tokens] = _step_ms(tgt, c.draft_tokens)
+        row = _row(level, c.name, out, s, rows[0], step_ms, c.draft_tokens)
+        row["identical_fraction"] = sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)
+        rows.append(row)
+    return rows
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(tgt, run, warm):
+    warm()  # graph capture and allocator growth, outside the timing
+    _sync(tgt.device)
+    t0 = time.perf_counter()
+    out = run()
+    _sync(tgt.device)
+    return out, time.perf_counter() - t0
+
+
+def _step_ms(tgt, q: int, reps: int = 10) -> float:
+    """Median ms of one target pass of the whole batch with q queries per row, at a context of
+    half the cache: the plain step (q=1) or a verify pass (q = draft tokens), in the shapes
+    and through the graphs the engine uses."""
+    b, size, dev = tgt.batch_size, tgt.max_seq_len, tgt.device
+    ctx = size // 2
+    slots = (ctx + torch.arange(q, device=dev)).expand(b, q).contiguous()
+    ids = torch.zeros(b, q, dtype=torch.long, device=dev)
+    mask = tgt.cols[None, None] <= slots[:, :, None]
+    times = []
+    for i in range(reps + 3):
+        _sync(dev)
+        t0 = time.perf_counter()
+        tgt.fast(ids, slots, slots, mask)
+        _sync(dev)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _row(level, name, out, seconds, plain_row, step_ms, q=1) -> dict:
+    tokens = sum(len(r.tokens) for r in out)
+    agg = tokens / seconds
+    row = {"concurrency": level, "config": name, "requests": len(out), "tokens": tokens, "seconds": seconds,
+           "aggregate_tok_s": agg, "per_stream_tok_s": agg / level}
+    if plain_row is None:
+        return {**row, "tau": 1.0, "speedup": 1.0, "cost": {"plain_step_ms": step_ms[1]}}
+    verifies = sum(len(r.stats.accept_lengths) for r in out)
+    tau = sum(sum(r.stats.accept_lengths) for r in out) / max(1, verifies)
+    speedup = agg / plain_row["aggregate_tok_s"]
+    free = tau * step_ms[1] / step_ms[q]  # one verify pass per round and nothing else
+    return {**row, "tau": tau, "speedup": speedup,
+            "cost": {"plain_step_ms": step_ms[1], "verify_step_ms": step_ms[q], "verify_q": q,
+                     "free_speedup": free, "drafting_share": 1.0 - speedup / free}}
+
+
+def _level_line(rows: list[dict]) -> str:
+    parts = [f"{r['config']} {r['aggregate_tok_s']:.0f} tok/s" + ("" if r["config"] == "plain" else
+             f" (tau {r['tau']:.2f}, {r['speedup']:.2f}x)") for r in rows]
+    return f"concurrency {rows[0]['concurrency']}: " + "; ".join(parts)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The best config per level (plain when nothing beats it) and the crossover: the lowest
+    level from which on plain decoding wins at every level measured."""
+    levels = sorted({r["concurrency"] for r in rows})
+    best = {}
+    for level in levels:
+        at = [r for r in rows if r["concurrency"] == level]
+        best[str(level)] = max(at, key=lambda r: r["aggregate_tok_s"])["config"]
+    plain_from = [lv for lv in levels if all(best[str(x)] == "plain" for x in levels if x >= lv)]
+    return {"best_config_per_level": best, "crossover_concurrency": plain_from[0] if plain_from else None}
+
+
+def _assemble(target, draft_path, info, options, engine, rows) -> dict:
+    plain1 = next((r for r in rows if r["concurrency"] == 1 and r["config"] == "plain"), None)
+    return {"date": datetime.date.today().isoformat(), "gpu": device_slug(target.device),
+            "target": target.spec.name, "draft": Path(str(draft_path)).name,
+            "prompt_set": info["name"], "dtype": str(next(target.model.parameters()).dtype).replace("torch.", ""),
+            "max_new_tokens": options.max_new_tokens, "engine": dataclasses.asdict(engine),
+            "batch1_plain_tok_s": plain1["aggregate_tok_s"] if plain1 else None,
+            "concurrency_sweep": rows, **summarize(rows), "caveats": caveats(options)}
+
+
+def caveats(options: SweepOptions) -> list[str]:
+    return [
+        "per_stream_tok_s is aggregate_tok_s / concurrency: the rate one stream sees while the batch is full",
+        f"requests per level: max({options.min_requests}, {options.per_slot} x concurrency), prompts of the "
+        "set in order and repeated; the levels are not the same requests, compare configs within a level",
+        "the engine runs CUDA graphs without torch.compile and unpadded (each config verifies its own "
+        "draft tokens); batch-1 figures of the release bench use compiled, padded passes",
+        "step times for the cost account are medians of the target pass alone at a context of half the cache",
+        "in bf16 a batch and a single request can round differently: identical_fraction counts requests "
+        "whose tokens equal plain decoding's at the same level",
+    ]
+
+
+def _write(results: dict, options: SweepOptions, engine) -> Path:
+    folder = Path(options.out_dir) / run_folder_name(results["date"], "concurrency", code_commit(),
+                                                     machine_slug(results["gpu"]))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / RESULT, results)
+    files = [RESULT]
+    if plot_sweep(results, folder / "speedup-vs-concurrency.png"):
+        files.append("speedup-vs-concurrency.png")
+    config = {k: v if isinstance(v, (int, float, tuple, type(None))) else str(v)
+              for k, v in dataclasses.asdict(options).items() if k not in ("command", "engine")}
+    write_manifest(folder, options.command, {**config, "engine": dataclasses.asdict(engine)},
+                   "cuda" if results["gpu"] != "cpu" else "cpu", results["date"], what="concurrency sweep",
+                   files=files)
+    return folder
+
+
+def plot_sweep(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = results["concurrency_sweep"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["config"] for r in rows if r["config"] != "plain"):
+        pts = sorted((r["concurrency"], r["speedup"]) for r in rows if r["config"] == name)
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.axhline(1.0, color="grey", linestyle="--", label="plain (same engine, same level)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("speedup over plain")
+    ax.set_title(f"{results['target']}, {results['prompt_set']}, {results['gpu']}: speedup vs concurrency")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

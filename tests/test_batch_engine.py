@@ -1,0 +1,188 @@
+"""Batched engine: each request of a ragged batch decodes exactly as it would alone.
+
+The reference is the batch-1 engine (itself checked against HF in test_engine.py): plain and
+speculative (chain and trees), greedy, with prompts of different lengths that finish at
+different steps and more requests than slots, so finished slots are refilled mid-run. Sampled
+decoding keeps the target's law per request (the batch-1 chi-square test).
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftling.engine import CachedTarget, DraftRunner, greedy_generate, process_logits
+from draftling.engine.batch import batch_generate
+from tests.test_engine import AUX, TREES, V, _chi2_p_value, oracle_draft, perm_target, random_draft, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTHS = [3, 11, 7, 20, 5, 9, 14]
+SLOTS = 3
+
+
+def prompts(lengths=LENGTHS, vocab=V):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def engines(model, draft=None, slots=SLOTS, size=160):
+    target = CachedTarget.from_hf(model, AUX, size, batch_size=slots)
+    runner = None if draft is None else DraftRunner(draft, model.get_input_embeddings(), size, batch_size=slots)
+    return target, runner
+
+
+def alone(model, ps, budgets, eos=None):
+    """Each request decoded alone by the batch-1 engine."""
+    target = CachedTarget.from_hf(model, AUX, 160)
+    return [greedy_generate(target, p[None], m, eos_ids=eos)[0].tolist() for p, m in zip(ps, budgets)]
+
+
+def test_batched_plain_greedy_equals_alone():
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    ps = prompts()
+    budgets = [30, 4, 17, 30, 1, 23, 9]  # ragged: slots free at different steps
+    want = alone(model, ps, budgets)
+    target, _ = engines(model)
+    got = batch_generate(target, ps, budgets)
+    assert [r.tokens for r in got] == want
+    assert all(r.stats.verify_steps == 0 and r.stats.tokens == len(r.tokens) for r in got)
+    # An eos inside some replies ends those early; the others run to the budget.
+    eos = want[0][12]
+    want_eos = alone(model, ps, budgets, eos=eos)
+    assert any(len(w) < m for w, m in zip(want_eos, budgets))
+    assert [r.tokens for r in batch_generate(target, ps, budgets, eos_ids=eos)] == want_eos
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_batched_speculative_equals_alone(kind):
+    model = perm_target() if kind == "oracle" else tiny(LlamaForCausalLM, LlamaConfig)
+    draft = oracle_draft(model) if kind == "oracle" else random_draft(model)
+    ps = prompts()
+    budgets = [40, 6, 25, 40, 2, 33, 11]
+    want = alone(model, ps, budgets)
+    eos = want[3][20]
+    want_eos = alone(model, ps, budgets, eos=eos)
+    target, runner = engines(model, draft)
+    for tree in TREES:
+        got = batch_generate(target, ps, budgets, draft=runner, tree=tree)
+        assert [r.tokens for r in got] == want, tree
+        lengths = [a for r in got for a in r.stats.accept_lengths]
+        assert all(1 <= a <= tree[0] + 1 for a in lengths)
+        if kind == "oracle":
+            assert sum(lengths) / len(lengths) > 2.0, tree  # long paths really accepted
+        got = batch_generate(target, ps, budgets, draft=runner, tree=tree, eos_ids=eos)
+        assert [r.tokens for r in got] == want_eos, tree
+
+
+def test_batched_sampling_matches_target_distribution():
+    """Plain and speculative sampling in a batch of 4: joint law of the first two tokens of
+    each request against exact target probabilities (as test_engine's batch-1 test)."""
+    vocab, n = 16, 1200
+    kw = dict(temperature=1.3, top_k=12, top_p=0.95)
+    model = tiny(LlamaForCausalLM, LlamaConfig, vocab_size=vocab, hidden_size=32,
+                 intermediate_size=64, num_attention_heads=4, num_key_value_heads=4)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.4)
+    draft = oracle_draft(model, draft_vocab=12, seed=3)
+    ids = torch.randint(0, vocab, (5,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        p1 = process_logits(model(ids[None]).logits[0, -1], **kw)
+        s2 = torch.cat([ids[None].expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        joint = (p1[:, None] * process_logits(model(s2).logits[:, -1], **kw)).flatten()
+    target, runner = engines(model, draft, slots=4, size=24)
+    for spec in (None, (2, 3, 5)):
+        out = batch_generate(target, [ids] * n, 2, draft=runner if spec else None, tree=spec,
+                             generator=torch.Generator().manual_seed(0), **kw)
+        counts = torch.zeros(vocab * vocab, dtype=torch.long)
+        for r in out:
+            a, b = r.tokens
+            counts[a * vocab + b] += 1
+        assert _chi2_p_value(counts, joint) > 1e-3, spec
+
+
+def test_batch_engine_refuses_what_does_not_fit():
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    target, _ = engines(model, size=32)
+    with pytest.raises(Exception, match="prompt 2 .*do not fit"):
+        batch_generate(target, prompts([3, 4, 40]), 8)
+
+
+def test_concurrency_sweep_contract(tmp_path):
+    """The sweep's results contract, on a tiny target: every level and config, greedy
+    identity with plain decoding at each level, and the summary's best config per level."""
+    from draftling.bench.concurrency import SweepOptions, run_concurrency_sweep, summarize
+    from tests.test_bench_release import tiny_draft_dir, tiny_target, token_prompt_set
+
+    target = tiny_target()
+    draft = tiny_draft_dir(target, tmp_path / "draft")
+    ps = token_prompt_set(tmp_path / "set.jsonl")
+    opts = SweepOptions(levels=(1, 3), configs=("chain-3-1-4", "tree-3-4-8"), prompt_set=str(ps),
+                        max_new_tokens=10, min_requests=4, out_dir=tmp_path / "out", command="pytest")
+    res = run_concurrency_sweep(target, draft, opts, log=lambda *_: None)
+    for key in ("date", "gpu", "target", "draft", "batch1_plain_tok_s", "concurrency_sweep"):
+        assert key in res
+    rows = res["concurrency_sweep"]
+    assert [(r["concurrency"], r["config"]) for r in rows] == [
+        (c, n) for c in (1, 3) for n in ("plain", "chain-3-1-4", "tree-3-4-8")]
+    assert [r["requests"] for r in rows] == [4, 4, 4, 6, 6, 6]  # max(4, 2 x level)
+    for r in rows:
+        assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s"] == r["aggregate_tok_s"] / r["concurrency"]
+        if r["config"] != "plain":
+            assert r["identical_fraction"] == 1.0 and 1.0 <= r["tau"] <= 4.0
+            assert r["cost"]["verify_q"] in (4, 8) and r["cost"]["free_speedup"] > 0
+    folder = next((tmp_path / "out").iterdir())
+    assert folder.name.startswith(res["date"] + "-concurrency-")
+    assert {"concurrency.json", "manifest.json"} <= {p.name for p in folder.iterdir()}
+    # The crossover: the lowest level from which plain wins at every level.
+    fake = [{"concurrency": c, "config": n, "aggregate_tok_s": v} for c, n, v in
+            [(1, "plain", 1), (1, "a", 2), (2, "plain", 3), (2, "a", 2), (4, "plain", 5), (4, "a", 4)]]
+    assert summarize(fake) == {"best_config_per_level": {"1": "a", "2": "plain", "4": "plain"},
+                               "crossover_concurrency": 2}
+
+
+def test_regeneration_through_the_engine_equals_hf_greedy(tmp_path):
+    """`draftling data`'s replies through the batched plain engine equal HF generate's greedy
+    replies token for token (fp32, CPU), eos cuts included; data.regen.engine decides."""
+    import dataclasses
+
+    from draftling.config import DataConfig, RegenConfig
+    from draftling.data.prompts import Conversation
+    from draftling.data.regen import regenerate
+    from draftling.engine.batch import reply_engine_for
+    from draftling.errors import ConfigError
+    from tests.test_bench_release import tiny_target
+
+    target = tiny_target()
+    target.tokenizer = _ToyTokenizer()
+    convs = [Conversation(id=f"c{i}", source="t", category="chat", messages=[{"role": "user", "content": "x" * n}])
+             for i, n in enumerate((3, 9, 5, 14, 7, 11, 4))]
+    cfg = RegenConfig(max_new_tokens=24, batch_size=3)
+    first = next(iter(regenerate(target, convs, cfg, progress=False)))
+    target.tokenizer.eos_token_id = int(first["messages"][-1]["content"].split()[10])  # ends some replies early
+    hf = {r["id"]: r for r in regenerate(target, convs, cfg, progress=False)}
+    assert any(r["provenance"]["stopped"] == "eos" for r in hf.values())  # the eos cut is exercised
+    dc = DataConfig(regen=dataclasses.replace(cfg, engine="on"))
+    replies = reply_engine_for(dc, target)
+    got = {r["id"]: r for r in regenerate(target, convs, cfg, progress=False, replies=replies)}
+    assert got == hf
+    assert reply_engine_for(DataConfig(regen=cfg), target) is None  # auto: HF generate off CUDA
+    with pytest.raises(ConfigError, match="sampled replies"):
+        reply_engine_for(DataConfig(regen=dataclasses.replace(cfg, engine="on", temperature=0.7)), target)
+
+
+class _ToyTokenizer:
+    """Characters as token ids 3.. (a tiny target needs no real tokenizer); eos is 2."""
+
+    pad_token_id, eos_token_id, chat_template = 0, 2, "toy"
+
+    def get_vocab(self):
+        return {}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, **kw):
+        return "".join(m["content"] for m in messages) + ("|" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + (ord(c) * 7) % 290 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
