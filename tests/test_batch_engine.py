@@ -186,3 +186,13 @@ class _ToyTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
+
+
+def test_concurrency_levels_are_checked_when_the_config_loads():
+    from draftling.config import load_config
+    from draftling.errors import ConfigError
+
+    assert load_config(None, ["bench.concurrency=[1, 2, 64]"]).bench.concurrency == [1, 2, 64]
+    for bad in ("[0, 2]", "[]", "[1.5]"):
+        with pytest.raises(ConfigError, match="bench.concurrency"):
+            load_config(None, [f"bench.concurrency={bad}"])

@@ -80,7 +80,14 @@ def test_json_contract(bench_run):
     on_disk = json.loads(Path(f"{bench_run.stem}.json").read_text())
     assert on_disk == json.loads(json.dumps(r))
     assert set(on_disk) == {"date", "gpu", "target", "draft", "prompt_set", "baselines",
-                            "baseline_details", "configs", "caveats", "command", "dtype"}
+                            "baseline_details", "configs", "sampled", "caveats", "command", "dtype"}
+    # Sampled decoding at 0.7 and 1.0, per workload, for every config (lossless: rates only).
+    assert list(r["sampled"]) == ["0.7", "1.0"]
+    for configs in r["sampled"].values():
+        assert list(configs) == [c["name"] for c in r["configs"]]
+        for c in configs.values():
+            assert set(c["per_workload"]) == set(WORKLOADS) and c["mean_speedup"] > 0
+            assert all(1.0 <= v["tau"] <= 5.0 and v["tok_s"] > 0 for v in c["per_workload"].values())
     assert bench_run.stem.name == f"{r['date']}-cpu-test"
     assert r["gpu"] == "cpu" and r["dtype"] == "float32" and r["command"] == "pytest"
     assert set(r["baselines"]) == set(release.BASELINES) == set(r["baseline_details"])

@@ -37,7 +37,7 @@ FLAG_KEYS = {
     "prompt_set": "bench.prompt_set", "baselines": "bench.baselines",
     "baseline_prompts_per_workload": "bench.baseline_prompts_per_workload", "results_dir": "bench.results_dir",
     "tag": "bench.tag", "engine_compile": "bench.engine_compile", "query_pad": "bench.query_pad",
-    "attention": "bench.attention",
+    "attention": "bench.attention", "concurrency": "bench.concurrency",
     "shard_size": "extract.shard_size", "extract_batch_size": "extract.batch_size",
     "logits_dtype": "extract.logits_dtype",
     "minutes": "wall_minutes",
@@ -48,13 +48,15 @@ FLAG_VALUES = {
     "baselines": lambda text: [b for b in text.split(",") if b],
     "engine_compile": lambda text: {"on": True, "off": False}.get(text),  # the key's null is auto
     "query_pad": lambda text: None if text == "auto" else text,
+    # Integers where they parse; anything else reaches the config's check as it was written.
+    "concurrency": lambda text: [int(v) if v.strip().isdigit() else v for v in text.split(",") if v.strip()],
 }
 
 TARGET_FLAGS = ("target", "device", "dtype")
 DATA_FLAGS = ("chat_template", "prompts", "server", "server_model")
 BENCH_FLAGS = ("configs", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p")
 RELEASE_FLAGS = ("configs", "max_new_tokens", "prompt_set", "baselines", "baseline_prompts_per_workload",
-                 "results_dir", "tag", "engine_compile", "query_pad", "attention")
+                 "results_dir", "tag", "engine_compile", "query_pad", "attention", "concurrency")
 EXTRACT_FLAGS = ("shard_size", "extract_batch_size", "logits_dtype")
 
 
@@ -299,6 +301,10 @@ def add_bench_parser(sub) -> None:
                        help="engine attention: sdpa, matmul (bf16), or exact (float64 sums: tree output equals "
                        "plain output). Default auto: exact on CUDA (the unpadded plain reference: matmul), "
                        "sdpa on CPU"),
+        r.add_argument("--concurrency", metavar="LEVELS", help="the concurrency sweep (bench/concurrency.py) at "
+                       "these levels, e.g. 1,2,4,8,16,32,64: per level and config aggregate and per-stream tok/s, "
+                       "tau, speedup over plain at that level, the cost account, and the crossover where plain "
+                       "wins; alone or before the release bench with --release"),
         r.add_argument("--results-dir", help="where each run's folder <date>-release-<commit>-<machine>[-<tag>] "
                        "goes (default bench/results)"),
         r.add_argument("--tag", help="suffix for the run's folder and file names"),
@@ -494,7 +500,7 @@ def cmd_bench(args) -> None:
     from draftling.bench.simple import run_bench
     from draftling.target import load_target_from_config
 
-    if args.release:
+    if args.release or args.concurrency:
         return _release_bench(args)
     release_only = _given(args, args.release_only)
     if release_only:
@@ -517,18 +523,26 @@ def _release_bench(args) -> None:
 
     misplaced = _given(args, args.simple_only)
     if misplaced:
-        raise DraftlingError(f"bench --release: {', '.join(misplaced)} do not apply (the prompt set "
+        mode = "--release" if args.release else "--concurrency"
+        raise DraftlingError(f"bench {mode}: {', '.join(misplaced)} do not apply (the prompt set "
                              "fixes n, outputs go to --results-dir and the protocol is greedy)")
     if args.prompts and args.prompt_set:
-        raise DraftlingError("bench --release: give --prompt-set or --prompts, not both")
+        raise DraftlingError("bench --release/--concurrency: give --prompt-set or --prompts, not both")
     args.prompt_set = args.prompt_set or args.prompts  # here --prompts names the prompt set
     protocol = tuple(f"{key}={json.dumps(value)}" for key, value in release.PROTOCOL_KEYS.items())
     cfg = run_config(args, (*TARGET_FLAGS, *RELEASE_FLAGS), base=protocol)
     results_dir = Path(cfg.bench.results_dir)
     if results_dir.exists() and not results_dir.is_dir():  # found before the target loads
         raise DraftlingError(f"--results-dir {results_dir}: is a file, not a directory")
+    target = load_target_from_config(cfg)
+    if cfg.bench.concurrency:
+        from draftling.bench.concurrency import SweepOptions, run_concurrency_sweep
+
+        run_concurrency_sweep(target, args.draft, SweepOptions.from_config(cfg.bench))
+    if not args.release:
+        return
     options = release.ReleaseOptions.from_config(cfg.bench, overwrite=args.overwrite)
-    results = release.run_release_bench(load_target_from_config(cfg), args.draft, options)
+    results = release.run_release_bench(target, args.draft, options)
     if args.update_benchmarks_md:
         stem = release.release_stem(results_dir, results["date"], results["gpu"], cfg.bench.tag)
         print(f"updated {update_benchmarks_md(f'{stem}.json', args.update_benchmarks_md)}")

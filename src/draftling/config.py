@@ -303,6 +303,10 @@ class BenchConfig:
     query_pad: int | None = None
     attention: str = "auto"  # one of ENGINE_ATTENTION; auto = exact on CUDA, sdpa on CPU
     round_timing: bool | None = None  # also time each round's phases; null = on CUDA
+    # The concurrency sweep (`bench --concurrency`, bench/concurrency.py): its levels, e.g.
+    # [1, 2, 4, 8, 16, 32, 64]; null = no sweep. It uses prompt_set, configs, max_new_tokens and
+    # results_dir above.
+    concurrency: list[int] | None = None
 
     def __post_init__(self):
         check_bounds("bench", self, {"num_prompts": AT_LEAST_ONE, "max_new_tokens": AT_LEAST_ONE,
@@ -312,6 +316,10 @@ class BenchConfig:
             raise ConfigError(f"bench: temperature {self.temperature} must be >= 0, top_k {self.top_k} "
                               f">= 0 and top_p {self.top_p} in (0, 1]")
         check_choices("bench", self, BENCH_CHOICES)
+        if self.concurrency is not None and (not self.concurrency or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in self.concurrency)):
+            raise ConfigError(f"bench.concurrency={self.concurrency!r}: expected a list of integers >= 1, "
+                              "e.g. 1,2,4,8")
         unknown = [b for b in self.baselines if b not in RELEASE_BASELINES]
         if unknown:
             raise ConfigError(f"bench.baselines: unknown baselines {unknown}; expected some of "

@@ -59,6 +59,12 @@ class SweepOptions:
         for c in self.configs:
             parse_decode_config(c)
 
+    @classmethod
+    def from_config(cls, bench, command: str | None = None) -> "SweepOptions":
+        """The sweep of a run config's bench section (bench.concurrency and the release keys)."""
+        return cls(levels=tuple(bench.concurrency), configs=tuple(bench.configs), prompt_set=str(bench.prompt_set),
+                   max_new_tokens=bench.max_new_tokens, out_dir=bench.results_dir, command=command)
+
     def requests(self, level: int) -> int:
         return max(self.min_requests, self.per_slot * level)
 

@@ -61,7 +61,8 @@ DEFAULT_WORKLOAD = "default"
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
 RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
-               "baseline_details", "configs", "caveats")
+               "baseline_details", "configs", "sampled", "caveats")
+SAMPLED_TEMPERATURES = (0.7, 1.0)  # how chat is served: the sampled figures beside the greedy ones
 _BUILTIN = re.compile(r"^v\d+$")
 
 # ----------------------------------------------------------------------------- prompt sets
@@ -212,6 +213,7 @@ class ReleaseOptions:
     baselines: tuple[str, ...] = BASELINES
     baseline_prompts_per_workload: int | None = None
     round_timing: bool | str = "auto"
+    sampled_temperatures: tuple[float, ...] = SAMPLED_TEMPERATURES
     engine: EngineOptions = field(default_factory=EngineOptions.auto)
     out_dir: str | Path = "bench/results"
     tag: str | None = None
@@ -403,12 +405,13 @@ class _Run:
     def tensor(self, p: BenchPrompt) -> torch.Tensor:
         return torch.tensor([p.input_ids], device=self.device)
 
-    def plain(self, x, unpadded: bool = False):
-        return greedy_generate(self.unpadded if unpadded else self.main, x, self.opts.max_new_tokens, eos_ids=self.eos)
+    def plain(self, x, unpadded: bool = False, **sampling):
+        return greedy_generate(self.unpadded if unpadded else self.main, x, self.opts.max_new_tokens, eos_ids=self.eos,
+                               **sampling)
 
-    def spec(self, x, c: DecodeConfig, timing: bool = False):
+    def spec(self, x, c: DecodeConfig, timing: bool = False, **sampling):
         return speculative_generate(self.main, self.runner, x, self.opts.max_new_tokens, c.steps, c.topk,
-                                    c.draft_tokens, eos_ids=self.eos, timing=timing)
+                                    c.draft_tokens, eos_ids=self.eos, timing=timing, **sampling)
 
 
 @dataclass
@@ -418,6 +421,7 @@ class _Measured:
     step_s: dict  # the target forward alone, median seconds by query count (cost account)
     context_tokens: int  # the context of those steps
     round_split: dict  # config name -> mean ms per round by phase, or None
+    sampled: dict = field(default_factory=dict)  # temperature -> config -> per-workload figures
 
 
 def run_release_bench(target: Target, draft_path, options: ReleaseOptions | None = None, **fields) -> dict:
@@ -440,7 +444,8 @@ def run_release_bench(target: Target, draft_path, options: ReleaseOptions | None
     splits = _time_rounds(run)
     subset = _time_hf_baselines(run, rows, refs)
     ctx, step_s = _time_steps(run)
-    results = _assemble(run, _Measured(rows, [p.id for p in subset], step_s, ctx, splits))
+    sampled = _time_sampled(run)
+    results = _assemble(run, _Measured(rows, [p.id for p in subset], step_s, ctx, splits, sampled))
     paths = write_release_outputs(results, stem, rows)
     config = {"target": results["target"], "draft": results["draft"], "dtype": results["dtype"],
               "device": str(run.device), **opts.record(run.engine, run.timed_rounds)}
@@ -565,6 +570,42 @@ def _time_steps(run: _Run) -> tuple[int, dict]:
     return ctx, step_s
 
 
+def _time_sampled(run: _Run) -> dict:
+    """Sampled decoding at each of ``sampled_temperatures``: plain (on the speedup reference's
+    engine) and each config on every prompt, one generator seed per prompt. Verification is
+    lossless, so both follow the target's law, but their tokens differ: only rates compare."""
+    out = {}
+    for temp in run.opts.sampled_temperatures:
+        rows = []
+        for i, p in enumerate(run.prompts):
+            x = run.tensor(p)
+
+            def seeded(i=i):
+                return {"temperature": temp, "generator": torch.Generator(device=run.device).manual_seed(i)}
+
+            toks, t = run.clock.timed(lambda: run.plain(x, unpadded=run.unpadded is not None, **seeded()))
+            row = {"workload": p.workload, "plain": {"tokens": toks.shape[1], "s": t}}
+            for c in run.configs:
+                (toks, stats), t = run.clock.timed(lambda: run.spec(x, c, **seeded()))
+                row[c.name] = {"tokens": toks.shape[1], "s": t, "accepted": sum(stats.accept_lengths),
+                               "verifies": len(stats.accept_lengths)}
+            rows.append(row)
+        out[str(temp)] = {c.name: _sampled_config(run, rows, c.name) for c in run.configs}
+        run.log(f"sampled at temperature {temp}: {len(rows)} prompts x (plain + {len(run.configs)} configs)")
+    return out
+
+
+def _sampled_config(run: _Run, rows: list[dict], name: str) -> dict:
+    per_w = {}
+    for w in run.workloads:
+        rs = [r for r in rows if r["workload"] == w]
+        tok_s = _tok_s(rs, name)
+        per_w[w] = {"tau": sum(r[name]["accepted"] for r in rs) / max(1, sum(r[name]["verifies"] for r in rs)),
+                    "tok_s": tok_s, "plain_tok_s": _tok_s(rs, "plain"), "speedup": tok_s / _tok_s(rs, "plain")}
+    return {"per_workload": per_w, "mean_speedup": statistics.fmean(v["speedup"] for v in per_w.values()),
+            "mean_tau": statistics.fmean(v["tau"] for v in per_w.values())}
+
+
 def _round_split(timings: list[dict]) -> dict | None:
     """Pool ``SpecStats.timing`` of several generations: mean ms per round by phase."""
     rounds = sum(t["rounds"] for t in timings)
@@ -606,6 +647,7 @@ def _assemble(run: _Run, m: _Measured) -> dict:
         "baselines": base,
         "baseline_details": details,
         "configs": [_config_results(run, m, c, ref, plain_tok_s) for c in run.configs],
+        "sampled": m.sampled,
         "caveats": [],
     }
     results["caveats"] = release_caveats(results, run.device, run.opts.baselines)
