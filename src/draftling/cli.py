@@ -40,7 +40,7 @@ FLAG_KEYS = {
     "attention": "bench.attention", "concurrency": "bench.concurrency",
     "shard_size": "extract.shard_size", "extract_batch_size": "extract.batch_size",
     "logits_dtype": "extract.logits_dtype",
-    "minutes": "wall_minutes",
+    "minutes": "wall_minutes", "init_from": "draft.init_from", "rebuild_vocab": "draft.rebuild_vocab",
 }
 # A flag's value where it is not the key's value as it stands.
 FLAG_VALUES = {
@@ -183,6 +183,11 @@ def add_train_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds an earlier "
                    "run (its checkpoints, draft and metrics are removed); without it, or --resume, such a "
                    "directory is refused")
+    p.add_argument("--init-from", metavar="DIR", help="start from this head instead of a new one: a draftling "
+                   "run, draft or checkpoint, an SGLang/EAGLE export or a speculators export (draft.init_from); "
+                   "it keeps its own vocab map and reports the map's coverage of the data; the source is never written")
+    p.add_argument("--rebuild-vocab", action="store_true", default=None, help="with --init-from: use the data's "
+                   "vocab map instead; the head rows of tokens that enter are re-initialised (draft.rebuild_vocab)")
     p.add_argument("--offline", metavar="CACHE", help="read the teacher's outputs from a cache written by "
                    "`draftling extract` instead of running the teacher per batch (the target is still "
                    "loaded, for its embedding and pad id); the cache must match --data and --vocab")
@@ -327,7 +332,12 @@ def add_export_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--format", choices=["sglang", "speculators"], default="sglang")
     p.add_argument("--with-embedding", action="store_true", help="include the target's embedding")
-    p.add_argument("--target", help="target (needed for --with-embedding and as the verifier name)")
+    p.add_argument("--target", help="target: HF hub id, local model directory, .gguf file, or `default` "
+                   "(needed for --with-embedding and for --format speculators, whose config names the "
+                   "verifier's hub id and architectures)")
+    p.add_argument("--verifier-id", metavar="ORG/NAME", help="--format speculators: the verifier's Hugging "
+                   "Face hub id written into the config (default: from --target; the default target is "
+                   "HuggingFaceTB/SmolLM2-135M-Instruct; needed when --target is a local path)")
     # The export's own dtype, not the target's (config key `dtype`): its own dest keeps it apart.
     p.add_argument("--dtype", dest="export_dtype", metavar="DTYPE", default="bfloat16",
                    help="bfloat16 | float16 | float32 | keep")
@@ -429,9 +439,10 @@ def cmd_train(args) -> int | None:
             raise DraftlingError(f"--nproc {args.nproc}: expected a positive number of processes")
         if not launched_by_torchrun():
             return relaunch_under_torchrun(args.nproc, args.argv)
-    cfg = run_config(args)
+    cfg = run_config(args, (*TARGET_FLAGS, "init_from", "rebuild_vocab"))
     data = Path(args.data)
     check_data_files(data)
+    init = _init_draft(cfg.draft)  # a bad --init-from fails before the target loads
     from draftling.target import load_target_from_config, resolve_device
     from draftling.train.trainer import check_run_dir, train
 
@@ -452,7 +463,31 @@ def cmd_train(args) -> int | None:
         if ctx.is_main:
             print(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)", flush=True)
     train(cfg, target, args.run_dir, data / "train.jsonl", data / "val.jsonl", vocab_path,
-          resume=args.resume, teacher_source=source, overwrite=args.overwrite, allow_change=args.allow_change)
+          resume=args.resume, teacher_source=source, init=init, overwrite=args.overwrite,
+          allow_change=args.allow_change)
+
+
+def _init_draft(dc):
+    """draft.init_from loaded, in whichever format it is (train/warmstart.py), or None. A run
+    directory gives its final draft, or its newest checkpoint while it has none."""
+    if not dc.init_from:
+        if dc.rebuild_vocab:
+            raise DraftlingError("--rebuild-vocab only applies with --init-from")
+        return None
+    import torch
+
+    from draftling.export.formats import load_any_draft
+    from draftling.train.checkpoint import latest_checkpoint
+    from draftling.train.warmstart import InitDraft
+
+    path = Path(dc.init_from)
+    if not path.is_dir():
+        raise DraftlingError(f"--init-from {path}: no such directory")
+    if (path / "draft").is_dir():
+        path = path / "draft"
+    elif (path / "checkpoints").is_dir():
+        path = latest_checkpoint(path) or path
+    return InitDraft(load_any_draft(path, "cpu", torch.float32), str(path), dc.rebuild_vocab)
 
 
 def cmd_plan(args) -> int:

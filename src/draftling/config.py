@@ -161,6 +161,11 @@ class DraftConfig:
     # The draft layer's MLP width; null = the target's intermediate_size (the EAGLE-3 shape).
     # A narrower MLP trains faster and overfits less when there is little data (the CPU profile).
     intermediate_size: int | None = None
+    # Start from this head instead of a new one (`train --init-from DIR`: a draftling run,
+    # draft or checkpoint, an SGLang/EAGLE export or a speculators export). It keeps its own
+    # vocab map unless rebuild_vocab (train/warmstart.py).
+    init_from: str | None = None
+    rebuild_vocab: bool = False
 
 
 @dataclass
@@ -179,6 +184,11 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 200
     keep_checkpoints: int = 2  # the newest N complete checkpoints are kept; 0 = keep all
+    # Candidates for selection by served speed (`draftling select`), kept beside the newest N:
+    # a checkpoint at every epoch's end, and every checkpoint whose step is a multiple of this
+    # (0 = none; a multiple of ckpt_every, or it never coincides with one).
+    ckpt_every_epoch: bool = False
+    keep_every_steps: int = 0
     seed: int = 0
     val_every: int = 0  # 0 = only at the end
     # Also learn at prompt (user/system) positions, against the teacher's predictions there.
@@ -260,6 +270,7 @@ class TrainConfig:
             "lr": POSITIVE, "min_lr_ratio": FRACTION, "warmup_steps": NON_NEGATIVE,
             "weight_decay": NON_NEGATIVE, "grad_clip": POSITIVE, "log_every": AT_LEAST_ONE,
             "ckpt_every": AT_LEAST_ONE, "keep_checkpoints": ("an integer >= 0 (0 = keep all)", lambda v: v >= 0),
+            "keep_every_steps": NON_NEGATIVE,
             "val_every": ("an integer >= 0 (0 = only at the end)", lambda v: v >= 0),
             "teacher_cache_gb": NON_NEGATIVE, "max_minutes": ("a number >= 0 (0 = no limit)", lambda v: v >= 0),
             "max_val_batches": AT_LEAST_ONE, "loss_chunk_tokens": ("an integer >= 0 (0 = off)", lambda v: v >= 0)})

@@ -241,12 +241,22 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
 
 
 def _read_config(path: Path) -> dict[str, Any]:
+    """config.json as a flat SGLang-layout dict; a speculators config (its Llama fields under
+    transformer_layer_config, aux ids at the top in vLLM numbering) is flattened to that form."""
     try:
-        return json.loads((path / CONFIG_NAME).read_text())
+        cfg = json.loads((path / CONFIG_NAME).read_text())
     except FileNotFoundError:
         raise DraftlingError(f"{path}: no {CONFIG_NAME}; not an exported draft directory") from None
     except json.JSONDecodeError as e:
         raise DraftlingError(f"{path / CONFIG_NAME}: invalid JSON ({e})") from None
+    if isinstance(cfg, dict) and cfg.get("speculators_model_type") == "eagle3":
+        layer = cfg.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise DraftlingError(f"{path / CONFIG_NAME}: a speculators config without transformer_layer_config")
+        top = {k: cfg[k] for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
+               if k in cfg}
+        cfg = {**{k: v for k, v in layer.items() if k != "architectures"}, **top}
+    return cfg
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -369,6 +379,11 @@ def _export_state_dict(tensors: dict[str, torch.Tensor], vocab: int, draft_vocab
                                  f"< vocab_size {vocab}; the draft ids cannot be mapped")
         sd["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
     if "t2d" not in sd:
+        if draft_vocab < vocab and not bool(sd["d2t"].any()):
+            # t2d rebuilt from this d2t would agree with it whatever it is: nothing to check.
+            raise DraftlingError(f"{path}: d2t is all zeros and there is no t2d while draft_vocab_size "
+                                 f"{draft_vocab} < vocab_size {vocab}; the vocab maps look unset "
+                                 f"(draft ids would map to target ids 0..{draft_vocab - 1})")
         t2d = torch.zeros(vocab, dtype=torch.bool)
         targets = torch.arange(draft_vocab) + sd["d2t"].long()
         if int(targets.min()) >= 0 and int(targets.max()) < vocab:
@@ -431,7 +446,11 @@ def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
     tensors = _tensors(draft, dt, layer_prefix="layers.0.", include_embedding=w.include_embedding,
                        embedding=w.embedding, include_vocab_maps=not full_vocab)
 
+    weights_dtype = _weights_dtype(tensors)
     layer_cfg = _llama_layer_fields(draft, target_config)
+    # vLLM builds the draft's HF config from this nested one: without a dtype there it is
+    # left to the engine's default. Both spellings: transformers 5 reads ``dtype``, 4 ``torch_dtype``.
+    layer_cfg["dtype"] = layer_cfg["torch_dtype"] = weights_dtype
     cfg: dict[str, Any] = {
         "architectures": [SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
@@ -448,6 +467,6 @@ def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
         "norm_before_residual": NORM_BEFORE_RESIDUAL,
         "target_hidden_size": int(getattr(draft.config, "target_hidden_size", draft.config.hidden_size)),
         "eagle_aux_hidden_state_layer_ids": to_engine_aux_layer_ids(ids, "speculators"),
-        "torch_dtype": _weights_dtype(tensors),
+        "torch_dtype": weights_dtype,
     }
     return _write(out_dir, cfg, tensors)

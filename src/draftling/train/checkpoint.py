@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,11 +34,29 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass(frozen=True)
+class KeepPolicy:
+    """Which checkpoints pruning spares: the newest ``newest`` (0 = all), and the candidates for
+    selection: those at an epoch's end (``epoch_ends``) and at multiples of ``every_steps``."""
+
+    newest: int = 2
+    epoch_ends: bool = False
+    every_steps: int = 0
+
+    def spares(self, ckpt: Path) -> bool:
+        meta = json.loads((ckpt / "meta.json").read_text()) if (ckpt / "meta.json").is_file() else {}
+        step = int(meta.get("step", -1))
+        return ((self.epoch_ends and meta.get("batch_index") == 0 and step > 0)
+                or (self.every_steps > 0 and step > 0 and step % self.every_steps == 0))
+
+
 def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step: int,
-                    position: tuple[int, int], keep: int, extra: dict | None = None) -> Path:
+                    position: tuple[int, int], keep: KeepPolicy | int, extra: dict | None = None) -> Path:
     """``draft``: a plain draft with full weights; ``optimizer_state``: the full optimizer
     state in the single-process layout (see distributed.full_optimizer_state); ``position``:
-    the data position (epoch, batch index) of the next batch, as EpochBatches.position gives it."""
+    the data position (epoch, batch index) of the next batch, as EpochBatches.position gives it.
+    ``keep``: what pruning spares (an int: the newest N)."""
+    keep = keep if isinstance(keep, KeepPolicy) else KeepPolicy(keep)
     epoch, batch_index = position
     final = Path(run_dir) / "checkpoints" / f"step_{step:07d}"
     with atomic_dir(final) as tmp:
@@ -51,7 +70,9 @@ def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step
         write_json(tmp / MANIFEST_FILE, {p.name: {"bytes": p.stat().st_size, "sha256": hash_dataset_file(p)}
                                          for p in sorted(tmp.iterdir())})
         fault_point("checkpoint.written")
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+    for old in list_checkpoints(run_dir)[:-keep.newest] if keep.newest > 0 else []:
+        if keep.spares(old):
+            continue
         # Renamed out of the list first: a kill while deleting leaves a temporary, never a
         # checkpoint with missing files.
         doomed = old.with_name(f".{old.name}.pruned.tmp")

@@ -20,6 +20,7 @@ from draftling.data.runs import check_one_run
 from draftling.data.states import StoredStates, states_path
 from draftling.data.tokenized import load_tokenized
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
+from draftling.train.warmstart import InitDraft, WarmStart, warm_start
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.dynamo import allow_recompiles
@@ -27,7 +28,7 @@ from draftling.errors import ConfigError
 from draftling.faults import fault_point
 from draftling.io import atomic_dir, atomic_path, remove_path, write_json
 from draftling.target import Target
-from draftling.train.checkpoint import (latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
+from draftling.train.checkpoint import (KeepPolicy, latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
                                         set_rng_state)
 from draftling.train.dataset import EpochBatches, collate
 from draftling.train.distributed import (DistContext, TTTObjective, all_reduce_sum, any_rank,
@@ -121,7 +122,9 @@ def format_line(prefix: str, m: dict) -> str:
     return f"{prefix} loss {m['loss']:.3f} | acc {acc} | cond {cond} | sim_tau {m['sim_tau']:.2f}{chain}{vocab}"
 
 
-def build_draft(cfg: RunConfig, target: Target, vocab) -> Eagle3Draft:
+def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = None) -> Eagle3Draft:
+    if warm is not None:  # --init-from: the head's working copy, its maps already set
+        return warm.draft
     overrides = {}
     if cfg.draft.intermediate_size is not None:
         if cfg.draft.intermediate_size < 1:
@@ -168,7 +171,8 @@ def place_draft(draft: Eagle3Draft, device, dtype: torch.dtype) -> Eagle3Draft:
     return draft.to(device)
 
 
-def prepare_draft(cfg: RunConfig, target: Target, vocab, device, sharded: bool = False):
+def prepare_draft(cfg: RunConfig, target: Target, vocab, device, sharded: bool = False,
+                  warm: WarmStart | None = None):
     """Build the draft and place it on the device as training needs it. Returns
     (draft, optimizer offload on?, the draft's compute dtype).
 
@@ -179,7 +183,7 @@ def prepare_draft(cfg: RunConfig, target: Target, vocab, device, sharded: bool =
     on the host RNG either way)."""
     tc = cfg.train
     with torch.device("cpu"):
-        draft = build_draft(cfg, target, vocab)
+        draft = build_draft(cfg, target, vocab, warm)
     if not tc.build_on_host:
         draft = draft.to(device)
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -548,10 +552,11 @@ class RunInputs:
     vocab: object
     teacher: TeacherSource | None  # None: the resident target is the teacher
     val_teacher: TeacherSource | None
+    warm: WarmStart | None = None  # --init-from: the head training starts from, and its maps
 
 
 def load_run_inputs(target: Target, train_path, val_path, vocab_path, teacher_source: TeacherSource | None,
-                    say) -> RunInputs:
+                    say, init: InitDraft | None = None) -> RunInputs:
     """The examples, the vocab and the teachers of both splits. A given ``teacher_source`` serves
     validation through its ``for_split("val", hash)``; without one, the states kept beside each
     jsonl file (if any) are the teacher of its split."""
@@ -563,11 +568,23 @@ def load_run_inputs(target: Target, train_path, val_path, vocab_path, teacher_so
     if teacher_source is not None and val_examples:
         val_teacher = teacher_source.for_split("val", hash_dataset_file(val_path))
     vocab = load_vocab(vocab_path, expect_data_hash=hash_dataset_file(train_path), target_vocab_size=n_vocab)
+    warm = None
+    if init is not None:
+        warm = warm_start(init, target, vocab, examples)
+        r = warm.report
+        say(f"init from {init.where}: " + (f"vocab map rebuilt from the data, {r['tokens_entered']} tokens entered "
+            f"with the target's head rows; coverage {r['new_map_coverage']:.3f}" if init.rebuild_vocab else
+            f"its own vocab map kept, covering {r['kept_map_coverage']:.3f} of the data's loss tokens (a map "
+            f"from the data: {r['new_map_coverage']:.3f}; --rebuild-vocab switches to it)"))
+        if teacher_source is not None and not torch.equal(warm.vocab.t2d, vocab.t2d):
+            raise ConfigError(f"--init-from {init.where}: the head keeps its own vocab map, but the teacher cache "
+                              "holds logits over the data's map; pass --rebuild-vocab or train online")
+        vocab = warm.vocab
     if teacher_source is None:
         teacher_source = kept_states_teacher(target, train_path, vocab.t2d, say)
         if teacher_source is not None and val_examples:
             val_teacher = kept_states_teacher(target, val_path, vocab.t2d, say)
-    return RunInputs(examples, val_examples, vocab, teacher_source, val_teacher)
+    return RunInputs(examples, val_examples, vocab, teacher_source, val_teacher, warm)
 
 
 @dataclasses.dataclass
@@ -626,7 +643,8 @@ class TrainRun:
         opt_state = full_optimizer_state(self.objective, self.optimizer)
         if self.ctx.is_main:
             save_checkpoint(self.run_dir, weights, opt_state, self.scheduler, self.step,
-                            self.batches.position(self.step), tc.keep_checkpoints,
+                            self.batches.position(self.step),
+                            KeepPolicy(tc.keep_checkpoints, tc.ckpt_every_epoch, tc.keep_every_steps),
                             {"total_steps": self.total_steps, "compute_dtype": self.unroll.autocast or "float32"})
         barrier(self.ctx)
 
@@ -639,7 +657,7 @@ def build_run(cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, 
 
     tc, device = cfg.train, target.device
     sharded = ctx.active and tc.parallel == "fsdp"
-    draft, offload, param_dtype = prepare_draft(cfg, target, inputs.vocab, device, sharded)
+    draft, offload, param_dtype = prepare_draft(cfg, target, inputs.vocab, device, sharded, inputs.warm)
     longest = max((len(e.input_ids) for e in inputs.examples + inputs.val_examples), default=1)
     tc, policy = resolve_memory_policy(tc, device, DraftShape.from_config(target.config, inputs.vocab.size),
                                        -(-tc.batch_size // ctx.world_size), longest, param_dtype, offload,
@@ -721,10 +739,11 @@ class RunDirClaim:
 
 def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
           val_path: str | Path | None, vocab_path: str | Path, teacher_source: TeacherSource | None = None,
-          **claim) -> dict:
+          init: InitDraft | None = None, **claim) -> dict:
     """``teacher_source``: a TeacherSource (e.g. an offline.OfflineTeacher) used instead of running
     the teacher; its ``for_split("val", hash)``, when not None, serves validation. ``claim``:
-    RunDirClaim's fields (resume, overwrite, allow_change).
+    RunDirClaim's fields (resume, overwrite, allow_change). ``init``: the head to start from
+    (``train --init-from``, loaded by the caller in whatever format it came; see warmstart.py).
 
     Under torchrun (``distributed.init_distributed`` called first) every rank runs this
     with its own resident teacher and its share of each global batch; rank 0 writes."""
@@ -743,7 +762,10 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         if ctx.is_main:
             print(line, flush=True)
 
-    inputs = load_run_inputs(target, train_path, val_path, vocab_path, teacher_source, say)
+    if cfg.draft.init_from and init is None:
+        raise ConfigError(f"draft.init_from={cfg.draft.init_from}: load that draft and pass it as init= "
+                          "(the `train` command does)")
+    inputs = load_run_inputs(target, train_path, val_path, vocab_path, teacher_source, say, init)
     claim_run_dir(run_dir, resume, claim.overwrite, ctx)
     changes = resume_config_changes(run_dir, cfg, claim.allow_change) if resume else {}
     if ctx.is_main:
@@ -795,7 +817,8 @@ def train_loop(run: TrainRun) -> float:
         if tc.max_minutes > 0 and any_rank(out_of_time, ctx, device) and run.step < run.total_steps:
             run.say(f"stopping at step {run.step}/{run.total_steps}: train.max_minutes={tc.max_minutes} reached")
             run.total_steps = run.step
-        if run.step % tc.ckpt_every == 0 or run.step == run.total_steps:
+        epoch_end = tc.ckpt_every_epoch and run.batches.position(run.step)[1] == 0
+        if run.step % tc.ckpt_every == 0 or run.step == run.total_steps or epoch_end:
             run.checkpoint()
     if progress is not None:
         progress.close()
