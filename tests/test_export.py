@@ -1,6 +1,8 @@
 """Export formats: round trip, file layout, engine layer-id conventions, refusals."""
 
 import json
+import logging
+import types
 
 import pytest
 import torch
@@ -8,7 +10,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftling.cli import main
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, repeat_kv
+from draftling.draft.store import load_draft, save_draft
 from draftling.errors import DraftlingError
 from draftling.export import (
     NORM_BEFORE_RESIDUAL,
@@ -21,7 +25,10 @@ from draftling.export import (
     to_engine_aux_layer_ids,
 )
 from draftling.export import formats
+from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft, verifier_architectures, verifier_hub_id
+from draftling.export.formats import load_any_draft
 from draftling.target.aux import aux_hidden_states
+from draftling.target.load import DEFAULT_TARGET, Target, TargetSpec, wrap_target
 
 VOCAB, DRAFT_VOCAB, LAYERS = 300, 64, 6
 DEFAULT_IDS = [2, 3, 3]          # [2, L//2, L-3] for L = 6
@@ -355,3 +362,159 @@ def test_speculators_requires_verifier(tmp_path, target):
         export_speculators(draft, tmp_path / "spec", verifier_name_or_path="t",
                            verifier_architectures=[])
     assert no_leftovers(tmp_path, "spec")
+
+
+# ------------------------------------------- what speculators 0.9.0 found in the metadata
+
+def save_draft_dir(path, draft):
+    path.mkdir(parents=True)
+    save_draft(draft, path)
+    return path
+
+
+def as_target(model, name, spec=None):
+    tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    wrapped = wrap_target(model, tokenizer, name=name)
+    return wrapped if spec is None else Target(spec, wrapped.model, tokenizer, wrapped.aux_layer_ids)
+
+
+def test_verifier_architectures_when_the_config_has_none(tmp_path, target):
+    # A model loaded from a GGUF file has config.architectures = None (so has a fresh one).
+    target.config.architectures = None
+    assert verifier_architectures(target) == ["LlamaForCausalLM"]          # from the class
+    base = types.SimpleNamespace(config=types.SimpleNamespace(architectures=None, model_type="llama"))
+    assert verifier_architectures(base) == ["LlamaForCausalLM"]            # from model_type
+    named = types.SimpleNamespace(config=types.SimpleNamespace(architectures=["MyForCausalLM"]))
+    assert verifier_architectures(named) == ["MyForCausalLM"]               # the config wins
+    odd = types.SimpleNamespace(config=types.SimpleNamespace(architectures=[], model_type="nope"))
+    with pytest.raises(DraftlingError, match="architecture"):
+        verifier_architectures(odd)
+
+    draft_dir = save_draft_dir(tmp_path / "draft", make_draft(target))
+    out = export_draft(draft_dir, tmp_path / "spec", "speculators", target=as_target(target, "org/tiny"))
+    verifier = read_export(out)[0]["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": "org/tiny", "architectures": ["LlamaForCausalLM"]}
+
+
+def test_verifier_is_a_hub_id_never_a_local_path(tmp_path, target, monkeypatch):
+    gguf = TargetSpec(DEFAULT_TARGET, str(tmp_path), str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    assert verifier_hub_id(gguf) == DEFAULT_TARGET_HUB_ID == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert verifier_hub_id(TargetSpec("org/name", "org/name")) == "org/name"      # a hub id, as is
+    assert verifier_hub_id(TargetSpec("org/name", "org/name"), "other/id") == "other/id"
+    cached = tmp_path / "hub" / "models--Org--Some-Model" / "snapshots" / "0123abc"
+    cached.mkdir(parents=True)
+    assert verifier_hub_id(TargetSpec(str(cached), str(cached))) == "Org/Some-Model"
+
+    local = tmp_path / "models" / "mine"
+    local.mkdir(parents=True)
+    (local / "config.json").write_text(json.dumps({"_name_or_path": "org/base"}))
+    monkeypatch.chdir(tmp_path)
+    for spec in (TargetSpec(str(local), str(local)),                         # absolute
+                 TargetSpec("models/mine", "models/mine"),                   # relative, looks like org/name
+                 TargetSpec("x.gguf", str(tmp_path), str(tmp_path / "x.gguf")),
+                 TargetSpec("in-memory", "in-memory")):
+        with pytest.raises(DraftlingError, match="pass --verifier-id") as e:
+            verifier_hub_id(spec)
+        assert "\n" not in str(e.value)
+    with pytest.raises(DraftlingError, match="--verifier-id org/base if it is that model"):
+        verifier_hub_id(TargetSpec(str(local), str(local)))                  # a hint, not a guess
+    assert verifier_hub_id(TargetSpec(str(local), str(local)), "org/mine") == "org/mine"
+    for bad in (str(local), "models/mine", "./x", "~/x", "a/b/c", "org--x/y"):
+        with pytest.raises(DraftlingError, match="--verifier-id"):
+            verifier_hub_id(TargetSpec("org/name", "org/name"), bad)
+
+    # Through export_draft: the default target's short name never reaches the config.
+    draft_dir = save_draft_dir(tmp_path / "draft", make_draft(target))
+    out = export_draft(draft_dir, tmp_path / "spec", "speculators", target=as_target(target, "t", gguf))
+    assert read_export(out)[0]["speculators_config"]["verifier"]["name_or_path"] == DEFAULT_TARGET_HUB_ID
+    with pytest.raises(DraftlingError, match="pass --verifier-id"):
+        export_draft(draft_dir, tmp_path / "spec2", "speculators",
+                     target=as_target(target, "t", TargetSpec(str(local), str(local))))
+    out = export_draft(draft_dir, tmp_path / "spec3", "speculators", verifier_id="org/mine",
+                       target=as_target(target, "t", TargetSpec(str(local), str(local))))
+    assert read_export(out)[0]["speculators_config"]["verifier"]["name_or_path"] == "org/mine"
+    assert no_leftovers(tmp_path, "spec2")
+
+
+def test_export_cli_speculators_needs_target_and_a_hub_id(tmp_path, target, capsys):
+    draft_dir = save_draft_dir(tmp_path / "draft", make_draft(target))
+    base = ["export", "--draft", str(draft_dir), "--out", str(tmp_path / "out")]
+    assert main([*base, "--format", "speculators"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs --target" in err and len(err.splitlines()) == 1
+    # A local target is refused before it loads (this one could not load: its config is empty).
+    local = tmp_path / "local-model"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    assert main([*base, "--format", "speculators", "--target", str(local)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pass --verifier-id" in err and len(err.splitlines()) == 1
+    assert main([*base, "--verifier-id", "org/x"]) == 2                        # sglang has no verifier
+    assert "--format speculators only" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sglang_export_warns_about_non_default_layers(tmp_path, target, caplog):
+    default_dir = save_draft_dir(tmp_path / "default", make_draft(target))
+    custom_dir = save_draft_dir(tmp_path / "custom", make_draft(target, aux_ids=[1, 3, 4]))
+    with caplog.at_level(logging.WARNING, logger="draftling.export.cli"):
+        export_draft(default_dir, tmp_path / "a")
+        assert not caplog.records
+        export_draft(custom_dir, tmp_path / "b")
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "[1, 3, 4]" in record.getMessage() and "--format speculators" in record.getMessage()
+    assert "speculators convert" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="draftling.export.cli"):
+        export_draft(custom_dir, tmp_path / "c", "speculators", target=as_target(target, "org/tiny"))
+    assert not caplog.records                                                  # ids are read there
+
+
+@pytest.mark.parametrize("dtype, name", [("bfloat16", "bfloat16"), ("keep", "float32")])
+def test_speculators_layer_config_has_dtype(tmp_path, target, dtype, name):
+    out = export_speculators(make_draft(target), tmp_path / "spec", verifier_name_or_path="org/t",
+                             verifier_architectures=["LlamaForCausalLM"], dtype=dtype)
+    cfg, tensors = read_export(out)
+    assert tensors["fc.weight"].dtype == getattr(torch, name)
+    assert cfg["torch_dtype"] == name                                         # the top-level one stays
+    layer = cfg["transformer_layer_config"]
+    assert layer["dtype"] == name and layer["torch_dtype"] == name
+    assert LlamaConfig(**layer).dtype == getattr(torch, name)
+
+
+def test_every_draft_load_checks_the_vocab_maps(tmp_path, target):
+    draft = make_draft(target)
+    draft.d2t.zero_()                       # t2d still marks the real draft vocab
+    draft_dir = save_draft_dir(tmp_path / "zeroed", draft)
+    for load in (load_draft, lambda p: load_any_draft(p, "cpu", torch.float32)):
+        with pytest.raises(DraftlingError, match="d2t is all zeros") as e:
+            load(draft_dir)
+        assert str(draft_dir / "draft.safetensors") in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DraftlingError, match="d2t is all zeros"):
+        export_draft(draft_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+    stale = make_draft(target)
+    stale.t2d.copy_(make_draft(target, seed=5).t2d)  # maps from other data
+    with pytest.raises(DraftlingError, match="disagree"):
+        load_draft(save_draft_dir(tmp_path / "stale", stale))
+
+    # An SGLang export without t2d: a t2d rebuilt from a zeroed d2t would agree with it.
+    out = export_sglang(make_draft(target), tmp_path / "sgl", trained_on_default_layers=True)
+    _, tensors = read_export(out)
+    del tensors["t2d"]
+    tensors["d2t"] = torch.zeros_like(tensors["d2t"])
+    formats.save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(DraftlingError, match="d2t is all zeros and there is no t2d"):
+        load_any_draft(out, "cpu", torch.float32)
+
+    # What the checks accept: real maps, and a zero d2t whose draft vocab IS ids 0..N-1
+    # (build_vocab pads with the lowest unused ids, so small data can give exactly that).
+    assert torch.equal(load_draft(save_draft_dir(tmp_path / "ok", make_draft(target))).d2t,
+                       make_draft(target).d2t)
+    prefix = make_draft(target)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[:DRAFT_VOCAB] = True
+    prefix.set_vocab(torch.zeros(DRAFT_VOCAB, dtype=torch.long), t2d)
+    assert not load_draft(save_draft_dir(tmp_path / "prefix", prefix)).d2t.any()

@@ -165,6 +165,11 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
 def write_jsonl(path: str | os.PathLike, rows) -> int:
     n = 0
     with atomic_path(path) as tmp:

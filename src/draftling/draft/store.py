@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from draftling.draft.model import Eagle3Draft
+from draftling.draft.vocab import check_vocab_maps
 from draftling.errors import DraftlingError, one_line
 
 CONFIG_FILE = "draft_config.json"
@@ -42,10 +43,16 @@ def load_draft(directory: str | Path, device: str | torch.device = "cpu",
         state = load_file(str(directory / WEIGHTS_FILE))
     except Exception as e:  # safetensors raises its own error type for a truncated or garbage file
         raise DraftlingError(f"{directory / WEIGHTS_FILE}: unreadable ({one_line(e)})") from None
-    missing, unexpected = draft.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = draft.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor whose shape does not fit the config
+        raise DraftlingError(f"{directory / WEIGHTS_FILE}: does not fit {CONFIG_FILE} ({one_line(e)})") from None
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
         raise DraftlingError(f"{directory / WEIGHTS_FILE}: missing {missing}, unexpected {unexpected}")
     if not bool(draft.t2d.any()):
         raise DraftlingError(f"{directory / WEIGHTS_FILE}: t2d is empty; the vocab maps were not saved")
+    # The checks the exporters run, on every load: a zeroed or stale d2t serves garbage silently.
+    check_vocab_maps(draft.d2t, draft.t2d, int(draft.config.draft_vocab_size), int(draft.config.vocab_size),
+                     where=str(directory / WEIGHTS_FILE))
     return draft.to(device=device, dtype=dtype).eval()

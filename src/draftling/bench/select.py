@@ -1,0 +1,156 @@
+"""`draftling select RUN_DIR --data DATA --prompts HELD_OUT`: the checkpoint to ship, chosen by
+served speed.
+
+Validation loss only shortlists: the ``shortlist`` checkpoints of lowest loss on DATA's
+validation split (scored afresh, so every candidate is measured alike). Each then decodes the
+held-out prompts through the batched engine at the concurrency asked for, against the same
+engine without speculation, and the fastest by measured tok/s wins; tau and the identity with
+plain greedy decoding are shown beside it. ``--base DIR`` also measures a base head on the same
+prompts: the adaptation report (base against the winner). The report is JSON plus markdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftling.bench.manifest import manifest_fields
+from draftling.bench.release import load_prompt_set
+from draftling.bench.simple import build_engine, parse_decode_config
+from draftling.config import load_config
+from draftling.data.tokenized import load_tokenized
+from draftling.engine import EngineOptions
+from draftling.engine.batch import batch_generate
+from draftling.errors import DraftlingError
+from draftling.export.formats import load_any_draft
+from draftling.io import write_json, write_text
+from draftling.target import Target
+from draftling.train.checkpoint import list_checkpoints
+from draftling.train.trainer import evaluate
+
+
+@dataclass(frozen=True)
+class SelectOptions:
+    prompts: str  # held-out prompts: a prompt-set name or a jsonl path, task-disjoint from training
+    data: str  # the run's data directory: its val.jsonl scores the loss
+    shortlist: int = 3
+    config: str = "tree-3-4-8"
+    concurrency: int = 1
+    max_new_tokens: int = 128
+    base: str | None = None  # a base head measured on the same prompts
+    out: str | None = None  # the report's folder; default RUN_DIR/selection
+    command: str | None = None
+
+
+def select_checkpoint(target: Target, run_dir, opts: SelectOptions, measure=None) -> dict:
+    """The selection report (see the module doc), written to ``opts.out``. ``measure``: how a
+    head is timed (default ``measure_head``; tests pass their own)."""
+    run_dir = Path(run_dir)
+    cands = [p for p in list_checkpoints(run_dir)]
+    if not cands:
+        raise DraftlingError(f"{run_dir}: no checkpoints to select from (train with train.keep_checkpoints=0 "
+                             "or train.ckpt_every_epoch=true to keep candidates)")
+    run_cfg = load_config(run_dir / "config.yaml")
+    losses = {c: val_loss(target, c, run_cfg, Path(opts.data) / "val.jsonl") for c in cands}
+    shortlist = sorted(cands, key=lambda c: losses[c])[:opts.shortlist]
+    _, prompts = load_prompt_set(opts.prompts, target)
+    ids = [p.input_ids for p in prompts]
+    measure = measure or measure_head
+    rows = [{"checkpoint": c.name, "val_loss": losses[c], **measure(target, load_any_draft(c, target.device, _dtype(target)),
+                                                                   ids, opts)} for c in shortlist]
+    report = _report(rows, opts, len(ids))
+    if opts.base:
+        base = measure(target, load_any_draft(opts.base, target.device, _dtype(target)), ids, opts)
+        win = next(r for r in rows if r["checkpoint"] == report["selection"]["winner"])
+        report["adaptation"] = {"workload": _workload(prompts), "prompts": len(ids),
+                                "base": {k: base[k] for k in ("tau", "tok_s")},
+                                "adapted": {k: win[k] for k in ("tau", "tok_s")}}
+    _write(report, Path(opts.out or run_dir / "selection"), target, opts)
+    return report
+
+
+def _dtype(target: Target) -> torch.dtype:
+    return next(target.model.parameters()).dtype
+
+
+def _workload(prompts) -> str:
+    return ",".join(dict.fromkeys(p.workload for p in prompts))
+
+
+def val_loss(target: Target, ckpt: Path, run_cfg, val_path: Path) -> float:
+    """The checkpoint's TTT loss on the validation split, as the trainer scores it."""
+    examples = load_tokenized(val_path, target.config.vocab_size)
+    draft = load_any_draft(ckpt, target.device, torch.float32)
+    with torch.no_grad():
+        return float(evaluate(draft, target, examples, run_cfg, target.device, run_cfg.train.max_val_batches)["loss"])
+
+
+def measure_head(target: Target, draft, ids: list[list[int]], opts: SelectOptions) -> dict:
+    """tok/s and tau of ``draft`` on ``ids`` through the batched engine at ``opts.concurrency``,
+    and the share of requests whose tokens equal plain greedy decoding's on the same engine."""
+    c = parse_decode_config(opts.config)
+    engine = EngineOptions(cuda_graphs="auto", compile=False, query_pad=0, attention="auto").resolve(target.device)
+    max_len = max(map(len, ids)) + opts.max_new_tokens + c.draft_tokens + 8
+    tgt, runner = build_engine(target, draft, max_len, engine, batch_size=opts.concurrency)
+    eos = target.stop_token_ids()
+    tree = (c.steps, c.topk, c.draft_tokens)
+    batch_generate(tgt, ids[:opts.concurrency], 4, draft=runner, tree=tree, eos_ids=eos)  # graphs, outside timing
+    plain = batch_generate(tgt, ids, opts.max_new_tokens, eos_ids=eos)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = batch_generate(tgt, ids, opts.max_new_tokens, draft=runner, tree=tree, eos_ids=eos)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    lengths = [a for r in out for a in r.stats.accept_lengths]
+    return {"tok_s": sum(len(r.tokens) for r in out) / seconds, "tau": sum(lengths) / max(1, len(lengths)),
+            "identical": sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)}
+
+
+def _report(rows: list[dict], opts: SelectOptions, n_prompts: int) -> dict:
+    win = max(rows, key=lambda r: r["tok_s"])
+    lowest = min(rows, key=lambda r: r["val_loss"])
+    if win is lowest:
+        reason = f"{win['checkpoint']} has the lowest validation loss and is also the fastest ({win['tok_s']:.1f} tok/s)"
+    else:
+        reason = (f"{win['checkpoint']} served {win['tok_s']:.1f} tok/s (tau {win['tau']:.2f}), "
+                  f"{win['tok_s'] / lowest['tok_s']:.2f}x the lowest-loss {lowest['checkpoint']} "
+                  f"({lowest['tok_s']:.1f} tok/s, tau {lowest['tau']:.2f}); loss ranks, served speed decides")
+    return {"date": datetime.date.today().isoformat(),
+            "selection": {"candidates": rows, "winner": win["checkpoint"], "reason": reason},
+            "protocol": {"prompts": opts.prompts, "n": n_prompts, "config": opts.config,
+                         "concurrency": opts.concurrency, "max_new_tokens": opts.max_new_tokens,
+                         "shortlist": opts.shortlist}}
+
+
+def _write(report: dict, out: Path, target: Target, opts: SelectOptions) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    report["manifest"] = manifest_fields(opts.command, {k: str(v) for k, v in dataclasses.asdict(opts).items()
+                                                        if k != "command"}, target.device, report["date"])
+    write_json(out / "selection.json", report)
+    write_text(out / "selection.md", format_selection(report))
+
+
+def format_selection(report: dict) -> str:
+    s, p = report["selection"], report["protocol"]
+    lines = [f"# Checkpoint selection ({report['date']})", "",
+             f"{p['n']} held-out prompts ({p['prompts']}), {p['config']}, concurrency {p['concurrency']}, "
+             f"up to {p['max_new_tokens']} new tokens; the {p['shortlist']} lowest validation losses measured.", "",
+             "| checkpoint | val loss | tau | tok/s | identical to plain |", "|---|---|---|---|---|"]
+    for r in s["candidates"]:
+        mark = " **(winner)**" if r["checkpoint"] == s["winner"] else ""
+        lines.append(f"| {r['checkpoint']}{mark} | {r['val_loss']:.4f} | {r['tau']:.2f} | {r['tok_s']:.1f} | "
+                     f"{r['identical']:.0%} |")
+    lines += ["", f"Why: {s['reason']}."]
+    if "adaptation" in report:
+        a = report["adaptation"]
+        lines += ["", f"Adaptation ({a['workload']}, {a['prompts']} prompts): base tau {a['base']['tau']:.2f}, "
+                      f"{a['base']['tok_s']:.1f} tok/s; adapted tau {a['adapted']['tau']:.2f}, "
+                      f"{a['adapted']['tok_s']:.1f} tok/s."]
+    return "\n".join(lines) + "\n"
