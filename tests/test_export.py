@@ -518,3 +518,30 @@ def test_every_draft_load_checks_the_vocab_maps(tmp_path, target):
     t2d[:DRAFT_VOCAB] = True
     prefix.set_vocab(torch.zeros(DRAFT_VOCAB, dtype=torch.long), t2d)
     assert not load_draft(save_draft_dir(tmp_path / "prefix", prefix)).d2t.any()
+
+
+def test_check_accepts_a_fitting_export_and_names_every_mismatch(tmp_path):
+    """`draftling check`: sizes, aux layers and the recorded target fingerprint."""
+    import json as _json
+    import types as _types
+
+    from draftling.export.check import check_export
+    from draftling.export.cli import record_fingerprint
+    from draftling.target.fingerprint import fingerprint
+
+    torch.manual_seed(0)
+    target_cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                             num_attention_heads=4, num_key_value_heads=2)
+    draft = Eagle3Draft(draft_config_from_target(target_cfg, 300, [2, 3, 3]))
+    draft.set_vocab(torch.zeros(300, dtype=torch.long), torch.ones(300, dtype=torch.bool))
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True, dtype="keep")
+    tok = _types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1}, chat_template="t")
+    record_fingerprint(out, fingerprint(target_cfg, tok))
+    assert any("tokenizer hash" in line for line in check_export(out, target_cfg, tok))
+    other = LlamaConfig(**{**target_cfg.to_dict(), "hidden_size": 96, "num_hidden_layers": 2})
+    with pytest.raises(DraftlingError) as e:
+        check_export(out, other, _types.SimpleNamespace(get_vocab=lambda: {"a": 0}, chat_template="t"))
+    msg = str(e.value)
+    assert "hidden size: head 64, target 96" in msg and "of a 2-layer target" in msg
+    assert "config hash" in msg and "tokenizer hash" in msg and "\n" not in msg
+    assert _json.loads((out / "config.json").read_text())["draftling"]["target_fingerprint"]["config"]

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (add_data_parser, add_vocab_parser, add_train_parser, add_plan_parser, add_extract_parser,
-                add_bench_parser, add_select_parser, add_export_parser, add_quickstart_parser):
+                add_bench_parser, add_select_parser, add_export_parser, add_check_parser, add_quickstart_parser):
         add(sub)
     return parser
 
@@ -606,6 +606,31 @@ def _release_bench(args) -> None:
         print(f"updated {update_benchmarks_md(f'{stem}.json', args.update_benchmarks_md)}")
 
 
+def add_check_parser(sub) -> None:
+    """`draftling check`: a head against a target, before serving."""
+    p = sub.add_parser("check", help="check that an exported head fits a target before serving it",
+                       description="Load EXPORT (an SGLang or speculators export, or a draftling draft), check its "
+                       "vocab maps, hidden size, vocabulary and aux layer ids against the target, and the target "
+                       "fingerprint (config and tokenizer hashes) the export recorded. Exit 2 with every mismatch "
+                       "named.", epilog=EPILOG_OVERRIDES)
+    _common(p)
+    p.add_argument("export", metavar="EXPORT", help="the export (or draft) directory")
+
+
+def cmd_check(args) -> None:
+    from draftling.export.check import check_export
+    from draftling.target.load import load_target_config, load_target_tokenizer
+
+    cfg = run_config(args, ("target",))
+    if not Path(args.export).is_dir():
+        raise DraftlingError(f"{args.export}: no such directory")
+    config = load_target_config(cfg.target)
+    tokenizer = load_target_tokenizer(cfg.target, cfg.chat_template).tokenizer
+    for line in check_export(args.export, config, tokenizer):
+        print(f"ok: {line}")
+    print(f"{args.export} fits {cfg.target or 'the default target'}")
+
+
 def cmd_select(args) -> None:
     from draftling.bench.select import SelectOptions, select_checkpoint
     from draftling.target import load_target_from_config
@@ -641,7 +666,8 @@ def cmd_quickstart(args) -> None:
 
 
 COMMANDS = {"plan": cmd_plan, "data": cmd_data, "vocab": cmd_vocab, "extract": cmd_extract, "train": cmd_train,
-            "bench": cmd_bench, "select": cmd_select, "export": cmd_export, "quickstart": cmd_quickstart}
+            "bench": cmd_bench, "select": cmd_select, "export": cmd_export, "check": cmd_check,
+            "quickstart": cmd_quickstart}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,8 @@ from draftling.draft.store import load_draft
 from draftling.errors import DraftlingError
 from draftling.export.conventions import is_default_aux_layer_ids
 from draftling.export.formats import export_sglang, export_speculators
-from draftling.io import check_output_dir
+from draftling.io import check_output_dir, write_json
+from draftling.target.fingerprint import fingerprint
 from draftling.target.load import DEFAULT_TARGET, TargetSpec, default_target_gguf, resolve_target
 
 log = logging.getLogger(__name__)
@@ -144,16 +145,32 @@ def export_draft(draft_dir, out, fmt: str = "sglang", with_embedding: bool = Fal
         embedding = target.input_embeddings().weight.detach().cpu()
     target_config = target.config if target is not None else None
     if fmt == "sglang":
-        if not default:
-            log.warning("the head uses non-default aux layer ids %s (HF hidden_states indices); the "
-                        "SGLang export writes them, but `speculators convert` does not read them and "
-                        "would silently fall back to the default layers: for vLLM export with "
-                        "--format speculators instead", ids)
-        return export_sglang(draft, out, include_embedding=with_embedding, embedding=embedding,
-                             trained_on_default_layers=default, dtype=dtype, target_config=target_config)
+        out = _export_sglang(draft, out, with_embedding, embedding, default, dtype, target_config)
+        if target is not None:
+            record_fingerprint(out, fingerprint(target.config, target.tokenizer))
+        return out
     return export_speculators(draft, out, verifier_name_or_path=verifier, verifier_architectures=archs,
                               include_embedding=with_embedding, embedding=embedding, dtype=dtype,
                               target_config=target_config)
+
+
+def record_fingerprint(out: Path, fp: dict) -> None:
+    """The target's fingerprint in the export's draftling record (engines ignore the key), for
+    `draftling check`."""
+    path = Path(out) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.setdefault("draftling", {})["target_fingerprint"] = fp
+    write_json(path, cfg)
+
+
+def _export_sglang(draft, out, with_embedding, embedding, default, dtype, target_config):
+    if not default:
+        log.warning("the head uses non-default aux layer ids %s (HF hidden_states indices); the SGLang export "
+                    "writes them, but `speculators convert` does not read them and would silently fall back "
+                    "to the default layers: for vLLM export with --format speculators instead",
+                    list(draft.config.eagle_aux_hidden_state_layer_ids))
+    return export_sglang(draft, out, include_embedding=with_embedding, embedding=embedding,
+                         trained_on_default_layers=default, dtype=dtype, target_config=target_config)
 
 
 def export_from_cli(args, cfg) -> None:
