@@ -287,3 +287,23 @@ def test_an_unreachable_hub_fails_at_once_naming_the_spec(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(DataError, match=r"hf:a/b.*hub is out of reach.*127.0.0.1:9.*HF_HUB_OFFLINE=1"):
         check_prompt_spec("hf:a/b")
+
+
+def test_exclude_ids_keeps_a_replay_set_out_of_training(tmp_path):
+    """data.exclude_ids (`data --exclude-ids FILE`): ids one per line or as jsonl rows."""
+    from draftling.data.prepare import read_id_file
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"t{i}", "messages": [{"role": "user", "content": f"q {i}"}]})
+                               + "\n" for i in range(5)))
+    (tmp_path / "ids.txt").write_text("t1  # the replay set\n\n# a comment line\nt3\n")
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"id": "t4"}) + "\n")
+    cfg = load_config(None, [f"data.prompts=[{prompts}]",
+                             f"data.exclude_ids=[{tmp_path / 'ids.txt'}, {tmp_path / 'ids.jsonl'}]"])
+    convs, excluded = load_prompt_files(cfg)
+    assert [c.id for c in convs] == ["t0", "t2"] and excluded == 3
+    (tmp_path / "bad.jsonl").write_text('{"task": 1}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: a JSON row without an \"id\""):
+        read_id_file(tmp_path / "bad.jsonl")
+    with pytest.raises(DataError, match="data.exclude_ids: .*missing.txt: no such file"):
+        read_id_file(tmp_path / "missing.txt")

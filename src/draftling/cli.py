@@ -41,6 +41,7 @@ FLAG_KEYS = {
     "shard_size": "extract.shard_size", "extract_batch_size": "extract.batch_size",
     "logits_dtype": "extract.logits_dtype",
     "minutes": "wall_minutes", "init_from": "draft.init_from", "rebuild_vocab": "draft.rebuild_vocab",
+    "exclude_ids": "data.exclude_ids",
 }
 # A flag's value where it is not the key's value as it stands.
 FLAG_VALUES = {
@@ -53,7 +54,7 @@ FLAG_VALUES = {
 }
 
 TARGET_FLAGS = ("target", "device", "dtype")
-DATA_FLAGS = ("chat_template", "prompts", "server", "server_model")
+DATA_FLAGS = ("chat_template", "prompts", "server", "server_model", "exclude_ids")
 BENCH_FLAGS = ("configs", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p")
 RELEASE_FLAGS = ("configs", "max_new_tokens", "prompt_set", "baselines", "baseline_prompts_per_workload",
                  "results_dir", "tag", "engine_compile", "query_pad", "attention", "concurrency")
@@ -136,6 +137,9 @@ def add_data_parser(sub) -> None:
                    "folder (needs pip install 'draftling[hf]'), set:v1, or shared:NAME (the development "
                    "corpus); repeat for several (overrides data.prompts)")
     p.add_argument("--chat-template", help="jinja file to use when the target has no chat template")
+    p.add_argument("--exclude-ids", action="append", metavar="FILE", help="never train on these conversation "
+                   "ids (one per line, or a jsonl with \"id\"), e.g. a serving replay set; repeatable "
+                   "(data.exclude_ids)")
     p.add_argument("--server", metavar="URL", help="regenerate through an OpenAI-compatible server "
                    "(vLLM / SGLang `serve`, e.g. http://localhost:8000) instead of loading the target's "
                    "weights; only its tokenizer is loaded, for the chat template and loss masks. Key "

@@ -109,6 +109,9 @@ class DataConfig:
     # bench's prompts): a conversation is dropped if its id matches or any of its user turns
     # repeats one of theirs, so the bench stays out of distribution.
     exclude: list[str] = field(default_factory=list)
+    # Files of conversation ids never to train on (`data --exclude-ids FILE`), e.g. the tasks
+    # of a serving replay set: one id per line ('#' comments allowed) or a jsonl with "id".
+    exclude_ids: list[str] = field(default_factory=list)
     val_fraction: float = 0.05
     split_key: str = "id"
     drop_tool_calls: bool = False

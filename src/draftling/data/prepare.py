@@ -42,19 +42,38 @@ def _user_texts(conv: Conversation) -> set[str]:
             if m.get("role") == "user" and isinstance(m.get("content"), str)}
 
 
+def read_id_file(path) -> set[str]:
+    """Conversation ids, one per line ('#' starts a comment), or the "id" of each jsonl row."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data.exclude_ids: {path}: no such file")
+    ids = set()
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = line.split("#", 1)[0].strip() if not line.lstrip().startswith("{") else line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                line = str(json.loads(line)["id"])
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f"{path.name}:{lineno}: a JSON row without an \"id\"") from None
+        ids.add(line)
+    return ids
+
+
 def load_prompt_files(cfg: RunConfig, pool: list[Conversation] | None = None) -> tuple[list[Conversation], int]:
     """The configured prompts, less those that ``data.exclude`` names; also how many were
     excluded. Exclusion comes before sampling, so a sample never spends its slots on them.
     ``pool``: if given, gets every prompt that passed the filters, sampled or not."""
     dc = cfg.data
     held_out = [c for spec in dc.exclude for c in load_prompt_spec(spec)]
-    held_ids = {c.id for c in held_out}
+    held_ids = {c.id for c in held_out} | {i for path in dc.exclude_ids for i in read_id_file(path)}
     held_texts = set().union(*map(_user_texts, held_out))
     convs: list[Conversation] = []
     excluded = 0
     for spec in dc.prompts:
         rows = load_prompt_spec(spec)
-        if held_out:
+        if held_ids:
             kept = [c for c in rows if c.id not in held_ids and not (_user_texts(c) & held_texts)]
             excluded += len(rows) - len(kept)
             rows = kept
@@ -182,9 +201,9 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     dc = cfg.data
     pool: list[Conversation] = []
     convs, excluded = load_prompt_files(cfg, pool)
-    if dc.exclude:
+    if dc.exclude or dc.exclude_ids:
         print(f"data: excluded {excluded} conversations that share an id or a user turn with "
-              f"{', '.join(dc.exclude)}", flush=True)
+              f"{', '.join(dc.exclude + dc.exclude_ids)}", flush=True)
     journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
     local = _pinned_regen(dc, target, journal)
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)

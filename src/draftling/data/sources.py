@@ -18,7 +18,7 @@ from pathlib import Path
 
 from draftling.data.hub import HF_PREFIX
 from draftling.data.prompts import Conversation, load_conversations
-from draftling.errors import ConfigError
+from draftling.errors import ConfigError, DataError
 
 
 def starter_dir() -> Path:
@@ -96,10 +96,14 @@ def check_prompt_spec(spec: str, key: str = "data.prompts") -> None:
 
 
 def check_prompt_files(cfg) -> None:
-    """Check every spec a RunConfig names (data.prompts and data.exclude)."""
+    """Check every spec a RunConfig names (data.prompts and data.exclude) and that the id files
+    of data.exclude_ids exist: before a target loads."""
     for key, specs in (("data.prompts", cfg.data.prompts), ("data.exclude", cfg.data.exclude)):
         for spec in specs:
             check_prompt_spec(spec, key)
+    for path in cfg.data.exclude_ids:
+        if not Path(path).is_file():
+            raise DataError(f"data.exclude_ids: {path}: no such file")
 
 
 def load_prompt_spec(spec: str) -> list[Conversation]:
