@@ -112,6 +112,10 @@ class DataConfig:
     # Files of conversation ids never to train on (`data --exclude-ids FILE`), e.g. the tasks
     # of a serving replay set: one id per line ('#' comments allowed) or a jsonl with "id".
     exclude_ids: list[str] = field(default_factory=list)
+    # Agent rollouts: every assistant turn of a multi-turn conversation becomes a prompt of its
+    # own, its original prefix as it is (user turns, tool results, earlier replies) and the
+    # target's reply; only that reply is a loss token. The split stays by the conversation's task.
+    rollouts: bool = False
     val_fraction: float = 0.05
     split_key: str = "id"
     drop_tool_calls: bool = False

@@ -24,7 +24,7 @@ from draftling.config import RegenConfig, RunConfig
 from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.journal import ReplyJournal, journal_path
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
-from draftling.data.prompts import Conversation, has_tool_calls
+from draftling.data.prompts import Conversation, has_tool_calls, is_rollout_turn, rollout_turns
 from draftling.data.sources import load_prompt_spec
 from draftling.data.regen import RegenRun, regen_dtype, regenerate, regenerate_within
 from draftling.data.runs import RUN_KEY, run_id
@@ -101,7 +101,7 @@ def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_
     rows, kept = [], []
     for j, r in enumerate(records):
         ids, mask = tokenize_conversation(target.tokenizer, r["messages"], tools=r.get("tools"),
-                                          max_length=max_tokens)
+                                          max_length=max_tokens, last_turn_only=is_rollout_turn(r["id"]))
         st = states[j] if states is not None else None
         if st is not None:
             fed, aux, final = st
@@ -207,6 +207,10 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
     local = _pinned_regen(dc, target, journal)
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
+    if dc.rollouts:  # after the split: every turn of a conversation stays on its task's side
+        train_convs, val_convs = ([t for c in side for t in rollout_turns(c)] for side in (train_convs, val_convs))
+        print(f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate",
+              flush=True)
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
           f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
     if local is not None and replies is not None:

@@ -8,6 +8,8 @@ of the call (tau-bench: `[{"arguments": "<json string>", "name": ...}]`, glaive:
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from dataclasses import dataclass, field
@@ -175,6 +177,25 @@ def has_tool_calls(conv: Conversation) -> bool:
         return True
     return any(m["role"] == "tool" or m.get("tool_calls") or m.get("function_call")
                for m in conv.messages)
+
+
+ROLLOUT_TURN = "#turn"  # a rollout prompt's id: the conversation's, then this and the turn
+
+
+def rollout_turns(conv: Conversation) -> list[Conversation]:
+    """One prompt per assistant turn that follows a user or tool turn: the messages before it,
+    exactly as the conversation has them. A conversation without such a turn stays whole."""
+    out = []
+    for i, m in enumerate(conv.messages):
+        if m["role"] == "assistant" and i > 0 and any(x["role"] in ("user", "tool") for x in conv.messages[:i]):
+            out.append(dataclasses.replace(conv, id=f"{conv.id}{ROLLOUT_TURN}{len(out)}",
+                                           messages=[dict(x) for x in conv.messages[:i]],
+                                           meta={**conv.meta, "rollout_of": conv.id}))
+    return out or [conv]
+
+
+def is_rollout_turn(record_id: str) -> bool:
+    return ROLLOUT_TURN in record_id
 
 
 def prompt_messages(conv: Conversation) -> list[dict]:

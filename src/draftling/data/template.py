@@ -128,10 +128,14 @@ def _search(full: str, cursor: int, pre: str, post: str, content: str):
     return None
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], tools=None,
-                          max_length: int | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and a loss mask: 1 on assistant-turn tokens."""
+def tokenize_conversation(tokenizer, messages: list[dict], tools=None, max_length: int | None = None,
+                          last_turn_only: bool = False) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a loss mask: 1 on assistant-turn tokens (on
+    the last assistant turn only with ``last_turn_only``: a rollout's earlier replies were not
+    written by the target)."""
     text, spans = assistant_spans(tokenizer, messages, tools)
+    if last_turn_only:
+        spans = spans[-1:]
     if not getattr(tokenizer, "is_fast", False):
         raise TargetError("a fast tokenizer is needed to map the assistant spans to tokens")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
