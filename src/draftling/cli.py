@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (add_data_parser, add_vocab_parser, add_train_parser, add_plan_parser, add_extract_parser,
-                add_bench_parser, add_select_parser, add_export_parser, add_check_parser, add_quickstart_parser):
+                add_bench_parser, add_select_parser, add_export_parser, add_check_parser, add_release_parser,
+                add_quickstart_parser):
         add(sub)
     return parser
 
@@ -621,6 +622,40 @@ def add_check_parser(sub) -> None:
     p.add_argument("export", metavar="EXPORT", help="the export (or draft) directory")
 
 
+def add_release_parser(sub) -> None:
+    """`draftling release`: a folder a model hub takes as it is."""
+    p = sub.add_parser("release", help="write a hub-ready folder: the export, a model card, serving configs",
+                       description="Export RUN/draft (SGLang format, or speculators), and write a model card "
+                       "(README.md with the hub's YAML metadata: the target and its fingerprint, the training, "
+                       "the release-bench table from --bench, the vLLM and SGLang launch commands) and "
+                       "serving.json (vLLM speculative_config and launch commands) into --out, built aside and "
+                       "renamed into place. --push REPO uploads it with huggingface_hub.", epilog=EPILOG_OVERRIDES)
+    _common(p)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished training run (its draft/ and train_result.json)")
+    p.add_argument("--out", required=True, help="the release folder (new, empty, or an earlier release with --overwrite)")
+    p.add_argument("--format", choices=["sglang", "speculators"], default="sglang", help="export format (default sglang)")
+    p.add_argument("--verifier-id", metavar="ORG/NAME", help="the target's hub id as engines load it (default: the "
+                   "default target's HuggingFaceTB/SmolLM2-135M-Instruct, or --target when it is a hub id)")
+    p.add_argument("--bench", metavar="JSON", help="a release-bench results JSON for the card's speed table")
+    p.add_argument("--push", metavar="REPO", help="upload the folder to this hub repo (needs network)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier release in --out")
+
+
+def cmd_release(args) -> None:
+    from draftling.export.cli import verifier_hub_id
+    from draftling.export.release import ReleaseSpec, push, release
+    from draftling.target import load_target_from_config
+    from draftling.target.load import resolve_target
+
+    cfg = run_config(args, ("target", "dtype"), base=("device=cpu",))
+    target_id = verifier_hub_id(None if args.verifier_id else resolve_target(cfg.target), args.verifier_id)
+    spec = ReleaseSpec(args.run_dir, args.out, args.format, target_id, args.push, args.bench, args.overwrite)
+    out = release(spec, load_target_from_config(cfg))
+    print(f"released {args.run_dir} to {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.name[0] != '.'))}")
+    if args.push:
+        print(f"pushed to {push(out, args.push)}")
+
+
 def cmd_check(args) -> None:
     from draftling.export.check import check_export
     from draftling.target.load import load_target_config, load_target_tokenizer
@@ -670,7 +705,7 @@ def cmd_quickstart(args) -> None:
 
 
 COMMANDS = {"plan": cmd_plan, "data": cmd_data, "vocab": cmd_vocab, "extract": cmd_extract, "train": cmd_train,
-            "bench": cmd_bench, "select": cmd_select, "export": cmd_export, "check": cmd_check,
+            "bench": cmd_bench, "select": cmd_select, "export": cmd_export, "check": cmd_check, "release": cmd_release,
             "quickstart": cmd_quickstart}
 
 

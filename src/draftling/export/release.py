@@ -1,0 +1,124 @@
+"""`draftling release RUN --out DIR`: a folder a model hub takes as it is.
+
+It holds the export (SGLang format by default, speculators with ``--format speculators``), a
+model card (README.md with the hub's YAML metadata), and ``serving.json``: the vLLM
+``speculative_config`` dict and the vLLM and SGLang launch commands. The folder is built aside
+and renamed into place, so a failed release leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftling.draft.store import load_draft
+from draftling.errors import DraftlingError
+from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft
+from draftling.io import OUTPUT_MARKER, atomic_dir, check_output_dir, write_json, write_text
+from draftling.network import hub_unreachable
+from draftling.target.fingerprint import fingerprint
+
+DEFAULT_CONFIG = (3, 4, 8)  # steps, topk, draft tokens: tree-3-4-8, the v1 release bench's best mean
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    run_dir: str
+    out: str
+    fmt: str = "sglang"
+    target_id: str = DEFAULT_TARGET_HUB_ID  # the verifier's hub id, as serving engines load it
+    repo: str | None = None  # where the folder will live on the hub (names the draft in the commands)
+    bench: str | None = None  # a release-bench results JSON for the card's table
+    overwrite: bool = False
+
+
+def release(spec: ReleaseSpec, target) -> Path:
+    run = Path(spec.run_dir)
+    draft_dir = run / "draft"
+    if not (draft_dir / "draft.safetensors").is_file():
+        raise DraftlingError(f"{run}: no final draft (run/draft); finish or --resume the training first")
+    bench = _read_bench(spec.bench)
+    check_output_dir(spec.out, "release", spec.overwrite)
+    with atomic_dir(spec.out) as tmp:
+        export_draft(draft_dir, tmp / "export", spec.fmt, False, target, "bfloat16",
+                     verifier_id=spec.target_id if spec.fmt == "speculators" else None)
+        for f in (tmp / "export").iterdir():  # the export's files at the folder's top, as hubs serve them
+            f.rename(tmp / f.name)
+        (tmp / "export").rmdir()
+        serving = serving_configs(spec, load_draft(draft_dir).config)
+        write_json(tmp / "serving.json", serving)
+        write_text(tmp / "README.md", model_card(spec, run, target, serving, bench))
+        files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MARKER)
+        write_json(tmp / OUTPUT_MARKER, {"kind": "release", "files": files})
+    return Path(spec.out)
+
+
+def _read_bench(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DraftlingError(f"--bench {path}: not a release-bench results JSON ({e})") from None
+
+
+def serving_configs(spec: ReleaseSpec, draft_config) -> dict:
+    steps, topk, tokens = DEFAULT_CONFIG
+    draft = spec.repo or "<path to this folder>"
+    vllm = {"method": "eagle3", "model": draft, "num_speculative_tokens": steps}
+    return {"target": spec.target_id, "draft": draft, "format": spec.fmt,
+            "max_position_embeddings": int(getattr(draft_config, "max_position_embeddings", 0)),
+            "vllm": {"speculative_config": vllm,
+                     "command": f"vllm serve {spec.target_id} --speculative-config '{json.dumps(vllm)}'"},
+            "sglang": {"command": (f"python -m sglang.launch_server --model-path {spec.target_id} "
+                                   f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} "
+                                   f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} "
+                                   f"--speculative-num-draft-tokens {tokens}")}}
+
+
+def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict | None) -> str:
+    result = json.loads((run / "train_result.json").read_text()) if (run / "train_result.json").is_file() else {}
+    fp = fingerprint(target.config, target.tokenizer) if target is not None else {}
+    lines = ["---", f"base_model: {spec.target_id}", "library_name: draftling", "license: apache-2.0",
+             "tags:", "- speculative-decoding", "- eagle3", "- draft-model", "---", "",
+             f"# EAGLE-3 draft head for {spec.target_id}", "",
+             f"A one-layer EAGLE-3 draft head ({spec.fmt} format) trained with draftling to speed up "
+             f"{spec.target_id} by speculative decoding. Output is the target's: verification is lossless.", "",
+             "## Target", "", f"- {spec.target_id}; checkpoint fingerprint: config `{fp.get('config', '?')}`, "
+             f"tokenizer `{fp.get('tokenizer', '?')}` (`draftling check` compares them).",
+             f"- context length of the head's config: {serving['max_position_embeddings']} positions", "",
+             "## Training", "", f"- steps: {result.get('steps', '?')}; validation: "
+             + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in (result.get('val') or {}).items() if isinstance(v, (int, float))), ""]
+    lines += _bench_section(bench)
+    lines += ["## Serving", "", "vLLM:", "", "```bash", serving["vllm"]["command"], "```", "",
+              "`speculative_config` for frameworks that embed vLLM:", "", "```json",
+              json.dumps(serving["vllm"]["speculative_config"], indent=2), "```", "", "SGLang:", "", "```bash",
+              serving["sglang"]["command"], "```", ""]
+    return "\n".join(lines)
+
+
+def _bench_section(bench: dict | None) -> list[str]:
+    if not bench:
+        return ["## Speed", "", "No release bench was given (`draftling bench --release`, then `--bench FILE`).", ""]
+    rows = ["| config | mean speedup | mean tau |", "|---|---|---|"]
+    rows += [f"| {c['name']} | {c['mean_speedup']:.2f}x | {c['mean_tau']:.2f} |" for c in bench.get("configs", [])]
+    return (["## Speed", "", f"Release bench, {bench.get('date')}, {bench.get('gpu')}, {bench.get('dtype')}, prompt "
+             f"set {(bench.get('prompt_set') or {}).get('name')}; speedup over the same engine without speculation, "
+             "tau counting the bonus token:", ""] + rows + ["", "Caveats:", ""]
+            + [f"- {c}" for c in bench.get("caveats", [])] + [""])
+
+
+def push(folder: Path, repo: str) -> str:
+    """Upload the release folder with huggingface_hub; one clear line where no hub is reachable."""
+    why = hub_unreachable()
+    if why:
+        raise DraftlingError(f"--push {repo}: the hub is out of reach ({why}); the release is in {folder}, "
+                             "upload it from a machine with network access")
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo, exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=repo)
+    return f"https://huggingface.co/{repo}"

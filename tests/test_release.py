@@ -1,0 +1,44 @@
+"""`draftling release`: a hub-ready folder (export, model card, serving configs) whose
+speculators export draftling reloads, and a clear line where no hub is reachable."""
+
+import json
+
+import pytest
+import torch
+
+from draftling.draft.store import load_draft
+from draftling.errors import DraftlingError
+from draftling.export.formats import load_any_draft
+from draftling.export.release import ReleaseSpec, push, release
+from tests.conftest import setup_data
+from tests.test_train import cfg_for
+from draftling.train.trainer import train
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_release_folder_reloads_and_says_how_to_serve(tmp_path, tiny_target, fmt):
+    setup_data(tmp_path)
+    train(cfg_for(2), tiny_target, tmp_path / "run", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
+          tmp_path / "vocab.safetensors")
+    out = release(ReleaseSpec(str(tmp_path / "run"), str(tmp_path / "rel"), fmt, "org/tiny-llama"), tiny_target)
+    assert {"README.md", "serving.json", "config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    head, back = load_draft(tmp_path / "run" / "draft"), load_any_draft(out, "cpu", torch.float32)
+    assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
+    torch.testing.assert_close(back.fc.weight, head.fc.weight.to(torch.bfloat16).float())
+    serving = json.loads((out / "serving.json").read_text())
+    assert serving["vllm"]["speculative_config"] == {"method": "eagle3", "model": "<path to this folder>",
+                                                     "num_speculative_tokens": 3}
+    assert "--speculative-algorithm EAGLE3" in serving["sglang"]["command"]
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model: org/tiny-llama\n") and "speculative_config" in card
+    if fmt == "speculators":
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
+    with pytest.raises(DraftlingError, match="already|--overwrite"):  # an earlier release is not replaced silently
+        release(ReleaseSpec(str(tmp_path / "run"), str(out), fmt, "org/tiny-llama"), tiny_target)
+
+
+def test_push_without_a_hub_is_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DraftlingError, match=r"--push org/x: the hub is out of reach \(HF_HUB_OFFLINE is set\)"):
+        push(tmp_path, "org/x")
