@@ -27,7 +27,7 @@ def test_selection_picks_the_fastest_not_the_lowest_loss(tmp_path, tiny_target):
     opts = SelectOptions(prompts=str(prompt_set(tmp_path / "held.jsonl")), data=str(tmp_path), shortlist=3,
                          config="chain-3-1-4", concurrency=2, max_new_tokens=6, base=str(tmp_path / "run" / "draft"))
     losses = {c: select.val_loss(tiny_target, tmp_path / "run" / "checkpoints" / c, select.load_config(
-        tmp_path / "run" / "config.yaml"), tmp_path / "val.jsonl") for c in ("step_0000002", "step_0000004",
+        tmp_path / "run" / "config.yaml"), select.load_tokenized(tmp_path / "val.jsonl")) for c in ("step_0000002", "step_0000004",
                                                                               "step_0000006")}
     lowest = min(losses, key=losses.get)
     real = select.measure_head(tiny_target, select.load_any_draft(tmp_path / "run" / "draft", "cpu", torch.float32),

@@ -94,12 +94,12 @@ def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log
 def _level(tgt, runner, ids, configs, max_new) -> list[dict]:
     """Plain then each config at one level, each timed after a warm-up on the same engine."""
     level = tgt.batch_size
-    plain, plain_s = _timed(tgt, lambda: batch_generate(tgt, ids, max_new), lambda: batch_generate(tgt, ids[:level], 4))
+    plain, plain_s = timed_after_warmup(tgt, lambda: batch_generate(tgt, ids, max_new), lambda: batch_generate(tgt, ids[:level], 4))
     step_ms = {1: _step_ms(tgt, 1)}
     rows = [_row(level, "plain", plain, plain_s, None, step_ms)]
     for c in configs:
         tree = (c.steps, c.topk, c.draft_tokens)
-        out, s = _timed(tgt, lambda: batch_generate(tgt, ids, max_new, draft=runner, tree=tree),
+        out, s = timed_after_warmup(tgt, lambda: batch_generate(tgt, ids, max_new, draft=runner, tree=tree),
                         lambda: batch_generate(tgt, ids[:level], 4, draft=runner, tree=tree))
         step_ms[c.draft_tokens] = _step_ms(tgt, c.draft_tokens)
         row = _row(level, c.name, out, s, rows[0], step_ms, c.draft_tokens)
@@ -113,8 +113,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(tgt, run, warm):
-    warm()  # graph capture and allocator growth, outside the timing
+def timed_after_warmup(tgt, run, warm):
+    """(run's result, its seconds), after ``warm`` (graph capture, allocator growth) untimed."""
+    warm()
     _sync(tgt.device)
     t0 = time.perf_counter()
     out = run()

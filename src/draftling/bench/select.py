@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from draftling.bench.concurrency import timed_after_warmup
 from draftling.bench.manifest import manifest_fields
 from draftling.bench.release import load_prompt_set
 from draftling.bench.simple import build_engine, parse_decode_config
@@ -51,12 +51,13 @@ def select_checkpoint(target: Target, run_dir, opts: SelectOptions, measure=None
     """The selection report (see the module doc), written to ``opts.out``. ``measure``: how a
     head is timed (default ``measure_head``; tests pass their own)."""
     run_dir = Path(run_dir)
-    cands = [p for p in list_checkpoints(run_dir)]
+    cands = list_checkpoints(run_dir)
     if not cands:
         raise DraftlingError(f"{run_dir}: no checkpoints to select from (train with train.keep_checkpoints=0 "
                              "or train.ckpt_every_epoch=true to keep candidates)")
     run_cfg = load_config(run_dir / "config.yaml")
-    losses = {c: val_loss(target, c, run_cfg, Path(opts.data) / "val.jsonl") for c in cands}
+    val = load_tokenized(Path(opts.data) / "val.jsonl", target.config.vocab_size)
+    losses = {c: val_loss(target, c, run_cfg, val) for c in cands}
     shortlist = sorted(cands, key=lambda c: losses[c])[:opts.shortlist]
     _, prompts = load_prompt_set(opts.prompts, target)
     ids = [p.input_ids for p in prompts]
@@ -82,9 +83,8 @@ def _workload(prompts) -> str:
     return ",".join(dict.fromkeys(p.workload for p in prompts))
 
 
-def val_loss(target: Target, ckpt: Path, run_cfg, val_path: Path) -> float:
-    """The checkpoint's TTT loss on the validation split, as the trainer scores it."""
-    examples = load_tokenized(val_path, target.config.vocab_size)
+def val_loss(target: Target, ckpt: Path, run_cfg, examples) -> float:
+    """The checkpoint's TTT loss on the validation ``examples``, as the trainer scores it."""
     draft = load_any_draft(ckpt, target.device, torch.float32)
     with torch.no_grad():
         return float(evaluate(draft, target, examples, run_cfg, target.device, run_cfg.train.max_val_batches)["loss"])
@@ -99,15 +99,10 @@ def measure_head(target: Target, draft, ids: list[list[int]], opts: SelectOption
     tgt, runner = build_engine(target, draft, max_len, engine, batch_size=opts.concurrency)
     eos = target.stop_token_ids()
     tree = (c.steps, c.topk, c.draft_tokens)
-    batch_generate(tgt, ids[:opts.concurrency], 4, draft=runner, tree=tree, eos_ids=eos)  # graphs, outside timing
     plain = batch_generate(tgt, ids, opts.max_new_tokens, eos_ids=eos)
-    if target.device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = batch_generate(tgt, ids, opts.max_new_tokens, draft=runner, tree=tree, eos_ids=eos)
-    if target.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    out, seconds = timed_after_warmup(
+        tgt, lambda: batch_generate(tgt, ids, opts.max_new_tokens, draft=runner, tree=tree, eos_ids=eos),
+        lambda: batch_generate(tgt, ids[:opts.concurrency], 4, draft=runner, tree=tree, eos_ids=eos))
     lengths = [a for r in out for a in r.stats.accept_lengths]
     return {"tok_s": sum(len(r.tokens) for r in out) / seconds, "tau": sum(lengths) / max(1, len(lengths)),
             "identical": sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)}

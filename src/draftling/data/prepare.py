@@ -25,7 +25,7 @@ from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.journal import ReplyJournal, journal_path
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
 from draftling.data.prompts import Conversation, has_tool_calls, is_rollout_turn, rollout_turns
-from draftling.data.sources import load_prompt_spec
+from draftling.data.sources import load_prompt_spec, read_id_file
 from draftling.data.regen import RegenRun, regen_dtype, regenerate, regenerate_within
 from draftling.data.runs import RUN_KEY, run_id
 from draftling.data.split import split_by_task, task_of
@@ -40,25 +40,6 @@ from draftling.target.load import TargetTokenizer
 def _user_texts(conv: Conversation) -> set[str]:
     return {m["content"].strip() for m in conv.messages
             if m.get("role") == "user" and isinstance(m.get("content"), str)}
-
-
-def read_id_file(path) -> set[str]:
-    """Conversation ids, one per line ('#' starts a comment), or the "id" of each jsonl row."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data.exclude_ids: {path}: no such file")
-    ids = set()
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        line = line.split("#", 1)[0].strip() if not line.lstrip().startswith("{") else line.strip()
-        if not line:
-            continue
-        if line.startswith("{"):
-            try:
-                line = str(json.loads(line)["id"])
-            except (ValueError, KeyError, TypeError):
-                raise DataError(f"{path.name}:{lineno}: a JSON row without an \"id\"") from None
-        ids.add(line)
-    return ids
 
 
 def load_prompt_files(cfg: RunConfig, pool: list[Conversation] | None = None) -> tuple[list[Conversation], int]:

@@ -12,6 +12,7 @@ Specs:
 
 from __future__ import annotations
 
+import json
 import os
 from importlib import resources
 from pathlib import Path
@@ -96,14 +97,32 @@ def check_prompt_spec(spec: str, key: str = "data.prompts") -> None:
 
 
 def check_prompt_files(cfg) -> None:
-    """Check every spec a RunConfig names (data.prompts and data.exclude) and that the id files
-    of data.exclude_ids exist: before a target loads."""
+    """Check every spec a RunConfig names (data.prompts and data.exclude) and read the id files
+    of data.exclude_ids: before a target loads."""
     for key, specs in (("data.prompts", cfg.data.prompts), ("data.exclude", cfg.data.exclude)):
         for spec in specs:
             check_prompt_spec(spec, key)
     for path in cfg.data.exclude_ids:
-        if not Path(path).is_file():
-            raise DataError(f"data.exclude_ids: {path}: no such file")
+        read_id_file(path)
+
+
+def read_id_file(path) -> set[str]:
+    """Conversation ids, one per line ('#' starts a comment), or the "id" of each jsonl row."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data.exclude_ids: {path}: no such file")
+    ids = set()
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = line.split("#", 1)[0].strip() if not line.lstrip().startswith("{") else line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                line = str(json.loads(line)["id"])
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f"{path.name}:{lineno}: a JSON row without an \"id\"") from None
+        ids.add(line)
+    return ids
 
 
 def load_prompt_spec(spec: str) -> list[Conversation]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from draftling.draft.model import Eagle3Draft
-from draftling.draft.vocab import DraftVocab
+from draftling.draft.vocab import DraftVocab, token_counts
 from draftling.errors import ConfigError
 from draftling.target import Target
 
@@ -57,12 +57,9 @@ def check_fits(draft: Eagle3Draft, target: Target, where: str) -> None:
 
 def coverage(t2d: torch.Tensor, examples) -> float:
     """The share of the loss-masked tokens of ``examples`` inside the map ``t2d``."""
-    inside = total = 0
-    for ex in examples:
-        ids = torch.tensor(ex.input_ids)[torch.tensor(ex.loss_mask, dtype=torch.bool)]
-        inside += int(t2d[ids].sum())
-        total += ids.numel()
-    return inside / total if total else 0.0
+    counts = token_counts(((ex.input_ids, ex.loss_mask) for ex in examples), t2d.numel())
+    total = int(counts.sum())
+    return int(counts[t2d].sum()) / total if total else 0.0
 
 
 def warm_start(init: InitDraft, target: Target, data_vocab: DraftVocab, examples) -> WarmStart:
