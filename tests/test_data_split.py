@@ -96,3 +96,24 @@ def test_bad_key():
 
 def test_split_task_id_is_full_id():
     assert split_task_id("gsm8k-train-12") == "gsm8k-train-12"
+
+
+def test_task_key_keeps_every_trial_of_a_task_on_one_side():
+    from draftling.data.prompts import Conversation
+    from draftling.data.split import task_identity
+
+    def conv(cid, **meta):
+        return Conversation(cid, "s", "agent", [{"role": "user", "content": cid}], meta=meta)
+
+    assert task_identity(conv("tau-airline-7-31")) == "tau-airline-7"
+    assert task_identity(conv("gsm8k-train-12")) == "gsm8k-train-12"  # one number: the id is the task
+    assert task_identity(conv("run-3-9", task="booking")) == "booking"  # a record's own field wins
+    trials = [conv(f"tau-airline-{task}-{4 * task + k}") for task in range(20) for k in range(4)]
+    train, val = split_by_task(trials, 0.3, key="task")
+    sides = {}
+    for side, convs in (("train", train), ("val", val)):
+        for c in convs:
+            sides.setdefault(task_identity(c), set()).add(side)
+    assert val and train and all(len(s) == 1 for s in sides.values())
+    by_id = split_by_task(trials, 0.3, key="id")[1]  # the id key splits a task's trials apart
+    assert any(len({c.id for c in by_id if task_identity(c) == t}) not in (0, 4) for t in sides)

@@ -57,3 +57,68 @@ def test_data_regenerates_every_assistant_turn_and_trains_only_on_it(tmp_path, t
         # After the whole prefix (one template token of slack: a token merged across the reply's
         # boundary counts as the reply's): no earlier, original reply is a loss token.
         assert first >= by_turn[row["id"]]["provenance"]["prompt_tokens"] - 1
+
+
+def _rows(out, split):
+    return [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
+
+
+def test_rollout_turns_are_sampled_among_the_prefixes_that_fit(tmp_path, tiny_target_dir):
+    long = airline_like(0)
+    long["messages"][3]["content"] = json.dumps({"log": ["flight"] * 400})  # turns 1 and 2 over the limit
+    prompts = tmp_path / "rollouts.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in [long] + [airline_like(i) for i in range(1, 7)]))
+    out = tmp_path / "data"
+    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
+                 "--out", str(out), "data.rollouts=true", "data.rollout_max_turns=2", "data.max_tokens=300",
+                 "data.regen.max_new_tokens=5", "data.val_fraction=0.3", "data.min_tokens=4"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rollout_turns"] == {"prompt_limit": 295, "turns": 21, "over_limit": 2, "sampled_out": 6}
+    assert summary["regenerated"] == 13 and summary["skipped_long_prompts"] == 0
+    ids = [r["id"] for r in _rows(out, "train") + _rows(out, "val")]
+    assert [i for i in ids if i.startswith("task0#")] == ["task0#turn0"]  # the only turn of task0 that fits
+    per_task = {}
+    for i in ids:
+        per_task.setdefault(i.split("#")[0], []).append(i)
+    assert all(len(v) == 2 for k, v in per_task.items() if k != "task0")
+    rerun = tmp_path / "data2"  # the sample is seeded: the same turns again
+    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
+                 "--out", str(rerun), "data.rollouts=true", "data.rollout_max_turns=2", "data.max_tokens=300",
+                 "data.regen.max_new_tokens=5", "data.val_fraction=0.3", "data.min_tokens=4"]) == 0
+    assert sorted(r["id"] for r in _rows(rerun, "train")) == sorted(r["id"] for r in _rows(out, "train"))
+
+
+def test_a_32k_token_prefix_is_regenerated_and_kept_whole(tmp_path, tiny_target_dir):
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    target = tmp_path / "long-target"
+    tok.save_pretrained(target)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768,
+                                 eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                 pad_token_id=tok.pad_token_id)).save_pretrained(target)
+    conv = airline_like(0)
+    conv["messages"] = conv["messages"][:5]  # two turns: one short prefix, one of ~32k tokens
+    conv["messages"][3]["content"] = " ".join(f"seat {i % 97} row {i % 31};" for i in range(3800))
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps(conv) + "\n")
+    out = tmp_path / "data"
+    assert main(["data", "--target", str(target), "--device", "cpu", "--prompts", str(prompts), "--out", str(out),
+                 "data.rollouts=true", "data.max_tokens=32768", "data.regen.max_new_tokens=3",
+                 "data.regen.batch_size=1", "data.val_fraction=0", "data.min_tokens=4"]) == 0
+    longest = {r["id"]: r for r in _rows(out, "train")}["task0#turn1"]
+    mask = longest["loss_mask"]
+    assert 30000 < len(longest["input_ids"]) <= 32768  # the whole prefix: nothing truncated or skipped
+    assert 1 <= sum(mask) <= 4 and mask.index(1) > len(mask) - 8  # the reply at the very end
+    assert json.loads((out / "summary.json").read_text())["rollout_turns"]["over_limit"] == 0
+
+
+def test_max_tokens_over_the_target_context_is_refused(tmp_path, tiny_target_dir, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(airline_like(0)) + "\n")
+    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
+                 "--out", str(tmp_path / "d"), "data.max_tokens=4096"]) != 0
+    assert "data.max_tokens=4096 is over" in capsys.readouterr().err and not (tmp_path / "d").exists()

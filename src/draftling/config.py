@@ -24,6 +24,7 @@ POSITIVE = ("a number > 0", lambda v: v > 0)
 AT_LEAST_ONE = ("an integer >= 1", lambda v: v >= 1)
 NON_NEGATIVE = ("a number >= 0", lambda v: v >= 0)
 FRACTION = ("a number in [0, 1]", lambda v: 0 <= v <= 1)
+SPLIT_KEYS = ("id", "task", "source")  # data.split_key (see data/split.py)
 
 
 def check_bounds(section: str, obj, rules: dict) -> None:
@@ -116,7 +117,13 @@ class DataConfig:
     # own, its original prefix as it is (user turns, tool results, earlier replies) and the
     # target's reply; only that reply is a loss token. The split stays by the conversation's task.
     rollouts: bool = False
+    # With rollouts: at most this many of a conversation's assistant turns (0 = all), a seeded
+    # sample of those whose prefix fits data.max_tokens - data.regen.max_new_tokens; prefixes
+    # grow with the turn, so all turns of a long trajectory cost quadratically in its length.
+    rollout_max_turns: int = 0
     val_fraction: float = 0.05
+    # "id": each conversation is its own task; "task": a record's `task` field, or NAME-TASK for
+    # ids NAME-TASK-TRIAL (tau-bench's trials of one task stay on one side); "source": per file.
     split_key: str = "id"
     drop_tool_calls: bool = False
     min_tokens: int = 8  # drop conversations shorter than this (in target tokens)
@@ -132,7 +139,8 @@ class DataConfig:
         check_bounds("data", self, {
             "max_prompts_per_file": ("an integer >= 0 (0 = all)", lambda v: v >= 0),
             "val_fraction": ("a number in [0, 1)", lambda v: 0 <= v < 1),
-            "min_tokens": NON_NEGATIVE, "max_tokens": AT_LEAST_ONE})
+            "min_tokens": NON_NEGATIVE, "max_tokens": AT_LEAST_ONE, "rollout_max_turns": NON_NEGATIVE,
+            "split_key": (f"one of {', '.join(SPLIT_KEYS)}", lambda v: v in SPLIT_KEYS)})
         if self.min_tokens > self.max_tokens:
             raise ConfigError(f"data.min_tokens={self.min_tokens} is above data.max_tokens={self.max_tokens}")
         for spec, cap in self.max_prompts_by_file.items():

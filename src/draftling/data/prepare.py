@@ -26,7 +26,7 @@ from draftling.data.journal import ReplyJournal, journal_path
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
 from draftling.data.prompts import Conversation, has_tool_calls, is_rollout_turn, rollout_turns
 from draftling.data.sources import load_prompt_spec, read_id_file
-from draftling.data.regen import RegenRun, regen_dtype, regenerate, regenerate_within
+from draftling.data.regen import RegenRun, regen_dtype, regenerate, regenerate_within, render_prompt_ids
 from draftling.data.runs import RUN_KEY, run_id
 from draftling.data.split import split_by_task, task_of
 from draftling.data.states import states_path, write_states
@@ -166,6 +166,7 @@ class Regenerated:
     server: object = None
     budget: dict | None = None
     val_skipped: int | None = None
+    offered: int = 0  # prompts handed to regeneration (rollouts: assistant turns)
 
 
 def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path,
@@ -180,6 +181,10 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     out_dir = Path(out_dir)
     check_data_dir(out_dir)
     dc = cfg.data
+    context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if context and dc.max_tokens > context:
+        raise DataError(f"data.max_tokens={dc.max_tokens} is over {target.spec.name}'s context of {context} "
+                        "positions (max_position_embeddings): its replies there would be garbage")
     pool: list[Conversation] = []
     convs, excluded = load_prompt_files(cfg, pool)
     if dc.exclude or dc.exclude_ids:
@@ -188,9 +193,13 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
     local = _pinned_regen(dc, target, journal)
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
+    turns = None
     if dc.rollouts:  # after the split: every turn of a conversation stays on its task's side
-        train_convs, val_convs = ([t for c in side for t in rollout_turns(c)] for side in (train_convs, val_convs))
-        print(f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate",
+        turns = {"prompt_limit": max_prompt_tokens(dc)}
+        train_convs, val_convs = (rollout_prompts(target.tokenizer, side, dc, turns) for side in (train_convs, val_convs))
+        print(f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate "
+              f"({turns['over_limit']} of {turns['turns']} over the {turns['prompt_limit']}-token prompt limit"
+              f"{', ' + str(turns['sampled_out']) + ' left out by data.rollout_max_turns' if turns['sampled_out'] else ''})",
               flush=True)
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
           f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
@@ -204,7 +213,8 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     with atomic_dir(out_dir) as tmp:
         write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, tmp / PROMPT_COUNTS_FILE, run)
         rows = write_splits(target, dc, tmp, replies, run)
-        summary = {"run": run, **data_summary(cfg, target, convs, excluded, regenerated, rows)}
+        summary = {"run": run, **data_summary(cfg, target, convs, excluded, regenerated, rows),
+                   **({"rollout_turns": turns} if turns is not None else {})}
         write_json(tmp / "summary.json", summary)
         write_json(tmp / OUTPUT_MARKER, {"kind": "data", "run": run})
     journal.remove()
@@ -212,6 +222,31 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
           f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
           f"{len(replies)} replies hit the {dc.regen.max_new_tokens}-token cap", flush=True)
     return summary
+
+
+def max_prompt_tokens(dc) -> int:
+    """The longest prompt regenerated: room is left for a reply inside the sequence cap."""
+    return max(1, dc.max_tokens - dc.regen.max_new_tokens)
+
+
+def rollout_prompts(tokenizer, convs: list[Conversation], dc, tally: dict) -> list[Conversation]:
+    """One prompt per assistant turn of each conversation (prompts.rollout_turns) whose prefix
+    fits the prompt limit; with data.rollout_max_turns = N, a sample of N of those per
+    conversation, seeded by (data.seed, conversation id) so it does not depend on file order.
+    Counts go to ``tally`` (turns, over_limit, sampled_out), summed over calls."""
+    out = []
+    for conv in convs:
+        turns = rollout_turns(conv)
+        fit = [t for t in turns if len(render_prompt_ids(tokenizer, t)) <= tally["prompt_limit"]]
+        kept = fit
+        if dc.rollout_max_turns and len(fit) > dc.rollout_max_turns:
+            picked = set(random.Random(f"{dc.seed}\0{conv.id}").sample(range(len(fit)), dc.rollout_max_turns))
+            kept = [t for i, t in enumerate(fit) if i in picked]
+        for key, n in (("turns", len(turns)), ("over_limit", len(turns) - len(fit)),
+                       ("sampled_out", len(fit) - len(kept))):
+            tally[key] = tally.get(key, 0) + n
+        out.extend(kept)
+    return out
 
 
 @dataclass(frozen=True)
@@ -241,9 +276,8 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
     """The replies to the (train, val) prompts of ``splits``, from data.regen.server_url's
     server or from the target itself."""
     train_convs, val_convs = splits
-    # Leave room for a reply inside the sequence cap.
-    max_prompt = max(1, dc.max_tokens - dc.regen.max_new_tokens)
-    out = Regenerated([])
+    max_prompt = max_prompt_tokens(dc)
+    out = Regenerated([], offered=len(train_convs) + len(val_convs))
     if dc.regen.server_url:
         from draftling.data.openai_client import ChatServer, regenerate_via_server
 
@@ -319,7 +353,7 @@ def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: in
         "regenerated": len(replies),
         # Under a budget, prompts that were never offered are neither regenerated nor skipped.
         "skipped_long_prompts": (regenerated.val_skipped + budget["skipped_long"] if budget is not None
-                                 else len(convs) - len(replies)),
+                                 else regenerated.offered - len(replies)),
         "train_sequences": len(train_rows),
         "val_sequences": len(val_rows),
         "train_tokens": sum(len(r["input_ids"]) for r in train_rows),

@@ -3,25 +3,40 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Sequence
 
+from draftling.config import SPLIT_KEYS as KEYS
 from draftling.errors import DataError
 
-_KEYS = ("id", "source")
+# NAME-TASK-TRIAL: tau-bench's ids ("tau-airline-<task>-<trial>"), several trials of one task.
+_TRIAL_ID = re.compile(r"^(.*\D-\d+)-\d+$")
 
 
 def split_task_id(conv_id: str) -> str:
     """The task identity of a conversation id: the full id, unchanged.
 
     Ids carry suffixes such as "gsm8k-train-12" or "tau-airline-0-50"; they are not parsed, the
-    id IS the task. Records that share a task under different ids (tau-bench runs several trials of
-    one task, "tau-airline-<task>-<trial>") are only kept together by splitting with key="source".
-    """
+    id IS the task. Records that share a task under different ids are kept together by
+    key="task" (see task_identity) or key="source"."""
     return conv_id
 
 
+def task_identity(conv) -> str:
+    """key="task": the record's own ``task`` field; else an id NAME-TASK-TRIAL (two trailing
+    numbers, tau-bench's) is grouped by NAME-TASK, so every trial of a task stays on one side;
+    any other id is its own task ("gsm8k-train-12" stays whole)."""
+    task = conv.meta.get("task")
+    if task is not None and str(task) != "":
+        return str(task)
+    m = _TRIAL_ID.match(conv.id)
+    return m.group(1) if m else conv.id
+
+
 def task_of(conv, key: str = "id") -> str:
-    """The group a conversation is split with: its task id, or its source."""
+    """The group a conversation is split with: its id, its task identity, or its source."""
+    if key == "task":
+        return task_identity(conv)
     return split_task_id(conv.id) if key == "id" else conv.source
 
 
@@ -39,8 +54,8 @@ def split_by_task(convs: Sequence, val_fraction: float, seed: int = 0,
     groups exist, neither side is left empty: the group with the smallest hash moves to val, or
     the one with the largest hash to train.
     """
-    if key not in _KEYS:
-        raise DataError(f"split key must be one of {', '.join(_KEYS)}, got {key!r}")
+    if key not in KEYS:
+        raise DataError(f"split key must be one of {', '.join(KEYS)}, got {key!r}")
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
 
