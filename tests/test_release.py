@@ -42,3 +42,32 @@ def test_push_without_a_hub_is_one_clear_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DraftlingError, match=r"--push org/x: the hub is out of reach \(HF_HUB_OFFLINE is set\)"):
         push(tmp_path, "org/x")
+
+
+def test_release_ships_the_selected_checkpoint(tmp_path, tiny_target):
+    setup_data(tmp_path)
+    cfg = cfg_for(4)
+    cfg.train.ckpt_every, cfg.train.keep_checkpoints = 2, 0
+    train(cfg, tiny_target, tmp_path / "run", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
+          tmp_path / "vocab.safetensors")
+    run = tmp_path / "run"
+    picked = sorted(p.name for p in (run / "checkpoints").iterdir())[0]
+    report = {"selection": {"winner": picked, "reason": "fastest", "candidates": [
+        {"checkpoint": picked, "val_loss": 1.5, "tau": 1.8, "tok_s": 12.0}]},
+        "adaptation": {"workload": "airline", "prompts": 4, "base": {"tau": 1.2, "tok_s": 9.0},
+                       "adapted": {"tau": 1.8, "tok_s": 12.0}}}
+    (run / "selection").mkdir()
+    (run / "selection" / "selection.json").write_text(json.dumps(report))
+    out = release(ReleaseSpec(str(run), str(tmp_path / "rel"), "sglang", "org/tiny-llama"), tiny_target)
+    shipped, chosen = load_any_draft(out, "cpu", torch.float32), load_draft(run / "checkpoints" / picked)
+    final = load_draft(run / "draft")
+    torch.testing.assert_close(shipped.fc.weight, chosen.fc.weight.to(torch.bfloat16).float())
+    assert not torch.equal(chosen.fc.weight, final.fc.weight)  # so the check above tells them apart
+    card = (out / "README.md").read_text()
+    assert f"`checkpoints/{picked}`" in card and "tau 1.20 -> 1.80" in card
+    out2 = release(ReleaseSpec(str(run), str(tmp_path / "rel2"), "sglang", "org/tiny-llama", checkpoint="final"),
+                   tiny_target)
+    torch.testing.assert_close(load_any_draft(out2, "cpu", torch.float32).fc.weight,
+                               final.fc.weight.to(torch.bfloat16).float())
+    with pytest.raises(DraftlingError, match="no checkpoint step_9"):
+        release(ReleaseSpec(str(run), str(tmp_path / "rel3"), checkpoint="step_9"), tiny_target)

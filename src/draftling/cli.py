@@ -625,7 +625,9 @@ def add_check_parser(sub) -> None:
 def add_release_parser(sub) -> None:
     """`draftling release`: a folder a model hub takes as it is."""
     p = sub.add_parser("release", help="write a hub-ready folder: the export, a model card, serving configs",
-                       description="Export RUN/draft (SGLang format, or speculators), and write a model card "
+                       description="Export the run's head (SGLang format, or speculators): the winner of "
+                       "RUN/selection/selection.json where `draftling select` wrote one, else RUN/draft; "
+                       "--checkpoint picks another. Write a model card "
                        "(README.md with the hub's YAML metadata: the target and its fingerprint, the training, "
                        "the release-bench table from --bench, the vLLM and SGLang launch commands) and "
                        "serving.json (vLLM speculative_config and launch commands) into --out, built aside and "
@@ -639,6 +641,8 @@ def add_release_parser(sub) -> None:
     p.add_argument("--bench", metavar="JSON", help="a release-bench results JSON for the card's speed table")
     p.add_argument("--push", metavar="REPO", help="upload the folder to this hub repo (needs network)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier release in --out")
+    p.add_argument("--checkpoint", metavar="NAME", help="ship checkpoints/NAME, or 'final' for RUN/draft (default: "
+                   "the selection's winner, else the final head)")
 
 
 def cmd_release(args) -> None:
@@ -649,7 +653,8 @@ def cmd_release(args) -> None:
 
     cfg = run_config(args, ("target", "dtype"), base=("device=cpu",))
     target_id = verifier_hub_id(None if args.verifier_id else resolve_target(cfg.target), args.verifier_id)
-    spec = ReleaseSpec(args.run_dir, args.out, args.format, target_id, args.push, args.bench, args.overwrite)
+    spec = ReleaseSpec(args.run_dir, args.out, args.format, target_id, args.push, args.bench, args.overwrite,
+                       args.checkpoint)
     out = release(spec, load_target_from_config(cfg))
     print(f"released {args.run_dir} to {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.name[0] != '.'))}")
     if args.push:

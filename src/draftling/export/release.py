@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftling.draft.store import load_draft
+from draftling.draft.store import WEIGHTS_FILE, load_draft
 from draftling.errors import DraftlingError
 from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft
 from draftling.io import OUTPUT_MARKER, atomic_dir, check_output_dir, write_json, write_text
@@ -31,13 +31,31 @@ class ReleaseSpec:
     repo: str | None = None  # where the folder will live on the hub (names the draft in the commands)
     bench: str | None = None  # a release-bench results JSON for the card's table
     overwrite: bool = False
+    # What ships: "final" (RUN/draft), a checkpoint's name, or None = the winner of RUN's
+    # `draftling select` report where there is one, else the final head.
+    checkpoint: str | None = None
+
+
+SELECTION = Path("selection") / "selection.json"  # where `draftling select` writes by default
+
+
+def shipped_head(run: Path, checkpoint: str | None) -> tuple[Path, dict | None]:
+    """The head directory to ship, and the selection report that chose it (or None)."""
+    selection = None
+    if checkpoint is None and (run / SELECTION).is_file():
+        selection = json.loads((run / SELECTION).read_text())
+        checkpoint = selection["selection"]["winner"]
+    head = run / "draft" if checkpoint in (None, "final") else run / "checkpoints" / checkpoint
+    if not (head / WEIGHTS_FILE).is_file():
+        what = "no final draft (run/draft); finish or --resume the training first" if head.name == "draft" \
+            else f"no checkpoint {checkpoint} (checkpoints/{checkpoint}/{WEIGHTS_FILE})"
+        raise DraftlingError(f"{run}: {what}")
+    return head, selection
 
 
 def release(spec: ReleaseSpec, target) -> Path:
     run = Path(spec.run_dir)
-    draft_dir = run / "draft"
-    if not (draft_dir / "draft.safetensors").is_file():
-        raise DraftlingError(f"{run}: no final draft (run/draft); finish or --resume the training first")
+    draft_dir, selection = shipped_head(run, spec.checkpoint)
     bench = _read_bench(spec.bench)
     check_output_dir(spec.out, "release", spec.overwrite)
     with atomic_dir(spec.out) as tmp:
@@ -48,7 +66,8 @@ def release(spec: ReleaseSpec, target) -> Path:
         (tmp / "export").rmdir()
         serving = serving_configs(spec, load_draft(draft_dir).config)
         write_json(tmp / "serving.json", serving)
-        write_text(tmp / "README.md", model_card(spec, run, target, serving, bench))
+        card = model_card(spec, run, target, serving, bench)
+        write_text(tmp / "README.md", card + _selection_section(draft_dir, selection))
         files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MARKER)
         write_json(tmp / OUTPUT_MARKER, {"kind": "release", "files": files})
     return Path(spec.out)
@@ -97,6 +116,24 @@ def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict 
               json.dumps(serving["vllm"]["speculative_config"], indent=2), "```", "", "SGLang:", "", "```bash",
               serving["sglang"]["command"], "```", ""]
     return "\n".join(lines)
+
+
+def _selection_section(head: Path, selection: dict | None) -> str:
+    """Which head ships, and the served-speed selection that picked it."""
+    lines = ["## Checkpoint", "", f"This folder holds `{head.parent.name}/{head.name}`"
+             + (" (the final head)." if head.name == "draft" else ".")]
+    if selection:
+        sel = selection["selection"]
+        lines += [f"`draftling select` chose it by served speed: {sel['reason']}", "",
+                  "| checkpoint | val loss | tau | tok/s |", "|---|---|---|---|"]
+        lines += [f"| {c['checkpoint']} | {c['val_loss']:.4f} | {c['tau']:.2f} | {c['tok_s']:.1f} |"
+                  for c in sel["candidates"]]
+        if selection.get("adaptation"):
+            a = selection["adaptation"]
+            lines += ["", f"Adapted to {a['workload']} ({a['prompts']} held-out prompts): tau {a['base']['tau']:.2f} -> "
+                      f"{a['adapted']['tau']:.2f}, {a['base']['tok_s']:.1f} -> {a['adapted']['tok_s']:.1f} tok/s "
+                      "against the base head."]
+    return "\n".join(lines + [""])
 
 
 def _bench_section(bench: dict | None) -> list[str]:
