@@ -181,6 +181,16 @@ class DraftConfig:
     # vocab map unless rebuild_vocab (train/warmstart.py).
     init_from: str | None = None
     rebuild_vocab: bool = False
+    # Sliding-window attention: each draft query sees the context keys of its last `window`
+    # positions (its own included), so the draft's cost stays flat in context length; 0 = full
+    # causal attention. Kept in the draft's config (sliding_window), which training, the engine
+    # and the exports read.
+    window: int = 0
+
+    def __post_init__(self):
+        check_bounds("draft", self, {"window": (
+            "an integer >= 0 (0 = full attention)",
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)})
 
 
 @dataclass

@@ -40,11 +40,12 @@ _COPIED_FROM_TARGET = (
 
 
 def draft_config_from_target(target_config, draft_vocab_size: int, aux_layer_ids: list[int],
-                             **overrides) -> LlamaConfig:
+                             window: int = 0, **overrides) -> LlamaConfig:
     """Derive a one-layer Llama config for the draft from the target's config.
 
     The hidden size equals the target's so the draft can reuse the target's embedding
     (and serve embedding-free). ``vocab_size`` stays the TARGET vocab, as engines expect.
+    ``window`` > 0: sliding-window attention (see :func:`set_window`).
     """
     fields = {k: getattr(target_config, k) for k in _COPIED_FROM_TARGET if hasattr(target_config, k)}
     head_dim = getattr(target_config, "head_dim", None) or (
@@ -65,7 +66,29 @@ def draft_config_from_target(target_config, draft_vocab_size: int, aux_layer_ids
         tie_word_embeddings=False,
     )
     fields.update(overrides)
-    return LlamaConfig(**fields)
+    config = LlamaConfig(**fields)
+    if window:
+        set_window(config, window)
+    return config
+
+
+# The window lives in the draft's config, spelled as vLLM's Llama reads it (``layer_types[i] ==
+# "sliding_attention"``, then ``sliding_window``): a query at position p sees the context keys at
+# positions p-W+1 .. p. Training, the engine and the exports all read it from there.
+def set_window(config, window: int) -> None:
+    """Set the draft's sliding attention window in ``config`` (0 = full causal attention)."""
+    if int(window) > 0:
+        config.sliding_window, config.layer_types = int(window), ["sliding_attention"]
+    elif draft_window(config):
+        config.sliding_window, config.layer_types = None, ["full_attention"]
+
+
+def draft_window(config) -> int:
+    """The draft's sliding attention window from its config; 0 = full causal attention."""
+    types = getattr(config, "layer_types", None) or ()
+    if types and types[0] == "sliding_attention":
+        return int(getattr(config, "sliding_window", None) or 0)
+    return 0
 
 
 class Eagle3Attention(nn.Module):

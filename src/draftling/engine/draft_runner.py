@@ -11,6 +11,12 @@ Cache layout, one layer: ``[B, nkv, max_seq_len + max_spec_nodes, d]``.
 
 ``extend`` may be padded to a fixed length (for graphs): the padded rows write past the
 committed length, where nothing reads until the next ``extend`` overwrites them.
+
+A draft with a sliding window (its config's ``sliding_window``; see draft/model.py) sees only
+the committed slots within W positions of each query (scratch is as the mask says: the
+query's own branch). Each pass gathers those W + T - 1 slots and the scratch out of the cache
+and attends over them alone, so a draft step costs O(W) whatever the context length; the
+cache itself still holds every position (slot = position), as the commit path needs.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft
+from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft, draft_window
 from draftling.engine.options import EngineOptions
 from draftling.engine.target_model import StaticFn, causal_mask, compile_once, matmul_attention, row_mask, write_kv
 
@@ -50,6 +56,7 @@ class DraftRunner(nn.Module):
         self.max_seq_len = int(max_seq_len)
         self.max_spec_nodes = int(max_spec_nodes)
         cfg = draft.config
+        self.window = draft_window(cfg)
         w = draft.fc.weight
         shape = (batch_size, cfg.num_key_value_heads, self.max_seq_len + self.max_spec_nodes,
                  cfg.head_dim)
@@ -94,7 +101,31 @@ class DraftRunner(nn.Module):
         k_cache, v_cache = kv if kv is not None else (self.k_cache, self.v_cache)
         write_kv(k_cache, cache_positions, k)
         write_kv(v_cache, cache_positions, v)
+        if self.window:
+            context = k_cache.shape[2] - (self.max_spec_nodes if kv is None else 0)
+            k_cache, v_cache, attn_mask = self._windowed(positions, k_cache, v_cache, attn_mask, context)
         return attn_out(self.draft, hidden, q, k_cache, v_cache, attn_mask, self.use_matmul)
+
+    def _windowed(self, positions, k_cache, v_cache, attn_mask, context: int):
+        """(K, V, mask) of the sliding window: the context slots (< ``context``; slot = position)
+        in positions p-W+1 .. p of each query at p, and the scratch slots as the mask has them.
+        Gathered into W + T - 1 + scratch slots when that is fewer than the whole cache."""
+        b, t = positions.shape
+        mask = attn_mask.expand(b, -1, -1) if attn_mask.dim() == 2 else attn_mask
+        band = self.window + t - 1
+        if band >= context:  # a short cache: the window is a mask over all of it
+            cols = self.cols[:mask.shape[-1]]
+            near = (cols >= context) | (cols > positions[..., None] - self.window)
+            return k_cache, v_cache, mask & near
+        dev = positions.device
+        band_cols = (positions.min(1).values - self.window + 1)[:, None] + torch.arange(band, device=dev)
+        real = (band_cols >= 0) & (band_cols < context)
+        idx = torch.cat([band_cols.clamp(0, context - 1), self.cols[context:k_cache.shape[2]].expand(b, -1)], 1)
+        near = real[:, None] & (band_cols[:, None] > positions[..., None] - self.window)  # [B,T,band]
+        mask = mask.gather(2, idx[:, None].expand(-1, t, -1))
+        mask = torch.cat([mask[..., :band] & near, mask[..., band:]], 2)
+        rows = idx[:, None, :, None].expand(-1, k_cache.shape[1], -1, k_cache.shape[3])
+        return k_cache.gather(2, rows), v_cache.gather(2, rows), mask
 
     def _extend(self, input_ids, aux, start, compiled=None):
         """Commit rows at ``start`` [B] (each batch row its own start). Slots and mask come from

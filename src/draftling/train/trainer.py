@@ -20,7 +20,7 @@ from draftling.data.runs import check_one_run
 from draftling.data.states import StoredStates, states_path
 from draftling.data.tokenized import load_tokenized
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
-from draftling.train.warmstart import InitDraft, WarmStart, warm_start
+from draftling.train.warmstart import InitDraft, WarmStart, keep_window, warm_start
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.dynamo import allow_recompiles
@@ -124,6 +124,7 @@ def format_line(prefix: str, m: dict) -> str:
 
 def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = None) -> Eagle3Draft:
     if warm is not None:  # --init-from: the head's working copy, its maps already set
+        keep_window(warm.draft, cfg.draft.window, warm.report["init_from"])
         return warm.draft
     overrides = {}
     if cfg.draft.intermediate_size is not None:
@@ -131,7 +132,7 @@ def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = 
             raise ConfigError(f"draft.intermediate_size={cfg.draft.intermediate_size}: expected a positive "
                               "width or null (the target's)")
         overrides["intermediate_size"] = cfg.draft.intermediate_size
-    config = draft_config_from_target(target.config, vocab.size, target.aux_layer_ids, **overrides)
+    config = draft_config_from_target(target.config, vocab.size, target.aux_layer_ids, cfg.draft.window, **overrides)
     draft = Eagle3Draft(config)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     if cfg.draft.init_from_target:

@@ -7,7 +7,9 @@ x_{t+2+j}, whose target distribution is z_{t+1+j}. That is exactly what the draf
 at decode time, where step j extends the chain one token past step j-1.
 
 Attention at step j: the query at t sees the step-0 keys at positions <= t (causal) and
-the keys of steps 1..j at position t only (the diagonal), as a tree branch would.
+the keys of steps 1..j at position t only (the diagonal), as a tree branch would. With a
+sliding window W (the draft config's ``sliding_window``), the step-0 keys are only those at
+positions > t+j-W: the query sits at position t+j, and the engine windows by position.
 
 Memory options (all exact up to float summation order; see TrainConfig for defaults):
 
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft, repeat_kv
+from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft, draft_window, repeat_kv
 from draftling.train.teacher import TeacherBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
@@ -60,16 +62,21 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 # --- attention -------------------------------------------------------------------------
 
 def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  backend: str = "sdpa") -> torch.Tensor:
+                  backend: str = "sdpa", window: int = 0) -> torch.Tensor:
     """Attention of TTT step j = len(keys) - 1, stateless.
 
     q: [B, nh, T, d]; keys[0]/values[0]: the step-0 keys/values [B, nkv, T, d] (causal);
     keys[i]/values[i] for i > 0: step i's keys/values, seen at the query's own position only.
+    ``window`` > 0: the query at row t sits at position t+j and sees the step-0 keys at
+    positions t+j-W+1 .. t only, as the engine's sliding window does; its own branch (the
+    diagonal) stays visible.
     """
     if backend == "flex":
-        return flex_ttt_attention(q, keys, values)
+        return flex_ttt_attention(q, keys, values, window)
     if backend != "sdpa":
         raise ValueError(f"unknown TTT attention backend {backend!r}; known: {ATTENTION_BACKENDS}")
+    if window:
+        return banded_ttt_attention(q, keys, values, window)
     n_rep = q.shape[1] // keys[0].shape[1]
     k0, v0 = repeat_kv(keys[0], n_rep), repeat_kv(values[0], n_rep)
     if len(keys) == 1:
@@ -86,10 +93,48 @@ def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequenc
     return out + (p[..., t:, None] * dv).sum(-2)
 
 
-def ttt_mask_mod(t: int | torch.Tensor):
+def banded_ttt_attention(q, keys, values, window: int) -> torch.Tensor:
+    """:func:`ttt_attention` with a window, in query blocks of at least ``window`` rows: a
+    block attends to the step-0 keys of itself and the block before (which hold its band), so
+    memory is O(T*W) and no [T, T] tensor exists. Blocks come from ``split`` (not slicing):
+    its backward is one concatenation, where a slice's would zero a [T, d] gradient per block."""
+    t, j = q.shape[2], len(keys) - 1
+    n_rep, scale = q.shape[1] // keys[0].shape[1], 1.0 / math.sqrt(q.shape[-1])
+    block = min(max(window, 64), t)  # a floor, so a tiny window does not mean thousands of blocks
+    qs = q.split(block, 2)
+    ks, vs = repeat_kv(keys[0], n_rep).split(block, 2), repeat_kv(values[0], n_rep).split(block, 2)
+    sds = dvs = [None] * len(qs)
+    if j:  # the diagonal (steps 1..j at the query's own row): [B,h,T,j] scores, [B,h,T,j,d] values
+        sds = (torch.stack([(q * repeat_kv(k, n_rep)).sum(-1) for k in keys[1:]], dim=-1) * scale).split(block, 2)
+        dvs = torch.stack([repeat_kv(v, n_rep) for v in values[1:]], dim=-2).split(block, 2)
+    outs = []
+    for i, (qb, sdb, dvb) in enumerate(zip(qs, sds, dvs)):
+        a, e = i * block, i * block + qb.shape[2]
+        kb, vb = (ks[0], vs[0]) if i == 0 else (torch.cat(ks[i - 1:i + 1], 2), torch.cat(vs[i - 1:i + 1], 2))
+        rows = torch.arange(a, e, device=q.device)[:, None]
+        cols = torch.arange(e - kb.shape[2], e, device=q.device)[None]
+        seen = (cols <= rows) & (cols > rows + j - window)  # the query at row t sits at position t+j
+        s = (qb @ kb.transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
+        p = (s if sdb is None else torch.cat([s, sdb], dim=-1)).float().softmax(-1).to(q.dtype)
+        out = p[..., :kb.shape[2]] @ vb
+        outs.append(out if dvb is None else out + (p[..., kb.shape[2]:, None] * dvb).sum(-2))
+    return torch.cat(outs, dim=2)
+
+
+def ttt_mask_mod(t: int | torch.Tensor, window: int = 0, n_blocks: int = 1):
     """The TTT mask over keys [K0 (T), K1 (T), ..., Kj (T)] concatenated: block 0 causal
     (kv <= q), block i > 0 diagonal (kv - i*T == q). ``t`` may be a 0-dim tensor, so a
-    compiled kernel does not specialise (and recompile) on every sequence length."""
+    compiled kernel does not specialise (and recompile) on every sequence length.
+    ``window`` > 0 (with ``n_blocks`` = j + 1): block 0 only within the window of the
+    query's position q+j, as in :func:`banded_ttt_attention`."""
+    if window:
+        reach = n_blocks - 1 - window  # kv > q + j - W
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            step0 = (kv_idx <= q_idx) & (kv_idx > q_idx + reach)
+            return step0 | ((kv_idx >= t) & (kv_idx % t == q_idx))
+        return mask_mod
+
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) | ((kv_idx >= t) & (kv_idx % t == q_idx))
     return mask_mod
@@ -99,16 +144,17 @@ _BLOCK_MASKS: dict = {}
 _FLEX_FNS: dict = {}
 
 
-def ttt_block_mask(t: int, n_blocks: int, device: torch.device):
+def ttt_block_mask(t: int, n_blocks: int, device: torch.device, window: int = 0):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = (t, n_blocks, str(device))
+    key = (t, n_blocks, str(device), window)
     mask = _BLOCK_MASKS.get(key)
     if mask is None:
         if len(_BLOCK_MASKS) > 256:  # batch lengths vary; keep the cache bounded
             _BLOCK_MASKS.clear()
         t_value = torch.tensor(t, device=device)
-        mask = create_block_mask(ttt_mask_mod(t_value), None, None, t, n_blocks * t, device=device,
+        mask_mod = ttt_mask_mod(t_value, window, n_blocks)
+        mask = create_block_mask(mask_mod, None, None, t, n_blocks * t, device=device,
                                  _compile=torch.device(device).type == "cuda")
         _BLOCK_MASKS[key] = mask
     return mask
@@ -126,9 +172,9 @@ def _flex_fn(device_type: str):
     return fn
 
 
-def flex_ttt_attention(q, keys, values) -> torch.Tensor:
+def flex_ttt_attention(q, keys, values, window: int = 0) -> torch.Tensor:
     t = q.shape[2]
-    mask = ttt_block_mask(t, len(keys), q.device)
+    mask = ttt_block_mask(t, len(keys), q.device, window)
     k = keys[0] if len(keys) == 1 else torch.cat(list(keys), dim=2)
     v = values[0] if len(values) == 1 else torch.cat(list(values), dim=2)
     return _flex_fn(q.device.type)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -153,15 +199,15 @@ class TTTAttention:
     values of every call. The unroll itself keeps that state explicit instead, so a step
     can be recomputed under activation checkpointing."""
 
-    def __init__(self, backend: str = "sdpa"):
-        self.backend = backend
+    def __init__(self, backend: str = "sdpa", window: int = 0):
+        self.backend, self.window = backend, window
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
     def __call__(self, q, k, v):
         self.keys.append(k)
         self.values.append(v)
-        return ttt_attention(q, self.keys, self.values, self.backend)
+        return ttt_attention(q, self.keys, self.values, self.backend, self.window)
 
 
 _COMPILED_HALVES: dict = {}
@@ -184,12 +230,13 @@ def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, posit
                 keys: tuple, values: tuple):
     """One TTT step as a pure function of its inputs: returns (hidden, k, v) of this step.
     ``compile``: False, or a torch.compile backend (True = inductor) for the layer's halves."""
+    window = draft_window(draft.config)
     if not compile:
         new: dict = {}
 
         def attend(q, k, v):
             new["k"], new["v"] = k, v
-            return ttt_attention(q, (*keys, k), (*values, v), backend)
+            return ttt_attention(q, (*keys, k), (*values, v), backend, window)
 
         out = draft.step(embeds, hidden, positions, attend)  # the same layer halves decoding runs
         return out, new["k"], new["v"]
@@ -201,7 +248,7 @@ def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, posit
     for x in (embeds, hidden, cos, sin):  # batch lengths vary: one graph for all of them
         torch._dynamo.maybe_mark_dynamic(x, 1)
     q, k, v = inputs_fn(layer, embeds, hidden, cos, sin)
-    out = ttt_attention(q, (*keys, k), (*values, v), backend)
+    out = ttt_attention(q, (*keys, k), (*values, v), backend, window)
     torch._dynamo.maybe_mark_dynamic(out, 2)
     return output_fn(layer, hidden, out), k, v
 

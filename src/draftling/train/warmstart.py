@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftling.draft.model import Eagle3Draft
+from draftling.draft.model import Eagle3Draft, draft_window, set_window
 from draftling.draft.vocab import DraftVocab, token_counts
 from draftling.errors import ConfigError
 from draftling.target import Target
@@ -53,6 +53,18 @@ def check_fits(draft: Eagle3Draft, target: Target, where: str) -> None:
         wrong.append(f"aux layers {aux}, the target run uses {list(target.aux_layer_ids)}")
     if wrong:
         raise ConfigError(f"--init-from {where}: the draft does not fit {target.spec.name}: {'; '.join(wrong)}")
+
+
+def keep_window(draft: Eagle3Draft, window: int, where: str) -> None:
+    """The sliding window a warm-started head trains with: its own, or draft.window where set
+    (a full-attention head can learn a window). Two different windows are refused: the head
+    was trained for its own, and which one is meant is not ours to guess."""
+    own = draft_window(draft.config)
+    if window and own and window != own:
+        raise ConfigError(f"--init-from {where}: the head was trained with a window of {own} but "
+                          f"draft.window={window}; set draft.window={own} (or 0 to keep the head's)")
+    if window:
+        set_window(draft.config, window)
 
 
 def coverage(t2d: torch.Tensor, examples) -> float:
