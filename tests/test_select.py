@@ -33,6 +33,7 @@ def test_selection_picks_the_fastest_not_the_lowest_loss(tmp_path, tiny_target):
     real = select.measure_head(tiny_target, select.load_any_draft(tmp_path / "run" / "draft", "cpu", torch.float32),
                                [[5, 6, 7]], opts)
     assert real["tok_s"] > 0 and real["identical"] == 1.0 and real["tau"] >= 1.0  # the real measurement runs
+    assert real["plain_tok_s"] > 0 and abs(real["speedup"] - real["tok_s"] / real["plain_tok_s"]) < 1e-9
 
     def measure(target, draft, ids, o):  # served speed made to disagree with the loss ranking
         slow = draft.fc.weight.sum().item() == select.load_any_draft(

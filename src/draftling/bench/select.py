@@ -99,13 +99,16 @@ def measure_head(target: Target, draft, ids: list[list[int]], opts: SelectOption
     tgt, runner = build_engine(target, draft, max_len, engine, batch_size=opts.concurrency)
     eos = target.stop_token_ids()
     tree = (c.steps, c.topk, c.draft_tokens)
-    plain = batch_generate(tgt, ids, opts.max_new_tokens, eos_ids=eos)
+    plain, plain_s = timed_after_warmup(  # the same engine without speculation: the baseline
+        tgt, lambda: batch_generate(tgt, ids, opts.max_new_tokens, eos_ids=eos),
+        lambda: batch_generate(tgt, ids[:opts.concurrency], 4, eos_ids=eos))
     out, seconds = timed_after_warmup(
         tgt, lambda: batch_generate(tgt, ids, opts.max_new_tokens, draft=runner, tree=tree, eos_ids=eos),
         lambda: batch_generate(tgt, ids[:opts.concurrency], 4, draft=runner, tree=tree, eos_ids=eos))
     lengths = [a for r in out for a in r.stats.accept_lengths]
-    return {"tok_s": sum(len(r.tokens) for r in out) / seconds, "tau": sum(lengths) / max(1, len(lengths)),
-            "identical": sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)}
+    tok_s, plain_tok_s = sum(len(r.tokens) for r in out) / seconds, sum(len(r.tokens) for r in plain) / plain_s
+    return {"tok_s": tok_s, "tau": sum(lengths) / max(1, len(lengths)), "plain_tok_s": plain_tok_s,
+            "speedup": tok_s / plain_tok_s, "identical": sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)}
 
 
 def _report(rows: list[dict], opts: SelectOptions, n_prompts: int) -> dict:
@@ -137,15 +140,23 @@ def format_selection(report: dict) -> str:
     lines = [f"# Checkpoint selection ({report['date']})", "",
              f"{p['n']} held-out prompts ({p['prompts']}), {p['config']}, concurrency {p['concurrency']}, "
              f"up to {p['max_new_tokens']} new tokens; the {p['shortlist']} lowest validation losses measured.", "",
-             "| checkpoint | val loss | tau | tok/s | identical to plain |", "|---|---|---|---|---|"]
+             "| checkpoint | val loss | tau | tok/s | plain tok/s | speedup | identical to plain |",
+             "|---|---|---|---|---|---|---|"]
     for r in s["candidates"]:
         mark = " **(winner)**" if r["checkpoint"] == s["winner"] else ""
         lines.append(f"| {r['checkpoint']}{mark} | {r['val_loss']:.4f} | {r['tau']:.2f} | {r['tok_s']:.1f} | "
-                     f"{r['identical']:.0%} |")
+                     f"{_num(r.get('plain_tok_s'), '.1f')} | {_num(r.get('speedup'), '.2f', 'x')} | "
+                     f"{_num(r.get('identical'), '.0%')} |")
     lines += ["", f"Why: {s['reason']}."]
     if "adaptation" in report:
         a = report["adaptation"]
         lines += ["", f"Adaptation ({a['workload']}, {a['prompts']} prompts): base tau {a['base']['tau']:.2f}, "
                       f"{a['base']['tok_s']:.1f} tok/s; adapted tau {a['adapted']['tau']:.2f}, "
                       f"{a['adapted']['tok_s']:.1f} tok/s."]
+    lines += ["", "tok/s: measured after an untimed warm-up, on this machine only; speedup is against the "
+              "same engine without speculation in the same process. Tau counts the bonus token."]
     return "\n".join(lines) + "\n"
+
+
+def _num(v, fmt: str, unit: str = "") -> str:
+    return "-" if v is None else f"{v:{fmt}}{unit}"
