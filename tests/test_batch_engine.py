@@ -196,3 +196,23 @@ def test_concurrency_levels_are_checked_when_the_config_loads():
     for bad in ("[0, 2]", "[]", "[1.5]"):
         with pytest.raises(ConfigError, match="bench.concurrency"):
             load_config(None, [f"bench.concurrency={bad}"])
+
+
+
+def test_prefills_are_grouped_under_the_score_budget(monkeypatch):
+    """Long prompts are prefilled a few rows at a time (their scores are materialised); the
+    tokens are those of one prefill for all, which equal each request decoded alone."""
+    from draftling.engine import batch
+
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    ps, budgets = prompts(), [6] * len(LENGTHS)
+    want = alone(model, ps, budgets)
+    groups = []
+    real = batch._BatchRun._prefill
+    monkeypatch.setattr(batch._BatchRun, "_prefill", lambda self, rows, reqs: (groups.append(len(reqs)),
+                                                                               real(self, rows, reqs))[1])
+    heads = model.config.num_attention_heads
+    monkeypatch.setattr(batch, "PREFILL_SCORES", 2 * heads * 11 ** 2)  # two rows of up to 11 tokens
+    target, _ = engines(model, slots=SLOTS)
+    assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
+    assert max(groups) == 2 and groups.count(1) >= 1  # the 20-token prompt alone, never three at once

@@ -25,7 +25,7 @@ def test_selection_picks_the_fastest_not_the_lowest_loss(tmp_path, tiny_target):
     train(cfg_for(6, **{"train.ckpt_every": 2, "train.keep_checkpoints": 0}), tiny_target, tmp_path / "run",
           tmp_path / "train.jsonl", tmp_path / "val.jsonl", tmp_path / "vocab.safetensors")
     opts = SelectOptions(prompts=str(prompt_set(tmp_path / "held.jsonl")), data=str(tmp_path), shortlist=3,
-                         config="chain-3-1-4", concurrency=2, max_new_tokens=6, base=str(tmp_path / "run" / "draft"))
+                         config="chain-3-1-4", concurrency=2, max_new_tokens=6, base=str(tmp_path / "run"))  # a run: its final head
     losses = {c: select.val_loss(tiny_target, tmp_path / "run" / "checkpoints" / c, select.load_config(
         tmp_path / "run" / "config.yaml"), select.load_tokenized(tmp_path / "val.jsonl")) for c in ("step_0000002", "step_0000004",
                                                                               "step_0000006")}

@@ -36,6 +36,9 @@ from draftling.engine.target_model import CachedTarget
 from draftling.errors import ConfigError
 from draftling.target.aux import decoder_layers, default_aux_layer_ids
 
+# Attention-score elements one eager prefill may hold (rows x heads x T x T; 4 GiB in fp32).
+PREFILL_SCORES = 2**30
+
 
 @dataclass
 class BatchResult:
@@ -106,12 +109,32 @@ class _BatchRun:
             self.r_logits = torch.zeros(b, cfg.draft_vocab_size, dtype=dtype, device=dev)
 
     def admit(self) -> None:
-        """Fill free rows with waiting requests: one eager prefill for all the newcomers. A
-        request whose first token already ends it frees its row again at once."""
+        """Fill free rows with waiting requests: eager prefills of the newcomers, as many at
+        once as PREFILL_SCORES allows. A request whose first token already ends it frees its
+        row again at once."""
         while self.waiting and None in self.row_req:
             rows = [i for i, r in enumerate(self.row_req) if r is None][:len(self.waiting)]
             reqs = [self.waiting.popleft() for _ in rows]
-            self._prefill(rows, reqs)
+            for group in self._prefill_groups(reqs):
+                self._prefill(rows[:len(group)], group)
+                rows = rows[len(group):]
+
+    def _prefill_groups(self, reqs: list[int]) -> list[list[int]]:
+        """``reqs`` in runs whose padded prefill scores (rows x heads x T x T) fit PREFILL_SCORES:
+        a prefill's attention scores are materialised, and 96 prompts of 8k tokens would need
+        hundreds of GiB at once."""
+        heads = self.target.config.num_attention_heads
+        groups: list[list[int]] = []
+        width = 0
+        for r in reqs:
+            t = self.prompts[r].numel()
+            if groups and (len(groups[-1]) + 1) * heads * max(width, t) ** 2 <= PREFILL_SCORES:
+                groups[-1].append(r)
+                width = max(width, t)
+            else:
+                groups.append([r])
+                width = t
+        return groups
 
     def _prefill(self, rows: list[int], reqs: list[int]) -> None:
         dev = self.target.device

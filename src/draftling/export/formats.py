@@ -394,11 +394,14 @@ def _export_state_dict(tensors: dict[str, torch.Tensor], vocab: int, draft_vocab
 
 
 def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft:
-    """A draftling draft dir, a checkpoint dir, or an SGLang export dir (what `bench` accepts).
+    """A draftling run (its final draft/), draft dir or checkpoint dir, or an SGLang export dir
+    (what `bench` accepts).
 
     It lives here, not beside draftling's own format in draft/store.py, because it also reads
     the SGLang layout this module writes: the draft stage must not import the export stage."""
     path = Path(path)
+    if not (path / CONFIG_FILE).is_file() and (path / "draft" / CONFIG_FILE).is_file():
+        path = path / "draft"  # a training run: its final head
     if (path / CONFIG_FILE).is_file():
         return load_draft(path, device=device, dtype=dtype)
     if (path / CONFIG_NAME).is_file():
