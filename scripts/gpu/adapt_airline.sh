@@ -55,13 +55,13 @@ adapt)
     train.ckpt_every_epoch=true $ADAPT
   d select $R/adapted --config gpu_smollm2 --target $T --data $R/airline --prompts $R/heldout/prompts.jsonl \
     --base $R/base --concurrency 1 $SEL
-  d release $R/adapted --config gpu_smollm2 --target $T --out $R/release
+  cp $R/adapted/selection/selection.json $R/adapted/selection/selection.md $R/adapted/metrics.jsonl $OUT/adapt/
+  # The target is a GGUF path here: the export names the verifier by its hub id.
+  d release $R/adapted --config gpu_smollm2 --target $T --verifier-id HuggingFaceTB/SmolLM2-135M-Instruct --out $R/release
   d check $R/release --target $T
   (cd $R/release && ls -l) > $OUT/adapt/release_files.txt
   cp $R/release/README.md $OUT/adapt/model_card.md
-  cp $R/release/serving.json $R/release/config.json $OUT/adapt/
-  cp $R/adapted/selection/selection.json $R/adapted/selection/selection.md $OUT/adapt/
-  cp $R/adapted/train_result.json $R/adapted/metrics.jsonl $OUT/adapt/ ;;
+  cp $R/release/serving.json $R/release/config.json $OUT/adapt/ ;;
 *) echo "STAGE must be data, base or adapt"; exit 2 ;;
 esac
 echo "{\"stage\": \"$STAGE\", \"wall_s\": $(( $(date +%s) - start ))}" > $OUT/$STAGE/wall.json

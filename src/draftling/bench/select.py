@@ -59,12 +59,16 @@ def select_checkpoint(target: Target, run_dir, opts: SelectOptions, measure=None
     val = load_tokenized(Path(opts.data) / "val.jsonl", target.config.vocab_size)
     losses = {c: val_loss(target, c, run_cfg, val) for c in cands}
     shortlist = sorted(cands, key=lambda c: losses[c])[:opts.shortlist]
-    _, prompts = load_prompt_set(opts.prompts, target)
+    info, prompts = load_prompt_set(opts.prompts, target)
     ids = [p.input_ids for p in prompts]
     measure = measure or measure_head
     rows = [{"checkpoint": c.name, "val_loss": losses[c], **measure(target, load_any_draft(c, target.device, _dtype(target)),
                                                                    ids, opts)} for c in shortlist]
     report = _report(rows, opts, len(ids))
+    # Results name the target and the prompt set (a file by its name and hash), not paths.
+    report["target"] = target.spec.name
+    report["protocol"]["prompts"] = info["name"] if info["builtin"] else Path(info["path"]).name
+    report["protocol"]["prompts_sha256"] = info["sha256"]
     if opts.base:
         base = measure(target, load_any_draft(opts.base, target.device, _dtype(target)), ids, opts)
         win = next(r for r in rows if r["checkpoint"] == report["selection"]["winner"])
@@ -155,6 +159,10 @@ def format_selection(report: dict) -> str:
                       f"{a['adapted']['tok_s']:.1f} tok/s."]
     lines += ["", "tok/s: measured after an untimed warm-up, on this machine only; speedup is against the "
               "same engine without speculation in the same process. Tau counts the bonus token."]
+    if any(r.get("identical", 1) < 1 for r in s["candidates"]):
+        lines += ["", "Identical to plain below 100%: this engine runs unpadded, so a verify pass's logits can differ "
+                  "in the last bits from a plain pass's (bf16), and greedy continuations part at near-ties; "
+                  "`bench --release` pads queries and checks identity."]
     return "\n".join(lines) + "\n"
 
 

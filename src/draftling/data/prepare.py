@@ -349,7 +349,8 @@ def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: in
         "target": target.spec.name,
         **({"server": server.base_url, "server_model": server.model} if server else {}),
         "prompts": len(convs),
-        **({"excluded": excluded, "exclude": list(dc.exclude)} if dc.exclude else {}),
+        **({"excluded": excluded, "exclude": list(dc.exclude), "exclude_ids": list(dc.exclude_ids)}
+           if dc.exclude or dc.exclude_ids else {}),
         "regenerated": len(replies),
         # Under a budget, prompts that were never offered are neither regenerated nor skipped.
         "skipped_long_prompts": (regenerated.val_skipped + budget["skipped_long"] if budget is not None

@@ -67,7 +67,7 @@ def release(spec: ReleaseSpec, target) -> Path:
         serving = serving_configs(spec, load_draft(draft_dir).config)
         write_json(tmp / "serving.json", serving)
         card = model_card(spec, run, target, serving, bench)
-        write_text(tmp / "README.md", card + _selection_section(draft_dir, selection))
+        write_text(tmp / "README.md", card + "\n" + _selection_section(draft_dir, selection))
         files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MARKER)
         write_json(tmp / OUTPUT_MARKER, {"kind": "release", "files": files})
     return Path(spec.out)
