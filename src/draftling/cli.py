@@ -41,7 +41,7 @@ FLAG_KEYS = {
     "shard_size": "extract.shard_size", "extract_batch_size": "extract.batch_size",
     "logits_dtype": "extract.logits_dtype",
     "minutes": "wall_minutes", "init_from": "draft.init_from", "rebuild_vocab": "draft.rebuild_vocab",
-    "exclude_ids": "data.exclude_ids",
+    "exclude_ids": "data.exclude_ids", "stop_on_convergence": "train.stop_on_convergence",
 }
 # A flag's value where it is not the key's value as it stands.
 FLAG_VALUES = {
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (add_data_parser, add_vocab_parser, add_train_parser, add_plan_parser, add_extract_parser,
                 add_bench_parser, add_select_parser, add_export_parser, add_check_parser, add_release_parser,
-                add_quickstart_parser):
+                add_report_parser, add_quickstart_parser):
         add(sub)
     return parser
 
@@ -201,6 +201,10 @@ def add_train_parser(sub) -> None:
                    "torchrun (same as `torchrun --nproc_per_node N -m draftling train ...`). Each rank "
                    "loads the teacher on its own GPU (cuda:<local rank>); train.batch_size stays the "
                    "global batch; train.parallel=ddp|fsdp picks the wrapper")
+    p.add_argument("--stop-on-convergence", action="store_true", default=None,
+                   help="stop cleanly (head written) once the smoke bench's tau has plateaued: it stays inside "
+                   "its noise band for train.convergence_checks checks (train.stop_on_convergence; needs "
+                   "train.smoke_every > 0). Without it the run only logs \"converged at X%% of epoch N\"")
 
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
@@ -467,7 +471,7 @@ def cmd_train(args) -> int | None:
             raise DraftlingError(f"--nproc {args.nproc}: expected a positive number of processes")
         if not launched_by_torchrun():
             return relaunch_under_torchrun(args.nproc, args.argv)
-    cfg = run_config(args, (*TARGET_FLAGS, "init_from", "rebuild_vocab"))
+    cfg = run_config(args, (*TARGET_FLAGS, "init_from", "rebuild_vocab", "stop_on_convergence"))
     data = Path(args.data)
     check_data_files(data)
     init = _init_draft(cfg.draft)  # a bad --init-from fails before the target loads
@@ -661,6 +665,26 @@ def cmd_release(args) -> None:
         print(f"pushed to {push(out, args.push)}")
 
 
+def add_report_parser(sub) -> None:
+    """`draftling report`: a training run's report, from its files."""
+    p = sub.add_parser("report", help="write a training run's report: markdown with PNG plots",
+                       description="Read RUN_DIR (metrics.jsonl, and train_result.json once the run has finished) "
+                       "and write report.md with PNG plots: loss and per-step accuracy over training, the smoke "
+                       "bench's tau per workload against the epoch fraction (train.smoke_every), the convergence "
+                       "verdict, and wall time and tok/s for each segment of a resumed run. Reads files only: no "
+                       "target, no GPU; works on a run still in progress.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `draftling train` (its --run-dir)")
+    p.add_argument("--out", metavar="DIR", help="where to write report.md and the plots (default RUN_DIR/report); "
+                   "those files are replaced, nothing else in DIR is touched")
+
+
+def cmd_report(args) -> None:
+    from draftling.train.report import write_report
+
+    out = write_report(args.run_dir, args.out)
+    print(f"wrote {out / 'report.md'}")
+
+
 def cmd_check(args) -> None:
     from draftling.export.check import check_export
     from draftling.target.load import load_target_config, load_target_tokenizer
@@ -711,7 +735,7 @@ def cmd_quickstart(args) -> None:
 
 COMMANDS = {"plan": cmd_plan, "data": cmd_data, "vocab": cmd_vocab, "extract": cmd_extract, "train": cmd_train,
             "bench": cmd_bench, "select": cmd_select, "export": cmd_export, "check": cmd_check, "release": cmd_release,
-            "quickstart": cmd_quickstart}
+            "report": cmd_report, "quickstart": cmd_quickstart}
 
 
 def main(argv: list[str] | None = None) -> int:

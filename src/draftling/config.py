@@ -287,8 +287,27 @@ class TrainConfig:
     # it and its optimizer state with FSDP2 fully_shard, for drafts too big to replicate.
     # batch_size stays the global batch at any world size.
     parallel: str = "ddp"
+    # --- Convergence (train/convergence.py). Every smoke_every steps (0 = off) a greedy
+    # chain-3-1-4 smoke bench over the prompt set smoke_prompts ("set:NAME", shipped, or a jsonl
+    # path), smoke_max_new_tokens per prompt, logs tau per workload to metrics.jsonl: a trend, not a
+    # release number. When the mean tau stays inside its noise band (estimated from the per-prompt
+    # taus) for convergence_checks checks in a row, the run logs "converged at X% of epoch N";
+    # with stop_on_convergence (`train --stop-on-convergence`) it also stops there, head written.
+    smoke_every: int = 0
+    smoke_prompts: str = "set:smoke-v1"
+    smoke_max_new_tokens: int = 32
+    convergence_checks: int = 3
+    stop_on_convergence: bool = False
 
     def __post_init__(self):
+        check_bounds("train", self, {
+            "smoke_every": ("an integer >= 0 (0 = off)", lambda v: v >= 0),
+            "smoke_max_new_tokens": AT_LEAST_ONE, "convergence_checks": AT_LEAST_ONE})
+        if self.stop_on_convergence and not self.smoke_every:
+            raise ConfigError("train.stop_on_convergence needs the smoke bench: set train.smoke_every "
+                              "(steps between checks), e.g. train.smoke_every=200")
+        if not self.smoke_prompts:
+            raise ConfigError("train.smoke_prompts: expected a prompt set, e.g. set:smoke-v1 or a jsonl path")
         check_bounds("train", self, {
             "ttt_steps": AT_LEAST_ONE, "step_weight_decay": POSITIVE, "epochs": POSITIVE,
             "max_steps": ("an integer >= 0 (0 = from epochs)", lambda v: v >= 0), "batch_size": AT_LEAST_ONE,

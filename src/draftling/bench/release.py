@@ -63,7 +63,7 @@ ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
 RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
                "baseline_details", "configs", "sampled", "caveats")
 SAMPLED_TEMPERATURES = (0.7, 1.0)  # how chat is served: the sampled figures beside the greedy ones
-_BUILTIN = re.compile(r"^v\d+$")
+_BUILTIN = re.compile(r"^(?:[a-z]+-)?v\d+$")  # v1, smoke-v1, ...
 
 # ----------------------------------------------------------------------------- prompt sets
 
@@ -78,6 +78,7 @@ class BenchPrompt:
 # v1 must stay comparable); a changed selection is a new version with its own line here.
 PUBLISHED_PROMPT_SETS = {
     "v1": "46ca02dccc810c4ba760f5dfe2cf7e137e383c57c19421dc8e6a2f6d788a3948",
+    "smoke-v1": "ee03e05926aa36bc3e8ab7a542c5e9c0ec90be6b2ed9b59fb1367c246b002a7b",  # train.smoke_prompts
 }
 
 
@@ -87,7 +88,8 @@ def builtin_prompt_sets() -> list[str]:
 
 
 def resolve_prompt_set(prompt_set: str | Path) -> tuple[str, Path]:
-    """(name, path): ``"v1"`` names a set shipped in the package; anything else is a jsonl path."""
+    """(name, path): ``"v1"`` (or ``"smoke-v1"``) names a set shipped in the package; anything
+    else is a jsonl path."""
     s = str(prompt_set)
     if _BUILTIN.match(s) and not Path(s).exists():
         res = prompt_sets_dir() / f"{s}.jsonl"

@@ -30,6 +30,7 @@ from draftling.io import atomic_dir, atomic_path, remove_path, write_json
 from draftling.target import Target
 from draftling.train.checkpoint import (KeepPolicy, latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
                                         set_rng_state)
+from draftling.train.convergence import ConvergenceDetector, SmokeBench, SmokeMonitor, read_metrics, verdict_line
 from draftling.train.dataset import EpochBatches, collate
 from draftling.train.distributed import (DistContext, TTTObjective, all_reduce_sum, any_rank,
                                          barrier, current, full_model_state, full_optimizer_state, is_sharded,
@@ -92,7 +93,7 @@ class MetricsLog:
         self.file.flush()
         if self.tb is not None:
             prefix = record.get("split", "train")
-            for key in ("loss", "sim_tau", "chain_tau", "lr", "tok_s"):
+            for key in ("loss", "sim_tau", "chain_tau", "lr", "tok_s", "mean_tau"):
                 if key in record:
                     self.tb.add_scalar(f"{prefix}/{key}", record[key], record["step"])
             for j, a in enumerate(record.get("acc", [])):
@@ -479,7 +480,7 @@ def host_draft(objective, config) -> Eagle3Draft:
 # Keys a resume may change freely: they steer logging, checkpoints, time and validation, not
 # the weights a step computes.
 RESUME_FREE_KEYS = ("train.max_minutes", "train.fit_schedule", "train.log_every", "train.ckpt_every",
-                    "train.keep_checkpoints", "train.val_every", "train.max_val_batches", "wall_minutes",
+                    "train.stop_on_convergence", "train.keep_checkpoints", "train.val_every", "train.max_val_batches", "wall_minutes",
                     "device", "data.", "bench.", "extract.")
 
 
@@ -613,6 +614,12 @@ class TrainRun:
     step: int = 0
     cache: TeacherCache | None = None
     metrics_log: MetricsLog | None = None
+    smoke: SmokeMonitor | None = None  # train.smoke_every: the smoke bench and convergence detector
+    stop_reason: str = "completed"  # or "max_minutes", "converged"
+    # Segments: each process (the start, each resume) is one. Train records carry the step it
+    # started from and the seconds since, which `draftling report` times segments by.
+    segment_step: int = 0
+    segment_start: float = 0.0  # perf_counter at the segment's first step
 
     @property
     def source(self) -> BatchSource:
@@ -767,6 +774,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         raise ConfigError(f"draft.init_from={cfg.draft.init_from}: load that draft and pass it as init= "
                           "(the `train` command does)")
     inputs = load_run_inputs(target, train_path, val_path, vocab_path, teacher_source, say, init)
+    smoke_bench = SmokeBench.load(tc, target) if tc.smoke_every else None  # a bad set fails here
     claim_run_dir(run_dir, resume, claim.overwrite, ctx)
     changes = resume_config_changes(run_dir, cfg, claim.allow_change) if resume else {}
     if ctx.is_main:
@@ -782,6 +790,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     if run.metrics_log and changes and ckpt is not None:
         run.metrics_log.write({"step": run.step, "split": "config_change",
                                "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}})
+    run.smoke = start_smoke(run, smoke_bench, ckpt is not None)
     describe_run(run)
     run.cache = TeacherCache(int(tc.teacher_cache_gb * 2**30)) if tc.teacher_cache_gb > 0 else None
     t_start = train_loop(run)
@@ -797,7 +806,8 @@ def train_loop(run: TrainRun) -> float:
         from tqdm import tqdm
         progress = tqdm(total=run.total_steps, initial=run.step, desc="train", leave=False)
     window = StepWindow(tc.ttt_steps)
-    t_start = time.perf_counter()
+    t_start = run.segment_start = time.perf_counter()
+    run.segment_step = run.step
     fit = FitToTime(tc, run.total_steps, t_start, run.step, ctx, device) if tc.fit_schedule else None
     while run.step < run.total_steps:
         loss, counts, tokens = run.train_step()
@@ -814,16 +824,51 @@ def train_loop(run: TrainRun) -> float:
             window.log(run)
         if tc.val_every and run.step % tc.val_every == 0 and run.inputs.val_examples:
             run.validate(f"val @ {run.step}")
+        if run.smoke is not None and run.step % tc.smoke_every == 0:
+            window.t0 += smoke_check(run)  # the smoke bench's time is not training throughput
         out_of_time = tc.max_minutes > 0 and time.perf_counter() - t_start > 60 * tc.max_minutes
         if tc.max_minutes > 0 and any_rank(out_of_time, ctx, device) and run.step < run.total_steps:
             run.say(f"stopping at step {run.step}/{run.total_steps}: train.max_minutes={tc.max_minutes} reached")
-            run.total_steps = run.step
+            run.total_steps, run.stop_reason = run.step, "max_minutes"
         epoch_end = tc.ckpt_every_epoch and run.batches.position(run.step)[1] == 0
         if run.step % tc.ckpt_every == 0 or run.step == run.total_steps or epoch_end:
             run.checkpoint()
     if progress is not None:
         progress.close()
     return t_start
+
+
+def start_smoke(run: TrainRun, bench: SmokeBench | None, resumed: bool) -> SmokeMonitor | None:
+    """The run's smoke monitor (train.smoke_every), None when off. A resumed run replays the
+    checks metrics.jsonl holds up to its checkpoint, so it decides as the uninterrupted run
+    would; one that had converged there with train.stop_on_convergence stops at once."""
+    if bench is None:
+        return None
+    tc = run.cfg.train
+    monitor = SmokeMonitor(bench, ConvergenceDetector(tc.convergence_checks, tc.warmup_steps),
+                           run.metrics_log.write if run.metrics_log else None)
+    log = run.run_dir / "metrics.jsonl"
+    if resumed and log.is_file():
+        monitor.replay(read_metrics(log), run.step)
+    verdict = monitor.detector.verdict
+    if verdict and tc.stop_on_convergence and run.step < run.total_steps:
+        run.say(f"{verdict_line(verdict)}, before this resume: stopping at step {run.step}")
+        run.total_steps, run.stop_reason = run.step, "converged"
+    return monitor
+
+
+def smoke_check(run: TrainRun) -> float:
+    """The smoke bench at this step, on every rank (the same weights give the same verdict); with
+    train.stop_on_convergence a convergence ends the run here. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    verdict = run.smoke.check(host_draft(run.objective, run.draft.config), run.step,
+                              run.step / run.batches.batches_per_epoch, run.batches.position(run.step - 1)[0])
+    converged = any_rank(verdict is not None, run.ctx, run.target.device)
+    if converged and run.cfg.train.stop_on_convergence and run.step < run.total_steps:
+        run.say(f"stopping at step {run.step}/{run.total_steps}: the smoke tau converged "
+                "(train.stop_on_convergence)")
+        run.total_steps, run.stop_reason = run.step, "converged"
+    return time.perf_counter() - t0
 
 
 class StepWindow:
@@ -846,9 +891,10 @@ class StepWindow:
         every, step = run.cfg.train.log_every, run.step
         m = self.counts.metrics()
         n_logged = every if step % every == 0 else step % every
+        now = time.perf_counter()
         m.update(step=step, epoch=run.batches.position(step - 1)[0], loss=self.loss / n_logged,
-                 lr=run.scheduler.get_last_lr()[0], tok_s=self.tokens / (time.perf_counter() - self.t0),
-                 split="train")
+                 lr=run.scheduler.get_last_lr()[0], tok_s=self.tokens / (now - self.t0), window_tokens=self.tokens,
+                 segment=run.segment_step, wall_s=now - run.segment_start, split="train")
         if run.metrics_log:
             run.metrics_log.write(m, format_line(f"step {step}/{run.total_steps}", m)
                                   + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s")
@@ -859,8 +905,10 @@ def finish_run(run: TrainRun, t_start: float) -> dict:
     """The final validation, the head in ``<run>/draft`` and ``train_result.json``."""
     ctx, device = run.ctx, run.target.device
     result = {"steps": run.total_steps, "steps_ceiling": run.ceiling, "train_wall_s": time.perf_counter() - t_start,
-              "world_size": ctx.world_size,
+              "stop_reason": run.stop_reason, "world_size": ctx.world_size,
               "compute_dtype": run.unroll.autocast or str(run.param_dtype).replace("torch.", "")}
+    if run.smoke is not None:
+        result["convergence"] = run.smoke.detector.summary()
     if torch.cuda.is_available() and device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if run.inputs.val_examples:
