@@ -45,7 +45,8 @@ def test_selection_picks_the_fastest_not_the_lowest_loss(tmp_path, tiny_target):
     assert [c["checkpoint"] for c in sel["candidates"]] == sorted(losses, key=losses.get)
     assert sel["winner"] != lowest and "the lowest-loss " + lowest in sel["reason"]
     on_disk = json.loads((tmp_path / "run" / "selection" / "selection.json").read_text())
-    assert set(on_disk) >= {"date", "selection", "adaptation"}
+    assert set(on_disk) >= {"date", "selection", "adaptation"} and on_disk["protocol"]["max_prompt_tokens"] == 6
+    assert on_disk["protocol"]["prompts"] == "held.jsonl"  # the file's name and hash, not the path
     assert set(on_disk["adaptation"]) == {"workload", "prompts", "base", "adapted"}
     assert set(on_disk["selection"]["candidates"][0]) >= {"checkpoint", "val_loss", "tau", "tok_s"}
     assert "**(winner)**" in (tmp_path / "run" / "selection" / "selection.md").read_text()

@@ -69,6 +69,7 @@ def select_checkpoint(target: Target, run_dir, opts: SelectOptions, measure=None
     report["target"] = target.spec.name
     report["protocol"]["prompts"] = info["name"] if info["builtin"] else Path(info["path"]).name
     report["protocol"]["prompts_sha256"] = info["sha256"]
+    report["protocol"]["max_prompt_tokens"] = max(map(len, ids))  # the context length this selection tested
     if opts.base:
         base = measure(target, load_any_draft(opts.base, target.device, _dtype(target)), ids, opts)
         win = next(r for r in rows if r["checkpoint"] == report["selection"]["winner"])

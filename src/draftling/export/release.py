@@ -124,7 +124,9 @@ def _selection_section(head: Path, selection: dict | None) -> str:
              + (" (the final head)." if head.name == "draft" else ".")]
     if selection:
         sel = selection["selection"]
-        lines += [f"`draftling select` chose it by served speed: {sel['reason']}", "",
+        tested = selection.get("protocol", {}).get("max_prompt_tokens")
+        lines += [f"`draftling select` chose it by served speed: {sel['reason']}"
+                  + (f" Context length tested: prompts of up to {tested} tokens." if tested else ""), "",
                   "| checkpoint | val loss | tau | tok/s |", "|---|---|---|---|"]
         lines += [f"| {c['checkpoint']} | {c['val_loss']:.4f} | {c['tau']:.2f} | {c['tok_s']:.1f} |"
                   for c in sel["candidates"]]
