@@ -31,6 +31,7 @@ def test_release_folder_reloads_and_says_how_to_serve(tmp_path, tiny_target, fmt
     assert "--speculative-algorithm EAGLE3" in serving["sglang"]["command"]
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: org/tiny-llama\n") and "speculative_config" in card
+    assert "- data: replies the target wrote to " in card and "split by id" in card
     if fmt == "speculators":
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftling.config import load_config
 from draftling.draft.store import WEIGHTS_FILE, load_draft
 from draftling.errors import DraftlingError
 from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft
@@ -107,7 +108,7 @@ def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict 
              "## Target", "", f"- {spec.target_id}; checkpoint fingerprint: config `{fp.get('config', '?')}`, "
              f"tokenizer `{fp.get('tokenizer', '?')}` (`draftling check` compares them).",
              f"- context length of the head's config: {serving['max_position_embeddings']} positions", "",
-             "## Training", "", f"- steps: {result.get('steps', '?')}; validation: "
+             "## Training", "", *_data_lines(run), f"- steps: {result.get('steps', '?')}; validation: "
              + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                          for k, v in (result.get('val') or {}).items() if isinstance(v, (int, float))), ""]
     lines += _bench_section(bench)
@@ -116,6 +117,20 @@ def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict 
               json.dumps(serving["vllm"]["speculative_config"], indent=2), "```", "", "SGLang:", "", "```bash",
               serving["sglang"]["command"], "```", ""]
     return "\n".join(lines)
+
+
+def _data_lines(run: Path) -> list[str]:
+    """The run's data and its split, from the config the run recorded."""
+    if not (run / "config.yaml").is_file():
+        return []
+    cfg = load_config(run / "config.yaml")
+    dc, tc = cfg.data, cfg.train
+    how = "; agent rollouts (each assistant turn a prompt, the target's reply its only loss)" if dc.rollouts else ""
+    held = f"; ids of {', '.join(Path(f).name for f in dc.exclude_ids)} kept out" if dc.exclude_ids else ""
+    return [f"- data: replies the target wrote to {', '.join(dc.prompts)}{how}, up to {dc.max_tokens} tokens "
+            f"a sequence; split by {dc.split_key}, {dc.val_fraction:.0%} of tasks to validation{held}",
+            f"- recipe: {tc.epochs:g} epochs, batch {tc.batch_size}, lr {tc.lr:g}, {tc.ttt_steps} TTT steps"
+            + (f", warm-started from {Path(cfg.draft.init_from).name}" if cfg.draft.init_from else "")]
 
 
 def _selection_section(head: Path, selection: dict | None) -> str:
