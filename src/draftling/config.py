@@ -293,6 +293,7 @@ class TrainConfig:
     # release number. When the mean tau stays inside its noise band (estimated from the per-prompt
     # taus) for convergence_checks checks in a row, the run logs "converged at X% of epoch N";
     # with stop_on_convergence (`train --stop-on-convergence`) it also stops there, head written.
+    # A check decodes 14 prompts through the target: seconds on a GPU, minutes on a 2-core CPU.
     smoke_every: int = 0
     smoke_prompts: str = "set:smoke-v1"
     smoke_max_new_tokens: int = 32
