@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.config import load_config
+from draftling.errors import ConfigError
 from draftling.io import write_jsonl
 from draftling.train.checkpoint import list_checkpoints, load_train_state
 from draftling.train.trainer import train
@@ -290,3 +291,22 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path, tiny_
     run(tmp_path, tiny_target, "m", 4, resume=True)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]
+
+
+def test_data_fraction_draws_from_a_nested_seeded_share(tmp_path, tiny_target):
+    from draftling.data.tokenized import load_tokenized
+    from draftling.train.dataset import EpochBatches, fraction_pool
+
+    quarter, half, whole = (fraction_pool(40, f, seed=3) for f in (0.25, 0.5, 1.0))
+    assert len(quarter) == 10 and len(half) == 20 and whole == list(range(40))
+    assert set(quarter) <= set(half) and quarter != list(range(10))  # nested, and not the file's head
+    b = EpochBatches([None] * 40, 4, seed=3, fraction=0.5)
+    assert b.batches_per_epoch == 5 and {i for k in range(5) for i in b.indices(0, k)} == set(half)
+    setup_data(tmp_path)
+    result = run(tmp_path, tiny_target, "half", 4, **{"train.data_fraction": 0.5})
+    rows = load_tokenized(tmp_path / "train.jsonl")
+    pool = fraction_pool(len(rows), 0.5, seed=0)
+    assert result["data"] == {"fraction": 0.5, "sequences": len(pool),
+                              "loss_tokens": sum(sum(rows[i].loss_mask) for i in pool)}
+    with pytest.raises(ConfigError, match="train.data_fraction"):
+        cfg_for(2, **{"train.data_fraction": 0})

@@ -231,6 +231,10 @@ class TrainConfig:
     # instead of being cut off. The steps derived from epochs (or max_steps) stay the ceiling.
     fit_schedule: bool = False
     max_val_batches: int = 16
+    # Train on a seeded share of the training sequences (validation unchanged), for data-scaling
+    # curves: the shares are nested (a 25% run's sequences are all in the 50% run's), so points of
+    # one curve differ in amount only. 1.0 = all.
+    data_fraction: float = 1.0
     # Batch examples of similar length (sorted within groups of 16 batches, batch order
     # shuffled): less padding, same data per epoch. false = plain random batches.
     group_by_length: bool = True
@@ -311,6 +315,7 @@ class TrainConfig:
             raise ConfigError("train.smoke_prompts: expected a prompt set, e.g. set:smoke-v1 or a jsonl path")
         check_bounds("train", self, {
             "ttt_steps": AT_LEAST_ONE, "step_weight_decay": POSITIVE, "epochs": POSITIVE,
+            "data_fraction": ("a number in (0, 1]", lambda v: 0 < v <= 1),
             "max_steps": ("an integer >= 0 (0 = from epochs)", lambda v: v >= 0), "batch_size": AT_LEAST_ONE,
             "lr": POSITIVE, "min_lr_ratio": FRACTION, "warmup_steps": NON_NEGATIVE,
             "weight_decay": NON_NEGATIVE, "grad_clip": POSITIVE, "log_every": AT_LEAST_ONE,

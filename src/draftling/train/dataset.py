@@ -26,6 +26,15 @@ def collate(examples: list[TokenizedExample], pad_id: int) -> dict[str, torch.Te
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
 
 
+def fraction_pool(n: int, fraction: float, seed: int) -> list[int]:
+    """A seeded share of range(n), sorted: the head of one permutation per seed, so a smaller
+    share is always inside a larger one. All of it (in order) at 1.0."""
+    if fraction >= 1.0:
+        return list(range(n))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 17)).tolist()
+    return sorted(perm[:max(1, round(n * fraction))])
+
+
 class EpochBatches:
     """Deterministic batches: epoch e shuffles with randperm(n, seed + e); batches never
     straddle epochs, and a partial last batch is dropped.
@@ -39,12 +48,15 @@ class EpochBatches:
     GROUP_BATCHES = 16
 
     def __init__(self, examples: list[TokenizedExample], batch_size: int, seed: int,
-                 group_by_length: bool = False):
+                 group_by_length: bool = False, fraction: float = 1.0):
         if batch_size < 1:
             raise DataError(f"train.batch_size must be >= 1, got {batch_size}")
         self.examples, self.batch_size, self.seed = examples, batch_size, seed
         self.group_by_length = group_by_length
-        self.batches_per_epoch = max(1, len(examples) // batch_size)
+        # The examples drawn from (train.data_fraction): indices stay those of ``examples``, so
+        # teachers keyed by row still line up.
+        self.pool = fraction_pool(len(examples), fraction, seed)
+        self.batches_per_epoch = max(1, len(self.pool) // batch_size)
         self._order: dict[int, list[list[int]]] = {}
 
     def indices(self, epoch: int, index: int) -> list[int]:
@@ -54,7 +66,7 @@ class EpochBatches:
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-        perm = torch.randperm(len(self.examples), generator=g).tolist()
+        perm = [self.pool[i] for i in torch.randperm(len(self.pool), generator=g).tolist()]
         bs, n = self.batch_size, self.batches_per_epoch
         if not self.group_by_length:
             return [perm[i * bs:(i + 1) * bs] for i in range(n)]

@@ -686,7 +686,10 @@ def build_run(cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, 
     # With offload the scheduler drives the inner torch AdamW over the host masters. Under
     # FSDP, offload is its CPUOffloadPolicy and the plain optimizer steps the host shards.
     optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not sharded)
-    batches = EpochBatches(inputs.examples, tc.batch_size, tc.seed, tc.group_by_length)
+    batches = EpochBatches(inputs.examples, tc.batch_size, tc.seed, tc.group_by_length, tc.data_fraction)
+    if tc.data_fraction < 1:
+        say(f"data: training on {len(batches.pool)} of {len(inputs.examples)} sequences (train.data_fraction="
+            f"{tc.data_fraction:g})")
     total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
     schedule = CosineSchedule(tc.warmup_steps, total_steps, tc.min_lr_ratio)
     # Through a lambda: LambdaLR would save a callable object's fields in its state and a resume
@@ -901,11 +904,18 @@ class StepWindow:
         self.reset()
 
 
+def data_used(run: TrainRun) -> dict:
+    """The training sequences this run drew from (train.data_fraction) and their loss tokens."""
+    pool = run.batches.pool
+    return {"fraction": run.cfg.train.data_fraction, "sequences": len(pool),
+            "loss_tokens": sum(sum(run.inputs.examples[i].loss_mask) for i in pool)}
+
+
 def finish_run(run: TrainRun, t_start: float) -> dict:
     """The final validation, the head in ``<run>/draft`` and ``train_result.json``."""
     ctx, device = run.ctx, run.target.device
     result = {"steps": run.total_steps, "steps_ceiling": run.ceiling, "train_wall_s": time.perf_counter() - t_start,
-              "stop_reason": run.stop_reason, "world_size": ctx.world_size,
+              "stop_reason": run.stop_reason, "world_size": ctx.world_size, "data": data_used(run),
               "compute_dtype": run.unroll.autocast or str(run.param_dtype).replace("torch.", "")}
     if run.smoke is not None:
         result["convergence"] = run.smoke.detector.summary()
