@@ -122,3 +122,27 @@ def test_max_tokens_over_the_target_context_is_refused(tmp_path, tiny_target_dir
     assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
                  "--out", str(tmp_path / "d"), "data.max_tokens=4096"]) != 0
     assert "data.max_tokens=4096 is over" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
+def test_samples_per_prompt_adds_sampled_training_replies(tmp_path, tiny_target_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Tell me about {i}."}]})
+                               + "\n" for i in range(8)))
+
+    def data(out):
+        assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
+                     "--out", str(out), "data.regen.samples_per_prompt=3", "data.regen.sample_temperature=1.0",
+                     "data.regen.max_new_tokens=6", "data.val_fraction=0.25", "data.min_tokens=4"]) == 0
+        return [json.loads(line) for line in (out / "replies.jsonl").read_text().splitlines()]
+
+    replies = data(tmp_path / "d")
+    val = {r["id"] for r in _rows(tmp_path / "d", "val")}
+    train_prompts = {f"q{i}" for i in range(8)} - val
+    by_id = {r["id"]: r for r in replies}
+    assert set(by_id) == val | train_prompts | {f"{p}#sample{k}" for p in train_prompts for k in (1, 2)}
+    assert {by_id[f"{p}#sample2"]["provenance"]["temperature"] for p in train_prompts} == {1.0}
+    assert {by_id[p]["provenance"]["temperature"] for p in train_prompts | val} == {0.0}
+    reply = lambda r: r["messages"][-1]["content"]  # noqa: E731
+    assert any(reply(by_id[f"{p}#sample1"]) != reply(by_id[p]) for p in train_prompts)  # sampled, not greedy
+    assert json.loads((tmp_path / "d" / "summary.json").read_text())["sampled_replies"] == 2 * len(train_prompts)
+    assert [reply(r) for r in data(tmp_path / "d2")] == [reply(r) for r in replies]  # seeded: the same again

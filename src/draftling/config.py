@@ -84,10 +84,17 @@ class RegenConfig:
     # greedy, without kept teacher states, for an architecture the engine serves; on = the same
     # but refused (with the reason) where it cannot; off = HF generate.
     engine: str = "auto"
+    # Replies per TRAINING prompt: the first at `temperature` (greedy by default), each further
+    # one sampled at `sample_temperature` (top_p as set; seed + k), its temperature in the
+    # reply's provenance; more of the target's own distribution per prompt. Validation keeps one.
+    # The sampled passes run HF generate (the engine's replies are greedy).
+    samples_per_prompt: int = 1
+    sample_temperature: float = 0.8
 
     def __post_init__(self):
         check_choices("data.regen", self, {"engine": ("auto", "on", "off")})
         check_bounds("data.regen", self, {
+            "samples_per_prompt": AT_LEAST_ONE, "sample_temperature": POSITIVE,
             "max_new_tokens": AT_LEAST_ONE, "temperature": NON_NEGATIVE,
             "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1), "batch_size": AT_LEAST_ONE,
             "prefill_chunk_tokens": NON_NEGATIVE, "concurrency": AT_LEAST_ONE,

@@ -286,8 +286,11 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
         if dc.keep_teacher_states:
             print("data: data.keep_teacher_states is ignored: a server's replies come without the "
                   "target's states, so training will run the target", flush=True)
-        records = list(regenerate_via_server(target.tokenizer, train_convs + val_convs, dc.regen,
-                                             max_prompt_tokens=max_prompt, server=server, journal=journal))
+        def via_server(convs, cfg):
+            return regenerate_via_server(target.tokenizer, convs, cfg, max_prompt_tokens=max_prompt,
+                                         server=server, journal=journal)
+        records = list(via_server(train_convs + val_convs, dc.regen))
+        records += sampled_replies(via_server, train_convs, dc.regen)
     elif local is not None:
         regen = partial(regenerate, target, run=RegenRun(max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states,
                                                          journal=journal, replies=local.replies))
@@ -304,6 +307,10 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
             records = list(regen(train_convs + val_convs, local.cfg))
         else:  # training replies from the faster copy
             records = list(regen(train_convs, local.cfg)) + list(regen(val_convs, as_served))
+        if regen_seconds is None:  # a time budget spends itself on distinct prompts first
+            sampling = partial(regenerate, target, run=RegenRun(max_prompt_tokens=max_prompt, journal=journal,
+                                                                keep_states=dc.keep_teacher_states))
+            records += sampled_replies(sampling, train_convs, local.cfg)
     else:
         raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
                         "the model or a server (data.regen.server_url)")
@@ -312,6 +319,20 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
                         f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)")
     val_ids = {c.id for c in val_convs}
     out.replies = [Reply.of(r, "val" if r["id"] in val_ids else "train") for r in records]
+    return out
+
+
+SAMPLE_TAG = "#sample"  # a sampled reply's id: the prompt's, then this and k
+
+
+def sampled_replies(regen, convs: list[Conversation], cfg: RegenConfig) -> list[dict]:
+    """The further replies of data.regen.samples_per_prompt: pass k (1..N-1) samples every prompt
+    of ``convs`` again at sample_temperature with seed + k, under the id PROMPT#samplek.
+    ``regen(convs, cfg)``: the replies of one pass."""
+    out: list[dict] = []
+    for k in range(1, cfg.samples_per_prompt):
+        copies = [dataclasses.replace(c, id=f"{c.id}{SAMPLE_TAG}{k}") for c in convs]
+        out += regen(copies, replace(cfg, temperature=cfg.sample_temperature, seed=cfg.seed + k))
     return out
 
 
@@ -352,6 +373,7 @@ def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: in
         **({"excluded": excluded, "exclude": list(dc.exclude), "exclude_ids": list(dc.exclude_ids)}
            if dc.exclude or dc.exclude_ids else {}),
         "regenerated": len(replies),
+        "sampled_replies": sum(SAMPLE_TAG in r.record["id"] for r in replies),
         # Under a budget, prompts that were never offered are neither regenerated nor skipped.
         "skipped_long_prompts": (regenerated.val_skipped + budget["skipped_long"] if budget is not None
                                  else regenerated.offered - len(replies)),
