@@ -312,3 +312,21 @@ def test_plan_is_wired_into_the_cli(tiny_target_dir, capsys):
     rc = cli.main(["plan", "--target", tiny_target_dir, "--gpu-mem", "600MiB", "--seq", "2048",
                    "--batch-size", "64", "vocab.size=512"])
     assert rc == 1 and "does NOT fit" in capsys.readouterr().out
+
+
+def test_a_window_bounds_the_sdpa_attention_estimate_and_the_draft_width_counts():
+    windowed = dataclasses.replace(SHAPE, window=256)
+    full = {t: est(seq=t, attention="sdpa", grad_checkpoint=False)["total"] for t in (8192, 32768)}
+    band = {t: est(windowed, seq=t, attention="sdpa", grad_checkpoint=False)["total"] for t in (8192, 32768)}
+    assert band[32768] < full[32768] / 10  # the [T, T] probabilities are gone
+    assert 3 < band[32768] / band[8192] < 5  # linear in the length, as the banded attention is
+    from draftling.config import load_config
+    from draftling.train.plan import plan_run
+
+    cfg = load_config(None, ["draft.intermediate_size=4096", "draft.window=512", "vocab.size=1000"])
+    target = LlamaConfig(vocab_size=4000, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=64, num_hidden_layers=8)
+    wide = plan_run(cfg, target, 80 * GIB, seq=2048, batch=4)
+    narrow = plan_run(load_config(None, ["draft.window=512", "vocab.size=1000"]), target, 80 * GIB, seq=2048, batch=4)
+    assert wide["shape"].intermediate == 4096 and wide["shape"].window == 512
+    assert wide["estimate"]["total"] > narrow["estimate"]["total"]  # draft.intermediate_size reaches the estimate

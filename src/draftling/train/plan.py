@@ -74,15 +74,18 @@ class DraftShape:
     vocab: int  # the TARGET vocab (the embedding table)
     draft_vocab: int
     target_hidden: int | None = None  # the aux states' width; the draft's hidden by default
+    window: int = 0  # draft.window: the sdpa TTT attention then runs banded (train/ttt.py)
 
     @classmethod
-    def from_config(cls, config, draft_vocab: int) -> "DraftShape":
+    def from_config(cls, config, draft_vocab: int, window: int = 0) -> "DraftShape":
+        """From a draft's config, or from a target's (the draft's default shape)."""
         config = getattr(config, "text_config", None) or config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(hidden=config.hidden_size, intermediate=config.intermediate_size, heads=heads,
                    kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                   vocab=config.vocab_size, draft_vocab=min(int(draft_vocab), config.vocab_size))
+                   vocab=config.vocab_size, draft_vocab=min(int(draft_vocab), config.vocab_size),
+                   window=int(window))
 
     @property
     def ht(self) -> int:
@@ -347,7 +350,7 @@ def _layer_transient(z: _Sizes, j: int) -> float:
     if z.o.attention == "flex":
         attn_grads = a * (q + 2 * S * z.kv) + 4 * z.nh  # dq, dk/dv of all concatenated steps, delta
     else:  # grads of the probabilities (draft dtype, fp32) and of the scores, dq/dk/dv repeated
-        attn_grads = (8 + a) * z.nh * (z.T + S) + a * (q + 2 * S * q)
+        attn_grads = (8 + a) * z.nh * (_score_columns(z) + S) + a * (q + 2 * S * q)
     freed_by_attention = 4 * a * I + 4 * H + 2 * a * H
     weight_grad = a * max(H * I, 2 * H * q)
     grad_flow = max(z.tok * (2 * a * H + 2 * a * I) + weight_grad,
@@ -374,6 +377,12 @@ def _layer_saved(z: _Sizes, j: int) -> float:
     return b + 4 * a * I  # MLP: gate, silu(gate), up, silu(gate) * up
 
 
+def _score_columns(z: _Sizes) -> int:
+    """Step-0 score columns per query with sdpa: the sequence, or with a window the two query
+    blocks of train/ttt.banded_ttt_attention."""
+    return 2 * min(max(z.s.window, 64), z.T) if z.s.window else z.T
+
+
 def _attention_saved(z: _Sizes, j: int) -> float:
     """Bytes per token the attention of step j saves for backward (beyond q, k, v)."""
     a, q, nh, T = z.a, z.q, z.nh, z.T
@@ -381,6 +390,10 @@ def _attention_saved(z: _Sizes, j: int) -> float:
         out = a * q + 4 * nh  # output and logsumexp
         return out + (2 * (j + 1) * a * z.kv if j > 0 else 0)  # keys/values of steps 0..j, concatenated
     rep = z.s.heads > z.s.kv_heads  # GQA: keys/values repeated to the query heads
+    if z.s.window:  # banded, every step: a block of queries sees its block and the one before
+        cols = _score_columns(z)
+        out = (2 * a * q if rep else 0) + (j * a * q if rep else 0) + j * a * q + a * q
+        return out + (4 + (a if a != 4 else 0)) * nh * (cols + j) + cols / z.batch
     if j == 0:  # F.scaled_dot_product_attention, causal: repeated k/v, output, logsumexp
         return (2 * a * q if rep else 0) + a * q + 4 * nh
     out = 2 * a * q if rep else 0  # repeated step-0 keys/values
@@ -501,7 +514,9 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
     from draftling.train.settings import FAST_MEMORY_SHARE, fast_train_config
 
     embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
-    shape = DraftShape.from_config(target_config, cfg.vocab.size)
+    shape = DraftShape.from_config(target_config, cfg.vocab.size, cfg.draft.window)
+    if cfg.draft.intermediate_size:  # the draft's own MLP width (configs/gpu_smollm2.yaml: 4096)
+        shape = dataclasses.replace(shape, intermediate=cfg.draft.intermediate_size)
     quantization = getattr(cfg, "quantization", None)
     weights = teacher_weight_bytes(target_config, embed_dtype, quantization, teacher_bits)
     tc, policy, options = cfg.train, "as configured", None

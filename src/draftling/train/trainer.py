@@ -19,7 +19,7 @@ from draftling.config import RunConfig, TrainConfig, save_config
 from draftling.data.runs import check_one_run
 from draftling.data.states import StoredStates, states_path
 from draftling.data.tokenized import load_tokenized
-from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
+from draftling.draft.model import Eagle3Draft, draft_config_from_target, draft_window, init_from_target
 from draftling.train.warmstart import InitDraft, WarmStart, keep_window, warm_start
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.draft.vocab import hash_dataset_file, load_vocab
@@ -667,7 +667,8 @@ def build_run(cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, 
     sharded = ctx.active and tc.parallel == "fsdp"
     draft, offload, param_dtype = prepare_draft(cfg, target, inputs.vocab, device, sharded, inputs.warm)
     longest = max((len(e.input_ids) for e in inputs.examples + inputs.val_examples), default=1)
-    tc, policy = resolve_memory_policy(tc, device, DraftShape.from_config(target.config, inputs.vocab.size),
+    shape = DraftShape.from_config(draft.config, inputs.vocab.size, draft_window(draft.config))  # the built draft's
+    tc, policy = resolve_memory_policy(tc, device, shape,
                                        -(-tc.batch_size // ctx.world_size), longest, param_dtype, offload,
                                        target.input_embeddings().weight.dtype)
     say(f"memory policy: {policy}")
