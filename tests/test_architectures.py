@@ -156,6 +156,21 @@ def test_batched_equals_batch_one(arch):
     assert [r.tokens for r in got] == want
 
 
+def test_regeneration_engine_serves_a_general_path_target():
+    """data.regen.engine=on takes any architecture the engine serves; auto keeps HF generate
+    for the general path (it runs eager)."""
+    from draftling.config import DataConfig, RegenConfig
+    from draftling.engine.batch import reply_engine_for
+
+    model, _, _ = model_and_plain("gemma3")
+    target = wrap_target(model, types.SimpleNamespace(pad_token_id=0, eos_token_id=1), name="tiny-gemma3")
+    assert reply_engine_for(DataConfig(regen=RegenConfig(engine="auto")), target) is None
+    replies = reply_engine_for(DataConfig(regen=RegenConfig(engine="on", batch_size=2)), target)
+    prompts = [prompt(n, seed=n)[0].tolist() for n in (13, 5, 10)]
+    want = [greedy_generate(build_target(model, AUX, SIZE), torch.tensor(p), 12)[0].tolist() for p in prompts]
+    assert [r for r, stop in replies(model)(prompts, 12, None)] == want
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_aux_states_match_hf_hidden_states(arch):
     model, target, _ = model_and_plain(arch)
