@@ -86,7 +86,7 @@ def perm_target(beta=0.95, perturb=30.0, seed=0):
     return model
 
 
-def oracle_draft(model, gamma=4.0, draft_vocab=None, seed=0, shuffled=True):
+def oracle_draft(model, gamma=4.0, draft_vocab=None, seed=0, shuffled=True, **overrides):
     """A draft that predicts the target's layer-free logits for its input token.
 
     fc = 0, so step 0 has h = 0. q = k = gamma*(ie + hn) makes each query attend (almost)
@@ -94,10 +94,11 @@ def oracle_draft(model, gamma=4.0, draft_vocab=None, seed=0, shuffled=True):
     previous step's output (rms 1). So every step outputs input_layernorm(embed(token)), and
     the head (the target's rows, in a shuffled draft vocab) ranks tokens as the target's
     embedding-only path does. Needs num_key_value_heads == num_attention_heads.
-    ``shuffled=False`` orders the draft vocab by target id, as the teacher's t2d slice does."""
+    ``shuffled=False`` orders the draft vocab by target id, as the teacher's t2d slice does.
+    ``overrides``: draft config fields (heads for a target whose shape the draft cannot copy)."""
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     draft_vocab = draft_vocab or vocab
-    draft = Eagle3Draft(draft_config_from_target(model.config, draft_vocab, AUX)).eval()
+    draft = Eagle3Draft(draft_config_from_target(model.config, draft_vocab, AUX, **overrides)).eval()
     ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 1))[:draft_vocab]
     if not shuffled:
         ids = ids.sort().values

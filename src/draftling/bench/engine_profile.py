@@ -27,7 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
-from draftling.engine import (CachedTarget, DraftRunner, EngineOptions, causal_mask, greedy_generate,
+from draftling.engine import (DraftRunner, EngineOptions, build_target, causal_mask, greedy_generate,
                               speculative_generate)
 from draftling.io import write_json
 
@@ -90,7 +90,7 @@ def profile_variant(model, draft, aux, variant, device, prompts, new_tokens, max
     graphs = device.type == "cuda"
     t0 = time.perf_counter()
     options = EngineOptions(cuda_graphs=graphs, **variant)
-    target = CachedTarget.from_hf(model, aux, max_len, options=options)
+    target = build_target(model, aux, max_len, options=options)
     runner = DraftRunner(draft, model.get_input_embeddings(), max_len, options=options)
     # Warm-up: compiles and captures every shape used below.
     greedy_generate(target, prompts[0], 8)

@@ -45,7 +45,7 @@ from draftling.bench.report import MARK_END, MARK_START, update_benchmarks_md  #
 from draftling.bench.simple import DecodeConfig, build_engine, parse_decode_config
 from draftling.config import RELEASE_BASELINES, BenchConfig
 from draftling.data.sources import prompt_sets_dir
-from draftling.engine import (CachedTarget, DraftRunner, EngineOptions, causal_mask, greedy_generate,
+from draftling.engine import (CachedTarget, DraftRunner, EngineOptions, build_target, causal_mask, greedy_generate,
                               speculative_generate)
 from draftling.errors import ConfigError, DataError
 from draftling.export.formats import load_any_draft
@@ -478,7 +478,7 @@ def _start(target: Target, draft_path, opts: ReleaseOptions, date: str, log) -> 
         # Unpadded plain decoding on its own cache (same weights): the honest speedup reference
         # when padding costs the plain engine time.
         reference = opts.engine.unpadded(device)
-        unpadded = CachedTarget.from_hf(target.model, main.aux_layer_ids, max_len, options=reference)
+        unpadded = build_target(target.model, main.aux_layer_ids, max_len, options=reference)
         record["unpadded_attention"] = reference.attention
     return _Run(target, draft_path, opts, date, info, prompts, configs, record, main, runner, unpadded, log)
 

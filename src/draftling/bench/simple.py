@@ -111,13 +111,13 @@ def build_engine(target: Target, draft, max_seq_len: int, options: EngineOptions
     """The decode engine for a target and a draft, both with ``options`` (resolved; default the
     plain eager engine), or its fields as keywords (see engine/options.py); ``batch_size`` rows
     for engine/batch.py's ragged batches."""
-    from draftling.engine import CachedTarget, DraftRunner, EngineOptions
+    from draftling.engine import DraftRunner, EngineOptions, build_target
 
     options = EngineOptions.of(options, **engine)
     # The draft decides which layers feed it; using the target's defaults here instead would
     # be the silent off-by-one that collapses acceptance.
     ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
-    engine_target = CachedTarget.from_hf(target.model, ids, max_seq_len, batch_size=batch_size, options=options)
+    engine_target = build_target(target.model, ids, max_seq_len, batch_size=batch_size, options=options)
     runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, batch_size=batch_size, options=options)
     return engine_target, runner
 
@@ -294,10 +294,10 @@ def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 
     transient load does not count): per-token seconds times what the bench will decode
     (warm-up included)."""
     from draftling.engine.generate import greedy_generate
-    from draftling.engine.target_model import CachedTarget
+    from draftling.engine.general_target import build_target
 
     bc = cfg.bench
-    engine = CachedTarget.from_hf(target.model, target.aux_layer_ids, prompt_tokens + tokens + 16)
+    engine = build_target(target.model, target.aux_layer_ids, prompt_tokens + tokens + 16)
     ids = torch.randint(0, target.config.vocab_size, (1, prompt_tokens), device=target.device)
     greedy_generate(engine, ids, 4)  # warm-up: allocator, lazy init
     per_token = min(_timed(lambda: greedy_generate(engine, ids, tokens))[1] for _ in range(repeats)) / tokens

@@ -31,8 +31,9 @@ from draftling.engine.generate import (
     accept_tree,
     process_logits,
 )
+from draftling.engine.general_target import build_target
 from draftling.engine.spec_round import SpecRound
-from draftling.engine.target_model import CachedTarget
+from draftling.engine.target_model import SUPPORTED_MODEL_TYPES, CachedTarget
 from draftling.errors import ConfigError
 from draftling.target.aux import decoder_layers, default_aux_layer_ids
 
@@ -260,7 +261,7 @@ class ReplyEngine:
             self.target = None  # free the old cache first
             size = -(-size // 256) * 256
             aux = default_aux_layer_ids(len(decoder_layers(self.model)))  # computed, not used
-            self.target = CachedTarget.from_hf(self.model, aux, size, batch_size=self.rows, options=self.options)
+            self.target = build_target(self.model, aux, size, batch_size=self.rows, options=self.options)
         return self.target
 
     @torch.no_grad()
@@ -278,17 +279,17 @@ class ReplyEngine:
 def reply_engine_for(dc, target):
     """data.regen.engine resolved for ``target`` (``dc``: the data config): RegenRun.replies,
     a ReplyEngine per generating model, or None for HF generate. The one place it is decided."""
-    from draftling.engine.target_model import SUPPORTED_MODEL_TYPES
-
     mode, rc = dc.regen.engine, dc.regen
     if mode == "off" or rc.server_url or not hasattr(target, "model"):
         return None
     why = ("sampled replies (data.regen.temperature > 0)" if rc.temperature > 0 else
-           "kept teacher states (data.keep_teacher_states)" if dc.keep_teacher_states else
-           f"model_type {target.config.model_type!r}" if target.config.model_type not in SUPPORTED_MODEL_TYPES else None)
+           "kept teacher states (data.keep_teacher_states)" if dc.keep_teacher_states else None)
     if mode == "on" and why:
-        raise ConfigError(f"data.regen.engine=on: the batched engine writes greedy replies without states for "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)}; this run asks for {why}")
+        raise ConfigError(f"data.regen.engine=on: the batched engine writes greedy replies without states; "
+                          f"this run asks for {why}")
+    # "auto" takes the fast path only: the general path runs eager, unmeasured against HF generate.
+    if mode == "auto" and target.config.model_type not in SUPPORTED_MODEL_TYPES:
+        why = f"model_type {target.config.model_type!r} (the general engine path runs eager)"
     if why or (mode == "auto" and target.device.type != "cuda"):
         return None
     engines: dict = {}

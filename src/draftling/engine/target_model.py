@@ -47,9 +47,12 @@ def _check_architecture(model, max_seq_len: int) -> None:
         if attn is None or any(m is None for m in need) or not all(
                 hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
             raise UnsupportedArchitecture(f"{arch}: decoder layer {i} is not Llama-shaped")
-    # A window shorter than the cache would need a banded mask; none of our targets use one.
+    types = set(getattr(cfg, "layer_types", None) or ())
+    if types - {"full_attention", "sliding_attention"}:
+        raise UnsupportedArchitecture(f"{arch}: layer types {sorted(types)}")
+    # A window shorter than the cache would need a banded mask (the general path has one).
     window = getattr(cfg, "sliding_window", None)
-    sliding = cfg.model_type == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    sliding = cfg.model_type == "mistral" or "sliding_attention" in types
     if window is not None and sliding and window < max_seq_len:
         raise UnsupportedArchitecture(
             f"{arch}: sliding-window attention ({window}) shorter than max_seq_len {max_seq_len}")
@@ -140,7 +143,72 @@ def compile_once(fn):
     return _COMPILED[fn]
 
 
-class CachedTarget(nn.Module):
+class TargetEngine(nn.Module):
+    """What the decoding loops use of a target engine: ``forward`` / ``decode`` passes over
+    its own cache, ``greedy_step``, ``move_kv`` and the ``StaticFn`` wrappers. Subclasses
+    (``CachedTarget``, engine.general_target's ``GeneralCachedTarget``) provide ``_run``,
+    ``prefill_rows``, ``gather_kv`` and ``scatter_kv``."""
+
+    def _setup(self, options: EngineOptions, max_seq_len: int, batch_size: int, device) -> None:
+        self.max_seq_len, self.batch_size = int(max_seq_len), int(batch_size)
+        self.options = options
+        self.compile, self.cuda_graphs = options.compile, options.cuda_graphs
+        self.query_pad = options.query_pad
+        self.attention = options.attention
+        graphs = options.cuda_graphs
+        self.fast = StaticFn(self.decode, cuda_graphs=graphs)
+        self.register_buffer("cols", torch.arange(self.max_seq_len, device=device), persistent=False)
+        self.fast_greedy = StaticFn(self.greedy_step, cuda_graphs=graphs)
+        self._gather_fn = StaticFn(self.gather_kv, cuda_graphs=graphs)
+        self._scatter_fn = StaticFn(self.scatter_kv, cuda_graphs=graphs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def forward(self, input_ids, positions, cache_positions, attn_mask):
+        return self._run(input_ids, positions, cache_positions, attn_mask, compiled=False)
+
+    def decode(self, input_ids, positions, cache_positions, attn_mask):
+        """A decode-sized pass (plain step or verify): compiled layers when ``compile``."""
+        return self._run(input_ids, positions, cache_positions, attn_mask, compiled=self.compile)
+
+    def greedy_step(self, token, position):
+        """One plain greedy step as device work only: ``token`` [B,1] at ``position`` [B] ->
+        (the argmax next token [B,1], position + 1). No host value goes in or out, so the host
+        can queue many steps before it reads any token back. A batch row that has finished
+        keeps stepping at the cache's last slot until the host refills it."""
+        logits, _ = self.decode(token, position[:, None], position[:, None],
+                                self.cols[None, None] <= position[:, None, None])
+        return logits[:, -1].argmax(-1, keepdim=True), (position + 1).clamp(max=self.max_seq_len - 1)
+
+    def pad_queries(self, input_ids, positions, cache_positions, attn_mask):
+        """Pad a pass of 1..query_pad queries to ``query_pad`` rows (see ``CachedTarget``);
+        positions come back [B, q']."""
+        b, q = input_ids.shape
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(b, q)
+        pad = self.query_pad - q if 0 < q < self.query_pad else 0
+        if pad:
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(b, pad)], dim=1)
+            positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
+            extra = cache_positions[..., -1:] + torch.arange(1, pad + 1, device=cache_positions.device)
+            cache_positions = torch.cat([cache_positions, extra.clamp_(max=self.max_seq_len - 1)], dim=-1)
+            attn_mask = torch.cat([attn_mask, attn_mask[..., :1, :].expand(*attn_mask.shape[:-2], pad, -1)], dim=-2)
+        return input_ids, positions, cache_positions, attn_mask
+
+    @torch.no_grad()
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy cache slots ``src`` to ``dst`` in every layer (accepted tree path -> contiguous).
+
+        Two static functions (one graph each on a GPU), all rows read before any is written:
+        src and dst overlap, so a single read-and-write function would not survive the repeat
+        that graph warm-up makes; each half alone is safe to repeat."""
+        k_rows, v_rows = self._gather_fn(src)
+        self._scatter_fn(dst, k_rows, v_rows)
+
+
+class CachedTarget(TargetEngine):
     """Own-KV-cache forward of an HF Llama/Mistral/Qwen2/Qwen3 causal LM.
 
     ``forward(input_ids [B,q], positions [B,q] or [q], cache_positions [q], attn_mask [q,S])``
@@ -176,7 +244,6 @@ class CachedTarget(nn.Module):
         self.lm_head = model.get_output_embeddings()
         self.rotary_emb = base.rotary_emb  # HF's class: rope scaling comes with it
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self.layers))
-        self.max_seq_len = int(max_seq_len)
         attn0 = self.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.num_kv_heads = cfg.num_key_value_heads
@@ -187,20 +254,10 @@ class CachedTarget(nn.Module):
         device = self.embed.weight.device
         # One buffer for all layers' K and one for V: moving the accepted path is then one
         # gather and one scatter per buffer instead of two per layer.
-        self.batch_size = int(batch_size)  # independent requests, one cache row each
-        shape = (len(self.layers), batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
+        shape = (len(self.layers), batch_size, self.num_kv_heads, int(max_seq_len), self.head_dim)
         self.register_buffer("k_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self.register_buffer("v_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
-        self.options = options
-        self.compile, self.cuda_graphs = options.compile, options.cuda_graphs
-        self.query_pad = options.query_pad
-        self.attention = options.attention
-        graphs = options.cuda_graphs
-        self.fast = StaticFn(self.decode, cuda_graphs=graphs)
-        self.register_buffer("cols", torch.arange(self.max_seq_len, device=device), persistent=False)
-        self.fast_greedy = StaticFn(self.greedy_step, cuda_graphs=graphs)
-        self._gather_fn = StaticFn(self.gather_kv, cuda_graphs=graphs)
-        self._scatter_fn = StaticFn(self.scatter_kv, cuda_graphs=graphs)
+        self._setup(options, max_seq_len, batch_size, device)  # batch_size: requests, one cache row each
 
     @classmethod
     def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
@@ -211,40 +268,13 @@ class CachedTarget(nn.Module):
     def kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_all[i], self.v_all[i]
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
-
-    def forward(self, input_ids, positions, cache_positions, attn_mask):
-        return self._run(input_ids, positions, cache_positions, attn_mask, compiled=False)
-
-    def decode(self, input_ids, positions, cache_positions, attn_mask):
-        """A decode-sized pass (plain step or verify): compiled layers when ``compile``."""
-        return self._run(input_ids, positions, cache_positions, attn_mask, compiled=self.compile)
-
-    def greedy_step(self, token, position):
-        """One plain greedy step as device work only: ``token`` [B,1] at ``position`` [B] ->
-        (the argmax next token [B,1], position + 1). No host value goes in or out, so the host
-        can queue many steps before it reads any token back. A batch row that has finished
-        keeps stepping at the cache's last slot until the host refills it."""
-        logits, _ = self.decode(token, position[:, None], position[:, None],
-                                self.cols[None, None] <= position[:, None, None])
-        return logits[:, -1].argmax(-1, keepdim=True), (position + 1).clamp(max=self.max_seq_len - 1)
-
     def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool, kv=None, last=None):
         """``cache_positions`` [q] or [B,q], ``attn_mask`` [q,S] or [B,q,S] (see ``write_kv``).
         ``kv``: (K, V) buffers to use instead of the cache (a prefill's scratch). ``last`` [B]:
         the logits of that query only per row, [B,1,V] (a ragged prefill's last real token)."""
-        b, q = input_ids.shape
-        if positions.dim() == 1:
-            positions = positions.unsqueeze(0).expand(b, q)
-        pad = self.query_pad - q if 0 < q < self.query_pad else 0
-        if pad:
-            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(b, pad)], dim=1)
-            positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
-            extra = cache_positions[..., -1:] + torch.arange(1, pad + 1, device=cache_positions.device)
-            cache_positions = torch.cat([cache_positions, extra.clamp_(max=self.max_seq_len - 1)], dim=-1)
-            attn_mask = torch.cat([attn_mask, attn_mask[..., :1, :].expand(*attn_mask.shape[:-2], pad, -1)], dim=-2)
+        q = input_ids.shape[1]
+        input_ids, positions, cache_positions, attn_mask = self.pad_queries(input_ids, positions, cache_positions,
+                                                                           attn_mask)
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(x, positions)
         attn_in = compile_once(attention_inputs) if compiled else attention_inputs
@@ -302,17 +332,6 @@ class CachedTarget(nn.Module):
         """[B,p] slots -> a gather/scatter index into [layers, B, nkv, S, d]."""
         layers, _, nkv, _, d = self.k_all.shape
         return slots[None, :, None, :, None].expand(layers, -1, nkv, -1, d)
-
-    @torch.no_grad()
-    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy cache slots ``src`` to ``dst`` in every layer (accepted tree path -> contiguous).
-
-        Two static functions (one graph each on a GPU), all rows read before any is written:
-        src and dst overlap, so a single read-and-write function would not survive the repeat
-        that graph warm-up makes; each half alone is safe to repeat."""
-        k_rows, v_rows = self._gather_fn(src)
-        self._scatter_fn(dst, k_rows, v_rows)
-
 
 def causal_mask(start, q: int, size: int, device) -> torch.Tensor:
     """[q, size] bool: query i (at slot start+i) sees slots 0..start+i (start: int or [1] tensor)."""

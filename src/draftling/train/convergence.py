@@ -36,7 +36,7 @@ import torch
 from draftling.data.prompts import load_conversations, prompt_messages
 from draftling.data.sources import resolve_prompt_path
 from draftling.data.template import render
-from draftling.engine import CachedTarget, DraftRunner, UnsupportedArchitecture, speculative_generate
+from draftling.engine import CachedTarget, DraftRunner, UnsupportedArchitecture, build_target, speculative_generate
 from draftling.errors import ConfigError, DataError
 
 SMOKE_CONFIG = "chain-3-1-4"
@@ -122,7 +122,7 @@ class SmokeBench:
         ids = tuple(int(i) for i in aux_layer_ids)
         if self._engine is None or self._engine[0] != ids:
             try:
-                self._engine = ids, CachedTarget.from_hf(self.target.model, list(ids), self.max_len)
+                self._engine = ids, build_target(self.target.model, list(ids), self.max_len)
             except UnsupportedArchitecture as e:
                 raise ConfigError(f"train.smoke_every: the decode engine cannot run this target ({e}); "
                                   "set train.smoke_every=0") from None

@@ -1,0 +1,312 @@
+"""The engine's general path: any HF causal LM whose attention goes through transformers'
+attention-function interface (``AttentionInterface``).
+
+``GeneralCachedTarget`` runs the model's own forward (its layers, norms, MoE, MLA
+projections, rotary and logit soft-capping), with one attention function registered under
+``ATTN_NAME`` swapped in for the duration of a pass. Per layer (``module.layer_idx``) that
+function writes the new K/V into the engine's own per-layer cache at the caller's
+``cache_positions`` and attends over the whole cache through the caller's boolean mask, the
+layer's sliding window (by the queries' positions) and, where the model passes them,
+attention sinks (``s_aux``) and logit soft-capping (``softcap``). Per-layer buffers take each
+layer's own shapes, so MLA (key head dim != value head dim) needs nothing special.
+
+It runs eager: the model's forward is not ours to make graph-safe (MoE routing, say), so
+CUDA graphs and compile are refused with a logged reason. ``build_target`` picks the fast
+Llama-family ``CachedTarget`` where it applies and this path otherwise; a model neither can
+serve raises ``UnsupportedArchitecture`` naming why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+
+from draftling.engine.options import EngineOptions
+from draftling.engine.target_model import (
+    CachedTarget,
+    TargetEngine,
+    UnsupportedArchitecture,
+    _check_architecture,
+    causal_mask,
+    write_kv,
+)
+from draftling.errors import ConfigError
+from draftling.target.aux import decoder_layers, recording_aux_states, validate_aux_layer_ids
+
+log = logging.getLogger(__name__)
+
+ATTN_NAME = "draftling_engine"
+# Keyword arguments the attention function applies; any other it is given that is neither
+# None nor a flag (a bool: output_router_logits, ...) might change the result (a position
+# bias, say), so the probe refuses the model.
+APPLIED = {"sliding_window", "s_aux", "softcap"}
+IGNORED = {"dropout", "position_ids", "cache_position", "output_attentions", "use_cache", "is_causal",
+           "return_dict", "output_hidden_states", "logits_to_keep"}
+LAYER_TYPES = {"full_attention", "sliding_attention"}
+_ACTIVE: list = []  # the engine whose pass runs now (innermost last)
+
+
+def _engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    if not _ACTIVE:
+        raise RuntimeError(f"attention implementation {ATTN_NAME!r} only runs inside a GeneralCachedTarget pass")
+    return _ACTIVE[-1].attend(module, query, key, value, scaling, kwargs)
+
+
+AttentionInterface.register(ATTN_NAME, _engine_attention)
+
+
+def cache_attention(q, k, v, mask, scale, sinks=None, softcap=None, exact=False):
+    """q [B,h,t,dk] over the cache k [B,nkv,S,dk], v [B,nkv,S,dv] through ``mask`` ([t,S] or
+    [B,t,S]); GQA by grouping query heads (head j*rep+r reads kv head j, as repeat_kv).
+    Scores in fp32 (float64 softmax and probs @ V when ``exact``, see ``matmul_attention``).
+    ``sinks`` [h]: one extra logit per head that takes probability mass and no value.
+    Returns [B,t,h,dv]."""
+    b, h, t, d = q.shape
+    nkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = h // nkv
+    scores = torch.matmul(q.reshape(b, nkv, rep * t, d).float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.dim() == 3:
+        mask = mask[:, None, None]
+    scores = scores.view(b, nkv, rep, t, s).masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, nkv, rep, 1, 1).expand(b, -1, -1, t, 1)
+        scores = torch.cat([scores, sink], -1)
+    e = (scores - scores.amax(-1, keepdim=True)).exp()
+    e = e.double() if exact else e
+    probs = (e / e.sum(-1, keepdim=True))[..., :s].reshape(b, nkv, rep * t, s)
+    out = torch.matmul(probs, v.double() if exact else v.float()).to(v.dtype)
+    return out.view(b, h, t, dv).transpose(1, 2)
+
+
+def _check_config(model) -> None:
+    """Attention patterns the attention function would not see: refused up front."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    name = _arch(model)
+    types = set(getattr(cfg, "layer_types", None) or ())
+    if types - LAYER_TYPES:
+        raise UnsupportedArchitecture(f"{name}: layer types {sorted(types - LAYER_TYPES)} (the general engine "
+                                      f"path serves {sorted(LAYER_TYPES)} only)")
+    for attr in ("attention_chunk_size", "use_bidirectional_attention"):
+        if getattr(cfg, attr, None):
+            raise UnsupportedArchitecture(f"{name}: {attr}={getattr(cfg, attr)} is not served by the engine")
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedArchitecture(f"{name}: its forward takes no position_ids (tree verify needs them)")
+
+
+def _arch(model) -> str:
+    return (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+
+
+class GeneralCachedTarget(TargetEngine):
+    """Own-KV-cache engine over any HF causal LM whose attention goes through the attention
+    interface: the same calls and results as ``CachedTarget`` (see there), the model's own
+    forward with ``ATTN_NAME`` as its attention. ``kv(i)`` is layer i's (K [B,nkv,S,dk],
+    V [B,nkv,S,dv]); sliding-window layers keep a full-length cache (simple, not lean)."""
+
+    def __init__(self, model, aux_layer_ids, max_seq_len: int, batch_size: int = 1, dtype=None,
+                 options: EngineOptions | None = None):
+        super().__init__()
+        _check_config(model)
+        options = (options or EngineOptions()).check_resolved()
+        if options.cuda_graphs or options.compile:
+            log.warning("%s: the general engine path runs eager (the model's own forward is not made safe for "
+                        "CUDA graphs or compile); asked for cuda_graphs=%s compile=%s", _arch(model),
+                        options.cuda_graphs, options.compile)
+            options = dataclasses.replace(options, cuda_graphs=False, compile=False)
+        self.model, self.config = model, model.config  # a plain reference: weights are shared
+        self.embed = model.get_input_embeddings()
+        self.layers = decoder_layers(model)
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self.layers))
+        wdtype = self.embed.weight.dtype
+        if dtype is not None and dtype != wdtype:
+            raise ConfigError(f"the engine shares the target's {wdtype} weights; convert the model "
+                              f"with model.to({dtype}) instead of asking for dtype={dtype}")
+        self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._configs = list({id(m.config): m.config for m in model.modules()
+                              if hasattr(getattr(m, "config", None), "_attn_implementation")}.values())
+        self._call = None
+        shapes = self._probe_shapes()
+        self.k = [torch.zeros(batch_size, nk, int(max_seq_len), dk, dtype=dt, device=dev)
+                  for nk, dk, _, _, dt, dev in shapes]
+        self.v = [torch.zeros(batch_size, nv, int(max_seq_len), dv, dtype=dt, device=dev)
+                  for _, _, nv, dv, dt, dev in shapes]
+        self._setup(options, max_seq_len, batch_size, self.embed.weight.device)
+
+    @classmethod
+    def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
+                options: EngineOptions | None = None, **engine) -> "GeneralCachedTarget":
+        return cls(model, aux_layer_ids, max_seq_len, batch_size, dtype, EngineOptions.of(options, **engine))
+
+    def kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    @contextmanager
+    def _pass(self):
+        """The model's attention is ours for one forward; every config gets its own back."""
+        old = [c._attn_implementation for c in self._configs]
+        for c in self._configs:
+            c._attn_implementation = ATTN_NAME
+        _ACTIVE.append(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.pop()
+            for c, o in zip(self._configs, old):
+                c._attn_implementation = o
+
+    @torch.no_grad()
+    def _probe_shapes(self) -> list[tuple]:
+        """One token through the model, recording each layer's K/V shapes; refuses layers that
+        do not reach the attention function, or reach it with arguments it would not apply."""
+        self._probe: dict | None = {}
+        dev = self.embed.weight.device
+        one = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        try:
+            with self._pass():
+                self.model(input_ids=one, position_ids=one, use_cache=False)
+        finally:
+            probe, self._probe = self._probe, None
+        missing = [i for i in range(len(self.layers)) if i not in probe]
+        if missing:
+            raise UnsupportedArchitecture(
+                f"{_arch(self.model)}: decoder layers {missing} do not route attention through transformers' "
+                "AttentionInterface (recurrent or linear-attention layers, or a model without the interface)")
+        return [probe[i] for i in range(len(self.layers))]
+
+    def _record(self, i, q, k, v, kwargs):
+        name = _arch(self.model)
+        if not isinstance(i, int) or i in self._probe:
+            raise UnsupportedArchitecture(f"{name}: an attention call without its own layer_idx ({i!r})")
+        extra = sorted(n for n, val in kwargs.items()
+                       if val is not None and not isinstance(val, bool) and n not in APPLIED | IGNORED)
+        if extra:
+            raise UnsupportedArchitecture(f"{name}: layer {i}'s attention passes {extra}, which the engine "
+                                          "does not apply")
+        if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+            raise UnsupportedArchitecture(f"{name}: layer {i} has {q.shape[1]} query heads over {k.shape[1]} "
+                                          f"key and {v.shape[1]} value heads")
+        self._probe[i] = (k.shape[1], k.shape[-1], v.shape[1], v.shape[-1], k.dtype, k.device)
+        return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]), None
+
+    def attend(self, module, q, k, v, scaling, kwargs):
+        """The registered attention function's work for layer ``module.layer_idx``."""
+        i = getattr(module, "layer_idx", None)
+        if self._probe is not None:
+            return self._record(i, q, k, v, kwargs)
+        ks, vs, cache_positions, _, _, _ = self._call
+        kc, vc = ks[i], vs[i]
+        slots = cache_positions.to(kc.device)
+        write_kv(kc, slots, k)
+        write_kv(vc, slots, v)
+        mask = self._mask(kwargs.get("sliding_window"), kc.device)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+        if sinks is None and softcap is None and self.attention == "sdpa":
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, kc, vc, attn_mask=mask[:, None] if mask.dim() == 3 else mask, scale=scale,
+                enable_gqa=kc.shape[1] != q.shape[1])
+            return o.transpose(1, 2), None
+        return cache_attention(q, kc, vc, mask, scale, sinks, softcap, self.attention == "exact"), None
+
+    def _mask(self, window, device):
+        """The caller's mask and, for a sliding layer, only slots > position - window. Slots stand
+        in for key positions: a committed slot holds its own position, and a tree node's slot is
+        at or after its position, so the window never drops a node the tree mask lets in."""
+        _, _, _, positions, attn_mask, made = self._call
+        key = (window, device)
+        if key not in made:
+            mask = attn_mask.to(device)
+            if window is not None and window < mask.shape[-1]:  # the mask's width: a prefill's scratch is narrower
+                slots = torch.arange(mask.shape[-1], device=device)
+                mask = mask & (slots > positions.to(device)[..., None] - window)
+            made[key] = mask
+        return made[key]
+
+    def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool, kv=None, last=None):
+        """As ``CachedTarget._run`` (``compiled`` is always False here)."""
+        q = input_ids.shape[1]
+        input_ids, positions, cache_positions, attn_mask = self.pad_queries(input_ids, positions, cache_positions,
+                                                                           attn_mask)
+        ks, vs = kv if kv is not None else (self.k, self.v)
+        self._call = (ks, vs, cache_positions, positions, attn_mask, {})
+        keep = {"logits_to_keep": last} if last is not None and self._keep_logits else {}
+        try:
+            with self._pass(), recording_aux_states(self.model, self.aux_layer_ids) as calls:
+                logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, **keep).logits
+        finally:
+            self._call = None
+        if last is None:
+            logits = logits[:, :q]
+        elif keep:  # row r's hidden states at every row's index: row r wants its own, [r, r]
+            rows = torch.arange(len(last), device=logits.device)
+            logits = logits[rows, rows][:, None]
+        else:
+            logits = logits.gather(1, last.to(logits.device)[:, None, None].expand(-1, 1, logits.shape[-1]))
+        aux = torch.cat([calls[i][-1][:, :q].to(self.device) for i in self.aux_layer_ids], dim=-1)
+        return logits.to(self.device), aux
+
+    @torch.no_grad()
+    def prefill_rows(self, rows: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor):
+        """As ``CachedTarget.prefill_rows``: through a scratch cache of the prompts' width."""
+        g, t = input_ids.shape
+        width = max(t, self.query_pad)
+        kv = tuple([torch.zeros(g, c.shape[1], width, c.shape[3], dtype=c.dtype, device=c.device) for c in bufs]
+                   for bufs in (self.k, self.v))
+        pos = torch.arange(t, device=self.device)
+        logits, aux = self._run(input_ids, pos, pos, causal_mask(0, t, width, self.device), False, kv, lengths - 1)
+        for bufs, scratch in zip((self.k, self.v), kv):
+            for c, s in zip(bufs, scratch):
+                c[rows.to(c.device), :, :t] = s[:, :, :t]
+        return logits, aux
+
+    def gather_kv(self, src):
+        """As ``CachedTarget.gather_kv``, one tensor per layer: (K rows per layer, V rows per layer)."""
+        return tuple(tuple(_gather(c, src.to(c.device)) for c in bufs) for bufs in (self.k, self.v))
+
+    def scatter_kv(self, dst, k_rows, v_rows):
+        for bufs, rows in ((self.k, k_rows), (self.v, v_rows)):
+            for c, r in zip(bufs, rows):
+                slots = dst.to(c.device)
+                if slots.dim() == 1:
+                    c.index_copy_(2, slots, r)
+                else:
+                    c.scatter_(2, _slot_index(c, slots), r)
+        return ()
+
+
+def _slot_index(cache, slots):
+    """[B,p] slots -> a gather/scatter index into one layer's [B, nkv, S, d]."""
+    return slots[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3])
+
+
+def _gather(cache, slots):
+    return cache.index_select(2, slots) if slots.dim() == 1 else cache.gather(2, _slot_index(cache, slots))
+
+
+def fast_path_refusal(model, max_seq_len: int) -> str | None:
+    """Why the fast Llama-family ``CachedTarget`` cannot serve ``model``; None when it can."""
+    try:
+        _check_architecture(model, max_seq_len)
+    except UnsupportedArchitecture as e:
+        return str(e)
+    return None
+
+
+def build_target(model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
+                 options: EngineOptions | None = None, **engine) -> TargetEngine:
+    """The engine for ``model``: the fast ``CachedTarget`` where it applies, else the general
+    path (which raises ``UnsupportedArchitecture`` with the reason when it cannot serve either).
+    Arguments as ``CachedTarget.from_hf``."""
+    options = EngineOptions.of(options, **engine)
+    why = fast_path_refusal(model, max_seq_len)
+    if why is None:
+        return CachedTarget(model, aux_layer_ids, max_seq_len, batch_size, dtype, options)
+    log.info("general engine path: %s", why)
+    return GeneralCachedTarget(model, aux_layer_ids, max_seq_len, batch_size, dtype, options)

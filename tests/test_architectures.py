@@ -1,0 +1,238 @@
+"""Every architecture family the engine claims, on tiny random fp32 configs built here (CPU).
+
+Per architecture: the engine's plain output equals HF generate's greedy output, speculative
+chain and tree output (greedy, and sampled with top_k=1) equal plain output, batched
+decoding equals batch-1 decoding, the aux states the engine and training capture equal HF's
+hidden_states, a 2-step training run works, and an SGLang export round-trips. Sliding-window
+configs (gemma3, gpt_oss, phi3, mistral) use a window of 8 under a 13-token prompt and 24
+new tokens, so the window cuts in both in prefill and in decoding. A model type the
+installed transformers lacks is skipped with the reason.
+"""
+
+import logging
+import types
+
+import pytest
+import torch
+import transformers
+
+from draftling.engine import DraftRunner, GeneralCachedTarget, build_target, greedy_generate, speculative_generate
+from draftling.engine.batch import batch_generate
+from draftling.engine.target_model import CachedTarget, UnsupportedArchitecture, causal_mask
+from draftling.export import export_sglang, load_sglang_export
+from draftling.target.aux import aux_hidden_states
+from draftling.target.load import wrap_target
+from tests.conftest import TINY_VOCAB, setup_data
+from tests.test_engine import AUX, TREES, oracle_draft, random_draft
+from tests.test_export import run_draft
+from tests.test_train import run as train_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, PROMPT, NEW, WINDOW, SIZE = TINY_VOCAB, 13, 24, 8, 80
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SLIDING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+# model_type: (config class, model class, config overrides, engine path)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, CachedTarget),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, CachedTarget),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1, "norm_topk_prob": True}, GeneralCachedTarget),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": WINDOW, "layer_types": SLIDING},
+        GeneralCachedTarget),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": WINDOW}, GeneralCachedTarget),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 16}, GeneralCachedTarget),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {  # MLA: key head dim 24, value 12
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "num_key_value_heads": 4},
+        GeneralCachedTarget),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {  # attention sinks, sliding layers, MoE
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+        "layer_types": SLIDING}, GeneralCachedTarget),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}, GeneralCachedTarget),
+}
+
+
+def build(arch, seed=0):
+    cfg_name, model_name, over, _ = ARCHS[arch]
+    if not hasattr(transformers, cfg_name) or not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**COMMON, **over})).eval()
+    with torch.no_grad():  # HF zero-inits these; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", ".bias")):
+                p.normal_(0, 0.5)
+    return model
+
+
+def prompt(n=PROMPT, seed=1):
+    return torch.randint(3, V, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+_CACHE: dict = {}
+
+
+def model_and_plain(arch):
+    """(model, engine, plain engine tokens [1, NEW]), made once per architecture."""
+    if arch not in _CACHE:
+        model = build(arch)
+        target = build_target(model, AUX, SIZE)
+        _CACHE[arch] = model, target, greedy_generate(target, prompt(), NEW)
+    return _CACHE[arch]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_plain_engine_equals_hf_generate(arch):
+    model, target, plain = model_and_plain(arch)
+    assert type(target) is ARCHS[arch][3]
+    with torch.no_grad():
+        ref = model.generate(prompt(), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    assert plain[0].tolist() == ref[0, PROMPT:].tolist()
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: "-".join(map(str, t)))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_speculative_equals_plain(arch, tree):
+    model, target, plain = model_and_plain(arch)
+    draft = DraftRunner(random_draft(model), model.get_input_embeddings(), SIZE)
+    out, stats = speculative_generate(target, draft, prompt(), NEW, *tree)
+    assert out.tolist() == plain.tolist()
+    # Sampling with top_k=1 is greedy: the lossless acceptance path must agree too.
+    out, _ = speculative_generate(target, draft, prompt(), NEW, *tree, temperature=1.0, top_k=1,
+                                  generator=torch.Generator().manual_seed(0))
+    assert out.tolist() == plain.tolist()
+    assert_committed_cache_is_fresh(model, target, torch.cat([prompt(), plain], 1), stats.cache_len)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_speculative_with_an_accepting_draft(arch):
+    """A random draft accepts almost nothing, so trees would never be compacted. Scaled-up
+    embeddings make the target nearly layer-free, which ``oracle_draft`` predicts: long
+    accepted paths, moved K/V (checked against a fresh prefill, layer by layer)."""
+    model = build(arch)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(30.0)
+    target = build_target(model, AUX, SIZE)
+    plain = greedy_generate(target, prompt(), NEW)
+    draft = oracle_draft(model, num_key_value_heads=4, num_attention_heads=4, head_dim=16)  # any target's heads
+    runner = DraftRunner(draft, model.get_input_embeddings(), SIZE)
+    for tree in TREES:
+        out, stats = speculative_generate(target, runner, prompt(), NEW, *tree)
+        assert out.tolist() == plain.tolist(), tree
+        assert stats.compactions > 0 or tree[1] == 1
+        assert_committed_cache_is_fresh(model, target, torch.cat([prompt(), plain], 1), stats.cache_len)
+        out, _ = speculative_generate(target, runner, prompt(), NEW, *tree, temperature=1.0, top_k=1,
+                                      generator=torch.Generator().manual_seed(0))
+        assert out.tolist() == plain.tolist(), tree
+
+
+def assert_committed_cache_is_fresh(model, target, seq, n):
+    """The committed cache prefix equals a fresh prefill of the emitted text: compaction moved
+    the right K/V in every layer, whatever its shape."""
+    fresh = build_target(model, AUX, SIZE)
+    pos = torch.arange(n)
+    with torch.no_grad():
+        fresh(seq[:, :n], pos, pos, causal_mask(0, n, SIZE, "cpu"))
+    for i in range(len(target.layers)):
+        for got, want in zip(target.kv(i), fresh.kv(i)):
+            torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_batched_equals_batch_one(arch):
+    model, _, _ = model_and_plain(arch)
+    prompts = [prompt(n, seed=n) for n in (13, 5, 10)]
+    want = [greedy_generate(build_target(model, AUX, SIZE), p, 12)[0].tolist() for p in prompts]
+    target = build_target(model, AUX, SIZE, batch_size=2)
+    assert [r.tokens for r in batch_generate(target, [p[0] for p in prompts], 12)] == want
+    draft = DraftRunner(random_draft(model), model.get_input_embeddings(), SIZE, batch_size=2)
+    got = batch_generate(target, [p[0] for p in prompts], 12, draft=draft, tree=(3, 4, 8))
+    assert [r.tokens for r in got] == want
+
+
+def test_regeneration_engine_serves_a_general_path_target():
+    """data.regen.engine=on takes any architecture the engine serves; auto keeps HF generate
+    for the general path (it runs eager)."""
+    from draftling.config import DataConfig, RegenConfig
+    from draftling.engine.batch import reply_engine_for
+
+    model, _, _ = model_and_plain("gemma3")
+    target = wrap_target(model, types.SimpleNamespace(pad_token_id=0, eos_token_id=1), name="tiny-gemma3")
+    assert reply_engine_for(DataConfig(regen=RegenConfig(engine="auto")), target) is None
+    replies = reply_engine_for(DataConfig(regen=RegenConfig(engine="on", batch_size=2)), target)
+    prompts = [prompt(n, seed=n)[0].tolist() for n in (13, 5, 10)]
+    want = [greedy_generate(build_target(model, AUX, SIZE), torch.tensor(p), 12)[0].tolist() for p in prompts]
+    assert [r for r, stop in replies(model)(prompts, 12, None)] == want
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_aux_states_match_hf_hidden_states(arch):
+    model, target, _ = model_and_plain(arch)
+    ids = prompt()
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True).hidden_states
+        _, captured = aux_hidden_states(model, AUX, input_ids=ids)
+        pos = torch.arange(PROMPT)
+        _, aux = target(ids, pos, pos, causal_mask(0, PROMPT, SIZE, "cpu"))
+    want = [ref[i] for i in AUX]
+    for got, w in zip(captured, want):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=0)
+    torch.testing.assert_close(aux, torch.cat(want, -1), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_two_training_steps_and_export_round_trip(arch, tmp_path):
+    model = build(arch)
+    target = wrap_target(model, types.SimpleNamespace(pad_token_id=0, eos_token_id=1), name=f"tiny-{arch}",
+                         aux_layer_ids=AUX)
+    setup_data(tmp_path)
+    result = train_run(tmp_path, target, "run", 2)
+    assert result is not None
+    from draftling.draft.store import load_draft
+
+    draft = load_draft(tmp_path / "run" / "draft").eval()
+    assert draft.config.eagle_aux_hidden_state_layer_ids == AUX
+    loaded = load_sglang_export(export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=False,
+                                              dtype="keep"))
+    ids = prompt()
+    assert torch.equal(run_draft(draft, model, ids), run_draft(loaded, model, ids))
+
+
+def test_general_path_equals_fast_path_on_llama_family():
+    for arch in ("llama", "qwen3"):
+        model = build(arch)
+        fast, general = CachedTarget.from_hf(model, AUX, SIZE), GeneralCachedTarget.from_hf(model, AUX, SIZE)
+        ids, pos = prompt(), torch.arange(PROMPT)
+        with torch.no_grad():
+            for got, want in zip(general(ids, pos, pos, causal_mask(0, PROMPT, SIZE, "cpu")),
+                                 fast(ids, pos, pos, causal_mask(0, PROMPT, SIZE, "cpu"))):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert greedy_generate(general, ids, NEW).tolist() == greedy_generate(fast, ids, NEW).tolist()
+
+
+def test_general_path_runs_eager_and_says_why(caplog):
+    model = build("gemma3")
+    with caplog.at_level(logging.WARNING, logger="draftling.engine.general_target"):
+        target = build_target(model, AUX, SIZE, cuda_graphs=True, compile=True)
+    assert not target.cuda_graphs and not target.compile
+    assert "runs eager" in caplog.text
+    assert model.config._attn_implementation != "draftling_engine"  # the model's own is back
+
+
+def test_unservable_models_get_one_clear_error():
+    if not hasattr(transformers, "MambaForCausalLM"):
+        pytest.skip("transformers has no Mamba")
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=V, hidden_size=32, state_size=4, num_hidden_layers=4)).eval()
+    with pytest.raises(UnsupportedArchitecture, match="Mamba"):
+        build_target(mamba, AUX, SIZE)
+    llama = build("llama")
+    llama.config.layer_types = ["linear_attention"] * 4
+    with pytest.raises(UnsupportedArchitecture, match="linear_attention"):
+        build_target(llama, AUX, SIZE)
