@@ -28,14 +28,16 @@ from transformers import AttentionInterface
 
 from draftling.engine.options import EngineOptions
 from draftling.engine.target_model import (
+    LAYER_TYPES,
     CachedTarget,
     TargetEngine,
     UnsupportedArchitecture,
     _check_architecture,
     causal_mask,
+    matmul_attention,
+    row_mask,
     write_kv,
 )
-from draftling.errors import ConfigError
 from draftling.target.aux import decoder_layers, recording_aux_states, validate_aux_layer_ids
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,6 @@ ATTN_NAME = "draftling_engine"
 APPLIED = {"sliding_window", "s_aux", "softcap"}
 IGNORED = {"dropout", "position_ids", "cache_position", "output_attentions", "use_cache", "is_causal",
            "return_dict", "output_hidden_states", "logits_to_keep"}
-LAYER_TYPES = {"full_attention", "sliding_attention"}
 _ACTIVE: list = []  # the engine whose pass runs now (innermost last)
 
 
@@ -58,31 +59,6 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 AttentionInterface.register(ATTN_NAME, _engine_attention)
-
-
-def cache_attention(q, k, v, mask, scale, sinks=None, softcap=None, exact=False):
-    """q [B,h,t,dk] over the cache k [B,nkv,S,dk], v [B,nkv,S,dv] through ``mask`` ([t,S] or
-    [B,t,S]); GQA by grouping query heads (head j*rep+r reads kv head j, as repeat_kv).
-    Scores in fp32 (float64 softmax and probs @ V when ``exact``, see ``matmul_attention``).
-    ``sinks`` [h]: one extra logit per head that takes probability mass and no value.
-    Returns [B,t,h,dv]."""
-    b, h, t, d = q.shape
-    nkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
-    rep = h // nkv
-    scores = torch.matmul(q.reshape(b, nkv, rep * t, d).float(), k.float().transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask.dim() == 3:
-        mask = mask[:, None, None]
-    scores = scores.view(b, nkv, rep, t, s).masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        sink = sinks.float().view(1, nkv, rep, 1, 1).expand(b, -1, -1, t, 1)
-        scores = torch.cat([scores, sink], -1)
-    e = (scores - scores.amax(-1, keepdim=True)).exp()
-    e = e.double() if exact else e
-    probs = (e / e.sum(-1, keepdim=True))[..., :s].reshape(b, nkv, rep * t, s)
-    out = torch.matmul(probs, v.double() if exact else v.float()).to(v.dtype)
-    return out.view(b, h, t, dv).transpose(1, 2)
 
 
 def _check_config(model) -> None:
@@ -124,10 +100,7 @@ class GeneralCachedTarget(TargetEngine):
         self.embed = model.get_input_embeddings()
         self.layers = decoder_layers(model)
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self.layers))
-        wdtype = self.embed.weight.dtype
-        if dtype is not None and dtype != wdtype:
-            raise ConfigError(f"the engine shares the target's {wdtype} weights; convert the model "
-                              f"with model.to({dtype}) instead of asking for dtype={dtype}")
+        self.check_dtype(self.embed.weight.dtype, dtype)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._configs = list({id(m.config): m.config for m in model.modules()
                               if hasattr(getattr(m, "config", None), "_attn_implementation")}.values())
@@ -138,11 +111,6 @@ class GeneralCachedTarget(TargetEngine):
         self.v = [torch.zeros(batch_size, nv, int(max_seq_len), dv, dtype=dt, device=dev)
                   for _, _, nv, dv, dt, dev in shapes]
         self._setup(options, max_seq_len, batch_size, self.embed.weight.device)
-
-    @classmethod
-    def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
-                options: EngineOptions | None = None, **engine) -> "GeneralCachedTarget":
-        return cls(model, aux_layer_ids, max_seq_len, batch_size, dtype, EngineOptions.of(options, **engine))
 
     def kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
@@ -210,10 +178,10 @@ class GeneralCachedTarget(TargetEngine):
         sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
         if sinks is None and softcap is None and self.attention == "sdpa":
             o = torch.nn.functional.scaled_dot_product_attention(
-                q, kc, vc, attn_mask=mask[:, None] if mask.dim() == 3 else mask, scale=scale,
-                enable_gqa=kc.shape[1] != q.shape[1])
-            return o.transpose(1, 2), None
-        return cache_attention(q, kc, vc, mask, scale, sinks, softcap, self.attention == "exact"), None
+                q, kc, vc, attn_mask=row_mask(mask), scale=scale, enable_gqa=kc.shape[1] != q.shape[1])
+        else:
+            o = matmul_attention(q, kc, vc, mask, scale, self.attention == "exact", sinks, softcap)
+        return o.transpose(1, 2), None
 
     def _mask(self, window, device):
         """The caller's mask and, for a sliding layer, only slots > position - window. Slots stand

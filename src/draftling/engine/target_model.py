@@ -28,6 +28,7 @@ from draftling.target.aux import decoder_layers, validate_aux_layer_ids
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LAYER_TYPES = {"full_attention", "sliding_attention"}  # config.layer_types the engine serves
 
 
 class UnsupportedArchitecture(TargetError, NotImplementedError):
@@ -48,7 +49,7 @@ def _check_architecture(model, max_seq_len: int) -> None:
                 hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
             raise UnsupportedArchitecture(f"{arch}: decoder layer {i} is not Llama-shaped")
     types = set(getattr(cfg, "layer_types", None) or ())
-    if types - {"full_attention", "sliding_attention"}:
+    if types - LAYER_TYPES:
         raise UnsupportedArchitecture(f"{arch}: layer types {sorted(types)}")
     # A window shorter than the cache would need a banded mask (the general path has one).
     window = getattr(cfg, "sliding_window", None)
@@ -73,7 +74,7 @@ def attention_inputs(layer, x, cos, sin):
     return qs, ks, vs
 
 
-def matmul_attention(q, k, v, mask, scale, exact: bool = False):
+def matmul_attention(q, k, v, mask, scale, exact: bool = False, sinks=None, softcap=None):
     """Attention as two batched matmuls and a softmax, GQA by grouping the query heads (no K/V
     repeat). Under torch.compile this is a few fused kernels, while SDPA with a boolean mask
     falls back to a generic kernel for short queries over a long cache.
@@ -81,24 +82,32 @@ def matmul_attention(q, k, v, mask, scale, exact: bool = False):
     ``exact``: fp32 scores, then the softmax sum and probs @ V in float64 before rounding back.
     A tree node's ancestors sit at scattered cache slots while plain decoding has them in a
     row; summed in low precision, the same terms in a different order round differently and
-    can flip a near-tied argmax. In float64 the order no longer shows after rounding."""
+    can flip a near-tied argmax. In float64 the order no longer shows after rounding.
+
+    For the general path (engine/general_target.py): ``sinks`` [h], one extra logit per head
+    that takes probability mass and carries no value (attention sinks); ``softcap``, scores
+    squashed by tanh; and values as wide as they are (MLA's differ from the keys')."""
     b, h, t, d = q.shape
-    nkv, s = k.shape[1], k.shape[2]
+    nkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
     rep = h // nkv
     qg = q.reshape(b, nkv, rep * t, d)
     if exact:
         scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
     else:
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask.dim() == 3:  # a mask per batch row: [B, t, s]
         mask = mask[:, None, None]
     scores = scores.view(b, nkv, rep, t, s).masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(1, nkv, rep, 1, 1).expand(b, -1, -1, t, 1)], -1)
     if exact:
         e = (scores - scores.amax(-1, keepdim=True)).exp().double()
-        probs = (e / e.sum(-1, keepdim=True)).view(b, nkv, rep * t, s)
-        return torch.matmul(probs, v.double()).to(v.dtype).view(b, h, t, d)
-    probs = scores.softmax(-1).to(v.dtype).view(b, nkv, rep * t, s)
-    return torch.matmul(probs, v).view(b, h, t, d)
+        probs = (e / e.sum(-1, keepdim=True))[..., :s].reshape(b, nkv, rep * t, s)
+        return torch.matmul(probs, v.double()).to(v.dtype).view(b, h, t, dv)
+    probs = scores.softmax(-1)[..., :s].to(v.dtype).reshape(b, nkv, rep * t, s)
+    return torch.matmul(probs, v).view(b, h, t, dv)
 
 
 def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str):
@@ -148,6 +157,19 @@ class TargetEngine(nn.Module):
     its own cache, ``greedy_step``, ``move_kv`` and the ``StaticFn`` wrappers. Subclasses
     (``CachedTarget``, engine.general_target's ``GeneralCachedTarget``) provide ``_run``,
     ``prefill_rows``, ``gather_kv`` and ``scatter_kv``."""
+
+    @classmethod
+    def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
+                options: EngineOptions | None = None, **engine):
+        """``engine``: EngineOptions fields as keywords (``compile=True``, ...), over ``options``."""
+        return cls(model, aux_layer_ids, max_seq_len, batch_size, dtype, EngineOptions.of(options, **engine))
+
+    @staticmethod
+    def check_dtype(weights_dtype: torch.dtype, dtype) -> None:
+        """The engine shares the target's weights: it cannot run them in another dtype."""
+        if dtype is not None and dtype != weights_dtype:
+            raise ConfigError(f"the engine shares the target's {weights_dtype} weights; convert the model "
+                              f"with model.to({dtype}) instead of asking for dtype={dtype}")
 
     def _setup(self, options: EngineOptions, max_seq_len: int, batch_size: int, device) -> None:
         self.max_seq_len, self.batch_size = int(max_seq_len), int(batch_size)
@@ -248,9 +270,7 @@ class CachedTarget(TargetEngine):
         self.head_dim = attn0.head_dim
         self.num_kv_heads = cfg.num_key_value_heads
         wdtype = self.embed.weight.dtype
-        if dtype is not None and dtype != wdtype:
-            raise ConfigError(f"CachedTarget shares the target's {wdtype} weights; convert the model "
-                              f"with model.to({dtype}) instead of asking for dtype={dtype}")
+        self.check_dtype(wdtype, dtype)
         device = self.embed.weight.device
         # One buffer for all layers' K and one for V: moving the accepted path is then one
         # gather and one scatter per buffer instead of two per layer.
@@ -258,12 +278,6 @@ class CachedTarget(TargetEngine):
         self.register_buffer("k_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self.register_buffer("v_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self._setup(options, max_seq_len, batch_size, device)  # batch_size: requests, one cache row each
-
-    @classmethod
-    def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
-                options: EngineOptions | None = None, **engine) -> "CachedTarget":
-        """``engine``: EngineOptions fields as keywords (``compile=True``, ...), over ``options``."""
-        return cls(model, aux_layer_ids, max_seq_len, batch_size, dtype, EngineOptions.of(options, **engine))
 
     def kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_all[i], self.v_all[i]
