@@ -4,7 +4,7 @@ Writes, into --out:
   ids.txt        every conversation id of the held-out tasks: `draftling data --exclude-ids`
                  keeps them out of training and validation
   prompts.jsonl  --turns assistant turns per held-out conversation (a seeded sample of those whose
-                 prefix fits --max-prompt-tokens), each its original prefix as a prompt-set record
+                 prefix fits --max-prompt-tokens, drawn as `data.rollout_max_turns` draws), each its original prefix as a prompt-set record
                  (workload = --workload): `draftling select --prompts`
   heldout.json   what was held out and how
 
@@ -14,11 +14,10 @@ trial of a held-out task reaches training.
 
 import argparse
 import json
-import random
 from pathlib import Path
 
-from draftling.data.prompts import rollout_turns
-from draftling.data.regen import render_prompt_ids
+from draftling.config import DataConfig
+from draftling.data.prepare import rollout_prompts
 from draftling.data.sources import load_prompt_spec
 from draftling.data.split import split_by_task, task_identity
 from draftling.io import write_json, write_jsonl, write_text
@@ -40,12 +39,11 @@ def main() -> None:
     tok = load_target_tokenizer(args.target).tokenizer
     convs = load_prompt_spec(args.prompts)
     _, held = split_by_task(convs, args.fraction, seed=args.seed, key="task")
-    records = []
-    for conv in held:
-        fit = [t for t in rollout_turns(conv) if len(render_prompt_ids(tok, t)) <= args.max_prompt_tokens]
-        for t in random.Random(f"{args.seed}\0{conv.id}").sample(fit, min(args.turns, len(fit))):
-            records.append({"id": t.id, "workload": args.workload, "source": t.source, "messages": t.messages,
-                            **({"tools": t.tools} if t.tools else {})})
+    # The turns as `draftling data` samples them (data.rollout_max_turns, seeded by data.seed).
+    turns = rollout_prompts(tok, held, DataConfig(rollout_max_turns=args.turns, seed=args.seed),
+                            {"prompt_limit": args.max_prompt_tokens})
+    records = [{"id": t.id, "workload": args.workload, "source": t.source, "messages": t.messages,
+                **({"tools": t.tools} if t.tools else {})} for t in turns]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "ids.txt", "".join(f"{c.id}\n" for c in held))

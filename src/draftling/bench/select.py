@@ -64,12 +64,7 @@ def select_checkpoint(target: Target, run_dir, opts: SelectOptions, measure=None
     measure = measure or measure_head
     rows = [{"checkpoint": c.name, "val_loss": losses[c], **measure(target, load_any_draft(c, target.device, _dtype(target)),
                                                                    ids, opts)} for c in shortlist]
-    report = _report(rows, opts, len(ids))
-    # Results name the target and the prompt set (a file by its name and hash), not paths.
-    report["target"] = target.spec.name
-    report["protocol"]["prompts"] = info["name"] if info["builtin"] else Path(info["path"]).name
-    report["protocol"]["prompts_sha256"] = info["sha256"]
-    report["protocol"]["max_prompt_tokens"] = max(map(len, ids))  # the context length this selection tested
+    report = _report(rows, opts, ids, info, target.spec.name)
     if opts.base:
         base = measure(target, load_any_draft(opts.base, target.device, _dtype(target)), ids, opts)
         win = next(r for r in rows if r["checkpoint"] == report["selection"]["winner"])
@@ -116,7 +111,8 @@ def measure_head(target: Target, draft, ids: list[list[int]], opts: SelectOption
             "speedup": tok_s / plain_tok_s, "identical": sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)}
 
 
-def _report(rows: list[dict], opts: SelectOptions, n_prompts: int) -> dict:
+def _report(rows: list[dict], opts: SelectOptions, ids: list[list[int]], prompt_set: dict, target: str) -> dict:
+    """The report; it names the target and the prompt set (a file by its name and hash), not paths."""
     win = max(rows, key=lambda r: r["tok_s"])
     lowest = min(rows, key=lambda r: r["val_loss"])
     if win is lowest:
@@ -127,7 +123,11 @@ def _report(rows: list[dict], opts: SelectOptions, n_prompts: int) -> dict:
                   f"({lowest['tok_s']:.1f} tok/s, tau {lowest['tau']:.2f}); loss ranks, served speed decides")
     return {"date": datetime.date.today().isoformat(),
             "selection": {"candidates": rows, "winner": win["checkpoint"], "reason": reason},
-            "protocol": {"prompts": opts.prompts, "n": n_prompts, "config": opts.config,
+            "target": target,
+            "protocol": {"prompts": prompt_set["name"] if prompt_set["builtin"] else Path(prompt_set["path"]).name,
+                         "prompts_sha256": prompt_set["sha256"], "n": len(ids),
+                         "max_prompt_tokens": max(map(len, ids)),  # the context length this selection tested
+                         "config": opts.config,
                          "concurrency": opts.concurrency, "max_new_tokens": opts.max_new_tokens,
                          "shortlist": opts.shortlist}}
 
