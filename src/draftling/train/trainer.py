@@ -645,6 +645,10 @@ class TrainRun:
             self.metrics_log.write(vm, format_line(prefix, vm))
         return vm
 
+    def stop(self, reason: str) -> None:
+        """End the run after this step (its checkpoint, head and result are still written)."""
+        self.total_steps, self.stop_reason = self.step, reason
+
     def checkpoint(self) -> None:
         tc = self.cfg.train
         weights = host_draft(self.objective, self.draft.config)
@@ -833,7 +837,7 @@ def train_loop(run: TrainRun) -> float:
         out_of_time = tc.max_minutes > 0 and time.perf_counter() - t_start > 60 * tc.max_minutes
         if tc.max_minutes > 0 and any_rank(out_of_time, ctx, device) and run.step < run.total_steps:
             run.say(f"stopping at step {run.step}/{run.total_steps}: train.max_minutes={tc.max_minutes} reached")
-            run.total_steps, run.stop_reason = run.step, "max_minutes"
+            run.stop("max_minutes")
         epoch_end = tc.ckpt_every_epoch and run.batches.position(run.step)[1] == 0
         if run.step % tc.ckpt_every == 0 or run.step == run.total_steps or epoch_end:
             run.checkpoint()
@@ -857,7 +861,7 @@ def start_smoke(run: TrainRun, bench: SmokeBench | None, resumed: bool) -> Smoke
     verdict = monitor.detector.verdict
     if verdict and tc.stop_on_convergence and run.step < run.total_steps:
         run.say(f"{verdict_line(verdict)}, before this resume: stopping at step {run.step}")
-        run.total_steps, run.stop_reason = run.step, "converged"
+        run.stop("converged")
     return monitor
 
 
@@ -871,7 +875,7 @@ def smoke_check(run: TrainRun) -> float:
     if converged and run.cfg.train.stop_on_convergence and run.step < run.total_steps:
         run.say(f"stopping at step {run.step}/{run.total_steps}: the smoke tau converged "
                 "(train.stop_on_convergence)")
-        run.total_steps, run.stop_reason = run.step, "converged"
+        run.stop("converged")
     return time.perf_counter() - t0
 
 
