@@ -19,8 +19,9 @@ from draftling.config import load_config
 from draftling.errors import ConfigError
 from draftling.target.load import wrap_target
 from draftling.train.checkpoint import list_checkpoints
+from draftling.io import read_metrics
 from draftling.train.convergence import (ConvergenceDetector, SmokeBench, SmokeCheck, epoch_phrase,
-                                         load_smoke_prompts, paired_change, read_metrics)
+                                         load_smoke_prompts, paired_change)
 from draftling.train.trainer import train
 from tests.conftest import TINY_VOCAB, setup_data, tiny_llama
 

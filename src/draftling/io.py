@@ -170,6 +170,20 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text)
 
 
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSONL log a process appends to (metrics.jsonl): a blank line, or the
+    last one a kill cut short, is skipped."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
 def write_jsonl(path: str | os.PathLike, rows) -> int:
     n = 0
     with atomic_path(path) as tmp:

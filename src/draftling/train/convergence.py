@@ -259,16 +259,3 @@ class SmokeMonitor:
         line = (f"smoke @ {check.step} ({epoch_phrase(check.epoch_fraction)}): tau {check.mean:.2f} "
                 f"[{workloads}]{change} | {check.seconds:.1f}s")
         return record, line
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; a blank line or one a kill cut short is skipped."""
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line) if line.strip() else None
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out

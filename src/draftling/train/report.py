@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 from draftling.errors import DraftlingError
-from draftling.io import atomic_path
-from draftling.train.convergence import SMOKE_CONFIG, epoch_phrase, read_metrics, verdict_line
+from draftling.io import atomic_path, read_metrics
+from draftling.train.convergence import SMOKE_CONFIG, epoch_phrase, verdict_line
 
 PLOTS = ("loss.png", "accuracy.png", "smoke_tau.png")
 

@@ -26,11 +26,11 @@ from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
 from draftling.faults import fault_point
-from draftling.io import atomic_dir, atomic_path, remove_path, write_json
+from draftling.io import atomic_dir, atomic_path, read_metrics, remove_path, write_json
 from draftling.target import Target
 from draftling.train.checkpoint import (KeepPolicy, latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
                                         set_rng_state)
-from draftling.train.convergence import ConvergenceDetector, SmokeBench, SmokeMonitor, read_metrics, verdict_line
+from draftling.train.convergence import ConvergenceDetector, SmokeBench, SmokeMonitor, verdict_line
 from draftling.train.dataset import EpochBatches, collate
 from draftling.train.distributed import (DistContext, TTTObjective, all_reduce_sum, any_rank,
                                          barrier, current, full_model_state, full_optimizer_state, is_sharded,
@@ -74,8 +74,7 @@ class MetricsLog:
         if resume_step is not None and path.exists():
             # Drop records the interrupted run wrote after the checkpoint we resume from.
             # The final validation comes after the last checkpoint: a resume writes it again.
-            records = [r for r in map(_json_or_none, path.read_text().splitlines()) if r is not None]
-            kept = [json.dumps(r) for r in records if r.get("step", 0) <= resume_step and not r.get("final")]
+            kept = [json.dumps(r) for r in read_metrics(path) if r.get("step", 0) <= resume_step and not r.get("final")]
             with atomic_path(path) as tmp:
                 tmp.write_text("".join(l + "\n" for l in kept))
         elif path.exists():
@@ -105,14 +104,6 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
-
-
-def _json_or_none(line: str) -> dict | None:
-    """A metrics record, or None for a blank line or one a kill cut short."""
-    try:
-        return json.loads(line) if line.strip() else None
-    except ValueError:
-        return None
 
 
 def format_line(prefix: str, m: dict) -> str:
