@@ -185,12 +185,16 @@ def test_run_folder_and_manifest(bench_run):
 def test_release_options_are_config_keys_checked_on_load():
     from draftling.config import load_config
 
-    bench = load_config(None, ["bench.query_pad=8", "bench.engine_compile=off", "bench.baselines=[hf_eager]"]).bench
+    bench = load_config(None, ["bench.query_pad=8", "bench.engine_compile=off", "bench.baselines=[hf_eager]",
+                               "bench.sampled_temperatures=[]"]).bench
     opts = release.ReleaseOptions.from_config(bench, overwrite=True)
+    assert opts.sampled_temperatures == ()
+    assert release.ReleaseOptions.from_config(load_config(None, []).bench).sampled_temperatures == (0.7, 1.0)
     assert opts.engine.query_pad == 8 and opts.engine.compile is False and opts.engine.attention == "auto"
     assert opts.baselines == ("hf_eager",) and opts.hf_runs == ["hf_eager"] and opts.overwrite
     for bad, match in (("bench.attention=fast", "bench.attention='fast'"), ("bench.engine_compile=maybe", "expected true/false"),
-                       ("bench.baselines=[hf_nope]", "unknown baselines"), ("bench.query_pad=-1", "bench.query_pad=-1")):
+                       ("bench.baselines=[hf_nope]", "unknown baselines"), ("bench.query_pad=-1", "bench.query_pad=-1"),
+                       ("bench.sampled_temperatures=[0]", "bench.sampled_temperatures=")):
         with pytest.raises(ConfigError, match=match):
             load_config(None, [bad])
 
@@ -200,8 +204,9 @@ def test_all_four_baselines(bench_run, tmp_path):
         bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
         configs=["chain-2-1-3", "tree-2-2-4"],
         max_new_tokens=6, baseline_prompts_per_workload=1, out_dir=tmp_path, command="x", quiet=True,
-        round_timing=True)
+        round_timing=True, sampled_temperatures=())
     assert all(r["baselines"][b] > 0 for b in release.BASELINES)
+    assert r["sampled"] == {}  # greedy only: no sampled decodes ran
     for b in release.BASELINES[1:]:
         assert r["baseline_details"][b]["identical_to_engine_plain"] == 1.0
     assert not any("not run" in c for c in r["caveats"])

@@ -1,37 +1,72 @@
 #!/usr/bin/env bash
-# The data-scaling curve of issue 25: one recipe (configs/gpu_smollm2.yaml, extra KEY=VALUE args
-# to `train`) on nested shares of the same regenerated data, each head validated and run
-# through the v1 release bench. Device calls straight after each other on one warm machine:
-#   0. carries .dev/a and .whl:            mkdir -p /tmp/m && cp .dev/a/* /tmp/m/
-#   1. carries .dev/b, .whl, .dev/p:       STAGE=data bash scripts/gpu/data_scaling.sh
-#      (regenerates every prompt file of the corpus; journaled, so a call cut at its limit is
-#      continued by the same command in the next call)
-#   2.. carries .whl:                      STAGE=train FRACTION=0.25 bash scripts/gpu/data_scaling.sh [KEY=VALUE ...]
-#      (a run cut at its limit continues with RESUME=1), then STAGE=bench FRACTION=0.25, and so on
-#      for 0.5 and 1.0
+# The data-scaling curve of issue 25: one recipe (configs/gpu_smollm2.yaml at a fixed number of
+# steps, so the points differ in data only) on nested shares of the whole regenerated corpus.
+# Every call does what is left, in order, inside its own time (CALL_S):
+#   data    regenerate every prompt file of the corpus (journaled: a call cut short is resumed
+#           by the next), then the draft vocab. The replies come back as replies.jsonl.gz.* with
+#           the journal's settings, so a later machine can skip regeneration (RESTORE below).
+#   train   the share FRACTION for STEPS steps with the smoke bench on (--resume across calls).
+#   bench   the v1 release bench against the engine without speculation; then `draftling report`.
+# Device calls straight after each other on one warm machine:
+#   0. carries .dev/a and .whl:        mkdir -p /tmp/m && cp .dev/a/* /tmp/m/
+#   1. carries .dev/b, .whl, .dev/p:   FRACTION=1.0 bash scripts/gpu/data_scaling.sh [KEY=VALUE ...]
+#   2.. carries .whl:                  the same command, until it prints "scaling: done"
+# BENCH_ARGS: more bench flags or keys, e.g. bench.sampled_temperatures=[] (greedy only) for the
+# points that are not the release run.
+# RESTORE=1 with .dev/j carried (the replies.jsonl.gz.* and journal.json of an earlier call)
+# rebuilds the journal first. Extra KEY=VALUE args go to `train` (the recipe).
 # Then, here: python3 scripts/gpu/scaling_curve.py --runs DIR... --out bench/results/<folder>
 source scripts/gpu/common.sh
-mkdir -p $OUT/$STAGE
-log=$OUT/$STAGE/log.txt
-S=/tmp/scale
+t0=$(date +%s)
+left() { echo $(( ${CALL_S:-575} - ($(date +%s) - t0) )); }
+S=/tmp/scale F=${FRACTION:?set FRACTION, e.g. 1.0} STEPS=${STEPS:-2394}
+run=$S/run-$F log=$OUT/log.txt J=$S/.data.journal
 FILES='["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl","shared:math_gsm8k_train.jsonl",
 "shared:summarize.jsonl","shared:tool_use.jsonl","shared:code_gpteacher.jsonl","shared:roleplay_gpteacher.jsonl",
 "shared:tool_toolformer.jsonl","shared:t0_tasks.jsonl"]'
-run="$S/run-${FRACTION:-1.0}"
-case $STAGE in
-data)
-  timeout ${DATA_LIMIT_S:-560} python3 -m draftling data --config gpu_smollm2 --target $T --out $S/data \
+quiet() { grep --line-buffered -v "^regenerate: " || true; }  # the per-batch lines; never fail the pipe
+d() { echo "+ draftling $* ($(left) s left)" | tee -a $log; python3 -m draftling "$@" 2>&1 | quiet | tee -a $log; }
+# SMOKE=1: every stage tiny, on the CPU (a dry run of the commands, not a measurement).
+if [ "${SMOKE:-0}" = 1 ]; then
+  DEV="--device cpu" STEPS=4 DATA_ARGS="data.max_prompts_per_file=3 data.regen.max_new_tokens=8 data.regen.batch_size=8"
+  SMOKE_ARGS="train.batch_size=2 train.smoke_every=2 train.smoke_max_new_tokens=4" BENCH_ARGS="--max-new-tokens 8 --prompt-set /tmp/scale/tiny.jsonl bench.sampled_temperatures=[]"
+  mkdir -p /tmp/scale && head -2 src/draftling/bench/prompt_sets/v1.jsonl > /tmp/scale/tiny.jsonl
+fi
+
+if [ ! -f $S/data/vocab.safetensors ]; then
+  mkdir -p $S
+  if [ "${RESTORE:-0}" = 1 ] && [ ! -d $J ]; then
+    mkdir -p $J && cp .dev/j/journal.json $J/ && cat .dev/j/replies.jsonl.gz.* | gunzip \
+      | python3 -c 'import json,sys
+for line in sys.stdin:
+    r = json.loads(line); r.pop("split", None); r.pop("run", None); print(json.dumps(r, ensure_ascii=False))' > $J/replies.jsonl
+  fi
+  # The journal is removed when the data is written: keep its settings for RESTORE.
+  (until [ -f $J/journal.json ]; do sleep 2; done; cp $J/journal.json $OUT/journal.json) & watcher=$!
+  timeout $(( $(left) - 20 )) python3 -m draftling data --config gpu_smollm2 --target $T --out $S/data \
     "data.prompts=$(echo $FILES | tr -d '\n ')" data.max_prompts_per_file=0 data.max_prompts_by_file={} \
-    ${DATA_ARGS:-} 2>&1 | grep --line-buffered -v "^regenerate: " | tee -a $log
-  python3 -m draftling vocab --data $S/data --config gpu_smollm2 --target $T | tee -a $log
-  cp $S/data/summary.json $OUT/data/ ;;
-train)
-  python3 -m draftling train --config gpu_smollm2 --target $T --data $S/data --run-dir $run \
-    ${RESUME:+--resume} train.data_fraction=${FRACTION:?} "$@" 2>&1 | tee -a $log
-  cp $run/train_result.json $run/metrics.jsonl $run/config.yaml $OUT/train/ ;;
-bench)
-  python3 -m draftling bench --release --target $T --dtype bfloat16 --device cuda --draft $run/draft \
-    --prompt-set v1 --baselines engine_plain --results-dir $OUT/results --tag "fraction-${FRACTION:?}" \
-    2>&1 | tee -a $log ;;
-*) echo "STAGE must be data, train or bench"; exit 2 ;;
-esac
+    ${DEV:-} ${DATA_ARGS:-} 2>&1 | quiet | tee -a $log || true
+  kill $watcher 2>/dev/null || true
+  [ -f $S/data/summary.json ] || { echo "scaling: data not finished; call again" | tee -a $log; exit 0; }
+  d vocab --data $S/data --config gpu_smollm2 --target $T
+  cp $S/data/summary.json $OUT/data_summary.json
+  gzip -c $S/data/replies.jsonl | split -b 15000000 - $OUT/replies.jsonl.gz.
+fi
+
+if [ "$(python3 -c "import json;print(json.load(open('$run/train_result.json'))['stop_reason'])" 2>/dev/null)" != completed ]; then
+  [ $(left) -gt 150 ] || { echo "scaling: too little time left to train; call again" | tee -a $log; exit 0; }
+  minutes=$(python3 -c "print(round(($(left) - 100) / 60, 2))")
+  d train --config gpu_smollm2 --target $T --data $S/data --run-dir $run $([ -d $run ] && echo --resume) \
+    train.data_fraction=$F train.max_steps=$STEPS train.max_minutes=$minutes train.smoke_every=400 \
+    train.smoke_max_new_tokens=64 train.ckpt_every=400 ${DEV:-} ${SMOKE_ARGS:-} "$@"
+  tar czf $OUT/train.tgz -C $run train_result.json metrics.jsonl config.yaml
+  [ "$(python3 -c "import json;print(json.load(open('$run/train_result.json'))['stop_reason'])")" = completed ] \
+    || { echo "scaling: training continues in the next call" | tee -a $log; exit 0; }
+fi
+
+[ $(left) -gt 170 ] || { echo "scaling: too little time left for the bench; call again" | tee -a $log; exit 0; }
+d bench --release --target $T --dtype bfloat16 --device cuda --draft $run/draft --prompt-set v1 \
+  --baselines engine_plain --results-dir $S/results-$F --tag "fraction-$F" ${DEV:-} ${BENCH_ARGS:-}
+d report $run
+tar czf $OUT/done.tgz -C $run train_result.json metrics.jsonl config.yaml report -C $S results-$F
+echo "scaling: done" | tee -a $log

@@ -342,6 +342,7 @@ class TrainConfig:
 # makes tree output equal plain output in bf16). Named here, the lowest stage, so that a config
 # is checked when it loads; bench/release.py and engine/options.py take them from here.
 RELEASE_BASELINES = ("engine_plain", "hf_static", "hf_prompt_lookup", "hf_eager")
+RELEASE_SAMPLED_TEMPERATURES = (0.7, 1.0)  # how chat is served: the sampled figures beside the greedy ones
 ENGINE_ATTENTION = ("sdpa", "matmul", "exact")
 BENCH_CHOICES = {"attention": ("auto", *ENGINE_ATTENTION)}
 
@@ -371,6 +372,8 @@ class BenchConfig:
     query_pad: int | None = None
     attention: str = "auto"  # one of ENGINE_ATTENTION; auto = exact on CUDA, sdpa on CPU
     round_timing: bool | None = None  # also time each round's phases; null = on CUDA
+    # Also decode sampled at each of these temperatures (plain and every config); [] = greedy only.
+    sampled_temperatures: list[float] = field(default_factory=lambda: list(RELEASE_SAMPLED_TEMPERATURES))
     # The concurrency sweep (`bench --concurrency`, bench/concurrency.py): its levels, e.g.
     # [1, 2, 4, 8, 16, 32, 64]; null = no sweep. It uses prompt_set, configs, max_new_tokens and
     # results_dir above.
@@ -380,6 +383,10 @@ class BenchConfig:
         check_bounds("bench", self, {"num_prompts": AT_LEAST_ONE, "max_new_tokens": AT_LEAST_ONE,
                                      "baseline_prompts_per_workload": ("an integer >= 1 (null = all)", lambda v: v >= 1),
                                      "query_pad": ("an integer >= 0 (0 = off, null = auto)", lambda v: v >= 0)})
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
+                   for t in self.sampled_temperatures):
+            raise ConfigError(f"bench.sampled_temperatures={self.sampled_temperatures!r}: expected a list of "
+                              "numbers > 0, e.g. [0.7, 1.0], or [] for greedy only")
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"bench: temperature {self.temperature} must be >= 0, top_k {self.top_k} "
                               f">= 0 and top_p {self.top_p} in (0, 1]")

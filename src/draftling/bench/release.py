@@ -43,7 +43,7 @@ from draftling.bench.manifest import code_commit, device_slug, machine_slug, run
 from draftling.bench.report import ROUND_PHASES, format_speedup_table, release_caveats, write_release_outputs
 from draftling.bench.report import MARK_END, MARK_START, update_benchmarks_md  # noqa: F401 (release.X for callers)
 from draftling.bench.simple import DecodeConfig, build_engine, parse_decode_config
-from draftling.config import RELEASE_BASELINES, BenchConfig
+from draftling.config import RELEASE_BASELINES, RELEASE_SAMPLED_TEMPERATURES, BenchConfig
 from draftling.data.sources import prompt_sets_dir
 from draftling.engine import (CachedTarget, DraftRunner, EngineOptions, build_target, causal_mask, greedy_generate,
                               speculative_generate)
@@ -62,7 +62,6 @@ PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
 RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
                "baseline_details", "configs", "sampled", "caveats")
-SAMPLED_TEMPERATURES = (0.7, 1.0)  # how chat is served: the sampled figures beside the greedy ones
 _BUILTIN = re.compile(r"^(?:[a-z]+-)?v\d+$")  # v1, smoke-v1, ...
 
 # ----------------------------------------------------------------------------- prompt sets
@@ -215,7 +214,7 @@ class ReleaseOptions:
     baselines: tuple[str, ...] = BASELINES
     baseline_prompts_per_workload: int | None = None
     round_timing: bool | str = "auto"
-    sampled_temperatures: tuple[float, ...] = SAMPLED_TEMPERATURES
+    sampled_temperatures: tuple[float, ...] = RELEASE_SAMPLED_TEMPERATURES
     engine: EngineOptions = field(default_factory=EngineOptions.auto)
     out_dir: str | Path = "bench/results"
     tag: str | None = None
@@ -265,8 +264,8 @@ class ReleaseOptions:
                                attention=bench.attention)
         return cls(prompt_set=bench.prompt_set, configs=bench.configs, max_new_tokens=bench.max_new_tokens,
                    baselines=bench.baselines, baseline_prompts_per_workload=bench.baseline_prompts_per_workload,
-                   round_timing=bench.round_timing, engine=engine, out_dir=bench.results_dir, tag=bench.tag,
-                   **fields)
+                   round_timing=bench.round_timing, sampled_temperatures=tuple(bench.sampled_temperatures),
+                   engine=engine, out_dir=bench.results_dir, tag=bench.tag, **fields)
 
     def record(self, engine: dict, round_timing: bool) -> dict:
         """These options resolved, as JSON values for a manifest (which has the command)."""
