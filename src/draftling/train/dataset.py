@@ -26,6 +26,15 @@ def collate(examples: list[TokenizedExample], pad_id: int) -> dict[str, torch.Te
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory without blocking: a copy
+    from pageable memory would make the host wait for everything queued before it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def fraction_pool(n: int, fraction: float, seed: int) -> list[int]:
     """A seeded share of range(n), sorted: the head of one permutation per seed, so a smaller
     share is always inside a larger one. All of it (in order) at 1.0."""
