@@ -1,21 +1,25 @@
-"""The training step's fixed costs on the CPU: a step reads nothing back from the device (counted
-with tests/host_reads.py); the counts are read once per log line, to the same metrics."""
+"""The training step's fixed costs on the CPU: batches padded to a multiple (train.pad_to_multiple)
+train the same weights and reuse flex block masks, and a step reads nothing back from the device
+(counted with tests/host_reads.py); the counts are read once per log line, to the same metrics."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from draftling.config import RunConfig, TrainConfig
+from draftling.config import RunConfig, TrainConfig, load_config
 from draftling.data.tokenized import TokenizedExample
 from draftling.draft.vocab import build_vocab
 from draftling.train import teacher as teacher_mod
 from draftling.train import trainer, ttt
 from draftling.train.distributed import DistContext
 from draftling.train.teacher import TeacherCache
-from draftling.train.trainer import RunInputs, StepWindow, build_run
+from draftling.train.trainer import RunInputs, StepWindow, build_run, evaluate
 from draftling.train.ttt import StepCounts, step_row_bounds
 from tests.host_reads import HostReads
+from tests.test_train import run, setup_data
 
 
 def examples(lengths, seed=0):
@@ -35,6 +39,42 @@ def tiny_run(target, rows, **train):
     torch.manual_seed(0)
     return build_run(RunConfig(train=tc), target, RunInputs(rows, [], vocab, None, None), None, None,
                      DistContext(), say=lambda line: None)
+
+
+@pytest.mark.parametrize("cache_gb", [0, 1], ids=["online", "teacher-cache"])
+def test_padding_to_a_multiple_trains_the_same_weights(tmp_path, tiny_target, one_thread, capsys, cache_gb):
+    setup_data(tmp_path)  # rows of 18-20 tokens: padded to 32 (online) or 21 (cached outputs padded after)
+    pads = (1, 16 if cache_gb == 0 else 7)
+    for pad in pads:
+        run(tmp_path, tiny_target, f"pad{pad}", 5, **{"train.pad_to_multiple": pad, "train.ckpt_every": 100,
+                                                      "train.teacher_cache_gb": cache_gb})
+        assert f"pad_to_multiple {pad}" in capsys.readouterr().out
+    a, b = (load_file(str(tmp_path / f"pad{p}" / "draft" / "draft.safetensors")) for p in pads)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+    ma, mb = ([json.loads(line) for line in (tmp_path / f"pad{p}" / "metrics.jsonl").read_text().splitlines()]
+              for p in pads)
+    assert len(ma) == len(mb) == 6
+    for x, y in zip(ma, mb):  # the padding carries no loss: the same counts, losses to float rounding
+        assert (x["acc"], x["cond_acc"], x["tokens"]) == (y["acc"], y["cond_acc"], y["tokens"])
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+
+
+def test_flex_block_masks_are_built_once_per_padded_length(tiny_target, one_thread):
+    rows = examples([20, 23, 30, 31, 45, 50])  # three batches of three lengths
+    run_ = tiny_run(tiny_target, rows, batch_size=2)
+    results = {}
+    for pad in (1, None):  # None: auto, flex's block size
+        cfg = load_config(None, ["train.attention=flex", "train.ttt_steps=3", "train.batch_size=2"]
+                          + ([f"train.pad_to_multiple={pad}"] if pad else []))
+        ttt._BLOCK_MASKS.clear()
+        results[pad] = evaluate(run_.draft, tiny_target, rows, cfg, torch.device("cpu"), max_batches=3)
+        results[pad]["masks"] = sorted(key[:2] for key in ttt._BLOCK_MASKS)
+    assert results[1]["masks"] == sorted((t, j) for t in (23, 31, 50) for j in (1, 2, 3))
+    assert results[None]["masks"] == [(128, 1), (128, 2), (128, 3)]  # one length for all three batches
+    for key in ("acc", "cond_acc", "tokens", "chain_tau"):
+        assert results[None][key] == results[1][key], key
+    assert results[None]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
 
 
 def test_row_bounds_from_the_host_give_the_exact_counts_and_gradients(tiny_target, one_thread):

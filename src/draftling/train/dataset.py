@@ -12,9 +12,10 @@ from draftling.data.tokenized import TokenizedExample
 from draftling.errors import DataError
 
 
-def collate(examples: list[TokenizedExample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example in the batch."""
+def collate(examples: list[TokenizedExample], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example in the batch, rounded up to a multiple of ``multiple``."""
     t = max(len(e.input_ids) for e in examples)
+    t = -(-t // multiple) * multiple
     ids = torch.full((len(examples), t), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), t), dtype=torch.long)
     attn = torch.zeros((len(examples), t), dtype=torch.long)

@@ -27,6 +27,18 @@ class TeacherBatch:
     target_argmax: torch.Tensor  # [B, T] argmax over the FULL target vocab
     in_draft: torch.Tensor  # [B, T] bool: that argmax is in the draft vocab
 
+    def padded(self, length: int) -> "TeacherBatch":
+        """Right-padded with zeros to ``length`` positions, for a batch padded past its longest
+        row (train.pad_to_multiple): no loss ever reads a padded position."""
+        extra = length - self.aux.shape[1]
+        if extra <= 0:
+            return self
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, extra])
+
+        return TeacherBatch(pad(self.aux), pad(self.draft_logits), pad(self.target_argmax), pad(self.in_draft))
+
 
 @torch.no_grad()
 def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -39,7 +39,7 @@ from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import build_optimizer
 from draftling.train.teacher import KeptStatesTeacher, TeacherBatch, TeacherCache, TeacherSource, teacher_forward
 from draftling.train.settings import (FAST_MEMORY_SHARE, compile_teacher, draft_param_dtype, fast_train_config,
-                                      memory_options, optimizer_offload, unroll_options)
+                                      memory_options, optimizer_offload, pad_multiple, unroll_options)
 from draftling.train.ttt import StepCounts, UnrollOptions, step_row_bounds, step_valid_counts
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,8 @@ def resolve_memory_policy(tc: TrainConfig, device, shape, batch: int, seq: int, 
     mem = memory_options(fast, device, param_dtype=param_dtype)
     options = MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=param_dtype,
                                                 embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
-    need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, options)["total"]
+    multiple = pad_multiple(fast, mem["attention"])  # batches are padded up to it
+    need = estimate_train_memory(shape, batch, -(-seq // multiple) * multiple, tc.ttt_steps, options)["total"]
     free = torch.cuda.mem_get_info(device)[0]
     gib = 2 ** 30
     if need <= FAST_MEMORY_SHARE * free:
@@ -260,10 +261,18 @@ class RankBatch:
     row_bounds: list[int] | None = None  # ttt.step_row_bounds of its masks, counted on the host
 
 
+def batch_multiple(source: BatchSource) -> int:
+    """What a batch's length is padded up to a multiple of (settings.pad_multiple)."""
+    tc = source.cfg.train
+    attention = (source.unroll.attention if source.unroll is not None
+                 else memory_options(tc, source.device, torch.is_grad_enabled())["attention"])
+    return pad_multiple(tc, attention)
+
+
 def host_batch(source: BatchSource, chunk: list, stand_in: bool) -> tuple[dict, list[int]]:
-    """A share collated on the host (its loss mask final) and its step_row_bounds: all
+    """A share collated on the host (padded, its loss mask final) and its step_row_bounds: all
     from the examples' lists, so counting them reads nothing from the device."""
-    batch = collate(chunk, source.target.tokenizer.pad_token_id)
+    batch = collate(chunk, source.target.tokenizer.pad_token_id, batch_multiple(source))
     if stand_in:
         batch["loss_mask"].zero_()
     elif source.cfg.train.loss_on_prompt and torch.is_grad_enabled():
@@ -286,7 +295,8 @@ def load_batch(source: BatchSource, keys: list[int], t2d: torch.Tensor) -> RankB
 
 def teacher_outputs(source: BatchSource, share: list[int], lengths: list[int], batch: dict,
                     t2d: torch.Tensor) -> TeacherBatch:
-    """The teacher's outputs for this rank's ``share`` of a batch, collated as ``batch``."""
+    """The teacher's outputs for this rank's ``share`` of a batch, collated (and padded) as
+    ``batch``: the target runs on the padded batch; stored outputs are padded after."""
     cache, device, teacher_source = source.cache, source.device, source.teacher
     # An offline cache already holds the final outputs; kept states still need the head.
     if cache and teacher_source is not None and not teacher_source.cacheable:
@@ -301,7 +311,7 @@ def teacher_outputs(source: BatchSource, share: list[int], lengths: list[int], b
                                       compile=compile_teacher(source.cfg.train, device, target.model))
         if cache:
             teacher = cache.put(share, lengths, teacher)
-    return teacher
+    return teacher.padded(batch["input_ids"].shape[1])
 
 
 def unroll_batch(objective, source: BatchSource, batch: RankBatch):
@@ -735,7 +745,8 @@ def describe_run(run: TrainRun) -> None:
             f"attention {m.attention}, optimizer_offload {run.offload}, draft_dtype "
             f"{str(run.param_dtype).replace('torch.', '')}, embedding_on_host {tc.embedding_on_host}, compile "
             f"{m.compile} (layer {m.compile_layer}, teacher "
-            f"{compile_teacher(tc, run.target.device, run.target.model)}), autocast {m.autocast or 'off'}")
+            f"{compile_teacher(tc, run.target.device, run.target.model)}), autocast {m.autocast or 'off'}, "
+            f"pad_to_multiple {pad_multiple(tc, m.attention)}")
 
 
 @dataclasses.dataclass(frozen=True)

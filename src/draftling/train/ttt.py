@@ -140,6 +140,9 @@ def ttt_mask_mod(t: int | torch.Tensor, window: int = 0, n_blocks: int = 1):
     return mask_mod
 
 
+# flex_attention's block size (torch's default). A block mask is built per sequence length and
+# cached; batches padded to a multiple of it (train.pad_to_multiple) reuse a few masks.
+FLEX_BLOCK_SIZE = 128
 _BLOCK_MASKS: dict = {}
 _FLEX_FNS: dict = {}
 
@@ -155,7 +158,7 @@ def ttt_block_mask(t: int, n_blocks: int, device: torch.device, window: int = 0)
         t_value = torch.tensor(t, device=device)
         mask_mod = ttt_mask_mod(t_value, window, n_blocks)
         mask = create_block_mask(mask_mod, None, None, t, n_blocks * t, device=device,
-                                 _compile=torch.device(device).type == "cuda")
+                                 BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=torch.device(device).type == "cuda")
         _BLOCK_MASKS[key] = mask
     return mask
 
