@@ -145,3 +145,23 @@ def test_step_row_bounds_count_the_scored_positions():
     attn = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
     # Step j at t is scored when token t+2+j is a loss token.
     assert step_row_bounds(loss, attn, 3) == [3 + 1, 2 + 0, 1 + 0]
+
+
+def test_the_fixed_cost_script_runs_its_smoke_on_the_cpu(tmp_path, one_thread, monkeypatch):
+    import importlib.util
+    import sys
+
+    from tests.conftest import CHECKOUT
+
+    spec = importlib.util.spec_from_file_location("step_fixed_cost", CHECKOUT / "scripts/gpu/step_fixed_cost.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "step_fixed_cost", script)  # its dataclass looks itself up there
+    spec.loader.exec_module(script)
+    assert script.main(["--smoke", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "step-fixed-cost.json").read_text())
+    assert {"date", "gpu", "fixed_cost_s_before", "fixed_cost_s_after", "points"} <= set(out)
+    assert [(p["mode"], p["batch"], p["pad_to_multiple"]) for p in out["points"]] == [
+        ("before", 2, 1), ("before", 4, 1), ("after", 2, 16), ("after", 4, 16)]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert {"commit", "command", "config", "machine", "date"} <= set(manifest)
+    assert trainer.to_device is not None and ttt.ttt_unroll.__name__ == "ttt_unroll"  # the old reads undone
