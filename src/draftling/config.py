@@ -245,6 +245,11 @@ class TrainConfig:
     # Batch examples of similar length (sorted within groups of 16 batches, batch order
     # shuffled): less padding, same data per epoch. false = plain random batches.
     group_by_length: bool = True
+    # Right-pad each batch to a multiple of this many tokens (the padding carries no loss and
+    # changes no gradient). Flex attention builds a block mask per batch length and caches it:
+    # padded lengths are few, so masks are built once and reused. null = auto: flex's block
+    # size (128) when the attention is flex, else 1 (no padding).
+    pad_to_multiple: int | None = None
     # --- Memory (train/ttt.py, train/optim.py, train/host_embed.py). Each is exact against
     # the plain path up to float summation order; tests/test_train_memory.py checks that.
     # Draft head, log-softmax, soft CE and argmax over chunks of this many valid positions,
@@ -330,7 +335,8 @@ class TrainConfig:
             "keep_every_steps": NON_NEGATIVE,
             "val_every": ("an integer >= 0 (0 = only at the end)", lambda v: v >= 0),
             "teacher_cache_gb": NON_NEGATIVE, "max_minutes": ("a number >= 0 (0 = no limit)", lambda v: v >= 0),
-            "max_val_batches": AT_LEAST_ONE, "loss_chunk_tokens": ("an integer >= 0 (0 = off)", lambda v: v >= 0)})
+            "max_val_batches": AT_LEAST_ONE, "loss_chunk_tokens": ("an integer >= 0 (0 = off)", lambda v: v >= 0),
+            "pad_to_multiple": ("an integer >= 1 or null (auto)", lambda v: v >= 1)})
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"train.betas={list(self.betas)}: expected two numbers in [0, 1)")
         check_choices("train", self, TRAIN_CHOICES)

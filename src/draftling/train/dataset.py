@@ -12,9 +12,10 @@ from draftling.data.tokenized import TokenizedExample
 from draftling.errors import DataError
 
 
-def collate(examples: list[TokenizedExample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example in the batch."""
+def collate(examples: list[TokenizedExample], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example in the batch, rounded up to a multiple of ``multiple``."""
     t = max(len(e.input_ids) for e in examples)
+    t = -(-t // multiple) * multiple
     ids = torch.full((len(examples), t), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), t), dtype=torch.long)
     attn = torch.zeros((len(examples), t), dtype=torch.long)
@@ -24,6 +25,15 @@ def collate(examples: list[TokenizedExample], pad_id: int) -> dict[str, torch.Te
         mask[i, :n] = torch.tensor(e.loss_mask)
         attn[i, :n] = 1
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory without blocking: a copy
+    from pageable memory would make the host wait for everything queued before it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def fraction_pool(n: int, fraction: float, seed: int) -> list[int]:

@@ -112,11 +112,11 @@ class TTTObjective(torch.nn.Module):
         self.draft = draft
 
     def forward(self, embed, teacher, input_ids, loss_mask, attention_mask, options: UnrollOptions,
-                loss_denominators=None):
+                loss_denominators=None, row_bounds=None):
         from draftling.train.ttt import ttt_unroll  # looked up per call: a script may wrap it
 
         return ttt_unroll(self.draft, embed, teacher, input_ids, loss_mask, attention_mask, options,
-                          loss_denominators=loss_denominators)
+                          loss_denominators=loss_denominators, row_bounds=row_bounds)
 
 
 def wrap(draft: torch.nn.Module, ctx: DistContext, mode: str, param_dtype: torch.dtype,

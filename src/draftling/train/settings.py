@@ -14,7 +14,7 @@ import torch
 from draftling.config import TrainConfig
 from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.target.quant import has_plain_weights
-from draftling.train.ttt import UnrollOptions, flex_usable
+from draftling.train.ttt import FLEX_BLOCK_SIZE, UnrollOptions, flex_usable
 
 # train.memory_policy=auto: when the draft's estimated peak (train/plan.py) without activation
 # recomputation and with large loss chunks stays under this share of the device's free
@@ -65,6 +65,14 @@ def memory_options(tc: TrainConfig, device, training: bool = True,
             "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
             "compile_layer": bool(compile),
             "autocast": None if compute == "float32" else compute}
+
+
+def pad_multiple(tc: TrainConfig, attention: str) -> int:
+    """``train.pad_to_multiple``, null resolved for the batch's resolved ``attention``: flex's
+    block size for flex (a block mask per padded length, built once and cached), else 1."""
+    if tc.pad_to_multiple is not None:
+        return tc.pad_to_multiple
+    return FLEX_BLOCK_SIZE if attention == "flex" else 1
 
 
 def compile_teacher(tc: TrainConfig, device, target_model=None) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from draftling.errors import DataError
 from draftling.target import Target, aux_hidden_states
@@ -25,6 +26,18 @@ class TeacherBatch:
     draft_logits: torch.Tensor  # [B, T, V_d] target logits at the draft-vocab ids (target dtype)
     target_argmax: torch.Tensor  # [B, T] argmax over the FULL target vocab
     in_draft: torch.Tensor  # [B, T] bool: that argmax is in the draft vocab
+
+    def padded(self, length: int) -> "TeacherBatch":
+        """Right-padded with zeros to ``length`` positions, for a batch padded past its longest
+        row (train.pad_to_multiple): no loss ever reads a padded position."""
+        extra = length - self.aux.shape[1]
+        if extra <= 0:
+            return self
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, extra])
+
+        return TeacherBatch(pad(self.aux), pad(self.draft_logits), pad(self.target_argmax), pad(self.in_draft))
 
 
 @torch.no_grad()
@@ -43,6 +56,19 @@ def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: tor
     return head_outputs(target, torch.cat(aux, dim=-1), out.last_hidden_state, t2d, chunk_tokens)
 
 
+_DRAFT_IDS = WeakIdKeyDictionary()
+
+
+def draft_token_ids(t2d: torch.Tensor) -> torch.Tensor:
+    """The target ids of the draft vocab (where ``t2d`` is True, ascending), found once per
+    ``t2d`` tensor (and kept while it is unchanged): indexing by the mask itself would read its
+    count back from the device on every batch."""
+    found = _DRAFT_IDS.get(t2d)
+    if found is None or found[0] != t2d._version:
+        found = _DRAFT_IDS[t2d] = (t2d._version, t2d.nonzero().squeeze(1))
+    return found[1]
+
+
 @torch.no_grad()
 def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: torch.Tensor,
                  chunk_tokens: int = 2048) -> TeacherBatch:
@@ -50,10 +76,11 @@ def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: to
     head's draft-vocab logits and full-vocab argmax."""
     head = target.output_head()
     t2d = t2d.to(final.device)
+    ids = draft_token_ids(t2d)
     weight = plain_weight(head)
     # A quantized head (bitsandbytes, torchao, quanto) has no float rows to slice: its
     # draft-vocab logits are the columns of its own full output instead.
-    draft_rows = weight[t2d] if weight is not None else None  # [V_d, H]
+    draft_rows = weight[ids] if weight is not None else None  # [V_d, H]
     b, t, h = final.shape
     flat = final.reshape(-1, h)
     draft_logits, argmax = [], []
@@ -61,7 +88,7 @@ def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: to
         part = flat[start:start + chunk_tokens]
         logits = head(part)
         argmax.append(logits.argmax(-1))
-        draft_logits.append(part @ draft_rows.T if draft_rows is not None else logits[:, t2d])
+        draft_logits.append(part @ draft_rows.T if draft_rows is not None else logits[:, ids])
     argmax = torch.cat(argmax).view(b, t)
     return TeacherBatch(
         aux=aux,
@@ -163,4 +190,5 @@ class KeptStatesTeacher:
                 raise DataError(f"{self.states.path}: row {k} has states for {aux.shape[0]} tokens but "
                                 f"{n} tokens in the data; regenerate the data")
         aux, final = (pad_stack([r[i] for r in rows], t).to(device) for i in (0, 1))
-        return head_outputs(self.target, aux, final, self.t2d.to(device))
+        self.t2d = self.t2d.to(device)  # once: head_outputs finds the draft ids once per t2d tensor
+        return head_outputs(self.target, aux, final, self.t2d)

@@ -31,7 +31,7 @@ from draftling.target import Target
 from draftling.train.checkpoint import (KeepPolicy, latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
                                         set_rng_state)
 from draftling.train.convergence import ConvergenceDetector, SmokeBench, SmokeMonitor, verdict_line
-from draftling.train.dataset import EpochBatches, collate
+from draftling.train.dataset import EpochBatches, collate, to_device
 from draftling.train.distributed import (DistContext, TTTObjective, all_reduce_sum, any_rank,
                                          barrier, current, full_model_state, full_optimizer_state, is_sharded,
                                          load_optimizer_state, rank_share, unwrap, wrap)
@@ -39,8 +39,8 @@ from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import build_optimizer
 from draftling.train.teacher import KeptStatesTeacher, TeacherBatch, TeacherCache, TeacherSource, teacher_forward
 from draftling.train.settings import (FAST_MEMORY_SHARE, compile_teacher, draft_param_dtype, fast_train_config,
-                                      memory_options, optimizer_offload, unroll_options)
-from draftling.train.ttt import StepCounts, UnrollOptions, step_valid_counts
+                                      memory_options, optimizer_offload, pad_multiple, unroll_options)
+from draftling.train.ttt import StepCounts, UnrollOptions, step_row_bounds, step_valid_counts
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,8 @@ def resolve_memory_policy(tc: TrainConfig, device, shape, batch: int, seq: int, 
     mem = memory_options(fast, device, param_dtype=param_dtype)
     options = MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=param_dtype,
                                                 embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
-    need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, options)["total"]
+    multiple = pad_multiple(fast, mem["attention"])  # batches are padded up to it
+    need = estimate_train_memory(shape, batch, -(-seq // multiple) * multiple, tc.ttt_steps, options)["total"]
     free = torch.cuda.mem_get_info(device)[0]
     gib = 2 ** 30
     if need <= FAST_MEMORY_SHARE * free:
@@ -203,22 +204,17 @@ def draft_embedding(cfg: RunConfig, target: Target, device):
     return host
 
 
-def _global_counts(counts: StepCounts, extras: list[float], ctx: DistContext, device):
-    """Sum the step counts and extra scalars over ranks (one collective)."""
-    if not ctx.active:
-        return counts, extras
-    fields, walk = StepCounts.FIELDS, StepCounts.WALK_FIELDS
-    flat = ([float(x) for f in fields for x in getattr(counts, f)] + [float(getattr(counts, f)) for f in walk]
-            + [float(x) for x in extras])
-    total = all_reduce_sum(torch.tensor(flat, dtype=torch.float64, device=device), ctx).tolist()
-    out = StepCounts(counts.steps)
-    for i, f in enumerate(fields):
-        values = total[i * counts.steps:(i + 1) * counts.steps]
-        setattr(out, f, values if f == "loss_sum" else [int(round(v)) for v in values])
-    end = len(fields) * counts.steps
-    for i, f in enumerate(walk):
-        setattr(out, f, int(round(total[end + i])))
-    return out, total[end + len(walk):]
+def read_counts(counts: StepCounts, extras: list, ctx: DistContext) -> tuple[StepCounts, list[float]]:
+    """``counts`` and ``extras`` (device scalars or host numbers) summed over ranks and read to
+    the host: one collective and one read, once per log line (every rank calls it there)."""
+    steps, device = counts.steps, counts.sums.device
+    tail = [torch.as_tensor(x, dtype=torch.float64, device=device).reshape(1)
+            for x in (counts.walk_rounds, counts.walk_accepted, *extras)]
+    values = all_reduce_sum(torch.cat([counts.sums.flatten(), *tail]), ctx).tolist()
+    n = len(StepCounts.FIELDS) * steps
+    out = StepCounts(steps, torch.tensor(values[:n], dtype=torch.float64).view(-1, steps),
+                     walk_rounds=int(round(values[n])), walk_accepted=int(round(values[n + 1])))
+    return out, values[n + 2:]
 
 
 def kept_states_teacher(target: Target, jsonl_path, t2d, say) -> KeptStatesTeacher | None:
@@ -261,6 +257,28 @@ class RankBatch:
     tensors: dict  # input_ids, loss_mask, attention_mask
     teacher: TeacherBatch
     stand_in: bool  # a stand-in share (see rank_share): its loss mask is zero
+    tokens: int = 0  # its real tokens (none for a stand-in), counted on the host
+    row_bounds: list[int] | None = None  # ttt.step_row_bounds of its masks, counted on the host
+
+
+def batch_multiple(source: BatchSource) -> int:
+    """What a batch's length is padded up to a multiple of (settings.pad_multiple)."""
+    tc = source.cfg.train
+    attention = (source.unroll.attention if source.unroll is not None
+                 else memory_options(tc, source.device, torch.is_grad_enabled())["attention"])
+    return pad_multiple(tc, attention)
+
+
+def host_batch(source: BatchSource, chunk: list, stand_in: bool) -> tuple[dict, list[int]]:
+    """A share collated on the host (padded, its loss mask final) and its step_row_bounds: all
+    from the examples' lists, so counting them reads nothing from the device."""
+    batch = collate(chunk, source.target.tokenizer.pad_token_id, batch_multiple(source))
+    if stand_in:
+        batch["loss_mask"].zero_()
+    elif source.cfg.train.loss_on_prompt and torch.is_grad_enabled():
+        # Every real position has a teacher label; validation keeps the assistant-only mask.
+        batch["loss_mask"] = batch["attention_mask"].clone()
+    return batch, step_row_bounds(batch["loss_mask"], batch["attention_mask"], source.cfg.train.ttt_steps)
 
 
 def load_batch(source: BatchSource, keys: list[int], t2d: torch.Tensor) -> RankBatch:
@@ -269,18 +287,16 @@ def load_batch(source: BatchSource, keys: list[int], t2d: torch.Tensor) -> RankB
     share, stand_in = rank_share(keys, source.ctx)
     chunk = [source.examples[k] for k in share]
     lengths = [len(e.input_ids) for e in chunk]
-    batch = {k: v.to(source.device) for k, v in collate(chunk, source.target.tokenizer.pad_token_id).items()}
-    if stand_in:
-        batch["loss_mask"].zero_()
-    elif source.cfg.train.loss_on_prompt and torch.is_grad_enabled():
-        # Every real position has a teacher label; validation keeps the assistant-only mask.
-        batch["loss_mask"] = batch["attention_mask"].clone()
-    return RankBatch(batch, teacher_outputs(source, share, lengths, batch, t2d), stand_in)
+    host, bounds = host_batch(source, chunk, stand_in)
+    batch = {k: to_device(v, source.device) for k, v in host.items()}
+    return RankBatch(batch, teacher_outputs(source, share, lengths, batch, t2d), stand_in,
+                     0 if stand_in else sum(lengths), bounds)
 
 
 def teacher_outputs(source: BatchSource, share: list[int], lengths: list[int], batch: dict,
                     t2d: torch.Tensor) -> TeacherBatch:
-    """The teacher's outputs for this rank's ``share`` of a batch, collated as ``batch``."""
+    """The teacher's outputs for this rank's ``share`` of a batch, collated (and padded) as
+    ``batch``: the target runs on the padded batch; stored outputs are padded after."""
     cache, device, teacher_source = source.cache, source.device, source.teacher
     # An offline cache already holds the final outputs; kept states still need the head.
     if cache and teacher_source is not None and not teacher_source.cacheable:
@@ -295,7 +311,7 @@ def teacher_outputs(source: BatchSource, share: list[int], lengths: list[int], b
                                       compile=compile_teacher(source.cfg.train, device, target.model))
         if cache:
             teacher = cache.put(share, lengths, teacher)
-    return teacher
+    return teacher.padded(batch["input_ids"].shape[1])
 
 
 def unroll_batch(objective, source: BatchSource, batch: RankBatch):
@@ -305,15 +321,14 @@ def unroll_batch(objective, source: BatchSource, batch: RankBatch):
     tc, device, ctx, b = source.cfg.train, source.device, source.ctx, batch.tensors
     draft = unwrap(objective)
     denominators = None
-    if ctx.active:
+    if ctx.active:  # on the device: the unroll divides by them there
         valid = step_valid_counts(b["loss_mask"], b["attention_mask"], batch.teacher.in_draft,
                                   tc.ttt_steps).to(torch.float64)
-        denominators = (all_reduce_sum(valid, ctx) / ctx.world_size).tolist()
+        denominators = all_reduce_sum(valid, ctx) / ctx.world_size
     options = source.unroll or unroll_options(tc, device, torch.is_grad_enabled(), next(draft.parameters()).dtype)
     loss, counts = objective(draft_embedding(source.cfg, source.target, device), batch.teacher, b["input_ids"],
-                             b["loss_mask"], b["attention_mask"], options, denominators)
-    tokens = 0 if batch.stand_in else int(b["attention_mask"].sum())
-    return loss, counts, tokens
+                             b["loss_mask"], b["attention_mask"], options, denominators, batch.row_bounds)
+    return loss, counts, batch.tokens
 
 
 def run_batch(objective, source: BatchSource, keys: list[int]):
@@ -331,23 +346,23 @@ def evaluate(objective, target: Target, examples, cfg: RunConfig, device, max_ba
     if isinstance(objective, Eagle3Draft):
         objective = TTTObjective(objective)
     objective.eval()
-    counts = StepCounts(cfg.train.ttt_steps)
-    loss = 0.0
+    counts = StepCounts(cfg.train.ttt_steps, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     n = 0
     bs = cfg.train.batch_size
     source = BatchSource(cfg, target, examples, device, ctx, teacher_source)
     for i in range(0, min(len(examples), max_batches * bs), bs):
         keys = list(range(i, min(i + bs, len(examples))))
         l, c, _ = run_batch(objective, source, keys)
-        c, (l_sum,) = _global_counts(c, [l.item()], ctx, device)
         counts.add(c)
-        loss += l_sum / ctx.world_size
+        loss = loss + l.double()
         n += 1
+    counts, (loss,) = read_counts(counts, [loss], ctx)
     if hasattr(objective, "reshard"):  # FSDP: a forward without backward leaves params gathered
         objective.reshard()
     objective.train()
     m = counts.metrics()
-    m["loss"] = loss / max(n, 1)
+    m["loss"] = loss / ctx.world_size / max(n, 1)
     return m
 
 
@@ -730,7 +745,8 @@ def describe_run(run: TrainRun) -> None:
             f"attention {m.attention}, optimizer_offload {run.offload}, draft_dtype "
             f"{str(run.param_dtype).replace('torch.', '')}, embedding_on_host {tc.embedding_on_host}, compile "
             f"{m.compile} (layer {m.compile_layer}, teacher "
-            f"{compile_teacher(tc, run.target.device, run.target.model)}), autocast {m.autocast or 'off'}")
+            f"{compile_teacher(tc, run.target.device, run.target.model)}), autocast {m.autocast or 'off'}, "
+            f"pad_to_multiple {pad_multiple(tc, m.attention)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -804,7 +820,7 @@ def train_loop(run: TrainRun) -> float:
     if sys.stderr.isatty() and ctx.is_main:
         from tqdm import tqdm
         progress = tqdm(total=run.total_steps, initial=run.step, desc="train", leave=False)
-    window = StepWindow(tc.ttt_steps)
+    window = StepWindow(tc.ttt_steps, device)
     t_start = run.segment_start = time.perf_counter()
     run.segment_step = run.step
     fit = FitToTime(tc, run.total_steps, t_start, run.step, ctx, device) if tc.fit_schedule else None
@@ -815,8 +831,7 @@ def train_loop(run: TrainRun) -> float:
             run.total_steps = run.schedule.total = fit.refit(run.step)
             if progress is not None:
                 progress.total = run.total_steps
-        counts, (loss_sum, tokens) = _global_counts(counts, [loss.item(), tokens], ctx, device)
-        window.add(counts, loss_sum / ctx.world_size, int(tokens))
+        window.add(counts, loss, tokens)  # stays on the device until the log line
         if progress is not None:
             progress.update(1)
         if run.step % tc.log_every == 0 or run.step == run.total_steps:
@@ -871,28 +886,32 @@ def smoke_check(run: TrainRun) -> float:
 
 
 class StepWindow:
-    """The counts, loss and tokens since the last log line."""
+    """The counts, loss and tokens since the last log line. Counts and loss stay on the device
+    until ``log`` reads them (summed over ranks): the steps between never wait for the device."""
 
-    def __init__(self, ttt_steps: int):
-        self.ttt_steps = ttt_steps
+    def __init__(self, ttt_steps: int, device):
+        self.ttt_steps, self.device = ttt_steps, device
         self.reset()
 
     def reset(self) -> None:
-        self.counts, self.loss, self.tokens = StepCounts(self.ttt_steps), 0.0, 0
+        self.counts = StepCounts(self.ttt_steps, device=self.device)
+        self.loss, self.tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
         self.t0 = time.perf_counter()
 
-    def add(self, counts: StepCounts, loss: float, tokens: int) -> None:
+    def add(self, counts: StepCounts, loss: torch.Tensor, tokens: int) -> None:
         self.counts.add(counts)
-        self.loss += loss
+        self.loss = self.loss + loss.detach().double()
         self.tokens += tokens
 
     def log(self, run: TrainRun) -> None:
-        every, step = run.cfg.train.log_every, run.step
-        m = self.counts.metrics()
+        every, step, world = run.cfg.train.log_every, run.step, run.ctx.world_size
+        counts, (loss, tokens) = read_counts(self.counts, [self.loss, self.tokens], run.ctx)
+        m = counts.metrics()
         n_logged = every if step % every == 0 else step % every
-        now = time.perf_counter()
-        m.update(step=step, epoch=run.batches.position(step - 1)[0], loss=self.loss / n_logged,
-                 lr=run.scheduler.get_last_lr()[0], tok_s=self.tokens / (now - self.t0), window_tokens=self.tokens,
+        now = time.perf_counter()  # after the read: the window's steps have finished on the device
+        tokens = int(tokens)
+        m.update(step=step, epoch=run.batches.position(step - 1)[0], loss=loss / world / n_logged,
+                 lr=run.scheduler.get_last_lr()[0], tok_s=tokens / (now - self.t0), window_tokens=tokens,
                  segment=run.segment_step, wall_s=now - run.segment_start, split="train")
         if run.metrics_log:
             run.metrics_log.write(m, format_line(f"step {step}/{run.total_steps}", m)

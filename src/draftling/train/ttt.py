@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -140,6 +140,9 @@ def ttt_mask_mod(t: int | torch.Tensor, window: int = 0, n_blocks: int = 1):
     return mask_mod
 
 
+# flex_attention's block size (torch's default). A block mask is built per sequence length and
+# cached; batches padded to a multiple of it (train.pad_to_multiple) reuse a few masks.
+FLEX_BLOCK_SIZE = 128
 _BLOCK_MASKS: dict = {}
 _FLEX_FNS: dict = {}
 
@@ -155,7 +158,7 @@ def ttt_block_mask(t: int, n_blocks: int, device: torch.device, window: int = 0)
         t_value = torch.tensor(t, device=device)
         mask_mod = ttt_mask_mod(t_value, window, n_blocks)
         mask = create_block_mask(mask_mod, None, None, t, n_blocks * t, device=device,
-                                 _compile=torch.device(device).type == "cuda")
+                                 BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=torch.device(device).type == "cuda")
         _BLOCK_MASKS[key] = mask
     return mask
 
@@ -266,10 +269,10 @@ def teacher_logsumexp(teacher_logits: torch.Tensor, rows_per_pass: int = 1024) -
 
 
 def _soft_ce_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
-                   hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor):
+                   hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor, keep: torch.Tensor):
     """Summed soft cross-entropy of the draft head on ``hidden`` [C, H] against
-    softmax(teacher_logits[rows_b, rows_t]) (= exp(logits - teacher_lse)), plus the draft
-    argmax per row.
+    softmax(teacher_logits[rows_b, rows_t]) (= exp(logits - teacher_lse)) over the rows
+    where ``keep`` (the others only fill a fixed-size chunk), plus the draft argmax per row.
 
     The teacher rows are gathered in here (from indices), not passed in, so a checkpoint
     of this function keeps only indices alive until backward, not [C, V] logits."""
@@ -277,15 +280,15 @@ def _soft_ce_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse
     logp = logits.log_softmax(-1)
     target_p = (teacher_logits[rows_b, rows_t].float() - teacher_lse[rows_b, rows_t, None]).exp()
     token_loss = -(target_p * logp).sum(-1)
-    return token_loss.sum(), logits.argmax(-1)
+    return torch.where(keep, token_loss, 0.0).sum(), logits.argmax(-1)
 
 
 def _checkpointed_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
-                        hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor):
+                        hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor, keep: torch.Tensor):
     """One loss chunk recomputed in backward: only its inputs (and indices) stay alive. The
     teacher logits are bound, not passed, so the checkpoint does not count them as saved."""
     chunk = functools.partial(_soft_ce_chunk, draft, teacher_logits, teacher_lse)
-    return checkpoint(chunk, hidden, rows_b, rows_t, use_reentrant=False)
+    return checkpoint(chunk, hidden, rows_b, rows_t, keep, use_reentrant=False)
 
 
 _COMPILED_CHUNKS: dict = {}
@@ -302,68 +305,78 @@ def compiled_chunk_fn(backend="inductor"):
 
 
 def _loss_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
-                hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor, compile):
+                hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor, keep: torch.Tensor, compile):
     if not torch.is_grad_enabled():
-        return _soft_ce_chunk(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t)
+        return _soft_ce_chunk(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t, keep)
     # Sizes 0 and 1 would each get a specialised graph; such chunks are rare and tiny.
     if compile and hidden.shape[0] >= 2:
         # Dynamic from the first call: the last chunk of every step has another size, and
         # batches have other lengths; without this each new size costs a recompile.
-        for x in (hidden, rows_b, rows_t):
+        for x in (hidden, rows_b, rows_t, keep):
             torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(teacher_logits, 0)
         torch._dynamo.maybe_mark_dynamic(teacher_logits, 1)
         torch._dynamo.maybe_mark_dynamic(teacher_lse, 0)
         torch._dynamo.maybe_mark_dynamic(teacher_lse, 1)
         backend = "inductor" if compile is True else compile
-        return compiled_chunk_fn(backend)(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t)
-    return _checkpointed_chunk(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t)
+        return compiled_chunk_fn(backend)(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t, keep)
+    return _checkpointed_chunk(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t, keep)
 
 
-@dataclass
 class StepCounts:
-    """Summed counts over batches, so metrics are exact over any number of batches."""
+    """Summed counts over batches, so metrics are exact over any number of batches.
 
-    steps: int
-    loss_sum: list[float] = field(default_factory=list)
-    valid: list[int] = field(default_factory=list)  # positions with a loss (target argmax in the draft vocab)
-    correct: list[int] = field(default_factory=list)
-    chain_valid: list[int] = field(default_factory=list)  # scored and all earlier steps correct
-    chain_correct: list[int] = field(default_factory=list)
-    # Every loss-masked position, also where the target's argmax is outside the draft vocab:
-    # decoding always misses there, so accuracies count those as misses (all zero = use valid).
-    scored: list[int] = field(default_factory=list)
+    The per-step sums (FIELDS, one row each) are one float64 tensor ``sums`` [6, steps] on the
+    device that counted them: adding counts stays there, and only reading a field or
+    ``metrics()`` copies them to the host (one sync), so training reads them once per log line.
+    Fields given by name (host lists) start a tally on the host."""
+
+    # valid: positions with a loss (target argmax in the draft vocab); chain_valid: scored and
+    # all earlier steps correct; scored: every loss-masked position, also where the target's
+    # argmax is outside the draft vocab: decoding always misses there, so accuracies count those
+    # as misses (all zero = use valid).
+    FIELDS = ("loss_sum", "valid", "correct", "chain_valid", "chain_correct", "scored")
     # Without gradients (validation): the chain decode walked over each sequence (chain_walk).
-    walk_rounds: int = 0
-    walk_accepted: int = 0
-
-    FIELDS = ("loss_sum", "valid", "correct", "chain_valid", "chain_correct", "scored")  # per-step sums
     WALK_FIELDS = ("walk_rounds", "walk_accepted")
 
-    def __post_init__(self):
-        for name in self.FIELDS:
-            if not getattr(self, name):
-                setattr(self, name, [0] * self.steps)
+    def __init__(self, steps: int, sums: torch.Tensor | None = None, *, device=None, walk_rounds: int = 0,
+                 walk_accepted: int = 0, **per_step: Sequence[float]):
+        if sums is None:
+            sums = torch.zeros(len(self.FIELDS), steps, dtype=torch.float64, device=device)
+            for name, values in per_step.items():
+                sums[self.FIELDS.index(name)] = torch.tensor(values, dtype=torch.float64)
+        self.steps, self.sums = steps, sums
+        self.walk_rounds, self.walk_accepted = walk_rounds, walk_accepted
+
+    def __getattr__(self, name: str) -> list:
+        if name not in StepCounts.FIELDS:
+            raise AttributeError(name)
+        return self.rows()[StepCounts.FIELDS.index(name)]
+
+    def rows(self) -> list[list]:
+        """The per-step sums on the host, in FIELDS order: floats for loss_sum, ints for counts."""
+        loss_sum, *counts = self.sums.tolist()
+        return [loss_sum, *([int(x) for x in row] for row in counts)]
 
     def add(self, other: "StepCounts") -> None:
-        for name in self.FIELDS:
-            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        self.sums = self.sums + other.sums
         for name in self.WALK_FIELDS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def metrics(self) -> dict:
-        scored = self.scored if any(self.scored) else self.valid
-        acc = [c / v if v else 0.0 for c, v in zip(self.correct, scored)]
-        cond = [c / v if v else 0.0 for c, v in zip(self.chain_correct, self.chain_valid)]
+        loss_sum, valid, correct, chain_valid, chain_correct, scored = self.rows()
+        scored = scored if any(scored) else valid
+        acc = [c / v if v else 0.0 for c, v in zip(correct, scored)]
+        cond = [c / v if v else 0.0 for c, v in zip(chain_correct, chain_valid)]
         tau, prod = 1.0, 1.0
         for c in cond:
             prod *= c
             tau += prod
-        loss = [s / v if v else 0.0 for s, v in zip(self.loss_sum, self.valid)]
+        loss = [s / v if v else 0.0 for s, v in zip(loss_sum, valid)]
         # The share of step-0 positions whose target argmax the draft vocab holds: acc's ceiling.
-        coverage = self.valid[0] / scored[0] if scored and scored[0] else 0.0
+        coverage = valid[0] / scored[0] if scored and scored[0] else 0.0
         out = {"loss_per_step": loss, "acc": acc, "cond_acc": cond, "sim_tau": tau,
-               "vocab_coverage": coverage, "tokens": self.valid[0] if self.valid else 0}
+               "vocab_coverage": coverage, "tokens": valid[0] if valid else 0}
         if self.walk_rounds:
             # What a greedy chain-`steps` decode of these sequences measures (bonus counted).
             out["chain_tau"] = (self.walk_rounds + self.walk_accepted) / self.walk_rounds
@@ -415,10 +428,21 @@ def step_valid_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor,
     return step_masks(loss_mask.bool() & attention_mask.bool(), in_draft, steps)[1].sum((1, 2))
 
 
-def _denominator(denominators, j: int, n_valid: int) -> float:
+def step_row_bounds(loss_mask: torch.Tensor, attention_mask: torch.Tensor, steps: int) -> list[int]:
+    """[steps] scored positions per TTT step: a bound on the rows with a loss that needs no
+    teacher. From the host's copy of a batch's masks it costs no device read; it is what
+    ``ttt_unroll(row_bounds=...)`` sizes the chunked loss by."""
+    mask = loss_mask.bool() & attention_mask.bool()
+    return [int(shift_left(mask, 2 + j, False).sum()) for j in range(steps)]
+
+
+def _denominator(denominators, j: int, n_valid: torch.Tensor):
+    """Step j's loss divisor: this batch's valid count, or the given one (a number or a tensor
+    element, which stays on the device)."""
     if denominators is None:
-        return max(n_valid, 1)
-    return max(float(denominators[j]), 1e-12)
+        return n_valid.clamp(min=1)
+    d = denominators[j]
+    return d.clamp(min=1e-12).float() if isinstance(d, torch.Tensor) else max(float(d), 1e-12)
 
 
 @dataclass(frozen=True)
@@ -446,7 +470,8 @@ class UnrollOptions:
 def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
                input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor,
                options: UnrollOptions | int | None = None, *,
-               loss_denominators: Sequence[float] | None = None, **overrides) -> tuple[torch.Tensor, StepCounts]:
+               loss_denominators: Sequence[float] | torch.Tensor | None = None,
+               row_bounds: Sequence[int] | None = None, **overrides) -> tuple[torch.Tensor, StepCounts]:
     """Run the k-step unroll. Returns the weighted loss (mean over valid tokens per step)
     and the counts behind the per-step and conditional accuracies.
 
@@ -458,7 +483,13 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
 
     ``loss_denominators``: step j's summed loss is divided by ``loss_denominators[j]``
     instead of this batch's valid count. Data parallelism passes the global count over
-    world size, so averaged gradients equal those of one process on the whole batch.
+    world size, so averaged gradients equal those of one process on the whole batch. A tensor
+    stays on the device.
+
+    ``row_bounds``: per step, at least as many rows as carry a loss (``step_row_bounds`` of the
+    host's masks). The chunked loss then takes its rows at those fixed sizes, padded with rows it
+    leaves out, and the unroll reads nothing back from the device; without them it reads the
+    exact counts once. The counts come back on the device (see StepCounts).
 
     Without gradients (validation) the counts also hold a chain walk over each sequence
     (``chain_walk``), which costs a host sync: ``metrics()["chain_tau"]``.
@@ -468,7 +499,8 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     if isinstance(autocast, str):
         autocast = getattr(torch, autocast)
     with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        return _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options, loss_denominators)
+        return _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options, loss_denominators,
+                       row_bounds)
 
 
 def _with_overrides(options: UnrollOptions | int | None, overrides: dict) -> UnrollOptions:
@@ -484,11 +516,11 @@ def _with_overrides(options: UnrollOptions | int | None, overrides: dict) -> Unr
 
 
 def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options: UnrollOptions,
-            loss_denominators):
+            loss_denominators, row_bounds):
     loss_mask = loss_mask.bool() & attention_mask.bool()
     scored_steps, valid_steps = step_masks(loss_mask, teacher.in_draft, options.steps)
     layer = _LayerSteps(draft, embed, teacher, input_ids, options)
-    step_loss = _StepLoss(draft, teacher, valid_steps, options, loss_denominators)
+    step_loss = _StepLoss(draft, teacher, valid_steps, options, loss_denominators, row_bounds)
     tally = _StepTally(scored_steps)
     total = layer.hidden.new_zeros((), dtype=torch.float32)
     for j in range(options.steps):
@@ -532,10 +564,11 @@ class _LayerSteps:
 class _StepLoss:
     """Step j's loss against the teacher: (summed soft cross-entropy, valid count, [B, T] where
     the draft's argmax matches the teacher's, the sum over its denominator). Over chunks of the
-    valid rows with ``loss_chunk_tokens``, else over the whole batch's logits."""
+    valid rows with ``loss_chunk_tokens``, else over the whole batch's logits. Nothing is read
+    back from the device when the chunked loss has its row bounds."""
 
     def __init__(self, draft: Eagle3Draft, teacher: TeacherBatch, valid_steps: torch.Tensor,
-                 options: UnrollOptions, denominators):
+                 options: UnrollOptions, denominators, row_bounds: Sequence[int] | None):
         self.draft, self.teacher, self.valid_steps = draft, teacher, valid_steps
         self.chunk, self.denominators = options.loss_chunk_tokens, denominators
         self.draft_argmax = teacher.draft_logits.argmax(-1)
@@ -544,34 +577,36 @@ class _StepLoss:
                 teacher_lse = teacher_logsumexp(teacher.draft_logits)
             self.chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, teacher_lse,
                                               compile=options.compile)
-            # The chunked loss's row indices for all steps come from one nonzero up front and the
-            # counts stay on the device until the end: host syncs only before and after the step
-            # loop, none inside it, so the host keeps queueing kernels ahead of the device.
-            js, vbs, vts = valid_steps.nonzero(as_tuple=True)  # ordered by step
-            sizes = torch.bincount(js, minlength=options.steps).tolist()
-            self.step_rows = list(zip(vbs.split(sizes), vts.split(sizes)))
+            # Without bounds from the host: the exact counts, read once before the step loop.
+            self.bounds = list(row_bounds) if row_bounds is not None else valid_steps.sum((1, 2)).tolist()
 
     def __call__(self, j: int, hidden: torch.Tensor):
         # The label for position t at step j is the target's prediction at t+1+j.
         return self.chunked(j, hidden) if self.chunk > 0 else self.whole(j, hidden)
 
     def chunked(self, j: int, hidden: torch.Tensor):
-        vb, vt = self.step_rows[j]
-        n_valid, c = vb.numel(), self.chunk
-        rows = hidden[vb, vt]  # [N, H]: only the valid positions ever reach the head
+        b, t = hidden.shape[:2]
+        n, c = self.bounds[j], self.chunk
+        # Step j's valid positions (flat, in order) at the host-known size n: the spare ones are
+        # b*t, no position. They read position 0 and are left out of the sum and the hits.
+        flat = torch.nonzero_static(self.valid_steps[j].flatten(), size=n, fill_value=b * t).squeeze(1)
+        keep = flat < b * t
+        at = torch.where(keep, flat, 0)
+        vb, label_t = at // t, (at % t + 1 + j).clamp(max=t - 1)  # only spare rows ever clamp
+        rows = hidden.flatten(0, 1)[at]  # [n, H]: only the valid positions ever reach the head
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         argmax = []
         # At least one (possibly empty) chunk, so the head always joins the graph.
-        for s in range(0, max(n_valid, 1), c):
-            part, am = self.chunk_fn(rows[s:s + c], vb[s:s + c], vt[s:s + c] + 1 + j)
+        for s in range(0, max(n, 1), c):
+            part, am = self.chunk_fn(rows[s:s + c], vb[s:s + c], label_t[s:s + c], keep[s:s + c])
             loss_sum = loss_sum + part
             argmax.append(am)
+        n_valid = self.valid_steps[j].sum()
         step_loss = loss_sum / _denominator(self.denominators, j, n_valid)
         with torch.no_grad():
-            correct = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-            correct[vb, vt] = torch.cat(argmax) == self.draft_argmax[vb, vt + 1 + j]
-            n_valid = torch.tensor(n_valid, device=hidden.device)
-        return loss_sum, n_valid, correct, step_loss
+            hits = torch.zeros(b * t + 1, dtype=torch.bool, device=hidden.device)  # the last: spare rows
+            hits[flat] = torch.cat(argmax) == self.draft_argmax[vb, label_t]
+        return loss_sum, n_valid, hits[:-1].view(b, t), step_loss
 
     def whole(self, j: int, hidden: torch.Tensor):
         valid = self.valid_steps[j]
@@ -581,17 +616,15 @@ class _StepLoss:
         token_loss = -(target_p * logp).sum(-1)
         loss_sum = (token_loss * valid).sum()
         n_valid = valid.sum()
-        denominator = (n_valid.clamp(min=1) if self.denominators is None
-                       else _denominator(self.denominators, j, 0))
-        step_loss = loss_sum / denominator
+        step_loss = loss_sum / _denominator(self.denominators, j, n_valid)
         with torch.no_grad():
             correct = (logits.argmax(-1) == shift_left(self.draft_argmax, 1 + j)) & valid
         return loss_sum, n_valid, correct, step_loss
 
 
 class _StepTally:
-    """The per-step counts, kept on the device until the unroll ends (one host sync), and
-    without gradients (validation) each step's hits for the chain walk."""
+    """The per-step counts, kept on the device (a StepCounts over one [6, steps] tensor), and
+    without gradients (validation) each step's hits for the chain walk, which reads them."""
 
     def __init__(self, scored_steps: torch.Tensor):
         self.scored_steps = scored_steps
@@ -612,9 +645,7 @@ class _StepTally:
                                               scored.sum().double()]))
 
     def counts(self, loss_mask: torch.Tensor) -> StepCounts:
-        rows = torch.stack(self.per_step).T.tolist()  # [field][step], in StepCounts.FIELDS order
-        counts = StepCounts(len(self.per_step), loss_sum=rows[0],
-                            **{name: [int(x) for x in col] for name, col in zip(StepCounts.FIELDS[1:], rows[1:])})
+        counts = StepCounts(len(self.per_step), torch.stack(self.per_step, dim=1))  # [field, step]
         if self.walking:
             flags = torch.stack(self.correct_steps).cpu().tolist()  # [steps][b][t]
             for i, mask in enumerate(loss_mask.cpu().tolist()):
