@@ -36,7 +36,7 @@ fi
 if [ ! -f $S/data/vocab.safetensors ]; then
   mkdir -p $S
   if [ "${RESTORE:-0}" = 1 ] && [ ! -d $J ]; then
-    mkdir -p $J && cp .dev/j/journal.json $J/ && cat .dev/j/replies.jsonl.gz.* | gunzip \
+    mkdir -p $J && cp ${JDIR:-.dev/j}/journal.json $J/ && cat ${JDIR:-.dev/j}/replies.jsonl.gz.* | gunzip \
       | python3 -c 'import json,sys
 for line in sys.stdin:
     r = json.loads(line); r.pop("split", None); r.pop("run", None); print(json.dumps(r, ensure_ascii=False))' > $J/replies.jsonl
