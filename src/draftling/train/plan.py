@@ -37,8 +37,9 @@ beside each measurement.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
+
+from draftling.config import parse_size
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -482,18 +483,6 @@ def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype:
 
 
 # --- resolving a run config ------------------------------------------------------------------
-
-def parse_size(text: str) -> int:
-    """'80GiB', '24GB', '24G', '512MiB', '141' (GiB) -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(text), flags=re.IGNORECASE)
-    if not m:
-        raise ValueError(f"size {text!r}: expected e.g. 80GiB, 24GB or 141 (GiB)")
-    value, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    if not unit:
-        return int(value * GIB)
-    power = "KMGT".index(unit) + 1
-    return int(value * (1024 if binary or not m.group(0).strip().upper().endswith("B") else 1000) ** power)
-
 
 def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> MemoryOptions:
     """The trainer's choices for one CUDA process (train/settings.py), with the device's size
