@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftling.config import load_config
 from draftling.errors import ConfigError, TargetError
 from draftling.target import load_target, load_target_from_config
-from draftling.target.devmap import Placement, dispatched_devices
+from draftling.target.devmap import Placement, dispatched_devices, resident_weight
 from draftling.train.teacher import teacher_forward
 from tests.conftest import TINY_VOCAB, random_batch, run_draftling, setup_data
 
@@ -67,6 +67,8 @@ def test_the_dispatched_teacher_gives_the_single_device_states_and_logits(tiny_d
     layers = split.model.model.layers
     assert layers[1].mlp.up_proj.weight.device.type == "meta"  # really offloaded: loaded per call
     assert split.output_head().weight.device.type == "meta" and split.device == torch.device("cpu")
+    # draft.init_from_target reads the offloaded head's values from accelerate's weights map.
+    assert torch.equal(resident_weight(split.output_head()), plain.output_head().weight)
     rows = random_batch(n=3, t=16)
     ids = torch.tensor([r["input_ids"][:14] for r in rows])
     t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
@@ -94,7 +96,8 @@ def test_two_training_steps_with_the_dispatched_teacher_give_the_same_draft(tiny
     for name, extra in (("plain", []), ("split", split)):
         assert main(["train", "--target", str(tiny_dir), "--device", "cpu", "--data", str(tmp_path),
                      "--run-dir", str(tmp_path / name), "train.max_steps=2", "train.batch_size=4",
-                     "train.ttt_steps=2", "train.warmup_steps=1", "train.lr=1e-3", *extra]) == 0
+                     "train.ttt_steps=2", "train.warmup_steps=1", "train.lr=1e-3",
+                     "draft.init_from_target=true", *extra]) == 0  # reads the offloaded head's rows
     assert caplog.text.count("placed by device_map") == 1 and "cpu: 6 modules, disk: 4 modules" in caplog.text
     a, b = (load_file(tmp_path / name / "draft" / "draft.safetensors") for name in ("plain", "split"))
     assert a.keys() == b.keys()

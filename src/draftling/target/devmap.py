@@ -66,6 +66,16 @@ def execution_device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
+def resident_weight(module: torch.nn.Module) -> torch.Tensor:
+    """``module.weight`` with its values: an offloaded module's weight is a meta tensor between
+    calls, and its values sit in its accelerate hook's weights map (host RAM or disk)."""
+    weight = module.weight
+    hook = getattr(module, "_hf_hook", None)
+    if weight.device.type == "meta" and getattr(hook, "weights_map", None) is not None:
+        return hook.weights_map["weight"]
+    return weight
+
+
 def same_device(a, b) -> bool:
     """``cuda`` and ``cuda:0`` are one device."""
     a, b = torch.device(a), torch.device(b)
