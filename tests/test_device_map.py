@@ -186,7 +186,7 @@ def test_bad_device_map_values_are_refused(tmp_path):
         load_config(None, ["device_map=sequentail"])
     with pytest.raises(ConfigError, match=r"max_memory\[0\]='lots': expected a size"):
         load_config(None, ["device_map=auto", "max_memory={0: lots}"])
-    with pytest.raises(ConfigError, match="max_memory applies with device_map"):
+    with pytest.raises(ConfigError, match="max_memory applies with device_map auto or balanced, not None"):
         load_config(None, ["max_memory={cpu: 4GiB}"])
     cfg = load_config(None, ["device_map=balanced", "max_memory={0: 40GiB, 'cuda:1': 1.5GB, cpu: 8}"])
     assert Placement.from_config(cfg).max_memory == {0: 40 * 2**30, 1: 1_500_000_000, "cpu": 8 * 2**30}

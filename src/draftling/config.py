@@ -519,8 +519,9 @@ class RunConfig:
         check_bounds("", self, {"wall_minutes": ("a number >= 0 (0 = no budget)", lambda v: v >= 0)})
         device_map_value(self.device_map)
         max_memory_bytes(self.max_memory)
-        if self.max_memory is not None and self.device_map is None:
-            raise ConfigError("max_memory applies with device_map (auto, balanced or a FILE); set device_map too")
+        if self.max_memory is not None and self.device_map not in DEVICE_MAP_MODES:
+            raise ConfigError(f"max_memory applies with device_map auto or balanced, not {self.device_map!r} "
+                              "(a FILE places every module itself)")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
