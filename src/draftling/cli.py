@@ -29,7 +29,8 @@ EPILOG_OVERRIDES = ("Config overrides: trailing KEY=VALUE pairs override the YAM
 # The config key each such flag sets, by its argparse dest (one dest means one key in every
 # command). Each command names the ones it passes on to run_config.
 FLAG_KEYS = {
-    "target": "target", "device": "device", "dtype": "dtype", "chat_template": "chat_template",
+    "target": "target", "device": "device", "dtype": "dtype", "device_map": "device_map",
+    "chat_template": "chat_template",
     "prompts": "data.prompts", "server": "data.regen.server_url", "server_model": "data.regen.server_model",
     "size": "vocab.size", "prompt_weight": "vocab.prompt_weight",
     "configs": "bench.configs", "num_prompts": "bench.num_prompts", "max_new_tokens": "bench.max_new_tokens",
@@ -53,7 +54,7 @@ FLAG_VALUES = {
     "concurrency": lambda text: [int(v) if v.strip().isdigit() else v for v in text.split(",") if v.strip()],
 }
 
-TARGET_FLAGS = ("target", "device", "dtype")
+TARGET_FLAGS = ("target", "device", "dtype", "device_map")  # --device-map: only where a command has it
 DATA_FLAGS = ("chat_template", "prompts", "server", "server_model", "exclude_ids")
 BENCH_FLAGS = ("configs", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p")
 RELEASE_FLAGS = ("configs", "max_new_tokens", "prompt_set", "baselines", "baseline_prompts_per_workload",
@@ -102,6 +103,14 @@ def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
+def _device_map_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-map", metavar="auto|balanced|FILE",
+                   help="spread the target over devices with accelerate (config device_map): auto or balanced "
+                   "fill the GPUs, then host RAM, then disk (cap each with max_memory={0: 40GiB, cpu: 200GiB}); "
+                   "FILE is a JSON object of module names to devices (0, \"cuda:1\", \"cpu\", \"disk\"). The draft "
+                   "trains on --device, which must hold the input embedding")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftling",
@@ -131,6 +140,7 @@ def add_data_parser(sub) -> None:
                        "instead of running the target over the same tokens again.",
                        epilog=EPILOG_OVERRIDES)
     _common(p)
+    _device_map_flag(p)
     p.add_argument("--out", required=True, help="output data directory")
     p.add_argument("--prompts", action="append", metavar="SPEC",
                    help="prompts: a jsonl file (project, ShareGPT or OpenAI-messages shape), starter:chat, "
@@ -177,6 +187,7 @@ def add_train_parser(sub) -> None:
                        "atomically to <run>/checkpoints; writes the final head to <run>/draft.",
                        epilog=EPILOG_OVERRIDES)
     _common(p)
+    _device_map_flag(p)
     p.add_argument("--data", required=True, help="directory written by `draftling data`")
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
     p.add_argument("--run-dir", required=True, help="run directory (config, metrics, checkpoints)")
@@ -223,6 +234,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         "train.optimizer_offload=false vocab.size=16000.")
     p.add_argument("--target", help="HF hub id, local model directory, or .gguf file (default: the "
                    "config's target)")
+    _device_map_flag(p)
     p.add_argument("--gpu-mem", required=True, metavar="SIZE",
                    help="memory of one GPU, e.g. 80GiB, 24GB, 141 (a bare number is GiB)")
     p.add_argument("--config", default=None, help="YAML config file or built-in name")
@@ -254,6 +266,7 @@ def add_extract_parser(sub) -> None:
                        "skipped. Then train with `draftling train --offline CACHE`.",
                        epilog=EPILOG_OVERRIDES)
     _common(p)
+    _device_map_flag(p)
     p.add_argument("--data", required=True, help="directory written by `draftling data`")
     p.add_argument("--out", required=True, metavar="CACHE", help="cache directory to write (or resume)")
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
@@ -466,12 +479,15 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
 def cmd_train(args) -> int | None:
     from draftling.train.distributed import init_distributed, launched_by_torchrun
 
+    cfg = run_config(args, (*TARGET_FLAGS, "init_from", "rebuild_vocab", "stop_on_convergence"))
+    if cfg.device_map and (args.nproc is not None or launched_by_torchrun()):
+        raise DraftlingError(f"device_map {cfg.device_map}: not with data-parallel ranks (--nproc, torchrun), "
+                             "which each load a teacher on their own GPU; use one or the other")
     if args.nproc is not None:
         if args.nproc < 1:
             raise DraftlingError(f"--nproc {args.nproc}: expected a positive number of processes")
         if not launched_by_torchrun():
             return relaunch_under_torchrun(args.nproc, args.argv)
-    cfg = run_config(args, (*TARGET_FLAGS, "init_from", "rebuild_vocab", "stop_on_convergence"))
     data = Path(args.data)
     check_data_files(data)
     init = _init_draft(cfg.draft)  # a bad --init-from fails before the target loads
@@ -527,7 +543,7 @@ def cmd_plan(args) -> int:
     from draftling.target.load import load_target_config
     from draftling.train.plan import format_plan, largest_fitting_batch, parse_size, plan_run
 
-    cfg = run_config(args, ("target", "dtype"))
+    cfg = run_config(args, ("target", "dtype", "device_map"))
     try:
         gpu_bytes = parse_size(args.gpu_mem)
     except ValueError as e:

@@ -7,7 +7,9 @@ number a run reports can be traced to the settings that produced it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -50,6 +52,72 @@ def check_choices(section: str, obj, choices: dict) -> None:
         value = getattr(obj, name)
         if value is not None and value not in allowed:
             raise ConfigError(f"{section}.{name}={value!r}: expected one of {', '.join(allowed)}")
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '24GB', '24G', '512MiB', '141' (GiB) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"size {text!r}: expected e.g. 80GiB, 24GB or 141 (GiB)")
+    value, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    if not unit:
+        return int(value * 2**30)
+    power = "KMGT".index(unit) + 1
+    return int(value * (1024 if binary or not m.group(0).strip().upper().endswith("B") else 1000) ** power)
+
+
+# --- device maps (device_map, max_memory): checked here, used by target/devmap.py ---------------
+
+DEVICE_MAP_MODES = ("auto", "balanced")
+
+
+def device_name(value, where: str) -> int | str:
+    """A device as accelerate names it: a GPU index (0, "1", "cuda:1"; "cuda" is 0), cpu, disk or mps."""
+    text = str(value).strip()
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if text.isdigit() and not isinstance(value, bool):
+        return int(text)
+    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return int(text[5:] or 0)
+    if text in ("cpu", "disk", "mps"):
+        return text
+    raise ConfigError(f"{where}: device {value!r}: expected a GPU index (0, cuda:1), cpu or disk")
+
+
+def device_map_value(value: str | None) -> str | dict | None:
+    """``device_map`` resolved: None, "auto", "balanced", or {module name: device} read from
+    the JSON file it names (devices as ``device_name`` gives them)."""
+    if value is None or value in DEVICE_MAP_MODES:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ConfigError(f"device_map={value!r}: expected auto, balanced or a JSON file mapping module "
+                          "names to devices (no such file)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"device_map {path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"device_map {path}: expected a JSON object of module names to devices, e.g. "
+                          '{"model.layers.0": 0, "model.layers.1": "cpu"}')
+    return {name: device_name(device, f"device_map {path}: {name!r}") for name, device in data.items()}
+
+
+def max_memory_bytes(value: dict | None) -> dict | None:
+    """``max_memory`` resolved: {device: bytes}, sizes as ``parse_size`` reads them."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"max_memory={value!r}: expected a mapping of devices to sizes, e.g. {{0: 40GiB, cpu: 200GiB}}")
+    out = {}
+    for device, size in value.items():
+        where = f"max_memory[{device!r}]"
+        try:
+            out[device_name(device, where)] = parse_size(str(size))
+        except ValueError:
+            raise ConfigError(f"{where}={size!r}: expected a size, e.g. 40GiB") from None
+    return out
 
 
 @dataclass
@@ -436,6 +504,19 @@ class RunConfig:
     # Quantize the target on load (bnb-4bit, bnb-8bit, quanto-int8, quanto-int4, torchao-int8);
     # needs the matching optional extra. null = load as stored. See docs/teachers.md.
     quantization: str | None = None
+    # Spread the target over devices with accelerate's big-model dispatch (target/devmap.py):
+    # "auto" or "balanced" (accelerate fills the GPUs, then host RAM, then disk), or a JSON file
+    # of module names to devices ({"model.layers.20": 1, "lm_head": "cpu"}; a GPU index, "cuda:1",
+    # "cpu" or "disk"). null = the whole target on `device`. The draft trains on `device`, which
+    # must hold the target's input embedding; aux states are gathered there.
+    device_map: str | None = None
+    # With device_map: the most of the target each device may hold, e.g. {0: 40GiB, cpu: 200GiB}
+    # (keys: a GPU index, cpu, disk), so the training device keeps room for the draft. null =
+    # accelerate's default (what each device has free).
+    max_memory: dict | None = None
+    # Where disk-offloaded weights are written, in a temporary folder removed with the target;
+    # null = $TMPDIR. (A safetensors checkpoint's offloaded weights are read where they are.)
+    offload_folder: str | None = None
     # Wall-clock budget of a whole `draftling quickstart` run, in minutes (0 = none): training
     # stops early enough to leave room for the bench and the export, so a slower machine
     # trains fewer steps instead of overrunning. train.max_minutes still caps training alone.
@@ -449,6 +530,11 @@ class RunConfig:
 
     def __post_init__(self):
         check_bounds("", self, {"wall_minutes": ("a number >= 0 (0 = no budget)", lambda v: v >= 0)})
+        device_map_value(self.device_map)
+        max_memory_bytes(self.max_memory)
+        if self.max_memory is not None and self.device_map not in DEVICE_MAP_MODES:
+            raise ConfigError(f"max_memory applies with device_map auto or balanced, not {self.device_map!r} "
+                              "(a FILE places every module itself)")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:

@@ -22,6 +22,7 @@ from draftling.hardware import resolve_fast_dtype
 from draftling.progress import Progress
 from draftling.target import Target
 from draftling.target.aux import recording_aux_states
+from draftling.target.devmap import dispatched_devices
 from draftling.target.quant import has_plain_weights
 
 
@@ -42,6 +43,10 @@ def regen_dtype(target: Target, cfg: RegenConfig) -> torch.dtype:
     if dtype != target.model.dtype and not has_plain_weights(target.model):
         raise ConfigError(f"data.regen.dtype={cfg.dtype}: {target.spec.name} is quantized, so it cannot "
                           "be cast; leave data.regen.dtype unset")
+    if dtype != target.model.dtype and dispatched_devices(target.model):
+        raise ConfigError(f"data.regen.dtype={cfg.dtype}: {target.spec.name} is spread over devices by a device "
+                          "map, so it cannot be copied and cast; leave data.regen.dtype unset or load it in "
+                          "that dtype (--dtype)")
     return dtype
 
 

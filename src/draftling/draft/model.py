@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftling.errors import ConfigError
+from draftling.target.devmap import resident_weight
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -195,8 +196,8 @@ def init_from_target(draft: Eagle3Draft, target_model, t2d: torch.Tensor) -> Non
     """Warm-start the output side from the target: its final norm and its output-head rows
     for the draft vocabulary. The draft then starts out predicting in the target's own
     output space, which cuts the steps needed to reach useful acceptance."""
-    head = target_model.get_output_embeddings().weight
-    norm = target_model.get_decoder().norm.weight
+    head = resident_weight(target_model.get_output_embeddings())  # a device map may have offloaded them
+    norm = resident_weight(target_model.get_decoder().norm)
     with torch.no_grad():
         draft.lm_head.weight.copy_(head[t2d.to(head.device)].to(draft.lm_head.weight))
         draft.norm.weight.copy_(norm.to(draft.norm.weight))

@@ -36,6 +36,7 @@ from draftling.engine.spec_round import SpecRound
 from draftling.engine.target_model import SUPPORTED_MODEL_TYPES, CachedTarget
 from draftling.errors import ConfigError
 from draftling.target.aux import decoder_layers, default_aux_layer_ids
+from draftling.target.devmap import dispatched_devices
 
 # Attention-score elements one eager prefill may hold (rows x heads x T x T; 4 GiB in fp32).
 PREFILL_SCORES = 2**30
@@ -281,6 +282,15 @@ def reply_engine_for(dc, target):
     a ReplyEngine per generating model, or None for HF generate. The one place it is decided."""
     mode, rc = dc.regen.engine, dc.regen
     if mode == "off" or rc.server_url or not hasattr(target, "model"):
+        return None
+    devices = dispatched_devices(target.model)
+    if devices:
+        spread = f"the target is spread over {', '.join(map(str, devices))} by a device map"
+        if mode == "on":
+            raise ConfigError(f"data.regen.engine=on: {spread}, and the batched engine runs a target on one "
+                              "device; use data.regen.engine=auto (HF generate)")
+        print(f"regenerate: {spread}, so replies come from HF generate (the batched engine needs one device)",
+              flush=True)
         return None
     why = ("sampled replies (data.regen.temperature > 0)" if rc.temperature > 0 else
            "kept teacher states (data.keep_teacher_states)" if dc.keep_teacher_states else None)

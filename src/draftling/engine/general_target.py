@@ -39,6 +39,7 @@ from draftling.engine.target_model import (
     write_kv,
 )
 from draftling.target.aux import decoder_layers, recording_aux_states, validate_aux_layer_ids
+from draftling.target.devmap import dispatched_devices
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,10 @@ def build_target(model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size:
     """The engine for ``model``: the fast ``CachedTarget`` where it applies, else the general
     path (which raises ``UnsupportedArchitecture`` with the reason when it cannot serve either).
     Arguments as ``CachedTarget.from_hf``."""
+    devices = dispatched_devices(model)
+    if devices:  # its cache and graphs live on one device; accelerate's hooks would move weights per call
+        raise UnsupportedArchitecture(f"{type(model).__name__}: spread over {', '.join(map(str, devices))} by a "
+                                      "device map; the engine runs a target on one device")
     options = EngineOptions.of(options, **engine)
     why = fast_path_refusal(model, max_seq_len)
     if why is None:

@@ -20,6 +20,16 @@ import torch
 
 from draftling.errors import DraftlingError, TargetError, one_line
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
+from draftling.target.devmap import (
+    Placement,
+    check_placement,
+    dispatch_loaded,
+    dispatched_devices,
+    empty_model,
+    execution_device,
+    expand_device_map,
+    placement_summary,
+)
 
 if TYPE_CHECKING:
     from draftling.config import RunConfig
@@ -99,6 +109,10 @@ class Target:
 
     @property
     def device(self) -> torch.device:
+        """Where the target takes its inputs and the draft trains: for a target dispatched over
+        devices, where its input embedding runs."""
+        if dispatched_devices(self.model):
+            return execution_device(self.input_embeddings())
         return next(self.model.parameters()).device
 
     def input_embeddings(self) -> torch.nn.Embedding:
@@ -133,18 +147,20 @@ class Target:
 
 def load_target(target: str | None = None, dtype: str = "float32", device: str = "cpu",
                 aux_layer_ids: list[int] | None = None, chat_template: str | None = None,
-                quantization: str | None = None) -> Target:
+                quantization: str | None = None, placement: Placement | None = None) -> Target:
     """Load a target model and tokenizer for any of the accepted ``--target`` forms.
 
     ``quantization`` names an on-the-fly method of :mod:`draftling.target.quant`. A GGUF
     target is dequantized to ``dtype`` by transformers on load, so it runs as a plain model.
+    ``placement`` spreads it over devices (target/devmap.py); ``device`` then names where the
+    draft trains, which must hold the input embedding.
     """
     spec = resolve_target(target)
     if dtype not in DTYPES:
         raise TargetError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     try:
         with gguf_parsed_once(spec):
-            return _load_target(spec, dtype, device, aux_layer_ids, chat_template, quantization)
+            return _load_target(spec, dtype, device, aux_layer_ids, chat_template, quantization, placement)
     except DraftlingError:
         raise
     except Exception as e:  # a truncated or garbage GGUF, a folder with only config.json, ...
@@ -155,10 +171,10 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
 
 def load_target_from_config(cfg: RunConfig) -> Target:
     """The target a run config names (``target``, ``dtype``, ``device``, ``aux_layer_ids``,
-    ``chat_template``, ``quantization``): how every command and recipe loads it."""
+    ``chat_template``, ``quantization``, ``device_map``): how every command and recipe loads it."""
     return load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
                        aux_layer_ids=cfg.aux_layer_ids, chat_template=cfg.chat_template,
-                       quantization=cfg.quantization)
+                       quantization=cfg.quantization, placement=Placement.from_config(cfg))
 
 
 def resolve_device(device: str | None) -> str:
@@ -173,7 +189,7 @@ def resolve_device(device: str | None) -> str:
 
 
 def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_template,
-                 quantization) -> Target:
+                 quantization, placement: Placement | None) -> Target:
     tokenizer = _load_tokenizer(spec, chat_template)
     kwargs = {"dtype": DTYPES[dtype]}
     if quantization:
@@ -185,6 +201,9 @@ def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_
     place_on_load = bool(quantization) or _checkpoint_is_quantized(spec)
     if place_on_load:
         kwargs["device_map"] = {"": device}
+    offload = placement.offload_dir() if placement else None
+    if placement:
+        kwargs.update(_placement_kwargs(spec, placement, offload, quantization))
     log.info("loading target %s%s", spec.name, f" ({quantization})" if quantization else "")
     try:
         if quantization and spec.gguf_file:
@@ -199,14 +218,43 @@ def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_
         what = quantization or "its quantized checkpoint"
         raise TargetError(f"loading {spec.name} with {what} on {device} failed: "
                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    if not place_on_load:
+    if placement:
+        model = _placed(model, spec, placement, offload, device)
+    elif not place_on_load:
         model.to(device)
     model.eval().requires_grad_(False)
-    if torch.device(device).type == "cpu" and not place_on_load:
+    if torch.device(device).type == "cpu" and not place_on_load and not dispatched_devices(model):
         transpose_cpu_linear_weights(model)
     n = model.config.num_hidden_layers
     ids = default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids
     return Target(spec, model, tokenizer, validate_aux_layer_ids(ids, n))
+
+
+def _placement_kwargs(spec: TargetSpec, placement: Placement, offload, quantization) -> dict:
+    """from_pretrained's device_map arguments; none for a GGUF target, which is dispatched after
+    loading (transformers refuses to offload GGUF weights to disk)."""
+    if spec.gguf_file:
+        if quantization:
+            raise TargetError(f"device_map {placement.source}: not supported with an on-load quantized "
+                              "GGUF target; drop quantization or the device map")
+        return {}
+    if isinstance(placement.device_map, dict):  # a FILE: its names checked before any weight loads
+        from transformers import AutoConfig
+
+        expand_device_map(empty_model(AutoConfig.from_pretrained(spec.path)), placement.device_map,
+                          placement.source)
+    return placement.load_kwargs(offload)
+
+
+def _placed(model, spec: TargetSpec, placement: Placement, offload, device: str):
+    """The loaded model dispatched as ``placement`` says, its offload folder kept with it."""
+    if spec.gguf_file:
+        log.info("%s: a GGUF target is dequantized in host RAM, then dispatched", spec.name)
+        model = dispatch_loaded(model, placement, offload)
+    model._draftling_offload = offload  # removed with the model
+    check_placement(model, device, placement)
+    log.info("target %s placed by device_map %s: %s", spec.name, placement.source, placement_summary(model))
+    return model
 
 
 def transpose_cpu_linear_weights(model) -> int:

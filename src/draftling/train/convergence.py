@@ -38,6 +38,7 @@ from draftling.data.sources import resolve_prompt_path
 from draftling.data.template import render
 from draftling.engine import CachedTarget, DraftRunner, UnsupportedArchitecture, build_target, speculative_generate
 from draftling.errors import ConfigError, DataError
+from draftling.target.devmap import dispatched_devices
 
 SMOKE_CONFIG = "chain-3-1-4"
 STEPS, TOPK, DRAFT_TOKENS = 3, 1, 4  # SMOKE_CONFIG in SGLang's naming (draft tokens count the root)
@@ -114,6 +115,9 @@ class SmokeBench:
 
     @classmethod
     def load(cls, tc, target) -> SmokeBench:
+        if dispatched_devices(target.model):  # found before training, not at the first check
+            raise ConfigError("train.smoke_every: the decode engine runs a target on one device, and this one is "
+                              "spread over devices by a device map; set train.smoke_every=0")
         prompts = load_smoke_prompts(tc.smoke_prompts, target.tokenizer, target.config.vocab_size)
         return cls(target, prompts, tc.smoke_max_new_tokens, tc.smoke_prompts)
 

@@ -37,8 +37,10 @@ beside each measurement.
 from __future__ import annotations
 
 import dataclasses
-import re
+import logging
 from dataclasses import dataclass
+
+from draftling.config import parse_size
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -452,14 +454,73 @@ def teacher_weight_bytes(config, dtype: str, quantization: str | None = None,
     output head stay in ``dtype`` (the quantizers skip them)."""
     counts = target_param_counts(config)
     dense = _dtype_bytes(dtype)
-    if bits is None and quantization:
-        bits = QUANT_BITS.get(quantization)
-        if bits is None:
-            raise ValueError(f"quantization {quantization!r}: no bits-per-weight estimate; pass bits")
+    bits = _decoder_bits(quantization, bits)
     if bits is None:
         return sum(counts.values()) * dense
     kept = counts["embedding"] + counts["lm_head"] + counts["final_norm"]
     return int(counts["layers"] * bits / 8 + kept * dense)
+
+
+def _decoder_bits(quantization: str | None, bits: float | None) -> float | None:
+    """Bits per decoder weight: ``bits``, else the on-load quantization's, else None (the dtype's)."""
+    if bits is None and quantization:
+        bits = QUANT_BITS.get(quantization)
+        if bits is None:
+            raise ValueError(f"quantization {quantization!r}: no bits-per-weight estimate; pass bits")
+    return bits
+
+
+@dataclass(frozen=True)
+class TeacherSplit:
+    """Where a device map puts the teacher's weights (``device_map``, target/devmap.py)."""
+
+    source: str  # the run config's device_map
+    by_device: dict  # {GPU index, "cpu" or "disk": bytes}
+    training_device: int  # the GPU the draft trains on
+    # The largest module's weights that stream through the training device per call: accelerate
+    # offloads a GPU map's "cpu" and "disk" modules and runs them there, one module at a time.
+    streamed: int
+
+    @property
+    def on_training_device(self) -> int:
+        return self.by_device.get(self.training_device, 0)
+
+
+def teacher_split(cfg, target_config, gpu_bytes: int, bits: float | None = None) -> TeacherSplit:
+    """The teacher's bytes per device under ``cfg.device_map``: a FILE as it is; auto and balanced
+    as accelerate infers them, over ``cfg.max_memory`` or (unset) 90% of one GPU of ``gpu_bytes``
+    (what transformers leaves itself on a lone GPU) and then host RAM. Params by the dtype, decoder
+    weights by the quantization's bits as ``teacher_weight_bytes`` counts them."""
+    from draftling.config import device_map_value, device_name, max_memory_bytes
+    from draftling.target.aux import decoder_layers
+    from draftling.target.devmap import empty_model, expand_device_map, infer_device_map
+    from draftling.target.load import DTYPES
+
+    dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
+    gpu = device_name(cfg.device, "device") if str(cfg.device).startswith("cuda") else 0
+    model = empty_model(target_config, DTYPES[dtype])
+    device_map = device_map_value(cfg.device_map)
+    if isinstance(device_map, str):
+        budget = max_memory_bytes(cfg.max_memory) or {gpu: int(0.9 * gpu_bytes), "cpu": 2**60}
+        # accelerate warns of each GPU in the budget this machine lacks: planning, that is expected.
+        quiet = logging.getLogger("accelerate.utils.modeling")
+        level, _ = quiet.level, quiet.setLevel(logging.ERROR)
+        try:
+            device_map = infer_device_map(model, device_map, budget)
+        finally:
+            quiet.setLevel(level)
+    placed = expand_device_map(model, device_map, cfg.device_map)
+    layers = {id(p) for p in decoder_layers(model).parameters()}
+    bits = _decoder_bits(getattr(cfg, "quantization", None), bits)
+    by_device: dict = {}
+    by_module: dict = {}
+    for name, p in model.named_parameters():
+        size = int(p.numel() * (bits / 8 if bits is not None and id(p) in layers else _dtype_bytes(dtype)))
+        by_device[placed[name]] = by_device.get(placed[name], 0) + size
+        if placed[name] in ("cpu", "disk"):
+            by_module[name.rpartition(".")[0]] = by_module.get(name.rpartition(".")[0], 0) + size
+    runs_on_gpu = any(isinstance(d, int) for d in by_device)  # else accelerate runs it on the CPU
+    return TeacherSplit(cfg.device_map, by_device, gpu, max(by_module.values(), default=0) if runs_on_gpu else 0)
 
 
 def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype: str,
@@ -483,18 +544,6 @@ def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype:
 
 # --- resolving a run config ------------------------------------------------------------------
 
-def parse_size(text: str) -> int:
-    """'80GiB', '24GB', '24G', '512MiB', '141' (GiB) -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(text), flags=re.IGNORECASE)
-    if not m:
-        raise ValueError(f"size {text!r}: expected e.g. 80GiB, 24GB or 141 (GiB)")
-    value, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    if not unit:
-        return int(value * GIB)
-    power = "KMGT".index(unit) + 1
-    return int(value * (1024 if binary or not m.group(0).strip().upper().endswith("B") else 1000) ** power)
-
-
 def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> MemoryOptions:
     """The trainer's choices for one CUDA process (train/settings.py), with the device's size
     given instead of queried."""
@@ -509,8 +558,9 @@ def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> Memo
 
 
 def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offline: bool = False,
-             teacher_bits: float | None = None) -> dict:
-    """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``."""
+             teacher_bits: float | None = None, split: TeacherSplit | None = None) -> dict:
+    """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``. With
+    ``cfg.device_map`` only the teacher's share on that GPU counts (``split``: computed if None)."""
     from draftling.train.settings import FAST_MEMORY_SHARE, fast_train_config
 
     embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
@@ -518,7 +568,10 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
     if cfg.draft.intermediate_size:  # the draft's own MLP width (configs/gpu_smollm2.yaml: 4096)
         shape = dataclasses.replace(shape, intermediate=cfg.draft.intermediate_size)
     quantization = getattr(cfg, "quantization", None)
-    weights = teacher_weight_bytes(target_config, embed_dtype, quantization, teacher_bits)
+    if cfg.device_map and split is None:
+        split = teacher_split(cfg, target_config, gpu_bytes, teacher_bits)
+    weights = split.on_training_device if split else teacher_weight_bytes(target_config, embed_dtype,
+                                                                          quantization, teacher_bits)
     tc, policy, options = cfg.train, "as configured", None
     if tc.memory_policy == "auto":
         # The trainer's rule (trainer.resolve_memory_policy), with the memory free after
@@ -530,6 +583,7 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
             tc, policy, options = fast, "fast (memory_policy auto: it fits without recompute)", fast_options
     options = options or resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
     forward = 0 if offline else teacher_forward_bytes(target_config, batch, seq, shape.draft_vocab, embed_dtype)
+    forward += split.streamed if split and not offline else 0
     est = estimate_train_memory(shape, batch, seq, cfg.train.ttt_steps, options,
                                 teacher_weight_bytes=weights, teacher_forward_bytes=forward,
                                 embedding_in_teacher=True)
@@ -538,14 +592,17 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
             "gpu_bytes": gpu_bytes, "headroom": gpu_bytes - est["total"] - reserve,
             "fits": est["total"] + reserve <= gpu_bytes, "batch": batch, "seq": seq,
             "teacher_params": sum(target_param_counts(target_config).values()), "policy": policy,
-            "quantization": quantization, "teacher_dtype": embed_dtype}
+            "quantization": quantization, "teacher_dtype": embed_dtype, "split": split}
 
 
 def largest_fitting_batch(cfg, target_config, gpu_bytes: int, seq: int, offline: bool = False,
                           teacher_bits: float | None = None, limit: int = 4096) -> int:
     """The largest batch size that fits at this sequence length (0 if none)."""
+    split = teacher_split(cfg, target_config, gpu_bytes, teacher_bits) if cfg.device_map else None
+
     def fits(b: int) -> bool:
-        return plan_run(cfg, target_config, gpu_bytes, seq, b, offline=offline, teacher_bits=teacher_bits)["fits"]
+        return plan_run(cfg, target_config, gpu_bytes, seq, b, offline=offline, teacher_bits=teacher_bits,
+                        split=split)["fits"]
 
     if not fits(1):
         return 0
@@ -596,6 +653,8 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
     host = est["host"]["optimizer"] + est["host"]["embedding"]
     if host:
         lines.append(f"  (host RAM for offloaded state: {host / GIB:.2f} GiB)")
+    if plan["split"]:
+        lines.append(split_line(plan["split"]))
     lines.append("")
     need = (est["total"] + plan["reserve"]) / GIB
     if plan["fits"]:
@@ -604,6 +663,11 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
     else:
         lines.append(f"does NOT fit: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
                      f"(short by {-plan['headroom'] / GIB:.2f} GiB)")
+    split = plan["split"]
+    if split and split.source in ("auto", "balanced") and not plan["fits"] and split.on_training_device > -plan["headroom"]:
+        cap = (split.on_training_device + plan["headroom"]) / GIB
+        lines.append(f"to fit, keep at most ~{cap:.1f} GiB of the teacher on cuda:{split.training_device}: "
+                     f"max_memory={{{split.training_device}: {cap:.1f}GiB, cpu: ...}}")
     if max_batch == 0:
         lines.append(f"no batch size fits at seq {plan['seq']}")
     elif max_batch is not None:
@@ -611,10 +675,22 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
     return "\n".join(lines)
 
 
+def split_line(split: TeacherSplit) -> str:
+    """The teacher's share per device, and what streams through the training GPU."""
+    def name(device) -> str:
+        return f"cuda:{device}" if isinstance(device, int) else device
+
+    parts = ", ".join(f"{name(d)} {b / GIB:.2f}" for d, b in sorted(split.by_device.items(), key=lambda x: str(x[0])))
+    line = f"  teacher weights by device_map {split.source} (GiB): {parts}; cuda:{split.training_device} holds its share"
+    if split.streamed:
+        line += f", and streams offloaded modules through, up to {split.streamed / GIB:.2f} GiB at a time (transient)"
+    return line
+
+
 def options_dict(options: MemoryOptions) -> dict:
     return dataclasses.asdict(options)
 
 
 __all__ = ["DraftShape", "MemoryOptions", "TrainStep", "estimate_train_memory", "estimate_step_memory",
-           "teacher_weight_bytes", "target_param_counts", "teacher_forward_bytes", "parse_size", "plan_run",
-           "format_plan", "largest_fitting_batch"]
+           "teacher_weight_bytes", "teacher_split", "TeacherSplit", "target_param_counts", "teacher_forward_bytes",
+           "parse_size", "plan_run", "format_plan", "largest_fitting_batch"]

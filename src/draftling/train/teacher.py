@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from draftling.errors import DataError
 from draftling.target import Target, aux_hidden_states
 from draftling.target.aux import compiled_decoder_layers
+from draftling.target.devmap import execution_device
 from draftling.target.quant import plain_weight
 
 
@@ -52,8 +53,10 @@ def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: tor
     with layers:
         out, aux = aux_hidden_states(decoder, target.aux_layer_ids, input_ids=input_ids,
                                      attention_mask=attention_mask, use_cache=False)
+    # A target dispatched over devices (device_map) leaves each state where its layer ran.
+    aux = torch.cat([a.to(target.device) for a in aux], dim=-1)
     # last_hidden_state is already final-normed.
-    return head_outputs(target, torch.cat(aux, dim=-1), out.last_hidden_state, t2d, chunk_tokens)
+    return head_outputs(target, aux, out.last_hidden_state, t2d, chunk_tokens)
 
 
 _DRAFT_IDS = WeakIdKeyDictionary()
@@ -73,14 +76,16 @@ def draft_token_ids(t2d: torch.Tensor) -> torch.Tensor:
 def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: torch.Tensor,
                  chunk_tokens: int = 2048) -> TeacherBatch:
     """The TeacherBatch for aux states [B,T,3H] and final-normed states [B,T,H]: the output
-    head's draft-vocab logits and full-vocab argmax."""
+    head's draft-vocab logits and full-vocab argmax, on ``aux``'s device."""
     head = target.output_head()
+    final = final.to(execution_device(head))  # a dispatched head may run elsewhere
     t2d = t2d.to(final.device)
     ids = draft_token_ids(t2d)
     weight = plain_weight(head)
-    # A quantized head (bitsandbytes, torchao, quanto) has no float rows to slice: its
-    # draft-vocab logits are the columns of its own full output instead.
-    draft_rows = weight[ids] if weight is not None else None  # [V_d, H]
+    # A quantized head (bitsandbytes, torchao, quanto) has no float rows to slice, nor has one
+    # offloaded by a device map (its weight is a meta tensor between calls): their draft-vocab
+    # logits are the columns of their own full output instead.
+    draft_rows = weight[ids] if weight is not None and weight.device.type != "meta" else None  # [V_d, H]
     b, t, h = final.shape
     flat = final.reshape(-1, h)
     draft_logits, argmax = [], []
@@ -94,9 +99,9 @@ def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: to
         aux=aux,
         # In the target's dtype: a bf16 head's logits carry no more precision as fp32, and
         # the loss reads them at every TTT step (it upcasts per chunk).
-        draft_logits=torch.cat(draft_logits).view(b, t, -1),
-        target_argmax=argmax,
-        in_draft=t2d[argmax],
+        draft_logits=torch.cat(draft_logits).view(b, t, -1).to(aux.device),
+        target_argmax=argmax.to(aux.device),
+        in_draft=t2d[argmax].to(aux.device),
     )
 
 
