@@ -192,6 +192,7 @@ def test_a_resumed_run_converges_where_the_uninterrupted_one_did(data, target):
     result = run(data, target, "cut", config(data), resume=True)
     # Losing the checks of steps 2 and 4 would put the anchor at 6 and the verdict at 12.
     assert result["steps"] == 8 and result["convergence"]["since_step"] == 2
+    assert result["segment_from_step"] == 4  # its wall time is the resumed segment's
     assert [r["step"] for r in records(data / "cut", "smoke")] == [2, 4, 6, 8]
     assert [r["step"] for r in records(data / "cut", "convergence")] == [8]
     a = load_file(str(data / "full" / "draft" / "draft.safetensors"))

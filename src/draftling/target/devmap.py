@@ -57,13 +57,16 @@ def dispatched_devices(model) -> list | None:
     return None
 
 
-def execution_device(module: torch.nn.Module) -> torch.device:
-    """Where ``module``'s forward runs: its accelerate hook's device, else its weights'."""
+def execution_device(module: torch.nn.Module) -> torch.device | None:
+    """Where ``module``'s forward runs: its accelerate hook's device, else its weights' (a
+    quantized module may hold them as buffers); None for a module with neither."""
     hook = getattr(module, "_hf_hook", None)
     device = getattr(hook, "execution_device", None)
     if device is not None:
         return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-    return next(module.parameters()).device
+    tensor = next(module.parameters(), None)
+    tensor = tensor if tensor is not None else next(module.buffers(), None)
+    return tensor.device if tensor is not None else None
 
 
 def resident_weight(module: torch.nn.Module) -> torch.Tensor:

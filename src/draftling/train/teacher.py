@@ -54,7 +54,7 @@ def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: tor
         out, aux = aux_hidden_states(decoder, target.aux_layer_ids, input_ids=input_ids,
                                      attention_mask=attention_mask, use_cache=False)
     # A target dispatched over devices (device_map) leaves each state where its layer ran.
-    aux = torch.cat([a.to(target.device) for a in aux], dim=-1)
+    aux = torch.cat([a.to(input_ids.device) for a in aux], dim=-1)  # the draft's device
     # last_hidden_state is already final-normed.
     return head_outputs(target, aux, out.last_hidden_state, t2d, chunk_tokens)
 
@@ -78,7 +78,7 @@ def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: to
     """The TeacherBatch for aux states [B,T,3H] and final-normed states [B,T,H]: the output
     head's draft-vocab logits and full-vocab argmax, on ``aux``'s device."""
     head = target.output_head()
-    final = final.to(execution_device(head))  # a dispatched head may run elsewhere
+    final = final.to(execution_device(head) or final.device)  # a dispatched head may run elsewhere
     t2d = t2d.to(final.device)
     ids = draft_token_ids(t2d)
     weight = plain_weight(head)

@@ -929,8 +929,10 @@ def data_used(run: TrainRun) -> dict:
 def finish_run(run: TrainRun, t_start: float) -> dict:
     """The final validation, the head in ``<run>/draft`` and ``train_result.json``."""
     ctx, device = run.ctx, run.target.device
+    # train_wall_s is this segment's: a resumed run started at segment_from_step (the earlier
+    # segments' times are in metrics.jsonl; `draftling report` lists them).
     result = {"steps": run.total_steps, "steps_ceiling": run.ceiling, "train_wall_s": time.perf_counter() - t_start,
-              "stop_reason": run.stop_reason, "world_size": ctx.world_size, "data": data_used(run),
+              "segment_from_step": run.segment_step, "stop_reason": run.stop_reason, "world_size": ctx.world_size, "data": data_used(run),
               "compute_dtype": run.unroll.autocast or str(run.param_dtype).replace("torch.", "")}
     if run.smoke is not None:
         result["convergence"] = run.smoke.detector.summary()
