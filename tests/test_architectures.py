@@ -236,3 +236,18 @@ def test_unservable_models_get_one_clear_error():
     llama.config.layer_types = ["linear_attention"] * 4
     with pytest.raises(UnsupportedArchitecture, match="linear_attention"):
         build_target(llama, AUX, SIZE)
+
+
+def test_a_per_layer_type_rope_gives_the_draft_its_own_full_attention_copy():
+    """Gemma 3 keeps one RoPE set per layer type; the draft (one layer over the whole context)
+    takes the full-attention set, and building it leaves the target's config as it was."""
+    import copy
+
+    from draftling.draft.model import draft_config_from_target
+
+    config = build("gemma3").config
+    before = copy.deepcopy(config.rope_parameters)
+    draft = draft_config_from_target(config, 16, AUX)
+    assert config.rope_parameters == before and "rope_theta" not in vars(config)
+    assert draft.rope_parameters["rope_theta"] == before["full_attention"]["rope_theta"]
+    assert draft.rope_parameters is not config.rope_parameters["full_attention"]

@@ -1,6 +1,8 @@
 """Bad numeric values and stray arguments are refused when the config is read, before any
 model loads: exit 2, one line naming the field, and nothing written."""
 
+from pathlib import Path
+
 import pytest
 
 from draftling.cli import main
@@ -136,3 +138,16 @@ def test_a_broken_target_is_one_line_naming_it(tmp_path, kind, capsys):
                  "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip()
     assert str(target) in err and "\n" not in err and not (tmp_path / "d").exists()
+
+
+def test_a_relative_gguf_path_names_the_file_once(tmp_path, monkeypatch):
+    """transformers joins gguf_file onto the model folder: a relative path must arrive absolute,
+    or ``dir/x.gguf`` is looked for as ``dir/dir/x.gguf``."""
+    from draftling.target.load import resolve_target
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "x.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    spec = resolve_target("models/x.gguf")
+    assert spec.name == "models/x.gguf" and Path(spec.gguf_file) == tmp_path / "models" / "x.gguf"
+    assert Path(spec.gguf_file).is_absolute() and Path(spec.path) == tmp_path / "models"

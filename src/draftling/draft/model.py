@@ -16,6 +16,8 @@ unroll, the engine's KV cache and tree masks without knowing about any of them.
 
 from __future__ import annotations
 
+import copy
+
 from typing import Callable
 
 import torch
@@ -49,6 +51,8 @@ def draft_config_from_target(target_config, draft_vocab_size: int, aux_layer_ids
     ``window`` > 0: sliding-window attention (see :func:`set_window`).
     """
     fields = {k: getattr(target_config, k) for k in _COPIED_FROM_TARGET if hasattr(target_config, k)}
+    if "rope_parameters" in fields:
+        fields["rope_parameters"] = draft_rope(fields["rope_parameters"])
     head_dim = getattr(target_config, "head_dim", None) or (
         target_config.hidden_size // target_config.num_attention_heads)
     if draft_vocab_size > target_config.vocab_size:
@@ -71,6 +75,15 @@ def draft_config_from_target(target_config, draft_vocab_size: int, aux_layer_ids
     if window:
         set_window(config, window)
     return config
+
+
+def draft_rope(rope):
+    """The draft's own copy of the target's RoPE parameters (LlamaConfig edits the dict it is
+    given). A target with one set per layer type (Gemma 3: sliding and full) gives its full
+    attention's: the draft attends over the whole context."""
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = rope.get("full_attention", next(iter(rope.values())))
+    return copy.deepcopy(rope)
 
 
 # The window lives in the draft's config, spelled as vLLM's Llama reads it (``layer_types[i] ==

@@ -74,6 +74,7 @@ def resolve_target(target: str | None) -> TargetSpec:
     if p.suffix == ".gguf":
         if not p.is_file():
             raise TargetError(f"--target {target}: GGUF file not found")
+        p = p.resolve()  # from_pretrained joins a relative gguf_file onto the folder a second time
         return TargetSpec(target, str(p.parent), str(p))
     if p.exists():
         if not (p / "config.json").is_file():
