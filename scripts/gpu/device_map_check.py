@@ -26,7 +26,8 @@ Tolerances (TOL):
   that noise, or within the floors in TOL when the noise is zero. Both runs set
   ``train.compile_teacher=false``: accelerate's hooked layers always run eager
   (aux.compiled_decoder_layers), so a compiled whole teacher would differ by kernel, not by
-  placement. tok/s is the median over steps after warm-up, from metrics.jsonl.
+  placement. Likewise ``train.memory_policy=config``: the auto policy plans from the teacher's
+  share of the GPU, which the map changes. tok/s is the median over steps after warm-up, from metrics.jsonl.
 
 Writes DIR/device-map-check.json, DIR/device_map.json, DIR/runs/{single,split,repeat}/ (each
 run's metrics.jsonl, config.yaml and train_result.json; the heads are compared, then removed)
@@ -280,9 +281,10 @@ def verdict(fwd: dict, tr: dict) -> dict:
 
 def configs(args, s: Settings, target: str, map_path: Path, offload: Path | None):
     """The run config of the whole load and of the split load: the same but for device_map."""
+    # memory_policy=config: "auto" plans from the teacher's share of the GPU, which the map changes.
     base = [f"target={target}", f"dtype={args.dtype}", f"device={args.device}", f"train.max_steps={s.steps}",
             "train.log_every=1", "train.ckpt_every=100000", "train.max_minutes=0", "train.compile_teacher=false",
-            *s.overrides, *args.override]
+            "train.memory_policy=config", *s.overrides, *args.override]
     if offload is not None:
         base.append(f"offload_folder={offload}")
     return load_config(s.profile, base), load_config(s.profile, [*base, f"device_map={map_path}"])
