@@ -348,11 +348,13 @@ def summary(results: dict) -> dict:
                            "plain_step_ms": c["cost"]["plain_step_ms"], "verify_step_ms": c["cost"]["verify_step_ms"]}
                for c in results["configs"]}
     hf = {k: v for k, v in results["baselines"].items() if k != "engine_plain"}
-    identical_hf = {k: d["identical_to_engine_plain"] for k, d in results["baseline_details"].items()
-                    if d and k != "engine_plain"}
+    details = {k: d for k, d in results["baseline_details"].items() if d and k != "engine_plain"}
+    identical_hf = {k: d["identical_to_engine_plain"] for k, d in details.items()}
+    plain_same = {k: d["engine_plain_tok_s_same_prompts"] for k, d in details.items()}
     return {"engine_plain_tok_s": results["baselines"]["engine_plain"], "speedup_reference": plain["speedup_reference"],
             "engine_plain_padded_tok_s": plain.get("padded_tok_s"), "engine_plain_unpadded_tok_s": plain.get("unpadded_tok_s"),
             "engine_resolved_by_bench": plain["engine"], "hf_tok_s": hf, "hf_identical_to_engine_plain": identical_hf,
+            "engine_plain_tok_s_on_hf_prompts": plain_same,
             "configs": configs, "natural_stops": plain["natural_stops"], "prompts": plain["n"],
             "release_caveats": results["caveats"]}
 

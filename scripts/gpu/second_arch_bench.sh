@@ -7,6 +7,8 @@
 #   ARCH=gemma3 bash scripts/gpu/second_arch_bench.sh
 #   ARCH=llama,llama-general bash scripts/gpu/second_arch_bench.sh   # the general path's overhead
 # Extra args go to the script, e.g. --prompts-per-workload 1 --max-new-tokens 64.
+# Rough device time at the defaults (14 prompts, 128 new tokens): gemma3 4-5 min;
+# llama,llama-general 5-7 min (the general path runs eager). One call each; timeout 600.
 source scripts/gpu/common.sh
 dir=$OUT/second-arch-bench
 mkdir -p $dir
