@@ -1,0 +1,76 @@
+"""The issue-26 device scripts run their --smoke mode on the CPU and write what they promise."""
+
+import importlib.util
+import json
+import sys
+
+from tests.conftest import CHECKOUT
+
+
+def load_script(name, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, CHECKOUT / f"scripts/gpu/{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, script)  # its dataclasses look themselves up there
+    spec.loader.exec_module(script)
+    return script
+
+
+def assert_manifest(folder):
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert {"commit", "command", "config", "machine", "date"} <= set(manifest)
+
+
+def test_the_device_map_check_smoke_splits_over_cpu_and_disk_and_passes(tmp_path, one_thread, monkeypatch):
+    script = load_script("device_map_check", monkeypatch)
+    assert script.main(["--smoke", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "device-map-check.json").read_text())
+    assert {"date", "gpu", "target", "split", "aux_max_abs_diff", "logits_max_abs_diff", "argmax_agreement",
+            "train", "tolerance", "pass"} <= set(out)
+    assert {"steps", "loss_max_abs_diff", "weights_max_rel_diff", "tok_s_single", "tok_s_split"} <= set(out["train"])
+    assert out["pass"] and out["split"]["modules_per_device"] == {"cpu": 5, "disk": 5}
+    assert out["split"]["effective"]["streamed from disk, runs on cpu"] == 5
+    assert out["argmax_agreement"] == 1.0 and out["train"]["steps"] == 4
+    assert len(out["train"]["loss"]["split"]) == 4
+    device_map = json.loads((tmp_path / "device_map.json").read_text())
+    assert device_map["model.layers.2"] == "cpu" and device_map["model.layers.3"] == "disk"
+    assert not (tmp_path / "runs" / "split" / "draft").exists()  # compared, then dropped
+    assert_manifest(tmp_path)
+
+
+def test_the_second_arch_bench_smoke_runs_gemma3_and_both_llama_paths(tmp_path, one_thread, monkeypatch):
+    script = load_script("second_arch_bench", monkeypatch)
+    assert script.main(["--smoke", "--arch", "gemma3,llama,llama-general", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "second-arch-bench.json").read_text())
+    archs = out["archs"]
+    assert [archs[a]["engine_used"][0]["class"] for a in script.ARCHS] == [
+        "GeneralCachedTarget", "CachedTarget", "GeneralCachedTarget"]
+    assert "forced by second_arch_bench" in archs["llama-general"]["engine_log"][0]
+    assert set(archs["gemma3"]["hf_tok_s"]) == {"hf_static", "hf_prompt_lookup", "hf_eager"}
+    for arch in script.ARCHS:
+        assert all(c["identical_fraction"] == 1.0 for c in archs[arch]["configs"].values())
+        assert (tmp_path / archs[arch]["release_json"]).is_file()
+    assert set(out["ratios"]["llama_general_over_llama_fast"]) == {
+        "engine_plain_tok_s", "chain-3-1-4_tok_s", "tree-3-4-8_tok_s"}
+    assert out["model_configs"]["gemma3"]["layer_types"] == "SSSSSF"
+    assert any("random weights: speed only" in c for c in out["caveats"])
+    assert not list(tmp_path.rglob("draft.safetensors"))
+    assert_manifest(tmp_path)
+
+
+def test_the_second_arch_bench_leaves_out_a_failing_hf_baseline(tmp_path, one_thread, monkeypatch):
+    from draftling.bench import release
+
+    script = load_script("second_arch_bench", monkeypatch)
+    hf_kwargs = release._hf_kwargs
+
+    def broken_static(name, *args):
+        if name == "hf_static":
+            raise RuntimeError("static cache unsupported here\nsecond line")
+        return hf_kwargs(name, *args)
+
+    monkeypatch.setattr(release, "_hf_kwargs", broken_static)
+    assert script.main(["--smoke", "--arch", "llama", "--out", str(tmp_path)]) == 0
+    llama = json.loads((tmp_path / "second-arch-bench.json").read_text())["archs"]["llama"]
+    assert llama["baselines_failed"] == {"hf_static": "RuntimeError: static cache unsupported here second line"}
+    assert llama["hf_tok_s"]["hf_static"] is None and llama["hf_tok_s"]["hf_eager"] > 0
+    assert release._time_hf_baselines.__name__ == "_time_hf_baselines"  # put back
