@@ -132,6 +132,19 @@ def test_speculative_with_an_accepting_draft(arch):
         assert out.tolist() == plain.tolist(), tree
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "mistral", "phi3", "gpt_oss"])
+def test_padded_exact_engine_equals_plain(arch):
+    """The GPU's engine settings (every pass padded to 16 queries, exact attention) on the
+    sliding-window architectures: pad rows must not go NaN where a window leaves their mask
+    empty (exact attention would spread it from the pad slots), so the tokens equal plain."""
+    model, _, plain = model_and_plain(arch)
+    target = build_target(model, AUX, SIZE, query_pad=16, attention="exact")
+    assert greedy_generate(target, prompt(), NEW).tolist() == plain.tolist()
+    draft = DraftRunner(random_draft(model), model.get_input_embeddings(), SIZE)
+    out, _ = speculative_generate(target, draft, prompt(), NEW, 3, 4, 8)
+    assert out.tolist() == plain.tolist()
+
+
 def assert_committed_cache_is_fresh(model, target, seq, n):
     """The committed cache prefix equals a fresh prefill of the emitted text: compaction moved
     the right K/V in every layer, whatever its shape."""
