@@ -23,6 +23,7 @@ from draftling.export import export_sglang, load_sglang_export
 from draftling.target.aux import aux_hidden_states
 from draftling.target.load import wrap_target
 from tests.conftest import TINY_VOCAB, setup_data
+from tests.host_reads import HostReads
 from tests.test_engine import AUX, TREES, oracle_draft, random_draft
 from tests.test_export import run_draft
 from tests.test_train import run as train_run
@@ -58,12 +59,12 @@ ARCHS = {
 }
 
 
-def build(arch, seed=0):
+def build(arch, seed=0, **extra):
     cfg_name, model_name, over, _ = ARCHS[arch]
     if not hasattr(transformers, cfg_name) or not hasattr(transformers, model_name):
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**COMMON, **over})).eval()
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**COMMON, **over, **extra})).eval()
     with torch.no_grad():  # HF zero-inits these; make them matter
         for name, p in model.named_parameters():
             if name.endswith(("sinks", ".bias")):
@@ -132,6 +133,19 @@ def test_speculative_with_an_accepting_draft(arch):
         assert out.tolist() == plain.tolist(), tree
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "mistral", "phi3", "gpt_oss"])
+def test_padded_exact_engine_equals_plain(arch):
+    """The GPU's engine settings (every pass padded to 16 queries, exact attention) on the
+    sliding-window architectures: pad rows must not go NaN where a window leaves their mask
+    empty (exact attention would spread it from the pad slots), so the tokens equal plain."""
+    model, _, plain = model_and_plain(arch)
+    target = build_target(model, AUX, SIZE, query_pad=16, attention="exact")
+    assert greedy_generate(target, prompt(), NEW).tolist() == plain.tolist()
+    draft = DraftRunner(random_draft(model), model.get_input_embeddings(), SIZE)
+    out, _ = speculative_generate(target, draft, prompt(), NEW, 3, 4, 8)
+    assert out.tolist() == plain.tolist()
+
+
 def assert_committed_cache_is_fresh(model, target, seq, n):
     """The committed cache prefix equals a fresh prefill of the emitted text: compaction moved
     the right K/V in every layer, whatever its shape."""
@@ -158,7 +172,7 @@ def test_batched_equals_batch_one(arch):
 
 def test_regeneration_engine_serves_a_general_path_target():
     """data.regen.engine=on takes any architecture the engine serves; auto keeps HF generate
-    for the general path (it runs eager)."""
+    for the general path (not yet measured on a GPU)."""
     from draftling.config import DataConfig, RegenConfig
     from draftling.engine.batch import reply_engine_for
 
@@ -216,13 +230,143 @@ def test_general_path_equals_fast_path_on_llama_family():
         assert greedy_generate(general, ids, NEW).tolist() == greedy_generate(fast, ids, NEW).tolist()
 
 
-def test_general_path_runs_eager_and_says_why(caplog):
-    model = build("gemma3")
-    with caplog.at_level(logging.WARNING, logger="draftling.engine.general_target"):
-        target = build_target(model, AUX, SIZE, cuda_graphs=True, compile=True)
-    assert not target.cuda_graphs and not target.compile
-    assert "runs eager" in caplog.text
+GENERAL = [arch for arch, spec in ARCHS.items() if spec[3] is GeneralCachedTarget]
+LOGGER = "draftling.engine.general_target"
+
+
+@pytest.mark.slow  # compiles on the CPU: 5-25 s each on 2 cores
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral", "qwen3_moe", "gpt_oss"])
+def test_general_path_compiled_equals_eager(arch, caplog):
+    """The whole forward compiled (inductor, dynamic=False) on the CPU, fp32: the greedy tokens,
+    then one more decode pass's logits, aux states and every layer's K/V equal the eager
+    engine's. Llama takes the general path here on purpose."""
+    model = build(arch)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        compiled = GeneralCachedTarget.from_hf(model, AUX, SIZE, compile=True)
+    assert compiled.compile and "runs without" not in caplog.text
+    eager = GeneralCachedTarget.from_hf(model, AUX, SIZE)
+    out = greedy_generate(compiled, prompt(), NEW)
+    assert out.tolist() == greedy_generate(eager, prompt(), NEW).tolist()
+    n = PROMPT + NEW - 1  # the last token's slot: a pass of greedy_step's shapes (no recompile)
+    pos, mask = torch.tensor([[n]]), torch.arange(SIZE)[None, None] <= n
+    with torch.no_grad():
+        for got, want in zip(compiled.decode(out[:, -1:], pos, pos, mask), eager.decode(out[:, -1:], pos, pos, mask)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for i in range(len(eager.layers)):
+        for got, want in zip(compiled.kv(i), eager.kv(i)):
+            torch.testing.assert_close(got[:, :, :n + 1], want[:, :, :n + 1], atol=1e-5, rtol=1e-5)
+
+
+def test_general_path_runs_eager_when_compile_fails(monkeypatch, caplog):
+    from draftling.engine import general_target
+
+    def broken(fn):
+        def run(*args):
+            raise RuntimeError("no compiler here\nmore detail")
+        return run
+
+    model, _, plain = model_and_plain("gemma3")
+    monkeypatch.setattr(general_target, "compile_once", broken)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        target = build_target(model, AUX, SIZE, compile=True)
+    assert not target.compile and not target.options.compile
+    assert caplog.text.count("Gemma3ForCausalLM: the general engine path runs without compile") == 1
+    assert "no compiler here" in caplog.text and "more detail" not in caplog.text  # one line
+    assert greedy_generate(target, prompt(), NEW).tolist() == plain.tolist()
     assert model.config._attn_implementation != "draftling_engine"  # the model's own is back
+
+
+@pytest.mark.parametrize("arch", GENERAL)
+def test_general_decode_step_reads_nothing_back(arch):
+    """What a CUDA graph needs of the model's forward, on the CPU: a decode step reads no value
+    back to the host (no .item(), nonzero, .tolist()); on CUDA the warm-up checks it for real."""
+    _, target, plain = model_and_plain(arch)
+    with torch.no_grad(), HostReads() as reads:
+        target.fast_greedy(plain[:, -1:], torch.tensor([PROMPT + NEW - 1]))
+    assert reads.calls == []
+
+
+# ---------------------------------------------------------------- CUDA graphs (run on the GPU only)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+# MoE experts run grouped_mm, whose CUDA kernel is bf16 only: in fp32 its fallback reads the group
+# sizes back to the host, so graphs are refused there, with the reason logged.
+ON_GPU = [("llama", torch.float32), ("gemma3", torch.float32), ("mistral", torch.float32),
+          ("qwen3_moe", torch.bfloat16), ("qwen3_moe", torch.float32), ("gpt_oss", torch.bfloat16)]
+MAY_REFUSE = {"qwen3_moe", "gpt_oss"}  # the expert kernels decide
+
+
+def accepting_on_gpu(arch, dtype, **extra):
+    """``arch`` with scaled-up embeddings (long accepted paths, so moved K/V) and its oracle
+    draft, on the GPU in ``dtype``."""
+    model = build(arch, **extra)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(30.0)
+    draft = oracle_draft(model, num_key_value_heads=4, num_attention_heads=4, head_dim=16)
+    return model.to("cuda", dtype), draft.to("cuda", dtype)
+
+
+def gpu_engine(model, **mode):
+    """The GPU's padded engine (16 queries, exact attention), general path; ``mode``: graphs, compile."""
+    return GeneralCachedTarget.from_hf(model, AUX, SIZE, query_pad=16, attention="exact", **mode)
+
+
+def decode_all(target, draft, ids):
+    """Plain greedy tokens, then speculative chain and tree (host and device rounds) tokens
+    and accept lengths."""
+    runner = DraftRunner(draft, target.embed, SIZE)
+    outs = [greedy_generate(target, ids, NEW).tolist()]
+    for tree in TREES[:2]:
+        for device_rounds in (False, True):
+            out, stats = speculative_generate(target, runner, ids, NEW, *tree, device_rounds=device_rounds)
+            outs.append((out.tolist(), stats.accept_lengths))
+    return outs
+
+
+@cuda
+@pytest.mark.parametrize("arch,dtype", ON_GPU, ids=lambda x: str(x).replace("torch.", ""))
+def test_general_path_cuda_graphs_match_eager(arch, dtype, caplog):
+    """Graphed decode passes (plain steps, fused rounds, K/V moves) replay what eager runs: token
+    for token and round for round. Graphs are off only with the reason logged."""
+    model, draft = accepting_on_gpu(arch, dtype)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        graphed = gpu_engine(model, cuda_graphs=True)
+    assert graphed.cuda_graphs != ("runs without cuda_graphs" in caplog.text)
+    assert graphed.cuda_graphs or arch in MAY_REFUSE, caplog.text
+    ids = prompt().cuda()
+    assert decode_all(graphed, draft, ids) == decode_all(gpu_engine(model), draft, ids)
+
+
+@cuda
+@pytest.mark.parametrize("arch,dtype", ON_GPU, ids=lambda x: str(x).replace("torch.", ""))
+def test_general_path_compile_and_graphs_match_compile(arch, dtype, caplog):
+    """Compiled and graphed replays what compiled alone runs; in fp32 its greedy tokens also
+    equal the eager engine's."""
+    model, draft = accepting_on_gpu(arch, dtype)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        both = gpu_engine(model, compile=True, cuda_graphs=True)
+    assert both.compile or (arch in MAY_REFUSE and "runs without compile" in caplog.text), caplog.text
+    assert both.cuda_graphs or (arch in MAY_REFUSE and "runs without cuda_graphs" in caplog.text), caplog.text
+    ids = prompt().cuda()
+    got = decode_all(both, draft, ids)
+    assert got == decode_all(gpu_engine(model, compile=both.compile), draft, ids)
+    if dtype == torch.float32:
+        assert got[0] == greedy_generate(gpu_engine(model), ids, NEW).tolist()
+
+
+@cuda
+def test_general_path_refuses_graphs_for_a_host_sync(caplog):
+    """Qwen3-MoE's eager experts loop over nonzero() on the host: the warm-up finds the sync,
+    graphs are off with the reason in one line, and decoding still equals eager."""
+    model, draft = accepting_on_gpu("qwen3_moe", torch.float32, experts_implementation="eager")
+    if model.config._experts_implementation != "eager":
+        pytest.skip("this transformers has no eager experts implementation to pick")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        target = gpu_engine(model, cuda_graphs=True)
+    assert not target.cuda_graphs
+    assert caplog.text.count("Qwen3MoeForCausalLM: the general engine path runs without cuda_graphs") == 1
+    ids = prompt().cuda()
+    assert decode_all(target, draft, ids) == decode_all(gpu_engine(model), draft, ids)
 
 
 def test_unservable_models_get_one_clear_error():

@@ -10,9 +10,12 @@ layer's sliding window (by the queries' positions) and, where the model passes t
 attention sinks (``s_aux``) and logit soft-capping (``softcap``). Per-layer buffers take each
 layer's own shapes, so MLA (key head dim != value head dim) needs nothing special.
 
-It runs eager: the model's forward is not ours to make graph-safe (MoE routing, say), so
-CUDA graphs and compile are refused with a logged reason. ``build_target`` picks the fast
-Llama-family ``CachedTarget`` where it applies and this path otherwise; a model neither can
+Decode passes run the whole forward as one ``torch.compile(dynamic=False)`` step (``model_step``)
+and inside the engine's CUDA graphs (``StaticFn``), where the model allows them. The forward is
+not ours to make graph-safe, so a warm-up pass at construction tries first: a compile that fails,
+or a host sync in the forward (MoE routing that reads back a count, say; a CUDA graph cannot hold
+one), turns that feature off for this target with one logged line. ``build_target`` picks the
+fast Llama-family ``CachedTarget`` where it applies and this path otherwise; a model neither can
 serve raises ``UnsupportedArchitecture`` naming why.
 """
 
@@ -34,6 +37,7 @@ from draftling.engine.target_model import (
     UnsupportedArchitecture,
     _check_architecture,
     causal_mask,
+    compile_once,
     matmul_attention,
     row_mask,
     write_kv,
@@ -92,11 +96,6 @@ class GeneralCachedTarget(TargetEngine):
         super().__init__()
         _check_config(model)
         options = (options or EngineOptions()).check_resolved()
-        if options.cuda_graphs or options.compile:
-            log.warning("%s: the general engine path runs eager (the model's own forward is not made safe for "
-                        "CUDA graphs or compile); asked for cuda_graphs=%s compile=%s", _arch(model),
-                        options.cuda_graphs, options.compile)
-            options = dataclasses.replace(options, cuda_graphs=False, compile=False)
         self.model, self.config = model, model.config  # a plain reference: weights are shared
         self.embed = model.get_input_embeddings()
         self.layers = decoder_layers(model)
@@ -105,13 +104,15 @@ class GeneralCachedTarget(TargetEngine):
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._configs = list({id(m.config): m.config for m in model.modules()
                               if hasattr(getattr(m, "config", None), "_attn_implementation")}.values())
-        self._call = None
+        self._call, self._checking = None, False
         shapes = self._probe_shapes()
         self.k = [torch.zeros(batch_size, nk, int(max_seq_len), dk, dtype=dt, device=dev)
                   for nk, dk, _, _, dt, dev in shapes]
         self.v = [torch.zeros(batch_size, nv, int(max_seq_len), dv, dtype=dt, device=dev)
                   for _, _, nv, dv, dt, dev in shapes]
         self._setup(options, max_seq_len, batch_size, self.embed.weight.device)
+        if self._warm_up():  # a feature was turned off: make the static functions again
+            self._setup(self.options, max_seq_len, batch_size, self.device)
 
     def kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
@@ -172,8 +173,9 @@ class GeneralCachedTarget(TargetEngine):
         ks, vs, cache_positions, _, _, _ = self._call
         kc, vc = ks[i], vs[i]
         slots = cache_positions.to(kc.device)
-        write_kv(kc, slots, k)
-        write_kv(vc, slots, v)
+        write = write_kv_in_place if torch.compiler.is_compiling() else write_kv
+        write(kc, slots, k)
+        write(vc, slots, v)
         mask = self._mask(kwargs.get("sliding_window"), kc.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
@@ -199,16 +201,15 @@ class GeneralCachedTarget(TargetEngine):
         return made[key]
 
     def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool, kv=None, last=None):
-        """As ``CachedTarget._run`` (``compiled`` is always False here)."""
+        """As ``CachedTarget._run``; ``compiled``: the whole forward as one compiled step."""
         q = input_ids.shape[1]
         input_ids, positions, cache_positions, attn_mask = self.pad_queries(input_ids, positions, cache_positions,
                                                                            attn_mask)
         ks, vs = kv if kv is not None else (self.k, self.v)
-        self._call = (ks, vs, cache_positions, positions, attn_mask, {})
         keep = {"logits_to_keep": last} if last is not None and self._keep_logits else {}
+        self._call = (ks, vs, cache_positions, positions, attn_mask, {})
         try:
-            with self._pass(), recording_aux_states(self.model, self.aux_layer_ids) as calls:
-                logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, **keep).logits
+            logits, states = self._step(compiled, self.model, input_ids, positions, self.aux_layer_ids, keep)
         finally:
             self._call = None
         if last is None:
@@ -218,8 +219,54 @@ class GeneralCachedTarget(TargetEngine):
             logits = logits[rows, rows][:, None]
         else:
             logits = logits.gather(1, last.to(logits.device)[:, None, None].expand(-1, 1, logits.shape[-1]))
-        aux = torch.cat([calls[i][-1][:, :q].to(self.device) for i in self.aux_layer_ids], dim=-1)
+        aux = torch.cat([s[:, :q].to(self.device) for s in states], dim=-1)
         return logits.to(self.device), aux
+
+    def _step(self, compiled: bool, *args):
+        """``model_step`` in this engine's pass, compiled when asked. A compile that fails turns
+        compile off and the pass reruns eager, repeating the same cache writes; not inside a
+        graph capture (it cannot be redone) or the host-sync check (the failure is its answer)."""
+        with self._pass():
+            if compiled and self.compile:
+                try:
+                    return compile_once(model_step)(*args)
+                except Exception as e:  # whatever the compiler raised, eager is the answer
+                    if self._checking or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                        raise
+                    self._without("compile", "compiling its forward failed", e)
+            return model_step(*args)
+
+    def _without(self, feature: str, why: str, error: BaseException) -> None:
+        """Turn ``feature`` ("compile" or "cuda_graphs") off for this target, saying why in one line."""
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        log.warning("%s: the general engine path runs without %s: %s (%s: %s)", _arch(self.model), feature, why,
+                    type(error).__name__, first)
+        self.options = dataclasses.replace(self.options, **{feature: False})
+        self.compile, self.cuda_graphs = self.options.compile, self.options.cuda_graphs
+
+    @torch.no_grad()
+    def _warm_up(self) -> bool:
+        """One decode-shaped pass (query_pad wide, as the GPU's decode passes are) before any graph
+        is made: compiles, and finds a failing compile or a host sync in the forward (CUDA's sync
+        debug mode). It writes slots 0..q-1, which a prefill writes before anything reads them.
+        Returns whether a feature was turned off."""
+        graphs = self.cuda_graphs and self.device.type == "cuda"
+        if not (self.compile or graphs):
+            return False
+        before = self.options
+        pos = torch.arange(max(1, self.query_pad), device=self.device).expand(self.batch_size, -1)
+        args = (torch.zeros_like(pos), pos, pos, self.cols[None, None] <= pos[..., None])
+        self.decode(*args)
+        if graphs:
+            self._checking = True
+            try:
+                with host_syncs_raise():
+                    self.decode(*args)
+            except RuntimeError as e:
+                self._without("cuda_graphs", "its forward waits on the device (a host sync)", e)
+            finally:
+                self._checking = False
+        return self.options != before
 
     @torch.no_grad()
     def prefill_rows(self, rows: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor):
@@ -248,6 +295,38 @@ class GeneralCachedTarget(TargetEngine):
                 else:
                     c.scatter_(2, _slot_index(c, slots), r)
         return ()
+
+
+@torch.library.custom_op("draftling::write_kv", mutates_args=("cache",))
+def write_kv_in_place(cache: torch.Tensor, cache_positions: torch.Tensor, rows: torch.Tensor) -> None:
+    """``write_kv`` as one opaque op for the compiler: traced as plain ops, inductor writes into
+    a copy of the whole cache and copies that back, every layer of every pass."""
+    write_kv(cache, cache_positions, rows)
+
+
+@write_kv_in_place.register_fake
+def _(cache, cache_positions, rows) -> None:
+    return None
+
+
+def model_step(model, input_ids, positions, aux_ids, keep):
+    """The model's own forward: (logits, [output of decoder layer i - 1 for i in aux_ids]). One
+    function for eager and compiled passes (the aux hooks trace into the compiled graph)."""
+    with recording_aux_states(model, aux_ids) as calls:
+        logits = model(input_ids=input_ids, position_ids=positions, use_cache=False, **keep).logits
+    return logits, [calls[i][-1] for i in aux_ids]
+
+
+@contextmanager
+def host_syncs_raise():
+    """CUDA work in the block raises at the first host sync (``.item()``, ``nonzero``, a
+    blocking copy): what a CUDA graph capture cannot hold."""
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
 
 
 def _slot_index(cache, slots):

@@ -23,7 +23,8 @@ GPU_ATTENTION, GPU_UNPADDED_ATTENTION = "exact", "matmul"
 @dataclass(frozen=True)
 class EngineOptions:
     """``cuda_graphs``: replay decode passes as CUDA graphs (a no-op for CPU tensors).
-    ``compile``: run each decoder layer as two compiled halves around the eager cache write.
+    ``compile``: compile the decode passes (the fast path: each decoder layer as two compiled
+    halves around the eager cache write; the general path: the whole forward).
     ``query_pad``: pad every target pass of 1..query_pad queries to query_pad rows, 0 = off
     (see ``CachedTarget``). ``attention``: one of ATTENTION_KINDS; the draft only proposes, so
     "exact" gives it plain matmul attention. Each may be "auto" until ``resolve``; the engine's

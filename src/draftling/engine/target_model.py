@@ -216,7 +216,9 @@ class TargetEngine(nn.Module):
             positions = torch.cat([positions, positions[:, -1:].expand(b, pad)], dim=1)
             extra = cache_positions[..., -1:] + torch.arange(1, pad + 1, device=cache_positions.device)
             cache_positions = torch.cat([cache_positions, extra.clamp_(max=self.max_seq_len - 1)], dim=-1)
-            attn_mask = torch.cat([attn_mask, attn_mask[..., :1, :].expand(*attn_mask.shape[:-2], pad, -1)], dim=-2)
+            # The last row's mask with its position: within a sliding window row 0's could be empty,
+            # a NaN row whose K/V in the pad slots matmul attention then spreads (0 * NaN).
+            attn_mask = torch.cat([attn_mask, attn_mask[..., -1:, :].expand(*attn_mask.shape[:-2], pad, -1)], dim=-2)
         return input_ids, positions, cache_positions, attn_mask
 
     @torch.no_grad()
