@@ -11,21 +11,19 @@
 #   0. carries .dev/a and .whl:        mkdir -p /tmp/m && cp .dev/a/* /tmp/m/
 #   1. carries .dev/b, .whl, .dev/p:   FRACTION=1.0 bash scripts/gpu/data_scaling.sh [KEY=VALUE ...]
 #   2.. carries .whl:                  the same command, until it prints "scaling: done"
+# UNTIL=train stops before the bench (while other work shares the GPU: the bench times speed).
 # BENCH_ARGS: more bench flags or keys, e.g. bench.sampled_temperatures=[] (greedy only) for the
 # points that are not the release run.
 # RESTORE=1 with .dev/j carried (the replies.jsonl.gz.* and journal.json of an earlier call)
-# rebuilds the journal first. Extra KEY=VALUE args go to `train` (the recipe).
+# rebuilds the journal first. RUN_NAME names a run that is not a plain curve point (default: F). Extra KEY=VALUE args go to `train` (the recipe).
 # Then, here: python3 scripts/gpu/scaling_curve.py --runs DIR... --out bench/results/<folder>
 source scripts/gpu/common.sh
-t0=$(date +%s)
-left() { echo $(( ${CALL_S:-575} - ($(date +%s) - t0) )); }
+source scripts/gpu/stages.sh
 S=/tmp/scale F=${FRACTION:?set FRACTION, e.g. 1.0} STEPS=${STEPS:-2394}
-run=$S/run-$F log=$OUT/log.txt J=$S/.data.journal
+run=$S/run-${RUN_NAME:-$F} log=$OUT/log.txt J=$S/.data.journal
 FILES='["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl","shared:math_gsm8k_train.jsonl",
 "shared:summarize.jsonl","shared:tool_use.jsonl","shared:code_gpteacher.jsonl","shared:roleplay_gpteacher.jsonl",
 "shared:tool_toolformer.jsonl","shared:t0_tasks.jsonl"]'
-quiet() { grep --line-buffered -v "^regenerate: " || true; }  # the per-batch lines; never fail the pipe
-d() { echo "+ draftling $* ($(left) s left)" | tee -a $log; python3 -m draftling "$@" 2>&1 | quiet | tee -a $log; }
 # SMOKE=1: every stage tiny, on the CPU (a dry run of the commands, not a measurement).
 if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" STEPS=4 DATA_ARGS="data.max_prompts_per_file=3 data.regen.max_new_tokens=8 data.regen.batch_size=8"
@@ -53,20 +51,21 @@ for line in sys.stdin:
   gzip -c $S/data/replies.jsonl | split -b 15000000 - $OUT/replies.jsonl.gz.
 fi
 
-if [ "$(python3 -c "import json;print(json.load(open('$run/train_result.json'))['stop_reason'])" 2>/dev/null)" != completed ]; then
+if [ "$(stop_reason $run)" != completed ]; then
   [ $(left) -gt 150 ] || { echo "scaling: too little time left to train; call again" | tee -a $log; exit 0; }
-  minutes=$(python3 -c "print(round(($(left) - 100) / 60, 2))")
+  minutes=$(train_minutes 100)
   d train --config gpu_smollm2 --target $T --data $S/data --run-dir $run $([ -d $run ] && echo --resume) \
     train.data_fraction=$F train.max_steps=$STEPS train.max_minutes=$minutes train.smoke_every=400 \
     train.smoke_max_new_tokens=64 train.ckpt_every=400 ${DEV:-} ${SMOKE_ARGS:-} "$@"
   tar czf $OUT/train.tgz -C $run train_result.json metrics.jsonl config.yaml
-  [ "$(python3 -c "import json;print(json.load(open('$run/train_result.json'))['stop_reason'])")" = completed ] \
+  [ "$(stop_reason $run)" = completed ] \
     || { echo "scaling: training continues in the next call" | tee -a $log; exit 0; }
 fi
 
+[ "${UNTIL:-}" != train ] || { echo "scaling: trained; the bench is left (UNTIL=train)" | tee -a $log; exit 0; }
 [ $(left) -gt 170 ] || { echo "scaling: too little time left for the bench; call again" | tee -a $log; exit 0; }
 d bench --release --target $T --dtype bfloat16 --device cuda --draft $run/draft --prompt-set v1 \
-  --baselines engine_plain --results-dir $S/results-$F --tag "fraction-$F" ${DEV:-} ${BENCH_ARGS:-}
+  --baselines engine_plain --results-dir $S/results-${RUN_NAME:-$F} --tag "${RUN_NAME:-fraction-$F}" ${DEV:-} ${BENCH_ARGS:-}
 d report $run
-tar czf $OUT/done.tgz -C $run train_result.json metrics.jsonl config.yaml report -C $S results-$F
+tar czf $OUT/done.tgz -C $run train_result.json metrics.jsonl config.yaml report -C $S results-${RUN_NAME:-$F}
 echo "scaling: done" | tee -a $log

@@ -1,0 +1,11 @@
+# Sourced (after common.sh) by the device scripts that do what is left of a run in each call:
+# the call's clock, a quiet logged `draftling`, and a run's stop reason.
+t0=$(date +%s)
+left() { echo $(( ${CALL_S:-575} - ($(date +%s) - t0) )); }  # seconds left in this call
+quiet() { grep --line-buffered -v "^regenerate: " || true; }  # the per-batch lines; never fail the pipe
+# `d ARGS`: draftling ARGS, logged to $log with the time left.
+d() { echo "+ draftling $* ($(left) s left)" | tee -a $log; python3 -m draftling "$@" 2>&1 | quiet | tee -a $log; }
+# The stop reason of the training run in $1 ("" before it has one).
+stop_reason() { python3 -c "import json;print(json.load(open('$1/train_result.json'))['stop_reason'])" 2>/dev/null || true; }
+# Minutes of training that fit in this call, keeping $1 seconds for the rest.
+train_minutes() { python3 -c "print(round(($(left) - $1) / 60, 2))"; }
