@@ -30,7 +30,7 @@ sha=$(sha256sum $G | cut -c1-8)
 
 if [ ! -f $S/data/vocab.safetensors ]; then
   d data --config gpu_smollm2 --target $G --out $S/data "data.prompts=$(echo $FILES | tr -d '\n ')" \
-    data.max_prompts_per_file=${PER_FILE:-600} data.max_prompts_by_file={} $TPL ${DEV:-} ${DATA_ARGS:-}
+    data.max_prompts_per_file=${PER_FILE:-300} data.max_prompts_by_file={} $TPL ${DEV:-} ${DATA_ARGS:-}
   [ -f $S/data/summary.json ] || { echo "arch2: data not finished; call again" | tee -a $log; exit 0; }
   d vocab --data $S/data --config gpu_smollm2 --target $G ${VOCAB_ARGS:-}
   cp $S/data/summary.json $OUT/data_summary.json

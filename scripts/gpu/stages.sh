@@ -2,7 +2,8 @@
 # the call's clock, a quiet logged `draftling`, and a run's stop reason.
 t0=$(date +%s)
 left() { echo $(( ${CALL_S:-575} - ($(date +%s) - t0) )); }  # seconds left in this call
-quiet() { grep --line-buffered -v "^regenerate: " || true; }  # the per-batch lines; never fail the pipe
+# The per-batch regeneration lines, unless QUIET=0 (never fails the pipe).
+quiet() { if [ "${QUIET:-1}" = 0 ]; then cat; else grep --line-buffered -v "^regenerate: " || true; fi; }
 # `d ARGS`: draftling ARGS, logged to $log with the time left.
 d() { echo "+ draftling $* ($(left) s left)" | tee -a $log; python3 -m draftling "$@" 2>&1 | quiet | tee -a $log; }
 # The stop reason of the training run in $1 ("" before it has one).
