@@ -116,6 +116,17 @@ def test_speculative_with_an_accepting_draft(arch):
     """A random draft accepts almost nothing, so trees would never be compacted. Scaled-up
     embeddings make the target nearly layer-free, which ``oracle_draft`` predicts: long
     accepted paths, moved K/V (checked against a fresh prefill, layer by layer)."""
+    accepting_draft_decodes_as_plain(arch)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v3", "gpt_oss"])
+def test_accepting_draft_as_under_graph_capture(arch, as_captured):
+    """The same, with every graphed function's first call run three times, as CUDA-graph
+    capture does (the as_captured fixture): per-layer cache shapes survive the repeats."""
+    accepting_draft_decodes_as_plain(arch)
+
+
+def accepting_draft_decodes_as_plain(arch):
     model = build(arch)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(30.0)

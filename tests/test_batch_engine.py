@@ -74,6 +74,18 @@ def test_batched_speculative_equals_alone(kind):
         assert [r.tokens for r in got] == want_eos, tree
 
 
+def test_batched_engine_survives_graph_capture(as_captured):
+    """As under CUDA graphs (every function's first call runs three times): batched plain and
+    speculative decoding still equal each request alone."""
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    ps, budgets = prompts(), [30, 4, 17, 30, 1, 23, 9]
+    want = alone(model, ps, budgets)
+    target, runner = engines(model, random_draft(model))
+    assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
+    for tree in TREES:
+        assert [r.tokens for r in batch_generate(target, ps, budgets, draft=runner, tree=tree)] == want, tree
+
+
 def test_batched_sampling_matches_target_distribution():
     """Plain and speculative sampling in a batch of 4: joint law of the first two tokens of
     each request against exact target probabilities (as test_engine's batch-1 test)."""

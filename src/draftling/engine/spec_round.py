@@ -77,7 +77,11 @@ class SpecRound:
         self.ctrl = torch.zeros(n_ctrl, **long)
         # A row whose next round would not fit the cache stops advancing (see commit_rows).
         self.n_cap = target.max_seq_len - max(num_draft_tokens, target.query_pad)
-        self._commit_fn = StaticFn(self.commit_rows, **graphs)
+        # The host's commit as two graphs, gather then the rest (see commit_gathered). The fast
+        # path keeps one K (and V) tensor for all layers, the general path one per layer.
+        self.kv_one_tensor = torch.is_tensor(getattr(target, "k_all", None))
+        self._gather_fn = StaticFn(self.gather_path, **graphs)
+        self._commit_fn = StaticFn(self.commit_gathered, **graphs)
 
     @classmethod
     def cached(cls, target: CachedTarget, draft: DraftRunner, steps: int, topk: int,
@@ -179,7 +183,19 @@ class SpecRound:
         rows move a slot onto itself) and the draft extends over ``new``. Returns (next n,
         next root, r_hidden, r_logits, moved [B]). A row past the cache's end (a finished
         request still stepping until the host refills it) stays where it is."""
+        return self.commit_gathered(n, path, k, new, aux, *self.gather_path(n, path))
+
+    def gather_path(self, n, path):
+        """The target K/V of each row's accepted path (read before any slot is written), as
+        one flat tuple of tensors: K then V, one tensor each (fast path) or one per layer."""
         k_rows, v_rows = self.target.gather_kv(n[:, None] + path)
+        return (k_rows, v_rows) if torch.is_tensor(k_rows) else (*k_rows, *v_rows)
+
+    def commit_gathered(self, n, path, k, new, aux, *rows):
+        """``commit_rows`` after ``gather_path``: each half alone is safe to repeat, as a graph's
+        warm-up does; together they are not (the writes overlap the slots read)."""
+        half = len(rows) // 2
+        k_rows, v_rows = (rows[0], rows[1]) if self.kv_one_tensor else (rows[:half], rows[half:])
         self.target.scatter_kv(n[:, None] + self.path_rows, k_rows, v_rows)
         hidden, logits = self.draft._extend(new, aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1])), n)
         last = (k - 1)[:, None, None]
@@ -237,7 +253,8 @@ class SpecRound:
         ctrl = self.upload(flat)
         n_t, k_t = ctrl[:b], ctrl[b:2 * b]
         path_t, new_t = ctrl[2 * b:2 * b + b * p].view(b, p), ctrl[2 * b + b * p:].view(b, p)
-        n_next, root, r_hidden, r_logits, _ = self._commit_fn(n_t, path_t, k_t, new_t, aux)
+        rows = self._gather_fn(n_t, path_t)
+        n_next, root, r_hidden, r_logits, _ = self._commit_fn(n_t, path_t, k_t, new_t, aux, *rows)
         return [x != list(range(len(x))) for x in paths], n_next, root, r_hidden, r_logits
 
 
