@@ -12,11 +12,15 @@
 # Device calls straight after each other (the machine goes back 30 s after a call):
 #   0. carries .dev/a .dev/p .whl: mkdir -p /tmp/m /tmp/prompts && cp .dev/a/* /tmp/m/ &&
 #      tar xzf .dev/p/prompts.tgz -C /tmp/prompts
-#   1. carries .dev/b .whl (and .dev/j in a call of its own for points): JOBS=... shared_calls.sh start
+#   1. carries .dev/b .whl (.dev/b with .dev/j is over the 64 MiB carry with the tree: for points,
+#      carry .dev/j in a call of its own first): JOBS=... bash scripts/gpu/shared_calls.sh start
 #   2-6. carry the Gemma parts (.dev/g_part_a?; ae and af together): mkdir -p /tmp/g &&
 #      cp .dev/g_part_*/part_* /tmp/g/ (the last adds && touch /tmp/g/ready)
 #   7.. bash scripts/gpu/shared_calls.sh poll [SECONDS], until it prints "master: done"
 # Each job's output is under /tmp/work/out/<job>/ and comes back as $OUT/work.tgz from `poll`.
+# Measured on 2026-12-03: graphs 80 s; arch2 about 2.5 min of data (2,690 replies), 3.5 min of
+# training (486 steps), then more than 5 min of bench (76 s warm-up, 140 s for the engine pass);
+# device-map 3-4 min; compile 2 min. Issue each call as soon as the last returns.
 source scripts/gpu/common.sh
 W=/tmp/work
 job() {  # job NAME ENV... : scripts/gpu/<script> with its output under $W/out/NAME
