@@ -6,7 +6,8 @@
 #   graphs, compile   the two halves of cuda_tests.sh
 #   arch2             second_arch_release.sh (Gemma 3 270M), once /tmp/g/ready
 #   device-map        device_map_check.sh
-#   points            data_scaling.sh FRACTION=0.25 and 0.5 side by side (RESTORE=1 from .dev/j),
+#   points            data_scaling.sh for each FRACTION in POINTS (default "0.25 0.5") side by
+#                     side (the first with RESTORE=1 from .dev/j),
 #                     and EXTRA (train KEY=VALUEs) on all the data as run NAME; their tau and
 #                     identity are results, their speeds are not (they share the GPU)
 # Device calls straight after each other (the machine goes back 30 s after a call):
@@ -28,10 +29,17 @@ job() {  # job NAME ENV... : scripts/gpu/<script> with its output under $W/out/N
   env OUT=$W/out/$name "$@" > $W/out/$name.txt 2>&1 || echo "$name: exit $?" >> $W/out/$name.txt
   touch $W/out/$name.done
 }
-points() {
-  job s0.25 FRACTION=0.25 RESTORE=1 JDIR=$W/j CALL_S=3000 bash scripts/gpu/data_scaling.sh &
-  until [ -f /tmp/scale/data/vocab.safetensors ] || [ -f $W/out/s0.25.done ]; do sleep 5; done
-  job s0.5 FRACTION=0.5 CALL_S=3000 bash scripts/gpu/data_scaling.sh &
+points() {  # the curve points POINTS side by side; the first makes the data the others wait for
+  local first=""
+  for f in ${POINTS:-0.25 0.5}; do
+    if [ -z "$first" ]; then
+      first=$f
+      job s$f FRACTION=$f RESTORE=1 JDIR=$W/j CALL_S=3000 bash scripts/gpu/data_scaling.sh &
+      until [ -f /tmp/scale/data/vocab.safetensors ] || [ -f $W/out/s$f.done ]; do sleep 5; done
+    else
+      job s$f FRACTION=$f CALL_S=3000 bash scripts/gpu/data_scaling.sh &
+    fi
+  done
   [ -z "${EXTRA:-}" ] || job ${NAME:-extra} FRACTION=1.0 RUN_NAME=${NAME:-extra} CALL_S=3000 \
     bash scripts/gpu/data_scaling.sh $EXTRA &
   wait
@@ -41,7 +49,7 @@ gemma() {
   until [ -f /tmp/g/ready ]; do sleep 5; done
   job arch2 QUIET=0 CALL_S=3000 bash scripts/gpu/second_arch_release.sh
 }
-master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed each other 5x)
+master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed each other to a crawl)
   mkdir -p $W/out
   export BENCH_ARGS="bench.sampled_temperatures=[]"
   for j in ${JOBS:-graphs arch2 device-map compile}; do
