@@ -64,7 +64,7 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
   touch $W/done; echo "master: done $(date -u +%T)"
 }
 case ${1:?start, poll or master} in
-  start) mkdir -p $W; setsid nohup bash scripts/gpu/shared_calls.sh master > $W/master.log 2>&1 < /dev/null &
+  start) mkdir -p $W; rm -f $W/done; setsid nohup bash scripts/gpu/shared_calls.sh master > $W/master.log 2>&1 < /dev/null &
          sleep 20; cat $W/master.log ;;
   poll) end=$(( $(date +%s) + ${2:-540} ))
         until [ -f $W/done ] || [ $(date +%s) -ge $end ]; do sleep 10; done
