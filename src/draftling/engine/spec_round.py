@@ -189,7 +189,7 @@ class SpecRound:
         """The target K/V of each row's accepted path (read before any slot is written), as
         one flat tuple of tensors: K then V, one tensor each (fast path) or one per layer."""
         k_rows, v_rows = self.target.gather_kv(n[:, None] + path)
-        return (k_rows, v_rows) if torch.is_tensor(k_rows) else (*k_rows, *v_rows)
+        return (k_rows, v_rows) if self.kv_one_tensor else (*k_rows, *v_rows)
 
     def commit_gathered(self, n, path, k, new, aux, *rows):
         """``commit_rows`` after ``gather_path``: each half alone is safe to repeat, as a graph's
