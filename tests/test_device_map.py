@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.config import load_config
 from draftling.errors import ConfigError, TargetError
@@ -19,6 +18,7 @@ from draftling.target import load_target, load_target_from_config
 from draftling.target.devmap import Placement, dispatched_devices, resident_weight
 from draftling.train.teacher import teacher_forward
 from tests.conftest import TINY_VOCAB, random_batch, run_draftling, setup_data
+from tests.test_gpu_scripts import load_script
 
 LAYERS = 6
 # Layers 1, 2 and 4 and the (untied) output head live on disk: accelerate loads their weights
@@ -29,23 +29,11 @@ SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A tiny random Llama (untied head) and a word-level tokenizer with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    out = tmp_path_factory.mktemp("tiny-devmap")
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY_VOCAB)}, unk_token="w2"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w2", pad_token="w0", eos_token="w1")
-    tok.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} w1 {% endfor %}"
-                         "{% if add_generation_prompt %}w4 {% endif %}")
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
+    """A tiny random Llama (untied head) and a word-level tokenizer with a chat template: the
+    device-map check's own --smoke target (scripts/gpu/device_map_check.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        script = load_script("device_map_check", mp)
+    return script.tiny_target_dir(tmp_path_factory.mktemp("tiny-devmap"))
 
 
 def write_map(path, mapping=None):
