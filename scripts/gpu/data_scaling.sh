@@ -21,9 +21,6 @@ source scripts/gpu/common.sh
 source scripts/gpu/stages.sh
 S=/tmp/scale F=${FRACTION:?set FRACTION, e.g. 1.0} STEPS=${STEPS:-2394}
 run=$S/run-${RUN_NAME:-$F} log=$OUT/log.txt J=$S/.data.journal
-FILES='["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl","shared:math_gsm8k_train.jsonl",
-"shared:summarize.jsonl","shared:tool_use.jsonl","shared:code_gpteacher.jsonl","shared:roleplay_gpteacher.jsonl",
-"shared:tool_toolformer.jsonl","shared:t0_tasks.jsonl"]'
 # SMOKE=1: every stage tiny, on the CPU (a dry run of the commands, not a measurement).
 if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" STEPS=4 DATA_ARGS="data.max_prompts_per_file=3 data.regen.max_new_tokens=8 data.regen.batch_size=8"
@@ -42,7 +39,7 @@ for line in sys.stdin:
   # The journal is removed when the data is written: keep its settings for RESTORE.
   (until [ -f $J/journal.json ]; do sleep 2; done; cp $J/journal.json $OUT/journal.json) & watcher=$!
   timeout $(( $(left) - 20 )) python3 -m draftling data --config gpu_smollm2 --target $T --out $S/data \
-    "data.prompts=$(echo $FILES | tr -d '\n ')" data.max_prompts_per_file=0 data.max_prompts_by_file={} \
+    "data.prompts=$CORPUS" data.max_prompts_per_file=0 data.max_prompts_by_file={} \
     ${DEV:-} ${DATA_ARGS:-} 2>&1 | quiet | tee -a $log || true
   kill $watcher 2>/dev/null || true
   [ -f $S/data/summary.json ] || { echo "scaling: data not finished; call again" | tee -a $log; exit 0; }

@@ -14,9 +14,6 @@ source scripts/gpu/common.sh
 source scripts/gpu/stages.sh
 S=/tmp/arch2 G=${GGUF:-/tmp/g/gemma.gguf}
 run=$S/run log=$OUT/log.txt TPL=chat_template=scripts/gpu/gemma3_chat.jinja
-FILES='["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl","shared:math_gsm8k_train.jsonl",
-"shared:summarize.jsonl","shared:tool_use.jsonl","shared:code_gpteacher.jsonl","shared:roleplay_gpteacher.jsonl",
-"shared:tool_toolformer.jsonl","shared:t0_tasks.jsonl"]'
 if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" PER_FILE=2 DATA_ARGS="data.regen.max_new_tokens=8 data.regen.batch_size=8" VOCAB_ARGS="--size 512"
   TRAIN_ARGS="train.batch_size=2 train.max_steps=4 train.smoke_every=2 train.smoke_max_new_tokens=4 vocab.size=512"
@@ -29,7 +26,7 @@ sha=$(sha256sum $G | cut -c1-8)
 [ "$sha" = a5fd3b62 ] || { echo "Gemma GGUF checksum $sha != a5fd3b62" | tee -a $log; exit 3; }
 
 if [ ! -f $S/data/vocab.safetensors ]; then
-  d data --config gpu_smollm2 --target $G --out $S/data "data.prompts=$(echo $FILES | tr -d '\n ')" \
+  d data --config gpu_smollm2 --target $G --out $S/data "data.prompts=$CORPUS" \
     data.max_prompts_per_file=${PER_FILE:-300} data.max_prompts_by_file={} $TPL ${DEV:-} ${DATA_ARGS:-}
   [ -f $S/data/summary.json ] || { echo "arch2: data not finished; call again" | tee -a $log; exit 0; }
   d vocab --data $S/data --config gpu_smollm2 --target $G ${VOCAB_ARGS:-}

@@ -10,3 +10,7 @@ d() { echo "+ draftling $* ($(left) s left)" | tee -a $log; python3 -m draftling
 stop_reason() { python3 -c "import json;print(json.load(open('$1/train_result.json'))['stop_reason'])" 2>/dev/null || true; }
 # Minutes of training that fit in this call, keeping $1 seconds for the rest.
 train_minutes() { python3 -c "print(round(($(left) - $1) / 60, 2))"; }
+# The ten non-agent files of the development corpus, as one data.prompts value.
+CORPUS='["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl","shared:math_gsm8k_train.jsonl",'\
+'"shared:summarize.jsonl","shared:tool_use.jsonl","shared:code_gpteacher.jsonl","shared:roleplay_gpteacher.jsonl",'\
+'"shared:tool_toolformer.jsonl","shared:t0_tasks.jsonl"]'
