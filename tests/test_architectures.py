@@ -183,7 +183,7 @@ def test_batched_equals_batch_one(arch):
 
 def test_regeneration_engine_serves_a_general_path_target():
     """data.regen.engine=on takes any architecture the engine serves; auto keeps HF generate
-    for the general path (not yet measured on a GPU)."""
+    for the general path (its regeneration speed is not yet measured against HF generate)."""
     from draftling.config import DataConfig, RegenConfig
     from draftling.engine.batch import reply_engine_for
 

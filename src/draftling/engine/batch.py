@@ -297,9 +297,9 @@ def reply_engine_for(dc, target):
     if mode == "on" and why:
         raise ConfigError(f"data.regen.engine=on: the batched engine writes greedy replies without states; "
                           f"this run asks for {why}")
-    # "auto" takes the fast path only: the general path's graphs are not yet run on a GPU.
+    # "auto" takes the fast path only: the general path's regeneration is unmeasured against HF.
     if mode == "auto" and target.config.model_type not in SUPPORTED_MODEL_TYPES:
-        why = f"model_type {target.config.model_type!r} (the general engine path is not yet measured on a GPU)"
+        why = f"model_type {target.config.model_type!r} (the general path's regeneration is unmeasured against HF generate)"
     if why or (mode == "auto" and target.device.type != "cuda"):
         return None
     engines: dict = {}
