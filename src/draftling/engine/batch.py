@@ -299,7 +299,8 @@ def reply_engine_for(dc, target):
                           f"this run asks for {why}")
     # "auto" takes the fast path only: the general path's regeneration is unmeasured against HF.
     if mode == "auto" and target.config.model_type not in SUPPORTED_MODEL_TYPES:
-        why = f"model_type {target.config.model_type!r} (the general path's regeneration is unmeasured against HF generate)"
+        why = (f"model_type {target.config.model_type!r} "
+               "(the general path's regeneration is unmeasured against HF generate)")
     if why or (mode == "auto" and target.device.type != "cuda"):
         return None
     engines: dict = {}
