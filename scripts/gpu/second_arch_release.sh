@@ -45,7 +45,7 @@ fi
 [ "${UNTIL:-}" != train ] || { echo "arch2: trained; the bench is left (UNTIL=train)" | tee -a $log; exit 0; }
 [ $(left) -gt 170 ] || { echo "arch2: too little time left for the bench; call again" | tee -a $log; exit 0; }
 d bench --release --target $G --dtype bfloat16 --device cuda --draft $run/draft --prompt-set v1 \
-  --baselines engine_plain --results-dir $S/results --tag gemma3-270m $TPL ${BENCH_ARGS:-}
+  --baselines engine_plain --baseline-prompts-per-workload 1 --results-dir $S/results --tag gemma3-270m $TPL ${BENCH_ARGS:-}
 d report $run
 tar czf $OUT/done.tgz -C $run train_result.json metrics.jsonl config.yaml report -C $S results
 echo "arch2: done" | tee -a $log

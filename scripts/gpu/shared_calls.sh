@@ -52,7 +52,7 @@ gemma() {
 master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed each other to a crawl)
   mkdir -p $W/out
   export BENCH_ARGS="bench.sampled_temperatures=[]"
-  for j in ${JOBS:-graphs arch2 device-map compile}; do
+  for j in ${JOBS:-graphs device-map arch2 compile}; do
     echo "master: $j from $(date -u +%T)"
     case $j in
       graphs|compile) tests $j ;;
