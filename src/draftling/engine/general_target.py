@@ -207,7 +207,11 @@ class GeneralCachedTarget(TargetEngine):
                                                                            attn_mask)
         ks, vs = kv if kv is not None else (self.k, self.v)
         keep = {"logits_to_keep": last} if last is not None and self._keep_logits else {}
-        self._call = (ks, vs, cache_positions, positions, attn_mask, {})
+        # A copy: callers may pass one tensor as both positions and slots (a plain step), and the
+        # compiler, tracing such a call, reads the slots from the positions ever after (the
+        # attention function reaches them outside the step's arguments, unguarded): a tree's
+        # nodes, whose slots differ from their positions, then overwrote each other's K/V.
+        self._call = (ks, vs, cache_positions.clone(), positions, attn_mask, {})
         try:
             logits, states = self._step(compiled, self.model, input_ids, positions, self.aux_layer_ids, keep)
         finally:
