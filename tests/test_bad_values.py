@@ -151,3 +151,26 @@ def test_a_relative_gguf_path_names_the_file_once(tmp_path, monkeypatch):
     spec = resolve_target("models/x.gguf")
     assert spec.name == "models/x.gguf" and Path(spec.gguf_file) == tmp_path / "models" / "x.gguf"
     assert Path(spec.gguf_file).is_absolute() and Path(spec.path) == tmp_path / "models"
+
+
+def test_results_name_a_local_target_without_its_path(tmp_path):
+    """Results name the target, not the paths a run used: a GGUF by its file name, a model
+    folder by its name, a hub id as is."""
+    from draftling.target.load import DEFAULT_TARGET, TargetSpec, resolve_target
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "gemma-3-270m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "Qwen3-8B").mkdir()
+    (tmp_path / "Qwen3-8B" / "config.json").write_text("{}")
+    assert resolve_target(str(tmp_path / "m" / "gemma-3-270m.gguf")).label == "gemma-3-270m.gguf"
+    assert resolve_target(str(tmp_path / "Qwen3-8B")).label == "Qwen3-8B"
+    assert TargetSpec("org/name", "org/name").label == "org/name"
+    assert resolve_target(None).label == DEFAULT_TARGET
+
+
+def test_results_name_a_draft_by_its_run():
+    from draftling.bench.manifest import draft_label
+
+    assert draft_label("/tmp/x/2026-12-03-train-a/draft") == "2026-12-03-train-a"
+    assert draft_label("/tmp/x/run-a/checkpoints/step_0000200") == "run-a/step_0000200"
+    assert draft_label(Path("/exports/my-head")) == "my-head"

@@ -5,11 +5,11 @@ set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /tmp/m /tmp/prompts
-if [ -d .dev/b ] && [ ! -s /tmp/m/smol.gguf ]; then cp .dev/b/* /tmp/m/; fi
-if [ ! -s /tmp/m/smol.gguf ]; then cat /tmp/m/part_* > /tmp/m/smol.gguf; fi
-sha=$(sha256sum /tmp/m/smol.gguf | cut -c1-8)
+T=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf  # the package's file name, which results show
+if [ -d .dev/b ] && [ ! -s $T ]; then cp .dev/b/* /tmp/m/; fi
+if [ ! -s $T ]; then cat /tmp/m/part_* > $T; fi
+sha=$(sha256sum $T | cut -c1-8)
 [ "$sha" = b179c952 ] || { echo "GGUF checksum $sha != b179c952"; exit 3; }
 if [ -f .dev/p/prompts.tgz ]; then tar xzf .dev/p/prompts.tgz -C /tmp/prompts; fi
 export DRAFTLING_SHARED_PROMPTS=/tmp/prompts
-T=/tmp/m/smol.gguf
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no nvidia-smi"

@@ -12,7 +12,7 @@
 #   runs alone on the GPU). BENCH_ARGS: more bench flags or keys. SMOKE=1 runs every stage tiny on the CPU with GGUF=path.
 source scripts/gpu/common.sh
 source scripts/gpu/stages.sh
-S=/tmp/arch2 G=${GGUF:-/tmp/g/gemma.gguf}
+S=/tmp/arch2 G=${GGUF:-/tmp/g/gemma-3-270m-q4_k_m.gguf}
 run=$S/run log=$OUT/log.txt TPL=chat_template=scripts/gpu/gemma3_chat.jinja
 if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" PER_FILE=2 DATA_ARGS="data.regen.max_new_tokens=8 data.regen.batch_size=8" VOCAB_ARGS="--size 512"

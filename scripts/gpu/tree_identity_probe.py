@@ -7,7 +7,7 @@ target whose embeddings are scaled up: partial acceptance, branches beside the f
 engine mode, and records per mode and tree whether the tokens equal plain's and where they first
 differ. Writes OUT/tree-identity.json.
 
-    python3 scripts/gpu/tree_identity_probe.py --target gemma.gguf --out DIR [--scale 12] [--new 128]
+    python3 scripts/gpu/tree_identity_probe.py --target gemma-3-270m-q4_k_m.gguf --out DIR [--scale 12] [--new 128]
 """
 
 from __future__ import annotations

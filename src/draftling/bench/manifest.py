@@ -34,6 +34,15 @@ def tag_slug(tag: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", tag).strip("-")
 
 
+def draft_label(path) -> str:
+    """A draft as results name it, never the path a run used: its training run's folder for a
+    run's ``draft/`` (or a checkpoint's), else its own name."""
+    p = Path(str(path))
+    if p.parent.name == "checkpoints":
+        return f"{p.parent.parent.name}/{p.name}"
+    return p.parent.name if p.name == "draft" else p.name
+
+
 @functools.cache
 def code_commit() -> str:
     """The short git hash of the checkout this package is imported from, or "unknown" (an

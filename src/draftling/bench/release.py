@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from draftling.bench.manifest import code_commit, device_slug, machine_slug, run_folder_name, tag_slug, write_manifest
+from draftling.bench.manifest import code_commit, device_slug, draft_label, machine_slug, run_folder_name, tag_slug, write_manifest
 from draftling.bench.report import ROUND_PHASES, format_speedup_table, release_caveats, write_release_outputs
 from draftling.bench.report import MARK_END, MARK_START, update_benchmarks_md  # noqa: F401 (release.X for callers)
 from draftling.bench.simple import DecodeConfig, build_engine, parse_decode_config
@@ -640,8 +640,8 @@ def _assemble(run: _Run, m: _Measured) -> dict:
     results = {
         "date": run.date,
         "gpu": device_slug(run.device),
-        "target": run.target.spec.name,
-        "draft": str(run.draft_path),
+        "target": run.target.spec.label,
+        "draft": draft_label(run.draft_path),
         "prompt_set": run.info,
         "dtype": str(run.dtype).replace("torch.", ""),
         "command": run.opts.command if run.opts.command is not None else " ".join(sys.argv),

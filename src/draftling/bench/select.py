@@ -64,7 +64,7 @@ def select_checkpoint(target: Target, run_dir, opts: SelectOptions, measure=None
     measure = measure or measure_head
     rows = [{"checkpoint": c.name, "val_loss": losses[c], **measure(target, load_any_draft(c, target.device, _dtype(target)),
                                                                    ids, opts)} for c in shortlist]
-    report = _report(rows, opts, ids, info, target.spec.name)
+    report = _report(rows, opts, ids, info, target.spec.label)
     if opts.base:
         base = measure(target, load_any_draft(opts.base, target.device, _dtype(target)), ids, opts)
         win = next(r for r in rows if r["checkpoint"] == report["selection"]["winner"])

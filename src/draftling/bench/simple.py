@@ -195,7 +195,7 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
     """Greedy (or sampled) speculative decoding of ``cfg.bench.num_prompts`` prompts of a file
     against the same engine without speculation; writes the results JSON to ``out`` if given,
     with the run's manifest fields inside it under "manifest"."""
-    from draftling.bench.manifest import manifest_fields
+    from draftling.bench.manifest import draft_label, manifest_fields
     from draftling.config import to_dict
     from draftling.export.formats import load_any_draft
 
@@ -220,8 +220,8 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
         "date": datetime.date.today().isoformat(),
         "device": device_name(device),
         "dtype": str(dtype).replace("torch.", ""),
-        "target": target.spec.name,
-        "draft": str(draft_path),
+        "target": target.spec.label,
+        "draft": draft_label(draft_path),
         "prompts": str(prompts_path),
         "num_prompts": len(prompts),
         "max_new_tokens": bc.max_new_tokens,
@@ -232,7 +232,7 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
         "per_prompt": tally.per_prompt,
     }
     results["caveats"] = caveats(results, tally.natural_stops)
-    config = {"target": cfg.target, "dtype": results["dtype"], "device": str(device), "draft": str(draft_path),
+    config = {"target": cfg.target, "dtype": results["dtype"], "device": str(device), "draft": draft_label(draft_path),
               "prompts": str(prompts_path), "bench": to_dict(bc), "engine": dataclasses.asdict(dec.options)}
     results["manifest"] = manifest_fields(None, config, device, results["date"])
     if not quiet:

@@ -595,7 +595,7 @@ def manifest_config(settings: Settings, device: torch.device, target, phases) ->
     spec = getattr(target, "spec", None)
     return {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in record.items()},
             "phases": list(phases), "device": str(device),
-            "target": spec.name if spec is not None else (None if target is None else str(target))}
+            "target": spec.label if spec is not None else (None if target is None else str(target))}
 
 
 def caveats(results: dict, settings: Settings) -> list[str]:

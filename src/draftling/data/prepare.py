@@ -367,7 +367,7 @@ def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: in
     train_rows, val_rows = rows["train"], rows["val"]
     stopped = [r.record["provenance"]["stopped"] for r in replies]
     summary = {
-        "target": target.spec.name,
+        "target": target.spec.label,
         **({"server": server.base_url, "server_model": server.model} if server else {}),
         "prompts": len(convs),
         **({"excluded": excluded, "exclude": list(dc.exclude), "exclude_ids": list(dc.exclude_ids)}

@@ -53,6 +53,14 @@ class TargetSpec:
     path: str  # hub id or local directory handed to from_pretrained
     gguf_file: str | None = None
 
+    @property
+    def label(self) -> str:
+        """The target as results name it, never a path a run used: the default target by its
+        name, a GGUF by its file name, a local model folder by its name, a hub id as is."""
+        if self.name == DEFAULT_TARGET or not (self.gguf_file or Path(self.path).is_dir()):
+            return self.name
+        return Path(self.gguf_file or self.path).name
+
 
 def default_target_gguf() -> Path:
     # find_spec reads the package location without running its __init__, which
