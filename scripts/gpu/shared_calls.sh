@@ -19,9 +19,10 @@
 #      cp .dev/g_part_*/part_* /tmp/g/ (the last adds && touch /tmp/g/ready)
 #   7.. bash scripts/gpu/shared_calls.sh poll [SECONDS], until it prints "master: done"
 # Each job's output is under /tmp/work/out/<job>/ and comes back as $OUT/work.tgz from `poll`.
-# Measured on 2026-12-03: graphs 80 s; arch2 about 2.5 min of data (2,690 replies), 3.5 min of
-# training (486 steps), then more than 5 min of bench (76 s warm-up, 140 s for the engine pass);
-# device-map 3-4 min; compile 2 min. Issue each call as soon as the last returns.
+# Measured on 2026-12-03 (second machine, jobs one at a time): graphs 78 s; device-map 2 min;
+# arch2 11.5 min (data 2 min with 64 s of regeneration, training 161 s, bench 271 s with a 69 s
+# warm-up); compile 91 s. Staging a part costs about 5 s of held time, a fresh machine about 90 s.
+# Issue each call as soon as the last returns.
 source scripts/gpu/common.sh
 W=/tmp/work
 job() {  # job NAME ENV... : scripts/gpu/<script> with its output under $W/out/NAME
