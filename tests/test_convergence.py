@@ -81,11 +81,19 @@ def test_the_noise_band_comes_from_the_per_prompt_scatter():
 
 
 def test_an_anchor_in_warmup_does_not_count_and_phrases_read_right():
-    flat = series([1.0] * 5, jitter=0.0)  # steps 10..50
+    flat = series([1.5] * 5, jitter=0.0)  # steps 10..50
     assert first_verdict(flat, min_step=20)["since_step"] == 20
     assert first_verdict(flat[:4], min_step=20) is None
     assert epoch_phrase(8 / 3) == "67% of epoch 3" and epoch_phrase(2.0) == "100% of epoch 2"
     assert epoch_phrase(0.25) == "25% of epoch 1"
+
+
+def test_a_plateau_at_the_floor_is_not_convergence():
+    """tau near 1 at every check: the draft accepts (next to) nothing, which is a broken run,
+    not a done one."""
+    assert first_verdict(series([1.0] * 8, jitter=0.0)) is None
+    assert first_verdict(series([1.08] * 8, jitter=0.0)) is None
+    assert first_verdict(series([1.2] * 8, jitter=0.0))["since_step"] == 10
 
 
 def test_smoke_v1_is_the_first_two_prompts_of_each_v1_workload():
@@ -132,7 +140,22 @@ def records(run_dir, split):
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("split") == split]
 
 
-def test_a_flat_smoke_tau_stops_the_run_with_the_head_and_the_verdict(data, target, capsys):
+@pytest.fixture
+def plateau(monkeypatch):
+    """Every smoke check measures the same taus, above the floor (the tiny draft's own are 1:
+    at lr 1e-12 it accepts nothing)."""
+    monkeypatch.setattr(SmokeBench, "measure", lambda self, draft: {f"p{k}": 1.5 + 0.1 * k for k in range(4)})
+
+
+def test_a_draft_that_accepts_nothing_never_converges(data, target):
+    """The tiny draft at lr 1e-12: a flat smoke tau at the floor, chance matches only."""
+    result = run(data, target, "r", config(data, steps=10))
+    assert all(r["mean_tau"] < 1.1 and r["delta"] in (None, 0.0) for r in records(data / "r", "smoke"))
+    assert result["steps"] == 10 and result["stop_reason"] == "completed"
+    assert result["convergence"] == {"converged": False, "checks_run": 5, "checks": 3}
+
+
+def test_a_flat_smoke_tau_stops_the_run_with_the_head_and_the_verdict(data, target, plateau, capsys):
     result = run(data, target, "r", config(data))
     # Checks at 2, 4, 6, 8: the anchor is step 2 (warmup ends there), three flat checks later.
     assert result["steps"] == 8 and result["stop_reason"] == "converged"
@@ -146,7 +169,7 @@ def test_a_flat_smoke_tau_stops_the_run_with_the_head_and_the_verdict(data, targ
     assert [r["step"] for r in records(data / "r", "convergence")] == [8]
 
 
-def test_without_the_stop_flag_a_run_only_logs_the_verdict(data, target):
+def test_without_the_stop_flag_a_run_only_logs_the_verdict(data, target, plateau):
     result = run(data, target, "r", config(data, steps=10, stop_on_convergence="false"))
     assert result["steps"] == 10 and result["stop_reason"] == "completed" and result["convergence"]["step"] == 8
 
@@ -181,7 +204,7 @@ def test_smoke_checks_do_not_change_training(data, target):
     assert records(data / "with", "smoke") and not records(data / "without", "smoke")
 
 
-def test_a_resumed_run_converges_where_the_uninterrupted_one_did(data, target):
+def test_a_resumed_run_converges_where_the_uninterrupted_one_did(data, target, plateau):
     run(data, target, "full", config(data))
     run(data, target, "cut", config(data))
     for ckpt in list_checkpoints(data / "cut"):  # a kill after step 5: checkpoints 2 and 4 remain
@@ -204,7 +227,7 @@ def test_a_resumed_run_converges_where_the_uninterrupted_one_did(data, target):
     assert [r["segment"] for r in records(data / "cut", "train")] == [0] * 4 + [4] * 4  # then a stop at once
 
 
-def test_report_writes_markdown_and_plots_with_the_verdict_and_segments(data, target, capsys):
+def test_report_writes_markdown_and_plots_with_the_verdict_and_segments(data, target, plateau, capsys):
     run(data, target, "r", config(data))
     for ckpt in list_checkpoints(data / "r")[2:]:
         shutil.rmtree(ckpt)

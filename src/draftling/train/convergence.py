@@ -17,7 +17,9 @@ The rule. With M = ``train.convergence_checks``, the run has converged at check 
 the M checks after check n-M (the anchor) differs from the anchor by no more than its band.
 Measuring against the anchor, not the previous check, makes a slow steady rise add up until it
 leaves the band; a flat tau (every d_p = 0) stays inside. An anchor taken during LR warmup does
-not count: tau that has not started to move is not a plateau. The whole history is in
+not count: tau that has not started to move is not a plateau. Nor does a plateau at the floor
+(tau under FLOOR_TAU, next to the bonus token alone): that draft has not learned anything to
+converge on, and calling it converged would stop a broken run as if it were done. The whole history is in
 metrics.jsonl, so a resumed run replays it and decides exactly as an uninterrupted one.
 """
 
@@ -43,6 +45,9 @@ from draftling.target.devmap import dispatched_devices
 SMOKE_CONFIG = "chain-3-1-4"
 STEPS, TOPK, DRAFT_TOKENS = 3, 1, 4  # SMOKE_CONFIG in SGLang's naming (draft tokens count the root)
 BAND_Z = 2.0  # ~95% two-sided for a normal mean change
+# 1 is the bonus token alone; below 1.1 a draft accepts less than one token in ten rounds, which
+# chance matches can give an untrained one on a small vocab: not a plateau to stop on.
+FLOOR_TAU = 1.1
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,8 @@ def paired_change(a: SmokeCheck, b: SmokeCheck, z: float = BAND_Z) -> tuple[floa
 
 class ConvergenceDetector:
     """The rule of the module docstring: ``checks`` (M) checks in a row inside the noise band of
-    the check before them, that anchor taken at ``min_step`` or later (after LR warmup)."""
+    the check before them, that anchor taken at ``min_step`` or later (after LR warmup) and
+    above the floor (FLOOR_TAU)."""
 
     def __init__(self, checks: int, min_step: int = 0, z: float = BAND_Z):
         self.checks, self.min_step, self.z = checks, min_step, z
@@ -200,7 +206,7 @@ class ConvergenceDetector:
             return None
         anchor, later = self.history[-1 - self.checks], self.history[-self.checks:]
         changes = [paired_change(anchor, c, self.z) for c in later]
-        if anchor.step < self.min_step or not all(abs(d) <= band for d, band in changes):
+        if anchor.step < self.min_step or anchor.mean <= FLOOR_TAU or not all(abs(d) <= band for d, band in changes):
             return None
         self.verdict = {"converged": True, "step": check.step, "epoch_fraction": check.epoch_fraction,
                         "since_step": anchor.step, "level": anchor.mean, "mean_tau": check.mean,
