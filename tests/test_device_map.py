@@ -193,6 +193,25 @@ def test_a_map_that_does_not_fit_the_target_fails_at_load_in_one_line(tiny_dir, 
     assert "\n" not in str(e.value) and str(tmp_path / "map.json") in str(e.value)
 
 
+def test_a_tied_head_mapped_to_disk_apart_from_its_embedding_is_refused_before_loading(tiny_dir, tmp_path):
+    """The tied head is the embedding's tensor: on disk beside a resident embedding, accelerate's
+    offload index would lack it at the first forward (a KeyError); the map is refused first."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "tied")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_dir / f).is_file():
+            (tmp_path / "tied" / f).write_bytes((tiny_dir / f).read_bytes())
+    cfg = load_config(None, [f"device_map={write_map(tmp_path / 'map.json')}", "device=cpu"])  # lm_head: disk
+    with pytest.raises(TargetError, match=r"'lm_head.weight' is tied to 'model.embed_tokens.weight' \(one tensor\), "
+                                          r"but the map puts them on cpu and disk") as e:
+        load_target(str(tmp_path / "tied"), device="cpu", placement=Placement.from_config(cfg))
+    assert "\n" not in str(e.value) and str(tmp_path / "map.json") in str(e.value)
+
+
 def test_plan_counts_only_the_training_gpus_share_of_a_split_teacher(tiny_dir, tmp_path):
     from transformers import AutoConfig
 

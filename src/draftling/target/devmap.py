@@ -101,7 +101,9 @@ def empty_model(config, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # as loading would: a tied head is the embedding's tensor, mapped with it
+    return model
 
 
 def expand_device_map(model, device_map: dict, where: str) -> dict[str, int | str]:
@@ -112,11 +114,19 @@ def expand_device_map(model, device_map: dict, where: str) -> dict[str, int | st
     if unknown:
         raise TargetError(f"device_map {where}: {unknown[0]!r} is not a module of the target "
                           f"({type(model).__name__})")
-    out, missing = {}, []
-    for name, _ in model.named_parameters():
+    out, missing, first = {}, [], {}
+    for name, param in model.named_parameters(remove_duplicate=False):
         owner = max((key for key in device_map if key == "" or name == key or name.startswith(key + ".")),
                     key=len, default=None)
-        if owner is None:
+        alias = first.setdefault(id(param), name)
+        if alias != name:  # a tied weight (the output head sharing the input embedding's): one tensor
+            # accelerate keeps it where its first name is, except on disk, where the second name
+            # is then missing from the offload index at the first forward
+            places = {device_map[owner] if owner is not None else out.get(alias), out.get(alias)}
+            if len(places) > 1 and "disk" in places:
+                raise TargetError(f"device_map {where}: {name!r} is tied to {alias!r} (one tensor), but the "
+                                  f"map puts them on {' and '.join(sorted(map(str, places)))}; map both to one device")
+        elif owner is None:
             missing.append(name)
         else:
             out[name] = device_map[owner]
