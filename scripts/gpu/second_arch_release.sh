@@ -13,7 +13,7 @@
 source scripts/gpu/common.sh
 source scripts/gpu/stages.sh
 S=/tmp/arch2 G=${GGUF:-/tmp/g/gemma-3-270m-q4_k_m.gguf}
-run=$S/run log=$OUT/log.txt TPL=chat_template=scripts/gpu/gemma3_chat.jinja
+log=$OUT/log.txt TPL=chat_template=scripts/gpu/gemma3_chat.jinja
 if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" PER_FILE=2 DATA_ARGS="data.regen.max_new_tokens=8 data.regen.batch_size=8" VOCAB_ARGS="--size 512"
   TRAIN_ARGS="train.batch_size=2 train.max_steps=4 train.smoke_every=2 train.smoke_max_new_tokens=4 vocab.size=512"
@@ -21,6 +21,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
   mkdir -p $S && head -2 src/draftling/bench/prompt_sets/v1.jsonl > $S/tiny.jsonl
 fi
 mkdir -p $S
+[ -s $S/run_name ] || echo "$(date -u +%F)-train-gemma3-270m-nvidia-h200" > $S/run_name  # fixed across calls
+run=$S/$(cat $S/run_name)
 [ -s $G ] || cat /tmp/g/part_* > $G
 sha=$(sha256sum $G | cut -c1-8)
 [ "$sha" = a5fd3b62 ] || { echo "Gemma GGUF checksum $sha != a5fd3b62" | tee -a $log; exit 3; }
