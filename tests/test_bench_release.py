@@ -388,3 +388,30 @@ def test_committed_release_results_keep_the_contract():
                 assert {"tau", "tok_s", "speedup"} <= set(v) and v["tau"] >= 1.0
     latest = files[-1]
     assert f"[{latest.name}](bench/results/{latest.parent.name}/{latest.name})" in (root / "BENCHMARKS.md").read_text()
+
+
+def test_results_name_a_changed_checkout_dirty(tmp_path):
+    """A run from a checkout whose tracked files differ from its commit does not claim that
+    commit: "-dirty" is added. An untracked file does not count; outside a checkout: "unknown"."""
+    import subprocess
+
+    from draftling.bench.manifest import commit_of
+
+    package = tmp_path / "repo" / "src" / "draftling"
+    package.mkdir(parents=True)
+    (package / "a.py").write_text("x = 1\n")
+    assert commit_of(package) == "unknown"
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path / "repo"), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    head = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    (package / "new.py").write_text("")  # untracked
+    assert commit_of(package) == head
+    (package / "a.py").write_text("x = 2\n")
+    assert commit_of(package) == f"{head}-dirty"

@@ -45,20 +45,27 @@ def draft_label(path) -> str:
 
 @functools.cache
 def code_commit() -> str:
-    """The short git hash of the checkout this package is imported from, or "unknown" (an
-    installed copy; the manifest's ``version`` then names the code). Read once per process, so
-    every name a run derives from it agrees."""
-    package = Path(__file__).resolve().parents[1]
+    """The short git hash of the checkout this package is imported from, "-dirty" added when a
+    tracked file differs from it, or "unknown" (an installed copy; the manifest's ``version`` then
+    names the code). Read once per process, so every name a run derives from it agrees."""
+    return commit_of(Path(__file__).resolve().parents[1])
+
+
+def commit_of(package: Path) -> str:
+    """``code_commit`` for the package folder ``package`` (``<checkout>/src/draftling``)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True, timeout=10)
+
     try:
-        found = subprocess.run(["git", "-C", str(package), "rev-parse", "--show-toplevel", "--short", "HEAD"],
-                               capture_output=True, text=True, timeout=10)
+        found = git("rev-parse", "--show-toplevel", "--short", "HEAD")
+        lines = found.stdout.split()
+        # A copy installed inside some other repository (a venv in a checkout) is not its code.
+        if found.returncode or len(lines) != 2 or (Path(lines[0]) / "src" / "draftling").resolve() != package:
+            return "unknown"
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    lines = found.stdout.split()
-    # A copy installed inside some other repository (a venv in a checkout) is not its code.
-    if found.returncode or len(lines) != 2 or (Path(lines[0]) / "src" / "draftling").resolve() != package:
-        return "unknown"
-    return lines[1]
+    return lines[1] + ("-dirty" if changed.returncode or changed.stdout.strip() else "")
 
 
 @functools.cache
