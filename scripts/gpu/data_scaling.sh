@@ -15,7 +15,8 @@
 # BENCH_ARGS: more bench flags or keys, e.g. bench.sampled_temperatures=[] (greedy only) for the
 # points that are not the release run.
 # RESTORE=1 with .dev/j carried (the replies.jsonl.gz.* and journal.json of an earlier call)
-# rebuilds the journal first. RUN_NAME names a run that is not a plain curve point (default: F). Extra KEY=VALUE args go to `train` (the recipe).
+# rebuilds the journal first. RUN_NAME names a run that is not a plain curve point (default: F).
+# Extra KEY=VALUE args go to `train` (the recipe).
 # Then, here: python3 scripts/gpu/scaling_curve.py --runs DIR... --out bench/results/<folder>
 source scripts/gpu/common.sh
 source scripts/gpu/stages.sh

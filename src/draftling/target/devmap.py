@@ -122,10 +122,11 @@ def expand_device_map(model, device_map: dict, where: str) -> dict[str, int | st
         if alias != name:  # a tied weight (the output head sharing the input embedding's): one tensor
             # accelerate keeps it where its first name is, except on disk, where the second name
             # is then missing from the offload index at the first forward
-            places = {device_map[owner] if owner is not None else out.get(alias), out.get(alias)}
-            if len(places) > 1 and "disk" in places:
+            here, there = (device_map[owner] if owner is not None else None), out.get(alias)
+            if None not in (here, there) and here != there and "disk" in (here, there):
                 raise TargetError(f"device_map {where}: {name!r} is tied to {alias!r} (one tensor), but the "
-                                  f"map puts them on {' and '.join(sorted(map(str, places)))}; map both to one device")
+                                  f"map puts them on {' and '.join(sorted(map(str, (here, there))))}; "
+                                  "map both to one device")
         elif owner is None:
             missing.append(name)
         else:
