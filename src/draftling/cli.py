@@ -214,8 +214,8 @@ def add_train_parser(sub) -> None:
                    "global batch; train.parallel=ddp|fsdp picks the wrapper")
     p.add_argument("--stop-on-convergence", action="store_true", default=None,
                    help="stop cleanly (head written) once the smoke bench's tau has plateaued: it stays inside "
-                   "its noise band for train.convergence_checks checks, above tau 1.1 (a draft that accepts next to "
-                   "nothing never converges) (train.stop_on_convergence; needs "
+                   "its noise band for train.convergence_checks checks, above a floor tau (train/convergence.py's "
+                   "FLOOR_TAU: a draft that accepts next to nothing never converges) (train.stop_on_convergence; needs "
                    "train.smoke_every > 0). Without it the run only logs \"converged at X%% of epoch N\"")
 
 
