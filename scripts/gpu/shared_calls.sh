@@ -10,6 +10,8 @@
 #                     side (the first with RESTORE=1 from .dev/j),
 #                     and EXTRA (train KEY=VALUEs) on all the data as run NAME; their tau and
 #                     identity are results, their speeds are not (they share the GPU)
+#   both              points (data and training) beside graphs, compile and arch2's data and
+#                     training; then arch2's bench and the points' benches, one at a time
 # Device calls straight after each other (the machine goes back 30 s after a call):
 #   0. carries .dev/a .dev/p .whl: mkdir -p /tmp/m /tmp/prompts && cp .dev/a/* /tmp/m/ &&
 #      tar xzf .dev/p/prompts.tgz -C /tmp/prompts
@@ -31,14 +33,15 @@ job() {  # job NAME ENV... : scripts/gpu/<script> with its output under $W/out/N
   touch $W/out/$name.done
 }
 points() {  # the curve points POINTS side by side; the first makes the data the others wait for
-  local first=""
+  local first="" sfx=${1:-}  # sfx names a later pass's output apart from the first's
+  [ -d $W/j ] || cp -r .dev/j $W/j
   for f in ${POINTS:-0.25 0.5}; do
     if [ -z "$first" ]; then
       first=$f
-      job s$f FRACTION=$f RESTORE=1 JDIR=$W/j CALL_S=3000 bash scripts/gpu/data_scaling.sh &
-      until [ -f /tmp/scale/data/vocab.safetensors ] || [ -f $W/out/s$f.done ]; do sleep 5; done
+      job s$f$sfx FRACTION=$f RESTORE=1 JDIR=$W/j CALL_S=3000 bash scripts/gpu/data_scaling.sh &
+      until [ -f /tmp/scale/data/vocab.safetensors ] || [ -f $W/out/s$f$sfx.done ]; do sleep 5; done
     else
-      job s$f FRACTION=$f CALL_S=3000 bash scripts/gpu/data_scaling.sh &
+      job s$f$sfx FRACTION=$f CALL_S=3000 bash scripts/gpu/data_scaling.sh &
     fi
   done
   [ -z "${EXTRA:-}" ] || job ${NAME:-extra} FRACTION=1.0 RUN_NAME=${NAME:-extra} CALL_S=3000 \
@@ -48,7 +51,16 @@ points() {  # the curve points POINTS side by side; the first makes the data the
 tests() { job cuda-tests-$1 TESTS_S=240 HALVES=$1 bash scripts/gpu/cuda_tests.sh; }
 gemma() {
   until [ -f /tmp/g/ready ]; do sleep 5; done
-  job arch2 QUIET=0 CALL_S=3000 bash scripts/gpu/second_arch_release.sh
+  job ${1:-arch2} QUIET=0 CALL_S=3000 bash scripts/gpu/second_arch_release.sh
+}
+both() {  # the points' data and training beside the tests and arch2's data and training; then
+  # each bench alone, since a bench times speed
+  (export UNTIL=train; points) & local pts=$!
+  tests graphs; tests compile
+  (export UNTIL=train; gemma arch2)
+  wait $pts
+  gemma arch2-bench
+  points -bench
 }
 master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed each other to a crawl)
   mkdir -p $W/out
@@ -59,7 +71,8 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
       graphs|compile) tests $j ;;
       arch2) gemma ;;
       device-map) job device-map bash scripts/gpu/device_map_check.sh ${DMC_ARGS:-} ;;
-      points) cp -r .dev/j $W/j; points ;;
+      points) points ;;
+      both) both ;;
     esac
   done
   touch $W/done; echo "master: done $(date -u +%T)"
