@@ -64,6 +64,28 @@ def test_a_rerun_after_a_full_disk_equals_an_uninterrupted_run(tmp_path, tiny_ta
     assert not journal_path(out).exists()
 
 
+def test_a_target_moved_to_another_folder_resumes_its_journal(tmp_path, tiny_target_dir, monkeypatch, capsys):
+    import shutil
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=16)
+    real, calls = ReplyJournal.add, []
+
+    def fail_third(self, records):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real(self, records)
+
+    monkeypatch.setattr(ReplyJournal, "add", fail_third)
+    out = tmp_path / "d"
+    assert _data(tiny_target_dir, prompts, out) == 2
+    monkeypatch.setattr(ReplyJournal, "add", real)
+    moved = shutil.copytree(tiny_target_dir, tmp_path / "elsewhere" / tiny_target_dir.name)
+    capsys.readouterr()
+    assert _data(moved, prompts, out) == 0
+    assert "resuming with 8 replies" in capsys.readouterr().out
+
+
 def test_a_line_cut_short_is_dropped_and_other_settings_start_over(tmp_path, tiny_target_dir, capsys):
     path = tmp_path / ".data.journal"
     j = ReplyJournal(path, {"a": 1})

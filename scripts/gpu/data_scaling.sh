@@ -32,7 +32,9 @@ fi
 if [ ! -f $S/data/vocab.safetensors ]; then
   mkdir -p $S
   if [ "${RESTORE:-0}" = 1 ] && [ ! -d $J ]; then
-    mkdir -p $J && cp ${JDIR:-.dev/j}/journal.json $J/ && cat ${JDIR:-.dev/j}/replies.jsonl.gz.* | gunzip \
+    # The journal names the target by its label (the GGUF's file name), which a restore sets.
+    mkdir -p $J && python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); j["target"]=sys.argv[2]
+json.dump(j, open(sys.argv[3], "w"), indent=2)' ${JDIR:-.dev/j}/journal.json $(basename $T) $J/journal.json && cat ${JDIR:-.dev/j}/replies.jsonl.gz.* | gunzip \
       | python3 -c 'import json,sys
 for line in sys.stdin:
     r = json.loads(line); r.pop("split", None); r.pop("run", None); print(json.dumps(r, ensure_ascii=False))' > $J/replies.jsonl

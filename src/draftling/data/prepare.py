@@ -116,9 +116,10 @@ def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: lis
 
 
 def journal_settings(cfg: RunConfig, target, budgeted: bool) -> dict:
-    """What the replies depend on: a journal written with other settings is not resumed."""
+    """What the replies depend on: a journal written with other settings is not resumed. The
+    target by its label, not its path: a model moved to another folder resumes its journal."""
     model = getattr(target, "model", None)
-    return {"target": target.spec.name, "data": dataclasses.asdict(cfg.data), "budgeted": budgeted,
+    return {"target": target.spec.label, "data": dataclasses.asdict(cfg.data), "budgeted": budgeted,
             "dtype": str(model.dtype) if model is not None else None,
             "device": str(getattr(target, "device", "cpu")).split(":")[0]}
 
