@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.bench import release
+from draftling.data import prompt_sets
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.draft.store import save_draft
 from draftling.errors import ConfigError, DataError
@@ -254,11 +255,12 @@ def test_prompt_set_sources(tmp_path):
     assert [(q.id, q.workload, q.input_ids) for q in prompts] == [("a", "default", [5, 6]),
                                                                   ("b", "code", [9, 10])]
     assert info["workloads"] == {"default": 1, "code": 1} and not info["builtin"]
-    name, path = release.resolve_prompt_set("v1")
+    name, path = prompt_sets.resolve_prompt_set("v1")
     assert name == "v1" and path.is_file()
-    assert "v1" in release.builtin_prompt_sets()
+    assert prompt_sets.resolve_prompt_set("set:v1") == (name, path)
+    assert "v1" in prompt_sets.builtin_prompt_sets()
     with pytest.raises(release.DataError):
-        release.resolve_prompt_set("v999")
+        prompt_sets.resolve_prompt_set("v999")
     p.write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n" + json.dumps({"id": "a", "input_ids": [2]}) + "\n")
     with pytest.raises(release.DataError, match="duplicate"):
         release.read_prompt_set(p)
@@ -266,12 +268,12 @@ def test_prompt_set_sources(tmp_path):
 
 def test_shipped_prompt_sets_are_never_edited_in_place(tmp_path, monkeypatch):
     # Every shipped set matches its published hash (read_prompt_set checks it on each read) ...
-    for name in release.builtin_prompt_sets():
-        assert release.read_prompt_set(name)[0]["sha256"] == release.PUBLISHED_PROMPT_SETS[name]
+    for name in prompt_sets.builtin_prompt_sets():
+        assert release.read_prompt_set(name)[0]["sha256"] == prompt_sets.PUBLISHED_PROMPT_SETS[name]
     # ... and a copy of v1 with one character changed is refused by name.
-    text = (release.prompt_sets_dir() / "v1.jsonl").read_text(encoding="utf-8")
+    text = (prompt_sets.prompt_sets_dir() / "v1.jsonl").read_text(encoding="utf-8")
     (tmp_path / "v1.jsonl").write_text(text.replace("e", "E", 1), encoding="utf-8")
-    monkeypatch.setattr(release, "prompt_sets_dir", lambda: tmp_path)
+    monkeypatch.setattr(prompt_sets, "prompt_sets_dir", lambda: tmp_path)
     with pytest.raises(DataError, match="v1 .*edited in place"):
         release.read_prompt_set("v1")
     (tmp_path / "v9.jsonl").write_text(text, encoding="utf-8")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from draftling import cli
 from draftling.config import load_config
-from draftling.errors import ConfigError
+from draftling.errors import ConfigError, DataError
 from draftling.target.load import wrap_target
 from draftling.train.checkpoint import list_checkpoints
 from draftling.io import read_metrics
@@ -104,6 +104,24 @@ def test_smoke_v1_is_the_first_two_prompts_of_each_v1_workload():
     want = [r for r in v1 if taken.setdefault(r["workload"], []).append(r) or len(taken[r["workload"]]) <= 2]
     smoke = [json.loads(line) for line in (prompt_sets_dir() / "smoke-v1.jsonl").read_text().splitlines() if line]
     assert smoke == want and len(smoke) == 14
+
+
+def test_smoke_prompts_read_as_the_release_bench_reads_prompt_sets(tmp_path):
+    from tests.test_bench_release import V, _ToyTokenizer
+
+    # The shipped set by either syntax, through the chat template, its sha256 checked on the way.
+    prompts = load_smoke_prompts("set:smoke-v1", _ToyTokenizer(), V)
+    assert [(p.id, p.input_ids) for p in prompts] == [(p.id, p.input_ids) for p in
+                                                      load_smoke_prompts("smoke-v1", _ToyTokenizer(), V)]
+    assert len(prompts) == PROMPTS and len({p.workload for p in prompts}) == 7
+    # A file may mix message records and pre-tokenized rows; an id given twice is refused by file.
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"id": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}) + "\n"
+                     + json.dumps({"id": "b", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert [p.input_ids for p in load_smoke_prompts(str(mixed), _ToyTokenizer(), V)][0] == [5]
+    mixed.write_text(mixed.read_text() + json.dumps({"id": "a", "input_ids": [5]}) + "\n")
+    with pytest.raises(DataError, match=r"mixed\.jsonl: duplicate prompt ids \['a'\]"):
+        load_smoke_prompts(str(mixed), _ToyTokenizer(), V)
 
 
 # ----------------------------------------------------------------------------- through the train loop

@@ -190,13 +190,12 @@ def random_target(arch: str, shapes: str, device, dtype):
 
 def v1_token_rows(tokenizer_path: str, per_workload: int) -> list[dict]:
     """The first prompts of each v1 workload through the SmolLM2 chat template and tokenizer."""
-    import types
-
+    from draftling.data.prompt_sets import tokenize_prompt_set
     from draftling.target.load import load_target_tokenizer
 
     tok = load_target_tokenizer(tokenizer_path).tokenizer
     info, records = release.read_prompt_set("v1")
-    prompts = release.tokenize_prompt_set(records, types.SimpleNamespace(tokenizer=tok))
+    prompts = tokenize_prompt_set(records, tok)
     picked = release._first_per_workload(prompts, per_workload)
     return [{"id": p.id, "workload": p.workload, "input_ids": p.input_ids} for p in picked]
 

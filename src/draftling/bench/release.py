@@ -1,6 +1,7 @@
 """The release bench: a fixed, versioned prompt set, per-workload tau and speedup for several
 decode configs, four baselines in the same run, a cost account, and a results contract. This
-module runs it (prompt sets, timing, orchestration); bench/report.py writes what it found.
+module runs it (timing, orchestration; prompt sets are read in data/prompt_sets.py);
+bench/report.py writes what it found.
 
 Protocol: batch 1, greedy, one warm-up generation per engine/config/baseline excluded from the
 timings (CUDA graphs are captured and HF's static-cache compile happens there), completions of up
@@ -27,9 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
-import json
-import re
 import statistics
 import sys
 import time
@@ -44,7 +42,7 @@ from draftling.bench.report import ROUND_PHASES, format_speedup_table, release_c
 from draftling.bench.report import MARK_END, MARK_START, update_benchmarks_md  # noqa: F401 (release.X for callers)
 from draftling.bench.simple import DecodeConfig, build_engine, parse_decode_config
 from draftling.config import RELEASE_BASELINES, RELEASE_SAMPLED_TEMPERATURES, BenchConfig
-from draftling.data.sources import prompt_sets_dir
+from draftling.data.prompt_sets import BenchPrompt, read_prompt_set, tokenize_prompt_set
 from draftling.engine import (CachedTarget, DraftRunner, EngineOptions, build_target, causal_mask, greedy_generate,
                               speculative_generate)
 from draftling.errors import ConfigError, DataError
@@ -57,129 +55,19 @@ DEFAULT_MAX_NEW_TOKENS = 256
 # What `bench --release` sets over a profile's simple-bench values (cli.py passes these to
 # load_config as the command's fixed choices; flags and KEY=VALUE overrides still win).
 PROTOCOL_KEYS = {"bench.configs": list(DEFAULT_CONFIGS), "bench.max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
-DEFAULT_WORKLOAD = "default"
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
 RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
                "baseline_details", "configs", "sampled", "caveats")
-_BUILTIN = re.compile(r"^(?:[a-z]+-)?v\d+$")  # v1, smoke-v1, ...
 
 # ----------------------------------------------------------------------------- prompt sets
 
-@dataclass
-class BenchPrompt:
-    id: str
-    workload: str
-    input_ids: list[int]
-
-
-# The sha256 of each shipped set as first published. Sets are never edited in place (figures on
-# v1 must stay comparable); a changed selection is a new version with its own line here.
-PUBLISHED_PROMPT_SETS = {
-    "v1": "46ca02dccc810c4ba760f5dfe2cf7e137e383c57c19421dc8e6a2f6d788a3948",
-    "smoke-v1": "ee03e05926aa36bc3e8ab7a542c5e9c0ec90be6b2ed9b59fb1367c246b002a7b",  # train.smoke_prompts
-}
-
-
-def builtin_prompt_sets() -> list[str]:
-    root = prompt_sets_dir()
-    return sorted(p.name[:-len(".jsonl")] for p in root.iterdir() if p.name.endswith(".jsonl"))
-
-
-def resolve_prompt_set(prompt_set: str | Path) -> tuple[str, Path]:
-    """(name, path): ``"v1"`` (or ``"smoke-v1"``) names a set shipped in the package; anything
-    else is a jsonl path."""
-    s = str(prompt_set)
-    if _BUILTIN.match(s) and not Path(s).exists():
-        res = prompt_sets_dir() / f"{s}.jsonl"
-        if not res.is_file():
-            raise DataError(f"prompt set {s!r} is not shipped (have: {', '.join(builtin_prompt_sets())})")
-        return s, res
-    path = Path(s).expanduser()
-    if not path.is_file():
-        raise DataError(f"prompt set {s}: not a built-in set name (v1, ...) nor a jsonl file")
-    return str(path), path
-
-
-def read_prompt_set(prompt_set: str | Path = "v1") -> tuple[dict, list[dict]]:
-    """The set's provenance (name, path, sha256) and its raw records, each with a ``workload``
-    (missing -> "default"). Records are project/ShareGPT/OpenAI prompts or pre-tokenized rows
-    with ``input_ids`` (a ``loss_mask``, if present, cuts the prompt at the first reply token)."""
-    name, path = resolve_prompt_set(prompt_set)
-    raw = path.read_bytes()
-    records = []
-    for lineno, line in enumerate(raw.decode("utf-8").split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path.name}:{lineno}: malformed JSON: {e.msg}") from None
-        if not isinstance(rec, dict):
-            raise DataError(f"{path.name}:{lineno}: expected a JSON object")
-        rec.setdefault("id", f"{path.stem}:{lineno}")
-        rec["workload"] = str(rec.get("workload") or DEFAULT_WORKLOAD)
-        rec["_where"] = f"{path.name}:{lineno}"
-        records.append(rec)
-    if not records:
-        raise DataError(f"{path}: empty prompt set")
-    ids = [str(r["id"]) for r in records]
-    if len(set(ids)) != len(ids):
-        dup = sorted({i for i in ids if ids.count(i) > 1})
-        raise DataError(f"{path}: duplicate prompt ids {dup[:5]}")
-    info = {"name": name, "builtin": name != str(path), "path": str(path),
-            "sha256": hashlib.sha256(raw).hexdigest()}
-    if info["builtin"]:
-        published = PUBLISHED_PROMPT_SETS.get(name)
-        if published is None:
-            raise DataError(f"prompt set {name} ({path}) has no published sha256 in "
-                            "release.PUBLISHED_PROMPT_SETS: add it when the set is first released")
-        if info["sha256"] != published:
-            raise DataError(f"prompt set {name} ({path}) was edited in place: sha256 "
-                            f"{info['sha256'][:12]} != published {published[:12]}; "
-                            "restore it and put the change in a new version")
-    return info, records
-
-
-def tokenize_prompt_set(records: list[dict], target: Target, notes: list[str] | None = None
-                        ) -> list[BenchPrompt]:
-    """Token ids per record (chat template with the generation prompt for message records).
-    Appends to ``notes`` what the caller should report (e.g. a template that drops tools)."""
-    from draftling.data.prompts import _parse_record, prompt_messages
-    from draftling.data.template import render
-
-    out, tools_dropped, with_tools = [], 0, 0
-    for rec in records:
-        where = rec["_where"]
-        if "input_ids" in rec:
-            ids = [int(t) for t in rec["input_ids"]]
-            mask = rec.get("loss_mask")
-            if mask and 1 in mask:
-                ids = ids[:mask.index(1)]
-        else:
-            body = {k: v for k, v in rec.items() if k != "_where"}
-            fname, lineno = where.rsplit(":", 1)
-            conv = _parse_record(body, Path(fname).stem, int(lineno), where)
-            text = render(target.tokenizer, prompt_messages(conv), tools=conv.tools,
-                          add_generation_prompt=True)
-            if conv.tools:
-                with_tools += 1
-                tools_dropped += text == render(target.tokenizer, prompt_messages(conv),
-                                                add_generation_prompt=True)
-            ids = list(target.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if not ids:
-            raise DataError(f"{where}: prompt {rec['id']} is empty after tokenization")
-        out.append(BenchPrompt(str(rec["id"]), rec["workload"], ids))
-    if tools_dropped and notes is not None:
-        notes.append(f"the target's chat template ignores `tools`: {tools_dropped} of {with_tools} "
-                     "prompts with tool schemas were rendered without them")
-    return out
-
-
 def load_prompt_set(prompt_set: str | Path, target: Target) -> tuple[dict, list[BenchPrompt]]:
+    """A prompt set (data/prompt_sets.py) in the target's tokens; ``info`` adds the notes and
+    counts the results record."""
     info, records = read_prompt_set(prompt_set)
     notes: list[str] = []
-    prompts = tokenize_prompt_set(records, target, notes)
+    prompts = tokenize_prompt_set(records, target.tokenizer, notes)
     info["notes"] = notes
     info["num_prompts"] = len(prompts)
     info["workloads"] = {w: sum(p.workload == w for p in prompts) for w in _workloads(prompts)}

@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from draftling.errors import DataError
 
@@ -55,24 +56,29 @@ def load_conversations(path: str | os.PathLike) -> list[Conversation]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such prompt file")
-    convs = []
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON: {e.msg} (col {e.colno})") from None
-            convs.append(_parse_record(record, path.stem, lineno, where))
+        convs = [_parse_record(record, path.stem, lineno, where) for lineno, where, record in jsonl_values(f, path)]
     if not convs:
         raise DataError(f"{path}: no prompts (the file is empty or blank)")
     return convs
+
+
+def jsonl_values(lines: Iterable[bytes], path: Path) -> Iterator[tuple[int, str, object]]:
+    """(line number, "path:line", value) of each non-blank line of a jsonl file's ``lines``; a bad
+    byte or malformed JSON is a DataError naming the line."""
+    for lineno, raw in enumerate(lines, start=1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON: {e.msg} (col {e.colno})") from None
+        yield lineno, where, value
 
 
 def _parse_record(record, stem: str, lineno: int, where: str) -> Conversation:

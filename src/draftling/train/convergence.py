@@ -26,18 +26,14 @@ metrics.jsonl, so a resumed run replays it and decides exactly as an uninterrupt
 from __future__ import annotations
 
 import copy
-import json
 import math
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from draftling.data.prompts import load_conversations, prompt_messages
-from draftling.data.sources import resolve_prompt_path
-from draftling.data.template import render
+from draftling.data.prompt_sets import BenchPrompt, UnknownPromptSet, read_prompt_set, tokenize_prompt_set
 from draftling.engine import CachedTarget, DraftRunner, UnsupportedArchitecture, build_target, speculative_generate
 from draftling.errors import ConfigError, DataError
 from draftling.target.devmap import dispatched_devices
@@ -50,68 +46,27 @@ BAND_Z = 2.0  # ~95% two-sided for a normal mean change
 FLOOR_TAU = 1.1
 
 
-@dataclass(frozen=True)
-class SmokePrompt:
-    id: str
-    workload: str
-    input_ids: list[int]
-
-
-def load_smoke_prompts(spec: str, tokenizer, vocab_size: int) -> list[SmokePrompt]:
-    """The prompts of ``spec`` ("set:NAME" or a jsonl path) as token ids: message records through
-    the chat template (generation prompt added), or pre-tokenized rows with ``input_ids`` (cut at
-    the first 1 of a ``loss_mask``). A record's ``workload`` groups it (missing: "default")."""
-    path = resolve_prompt_path(spec)
+def load_smoke_prompts(spec: str, tokenizer, vocab_size: int) -> list[BenchPrompt]:
+    """The prompts of ``spec`` (a prompt set: "set:NAME" or a jsonl path; data/prompt_sets.py)
+    as token ids, checked for the smoke bench."""
     where = f"train.smoke_prompts={spec}"
-    if not path.is_file():
-        raise ConfigError(f"{where}: no such prompt file ({path})")
-    rows = _json_rows(path)
-    if rows and all(isinstance(r, dict) and "input_ids" in r for r in rows):
-        prompts = [SmokePrompt(str(r.get("id", f"{path.stem}:{i}")), str(r.get("workload") or "default"), _cut(r))
-                   for i, r in enumerate(rows, start=1)]
-    else:
-        prompts = [SmokePrompt(c.id, str(c.meta.get("workload") or "default"), _tokenize(tokenizer, c))
-                   for c in load_conversations(path)]
-    _check_prompts(prompts, where, vocab_size)
-    return prompts
-
-
-def _json_rows(path: Path) -> list:
-    rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except ValueError:
-            raise DataError(f"{path.name}:{lineno}: malformed JSON") from None
-    return rows
-
-
-def _cut(row: dict) -> list[int]:
-    ids, mask = [int(t) for t in row["input_ids"]], row.get("loss_mask")
-    return ids[:mask.index(1)] if mask and 1 in mask else ids
-
-
-def _tokenize(tokenizer, conv) -> list[int]:
-    text = render(tokenizer, prompt_messages(conv), tools=conv.tools, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _check_prompts(prompts: list[SmokePrompt], where: str, vocab_size: int) -> None:
+    try:
+        _, records = read_prompt_set(spec)
+    except UnknownPromptSet as e:  # a bad value of the key, not bad data
+        raise ConfigError(f"train.smoke_prompts: {e}") from None
+    prompts = tokenize_prompt_set(records, tokenizer)
     if len(prompts) < 2:  # one prompt has no variance to estimate the noise band from
         raise ConfigError(f"{where}: {len(prompts)} prompt(s); the noise band needs at least 2")
-    ids = [p.id for p in prompts]
-    if len(set(ids)) != len(ids):
-        raise DataError(f"{where}: duplicate prompt ids {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
     for p in prompts:
-        if not p.input_ids or max(p.input_ids) >= vocab_size or min(p.input_ids) < 0:
-            raise DataError(f"{where}: prompt {p.id} is empty or has token ids outside the target's "
-                            f"vocabulary of {vocab_size}")
+        if max(p.input_ids) >= vocab_size or min(p.input_ids) < 0:
+            raise DataError(f"{where}: prompt {p.id} has token ids outside the target's vocabulary of {vocab_size}")
+    return prompts
 
 
 class SmokeBench:
     """Chain-3-1-4 greedy decoding of fixed prompts with a copy of a draft: per-prompt tau."""
 
-    def __init__(self, target, prompts: list[SmokePrompt], max_new_tokens: int, name: str):
+    def __init__(self, target, prompts: list[BenchPrompt], max_new_tokens: int, name: str):
         self.target, self.prompts, self.max_new_tokens, self.name = target, prompts, max_new_tokens, name
         self.max_len = max(len(p.input_ids) for p in prompts) + max_new_tokens + DRAFT_TOKENS + 8
         self.eos = target.stop_token_ids()
