@@ -36,6 +36,20 @@ def _files(d):
     return out
 
 
+def _disk_full_at_third_batch(monkeypatch):
+    """The disk fills while the third batch is journaled. Returns the real ``add``."""
+    real, calls = ReplyJournal.add, []
+
+    def full_after_two(self, records):
+        calls.append(len(records))
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real(self, records)
+
+    monkeypatch.setattr(ReplyJournal, "add", full_after_two)
+    return real
+
+
 @pytest.mark.parametrize("extra", [[], ["data.keep_teacher_states=true"],
                                    ["data.regen.temperature=0.8", "data.keep_teacher_states=true"]],
                          ids=["greedy", "kept-states", "sampled"])
@@ -43,15 +57,7 @@ def test_a_rerun_after_a_full_disk_equals_an_uninterrupted_run(tmp_path, tiny_ta
                                                                 capsys, extra):
     prompts = write_prompts(tmp_path / "p.jsonl", n=16)
     assert _data(tiny_target_dir, prompts, tmp_path / "whole", *extra) == 0
-    real, calls = ReplyJournal.add, []
-
-    def full_after_two(self, records):  # the disk fills while the third batch is journaled
-        calls.append(len(records))
-        if len(calls) == 3:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
-        return real(self, records)
-
-    monkeypatch.setattr(ReplyJournal, "add", full_after_two)
+    real = _disk_full_at_third_batch(monkeypatch)
     out = tmp_path / "resumed"
     assert _data(tiny_target_dir, prompts, out, *extra) == 2
     err = capsys.readouterr().err
@@ -68,15 +74,7 @@ def test_a_target_moved_to_another_folder_resumes_its_journal(tmp_path, tiny_tar
     import shutil
 
     prompts = write_prompts(tmp_path / "p.jsonl", n=16)
-    real, calls = ReplyJournal.add, []
-
-    def fail_third(self, records):
-        calls.append(1)
-        if len(calls) == 3:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
-        return real(self, records)
-
-    monkeypatch.setattr(ReplyJournal, "add", fail_third)
+    real = _disk_full_at_third_batch(monkeypatch)
     out = tmp_path / "d"
     assert _data(tiny_target_dir, prompts, out) == 2
     monkeypatch.setattr(ReplyJournal, "add", real)
