@@ -167,6 +167,22 @@ def test_unknown_config_field(tmp_path):
     assert r.returncode == 2 and "unknown field" in r.stderr and "lrr" in r.stderr
 
 
+def test_on_and_off_are_strings_and_only_true_false_are_booleans(tmp_path):
+    """YAML 1.2 booleans, in overrides and files: `data.regen.engine=off` is the string it says
+    (PyYAML's 1.1 rules made it False, and the config refused it)."""
+    from draftling.config import load_config
+    from draftling.errors import ConfigError
+
+    cfg = load_config(None, ["data.regen.engine=off", "train.compile=true"])
+    assert cfg.data.regen.engine == "off" and cfg.train.compile is True
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  regen:\n    engine: on\ntrain:\n  compile: False\n")
+    cfg = load_config(str(path))
+    assert cfg.data.regen.engine == "on" and cfg.train.compile is False
+    with pytest.raises(ConfigError, match="expected true/false, got 'yes'"):
+        load_config(None, ["train.compile=yes"])
+
+
 def test_bad_sampling_settings_are_refused_from_yaml_and_flags(tmp_path):
     from draftling.config import load_config
     from draftling.errors import ConfigError

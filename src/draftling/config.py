@@ -147,15 +147,15 @@ class RegenConfig:
     api_key_env: str = "OPENAI_API_KEY"  # env var holding the key (the key is never written)
     request_timeout_s: float = 600.0
     max_retries: int = 5  # on connection errors, HTTP 429 and 5xx
-    # Write greedy replies with the batched plain engine (engine/batch.py) instead of HF
-    # generate: data.regen.batch_size engine rows, finished rows refilled. auto = on with CUDA,
-    # greedy, without kept teacher states, for an architecture the engine serves; on = the same
-    # but refused (with the reason) where it cannot; off = HF generate.
+    # Write replies (greedy or sampled) with the batched plain engine (engine/batch.py) instead of
+    # HF generate: data.regen.batch_size engine rows, finished rows refilled. auto = on with CUDA,
+    # without kept teacher states, for an architecture the engine serves; on = the same but
+    # refused (with the reason) where it cannot; off = HF generate.
     engine: str = "auto"
     # Replies per TRAINING prompt: the first at `temperature` (greedy by default), each further
     # one sampled at `sample_temperature` (top_p as set; seed + k), its temperature in the
     # reply's provenance; more of the target's own distribution per prompt. Validation keeps one.
-    # The sampled passes run HF generate (the engine's replies are greedy).
+    # The sampled passes take the same writer as the first (data.regen.engine).
     samples_per_prompt: int = 1
     sample_temperature: float = 0.8
 
@@ -600,6 +600,21 @@ def to_dict(cfg) -> dict:
     return plain(dataclasses.asdict(cfg))
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's booleans: only true/false. PyYAML's 1.1 rules also read on/off and
+    yes/no as booleans, so `data.regen.engine=off` arrived as False."""
+
+
+_Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+                                   for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``a.b.c=value`` overrides; values are parsed as YAML (numbers, lists, bools)."""
     for item in overrides:
@@ -612,7 +627,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = yaml_load(raw)
     return data
 
 
@@ -631,7 +646,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if not p.is_file():
             raise ConfigError(f"config {path}: file not found")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: invalid YAML: {e}".replace("\n", " ")) from None
         if not isinstance(data, dict):
