@@ -178,8 +178,34 @@ def test_regeneration_through_the_engine_equals_hf_greedy(tmp_path):
     got = {r["id"]: r for r in regenerate(target, convs, cfg, progress=False, replies=replies)}
     assert got == hf
     assert reply_engine_for(DataConfig(regen=cfg), target) is None  # auto: HF generate off CUDA
-    with pytest.raises(ConfigError, match="sampled replies"):
-        reply_engine_for(DataConfig(regen=dataclasses.replace(cfg, engine="on", temperature=0.7)), target)
+    with pytest.raises(ConfigError, match="kept teacher states"):
+        reply_engine_for(DataConfig(regen=dataclasses.replace(cfg, engine="on"), keep_teacher_states=True), target)
+
+
+def test_sampled_regeneration_through_the_engine_is_seeded_and_processed():
+    """Sampled replies through the batched engine: the same seed gives the same replies, another
+    seed others; a top_p that keeps only the likeliest token gives the greedy replies (the
+    processed law is sampled, not the raw logits)."""
+    from draftling.config import DataConfig, RegenConfig
+    from draftling.data.prompts import Conversation
+    from draftling.data.regen import regenerate
+    from draftling.engine.batch import reply_engine_for
+    from tests.test_bench_release import tiny_target
+
+    target = tiny_target()
+    target.tokenizer = _ToyTokenizer()
+    convs = [Conversation(id=f"c{i}", source="t", category="chat", messages=[{"role": "user", "content": "x" * n}])
+             for i, n in enumerate((3, 9, 5, 14, 7, 11, 4))]
+
+    def texts(**fields):
+        cfg = RegenConfig(max_new_tokens=16, batch_size=3, engine="on", **fields)
+        replies = reply_engine_for(DataConfig(regen=cfg), target)
+        return [r["messages"][-1]["content"] for r in regenerate(target, convs, cfg, progress=False, replies=replies)]
+
+    greedy, sampled = texts(), texts(temperature=1.0)
+    assert sampled == texts(temperature=1.0)
+    assert sampled != greedy and sampled != texts(temperature=1.0, seed=7)
+    assert texts(temperature=1.0, top_p=1e-6) == greedy
 
 
 class _ToyTokenizer:

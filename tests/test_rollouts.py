@@ -3,6 +3,8 @@ turns becomes its own prompt (the original prefix) with the target's reply as it
 
 import json
 
+import pytest
+
 from draftling.cli import main
 from draftling.data.prompts import Conversation, rollout_turns
 
@@ -124,7 +126,8 @@ def test_max_tokens_over_the_target_context_is_refused(tmp_path, tiny_target_dir
     assert "data.max_tokens=4096 is over" in capsys.readouterr().err and not (tmp_path / "d").exists()
 
 
-def test_samples_per_prompt_adds_sampled_training_replies(tmp_path, tiny_target_dir):
+@pytest.mark.parametrize("engine", ["off", "on"])  # HF generate, and the batched engine
+def test_samples_per_prompt_adds_sampled_training_replies(tmp_path, tiny_target_dir, engine):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Tell me about {i}."}]})
                                + "\n" for i in range(8)))
@@ -132,7 +135,8 @@ def test_samples_per_prompt_adds_sampled_training_replies(tmp_path, tiny_target_
     def data(out):
         assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
                      "--out", str(out), "data.regen.samples_per_prompt=3", "data.regen.sample_temperature=1.0",
-                     "data.regen.max_new_tokens=6", "data.val_fraction=0.25", "data.min_tokens=4"]) == 0
+                     "data.regen.max_new_tokens=6", "data.val_fraction=0.25", "data.min_tokens=4",
+                     f"data.regen.engine={engine}"]) == 0
         return [json.loads(line) for line in (out / "replies.jsonl").read_text().splitlines()]
 
     replies = data(tmp_path / "d")

@@ -309,9 +309,7 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
         else:  # training replies from the faster copy
             records = list(regen(train_convs, local.cfg)) + list(regen(val_convs, as_served))
         if regen_seconds is None:  # a time budget spends itself on distinct prompts first
-            sampling = partial(regenerate, target, run=RegenRun(max_prompt_tokens=max_prompt, journal=journal,
-                                                                keep_states=dc.keep_teacher_states))
-            records += sampled_replies(sampling, train_convs, local.cfg)
+            records += sampled_replies(regen, train_convs, local.cfg)
     else:
         raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
                         "the model or a server (data.regen.server_url)")

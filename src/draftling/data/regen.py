@@ -118,8 +118,8 @@ class RegenRun:
     # data/journal.py: a batch whose replies are all journaled is not run again; every batch
     # that is run is journaled before its records are yielded.
     journal: object = None
-    # Greedy replies from a batched engine instead of HF generate: ``replies(model)`` gives
-    # ``fn(prompt_ids, max_new_tokens, eos_ids) -> [(reply, "eos" | "length")]`` for the model
+    # Replies from a batched engine instead of HF generate: ``replies(model)`` gives
+    # ``fn(prompt_ids, max_new_tokens, eos_ids[, temperature, top_p, seed]) -> [(reply, "eos" | "length")]`` for the model
     # that writes the replies (engine.batch.reply_engine_for). A batch then holds REPLY_CHUNKS x
     # data.regen.batch_size prompts, so finished rows are refilled.
     replies: object = None
@@ -139,9 +139,9 @@ def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run:
 def _regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run: RegenRun) -> Iterator[dict]:
     model = generating_model(target, cfg)
     prompts = _prompts(target.tokenizer, convs, run)
-    if run.replies is not None and (run.keep_states or cfg.temperature > 0):
-        raise ConfigError("regeneration through the engine is greedy and keeps no states; "
-                          "use HF generate (data.regen.engine=off) for sampled replies or kept states")
+    if run.replies is not None and run.keep_states:
+        raise ConfigError("regeneration through the engine keeps no states; "
+                          "use HF generate (data.regen.engine=off) for kept states")
     replies = run.replies(model) if run.replies is not None else None
     batches = _BatchGenerator(target, model, cfg, target.stop_token_ids(), run.keep_states, replies)
     bar = Progress(len(prompts), "regenerate", enabled=run.progress)
@@ -225,7 +225,10 @@ class _BatchGenerator:
     def records(self, chunk: list[tuple[Conversation, list[int]]], start: int) -> tuple[list[dict], int]:
         """The batch's records, and how many reply tokens it generated."""
         if self.replies is not None:
-            done = self.replies([ids for _, ids in chunk], self.cfg.max_new_tokens, self.eos_ids)
+            cfg = self.cfg  # sampled: seeded per batch, as HF generate below
+            sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed + start}
+            done = self.replies([ids for _, ids in chunk], cfg.max_new_tokens, self.eos_ids,
+                                **(sampling if cfg.temperature > 0 else {}))
             records = [self._record(conv, ids, reply, stopped) for (conv, ids), (reply, stopped) in zip(chunk, done)]
             return records, sum(len(reply) for reply, _ in done)
         out, width, recording = self._generate(chunk, start)
@@ -278,7 +281,7 @@ class _BatchGenerator:
             "id": conv.id, "source": conv.source, "category": conv.category,
             "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
             **({"tools": conv.tools} if conv.tools else {}),
-            "provenance": {"target": self.target.spec.name, "dtype": str(self.model.dtype).removeprefix("torch."),
+            "provenance": {"target": self.target.spec.label, "dtype": str(self.model.dtype).removeprefix("torch."),
                            "max_new_tokens": cfg.max_new_tokens,
                            "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                            "stopped": stopped, "reply_tokens": len(reply),

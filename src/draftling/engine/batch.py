@@ -240,8 +240,8 @@ class _BatchRun:
 
 
 class ReplyEngine:
-    """Greedy replies of an HF model through the batched plain engine: how `draftling data`
-    regenerates on a GPU (data/regen.py's ``replies`` hook). ``rows`` requests decode at once;
+    """Replies of an HF model through the batched plain engine, greedy or sampled: how
+    `draftling data` regenerates on a GPU (data/regen.py's ``replies`` hook). ``rows`` requests decode at once;
     the cache grows (in steps of 256 slots, so rarely) to the longest prompt asked so far, and
     the graphs of one size are replayed for every later call. A reply stops before its eos,
     as data/regen.py cuts HF generate's rows."""
@@ -266,12 +266,16 @@ class ReplyEngine:
         return self.target
 
     @torch.no_grad()
-    def __call__(self, prompts: list[list[int]], max_new_tokens: int, eos_ids) -> list[tuple[list[int], str]]:
-        """(reply, "eos" or "length") per prompt."""
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[tuple[list[int], str]]:
+        """(reply, "eos" or "length") per prompt; above temperature 0 sampled (after top_p) from a
+        generator seeded with ``seed``, so a rerun of the same prompts gives the same replies."""
         target = self._engine(max(map(len, prompts)) + max_new_tokens + 8)
         eos = _eos_set(eos_ids)
+        gen = torch.Generator(target.device).manual_seed(seed) if temperature > 0 else None
         out = []
-        for r in batch_generate(target, prompts, max_new_tokens, eos_ids=eos_ids):
+        for r in batch_generate(target, prompts, max_new_tokens, eos_ids=eos_ids, temperature=temperature,
+                                top_p=top_p, generator=gen):
             hit = bool(r.tokens) and r.tokens[-1] in eos
             out.append((r.tokens[:-1], "eos") if hit else (r.tokens, "length"))
         return out
@@ -292,10 +296,9 @@ def reply_engine_for(dc, target):
         print(f"regenerate: {spread}, so replies come from HF generate (the batched engine needs one device)",
               flush=True)
         return None
-    why = ("sampled replies (data.regen.temperature > 0)" if rc.temperature > 0 else
-           "kept teacher states (data.keep_teacher_states)" if dc.keep_teacher_states else None)
+    why = "kept teacher states (data.keep_teacher_states)" if dc.keep_teacher_states else None
     if mode == "on" and why:
-        raise ConfigError(f"data.regen.engine=on: the batched engine writes greedy replies without states; "
+        raise ConfigError(f"data.regen.engine=on: the batched engine writes replies without states; "
                           f"this run asks for {why}")
     # "auto" takes the fast path only: the general path's regeneration is unmeasured against HF.
     if mode == "auto" and target.config.model_type not in SUPPORTED_MODEL_TYPES:
