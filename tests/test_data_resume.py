@@ -36,13 +36,13 @@ def _files(d):
     return out
 
 
-def _disk_full_at_third_batch(monkeypatch):
-    """The disk fills while the third batch is journaled. Returns the real ``add``."""
+def _disk_full_at_batch(monkeypatch, batch: int = 3):
+    """The disk fills while the ``batch``-th batch is journaled. Returns the real ``add``."""
     real, calls = ReplyJournal.add, []
 
     def full_after_two(self, records):
         calls.append(len(records))
-        if len(calls) == 3:
+        if len(calls) == batch:
             raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
         return real(self, records)
 
@@ -57,7 +57,7 @@ def test_a_rerun_after_a_full_disk_equals_an_uninterrupted_run(tmp_path, tiny_ta
                                                                 capsys, extra):
     prompts = write_prompts(tmp_path / "p.jsonl", n=16)
     assert _data(tiny_target_dir, prompts, tmp_path / "whole", *extra) == 0
-    real = _disk_full_at_third_batch(monkeypatch)
+    real = _disk_full_at_batch(monkeypatch)
     out = tmp_path / "resumed"
     assert _data(tiny_target_dir, prompts, out, *extra) == 2
     err = capsys.readouterr().err
@@ -74,7 +74,7 @@ def test_a_target_moved_to_another_folder_resumes_its_journal(tmp_path, tiny_tar
     import shutil
 
     prompts = write_prompts(tmp_path / "p.jsonl", n=16)
-    real = _disk_full_at_third_batch(monkeypatch)
+    real = _disk_full_at_batch(monkeypatch)
     out = tmp_path / "d"
     assert _data(tiny_target_dir, prompts, out) == 2
     monkeypatch.setattr(ReplyJournal, "add", real)
@@ -82,6 +82,22 @@ def test_a_target_moved_to_another_folder_resumes_its_journal(tmp_path, tiny_tar
     capsys.readouterr()
     assert _data(moved, prompts, out) == 0
     assert "resuming with 8 replies" in capsys.readouterr().out
+
+
+def test_more_samples_per_prompt_resume_the_replies_already_written(tmp_path, tiny_target_dir, monkeypatch, capsys):
+    """A run killed after its greedy pass and one sampled batch, rerun with one more sample per
+    prompt, resumes those replies and writes what an uninterrupted run of the new count writes."""
+    prompts = write_prompts(tmp_path / "p.jsonl", n=16)
+    sampled = ["data.regen.sample_temperature=1.0", "data.regen.samples_per_prompt"]
+    assert _data(tiny_target_dir, prompts, tmp_path / "whole", sampled[0], f"{sampled[1]}=3") == 0
+    real = _disk_full_at_batch(monkeypatch, batch=6)  # 4 batches of 4 greedy, 1 sampled
+    out = tmp_path / "d"
+    assert _data(tiny_target_dir, prompts, out, sampled[0], f"{sampled[1]}=2") == 2
+    monkeypatch.setattr(ReplyJournal, "add", real)
+    capsys.readouterr()
+    assert _data(tiny_target_dir, prompts, out, sampled[0], f"{sampled[1]}=3") == 0
+    assert "resuming with 20 replies" in capsys.readouterr().out
+    assert _files(out) == _files(tmp_path / "whole")
 
 
 def test_a_line_cut_short_is_dropped_and_other_settings_start_over(tmp_path, tiny_target_dir, capsys):

@@ -17,11 +17,16 @@
 # RESTORE=1 with .dev/j carried (the replies.jsonl.gz.* and journal.json of an earlier call)
 # rebuilds the journal first. RUN_NAME names a run that is not a plain curve point (default: F).
 # Extra KEY=VALUE args go to `train` (the recipe).
+# The sampled-replies point: SAMPLES=2 FRACTION=1.0 RUN_NAME=sampled-1.0 RESTORE=1 (the greedy
+# replies come from .dev/j; the samples are written through the batched engine, seeded per batch).
 # Then, here: python3 scripts/gpu/scaling_curve.py --runs DIR... --out bench/results/<folder>
 source scripts/gpu/common.sh
 source scripts/gpu/stages.sh
-S=/tmp/scale F=${FRACTION:?set FRACTION, e.g. 1.0} STEPS=${STEPS:-2394}
-run=$S/run-${RUN_NAME:-$F} log=$OUT/log.txt J=$S/.data.journal
+S=/tmp/scale F=${FRACTION:?set FRACTION, e.g. 1.0} STEPS=${STEPS:-2394} N=${SAMPLES:-1}
+# SAMPLES=N: N-1 sampled replies per training prompt added (data.regen.samples_per_prompt), in
+# data-sN; its journal resumes the greedy replies (RESTORE), so only the samples are written.
+D=$S/data$([ $N = 1 ] || echo -s$N)
+run=$S/run-${RUN_NAME:-$F} log=$OUT/log.txt J=$S/.$(basename $D).journal
 # SMOKE=1: every stage tiny, on the CPU (a dry run of the commands, not a measurement).
 if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" STEPS=4 DATA_ARGS="data.max_prompts_per_file=3 data.regen.max_new_tokens=8 data.regen.batch_size=8"
@@ -29,11 +34,12 @@ if [ "${SMOKE:-0}" = 1 ]; then
   mkdir -p /tmp/scale && head -2 src/draftling/bench/prompt_sets/v1.jsonl > /tmp/scale/tiny.jsonl
 fi
 
-if [ ! -f $S/data/vocab.safetensors ]; then
+if [ ! -f $D/vocab.safetensors ]; then
   mkdir -p $S
   if [ "${RESTORE:-0}" = 1 ] && [ ! -d $J ]; then
     # The journal names the target by its label (the GGUF's file name), which a restore sets.
     mkdir -p $J && python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); j["target"]=sys.argv[2]
+j["data"]["regen"].pop("samples_per_prompt", None)  # no longer a journal setting (data/prepare.py)
 json.dump(j, open(sys.argv[3], "w"), indent=2)' ${JDIR:-.dev/j}/journal.json $(basename $T) $J/journal.json && cat ${JDIR:-.dev/j}/replies.jsonl.gz.* | gunzip \
       | python3 -c 'import json,sys
 for line in sys.stdin:
@@ -41,20 +47,20 @@ for line in sys.stdin:
   fi
   # The journal is removed when the data is written: keep its settings for RESTORE.
   (until [ -f $J/journal.json ]; do sleep 2; done; cp $J/journal.json $OUT/journal.json) & watcher=$!
-  timeout $(( $(left) - 20 )) python3 -m draftling data --config gpu_smollm2 --target $T --out $S/data \
+  timeout $(( $(left) - 20 )) python3 -m draftling data --config gpu_smollm2 --target $T --out $D data.regen.samples_per_prompt=$N \
     "data.prompts=$CORPUS" data.max_prompts_per_file=0 data.max_prompts_by_file={} \
     ${DEV:-} ${DATA_ARGS:-} 2>&1 | quiet | tee -a $log || true
   kill $watcher 2>/dev/null || true
-  [ -f $S/data/summary.json ] || { echo "scaling: data not finished; call again" | tee -a $log; exit 0; }
-  d vocab --data $S/data --config gpu_smollm2 --target $T
-  cp $S/data/summary.json $OUT/data_summary.json
-  gzip -c $S/data/replies.jsonl | split -b 15000000 - $OUT/replies.jsonl.gz.
+  [ -f $D/summary.json ] || { echo "scaling: data not finished; call again" | tee -a $log; exit 0; }
+  d vocab --data $D --config gpu_smollm2 --target $T
+  cp $D/summary.json $OUT/data_summary.json
+  gzip -c $D/replies.jsonl | split -b 15000000 - $OUT/replies.jsonl.gz.
 fi
 
 if [ "$(stop_reason $run)" != completed ]; then
   [ $(left) -gt 150 ] || { echo "scaling: too little time left to train; call again" | tee -a $log; exit 0; }
   minutes=$(train_minutes 100)
-  d train --config gpu_smollm2 --target $T --data $S/data --run-dir $run $([ -d $run ] && echo --resume) \
+  d train --config gpu_smollm2 --target $T --data $D --run-dir $run $([ -d $run ] && echo --resume) \
     train.data_fraction=$F train.max_steps=$STEPS train.max_minutes=$minutes train.smoke_every=400 \
     train.smoke_max_new_tokens=64 train.ckpt_every=400 ${DEV:-} ${SMOKE_ARGS:-} "$@"
   tar czf $OUT/train.tgz -C $run train_result.json metrics.jsonl config.yaml

@@ -117,9 +117,13 @@ def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: lis
 
 def journal_settings(cfg: RunConfig, target, budgeted: bool) -> dict:
     """What the replies depend on: a journal written with other settings is not resumed. The
-    target by its label, not its path: a model moved to another folder resumes its journal."""
+    target by its label, not its path: a model moved to another folder resumes its journal. Not
+    data.regen.samples_per_prompt: sampled reply k has its own id and seed whatever the count,
+    so a run that adds samples keeps the replies it already has."""
     model = getattr(target, "model", None)
-    return {"target": target.spec.label, "data": dataclasses.asdict(cfg.data), "budgeted": budgeted,
+    data = dataclasses.asdict(cfg.data)
+    del data["regen"]["samples_per_prompt"]
+    return {"target": target.spec.label, "data": data, "budgeted": budgeted,
             "dtype": str(model.dtype) if model is not None else None,
             "device": str(getattr(target, "device", "cpu")).split(":")[0]}
 
