@@ -169,7 +169,8 @@ def test_unknown_config_field(tmp_path):
 
 def test_on_and_off_are_strings_and_only_true_false_are_booleans(tmp_path):
     """YAML 1.2 booleans, in overrides and files: `data.regen.engine=off` is the string it says
-    (PyYAML's 1.1 rules made it False, and the config refused it)."""
+    (PyYAML's 1.1 rules made it False, and the config refused it); a bool field still takes
+    on/off and yes/no."""
     from draftling.config import load_config
     from draftling.errors import ConfigError
 
@@ -179,8 +180,10 @@ def test_on_and_off_are_strings_and_only_true_false_are_booleans(tmp_path):
     path.write_text("data:\n  regen:\n    engine: on\ntrain:\n  compile: False\n")
     cfg = load_config(str(path))
     assert cfg.data.regen.engine == "on" and cfg.train.compile is False
-    with pytest.raises(ConfigError, match="expected true/false, got 'yes'"):
-        load_config(None, ["train.compile=yes"])
+    assert load_config(None, ["train.compile=yes"]).train.compile is True
+    assert load_config(None, ["train.compile=Off"]).train.compile is False
+    with pytest.raises(ConfigError, match="expected true/false, got 'maybe'"):
+        load_config(None, ["train.compile=maybe"])
 
 
 def test_bad_sampling_settings_are_refused_from_yaml_and_flags(tmp_path):

@@ -537,6 +537,9 @@ class RunConfig:
                               "(a FILE places every module itself)")
 
 
+_BOOL_WORDS = {"on": True, "yes": True, "off": False, "no": False}
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -561,6 +564,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         out = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
     if tp is bool:
+        value = _BOOL_WORDS.get(value.lower(), value) if isinstance(value, str) else value
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
         return value
@@ -602,7 +606,8 @@ def to_dict(cfg) -> dict:
 
 class _Loader(yaml.SafeLoader):
     """YAML with YAML 1.2's booleans: only true/false. PyYAML's 1.1 rules also read on/off and
-    yes/no as booleans, so `data.regen.engine=off` arrived as False."""
+    yes/no as booleans, so `data.regen.engine=off` arrived as False; a bool field still takes
+    them (``_BOOL_WORDS``)."""
 
 
 _Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
