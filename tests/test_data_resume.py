@@ -40,13 +40,13 @@ def _disk_full_at_batch(monkeypatch, batch: int = 3):
     """The disk fills while the ``batch``-th batch is journaled. Returns the real ``add``."""
     real, calls = ReplyJournal.add, []
 
-    def full_after_two(self, records):
+    def full_at(self, records):
         calls.append(len(records))
         if len(calls) == batch:
             raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
         return real(self, records)
 
-    monkeypatch.setattr(ReplyJournal, "add", full_after_two)
+    monkeypatch.setattr(ReplyJournal, "add", full_at)
     return real
 
 

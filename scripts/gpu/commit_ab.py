@@ -33,10 +33,10 @@ def one(args) -> dict:
     import torch
 
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts" / "gpu")]
-    from test_engine import AUX, oracle_draft
-    from tree_identity_probe import load
+    from test_engine import AUX
+    from tree_identity_probe import load, oracle_runner
 
-    from draftling.engine import DraftRunner, build_target, greedy_generate, speculative_generate
+    from draftling.engine import build_target, greedy_generate, speculative_generate
 
     dev = torch.device(args.device)
     model = load(args.target, torch.bfloat16, dev, 12.0)
@@ -45,9 +45,7 @@ def one(args) -> dict:
     size = 13 + args.new + 40
     target = build_target(model, AUX, size, query_pad=16, attention="exact", **opts)
     plain = greedy_generate(target, ids, args.new)[0].tolist()
-    hidden = model.config.hidden_size
-    draft = oracle_draft(model, num_key_value_heads=4, num_attention_heads=4, head_dim=hidden // 4)
-    runner = DraftRunner(draft.to(dev, torch.bfloat16), model.get_input_embeddings(), size, **opts)
+    runner = oracle_runner(model, size, **opts)
     rows = {}
     for tree in ((3, 1, 4), (3, 4, 8)):
         speculative_generate(target, runner, ids, args.new, *tree, timing=True)  # captures

@@ -38,13 +38,18 @@ def load(path: str, dtype, device, scale: float):
     return model.to(device)
 
 
+def oracle_runner(model, size: int, **engine) -> DraftRunner:
+    """tests/test_engine.py's oracle draft for ``model`` (4 heads: Gemma's own shape cannot be
+    copied), as a runner with the engine options ``engine``."""
+    hidden = model.config.hidden_size
+    draft = oracle_draft(model, num_key_value_heads=4, num_attention_heads=4, head_dim=hidden // 4)
+    return DraftRunner(draft.to(model.device, model.dtype), model.get_input_embeddings(), size, **engine)
+
+
 def probe(model, mode: str, ids, new: int, size: int) -> list[dict]:
     target = build_target(model, AUX, size, query_pad=16, attention="exact", **MODES[mode])
     plain = greedy_generate(target, ids, new)[0].tolist()
-    hidden = model.config.hidden_size
-    draft = oracle_draft(model, num_key_value_heads=4, num_attention_heads=4, head_dim=hidden // 4)
-    draft = draft.to(ids.device, model.dtype)
-    runner = DraftRunner(draft, model.get_input_embeddings(), size, **MODES[mode])
+    runner = oracle_runner(model, size, **MODES[mode])
     rows = []
     for tree in TREES:
         for device_rounds in (False, True):
