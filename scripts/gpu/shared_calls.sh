@@ -7,11 +7,13 @@
 #   arch2             second_arch_release.sh (Gemma 3 270M), once /tmp/g/ready
 #   device-map        device_map_check.sh
 #   points            data_scaling.sh for each FRACTION in POINTS (default "0.25 0.5") side by
-#                     side (the first with RESTORE=1 from .dev/j),
+#                     side (the first with RESTORE=1 from .dev/j if carried, else it
+#                     regenerates; `poll` brings the replies and journal back for .dev/j),
 #                     and EXTRA (train KEY=VALUEs) on all the data as run NAME; their tau and
 #                     identity are results, their speeds are not (they share the GPU)
 #   both              points (data and training) beside graphs, compile and arch2's data and
 #                     training; then arch2's bench and the points' benches, one at a time
+#                     (TESTS=0 leaves the CUDA tests out)
 # Device calls straight after each other (the machine goes back 30 s after a call):
 #   0. carries .dev/a .dev/p .whl: mkdir -p /tmp/m /tmp/prompts && cp .dev/a/* /tmp/m/ &&
 #      tar xzf .dev/p/prompts.tgz -C /tmp/prompts
@@ -35,12 +37,13 @@ job() {  # job NAME ENV... : scripts/gpu/<script> with its output under $W/out/N
   touch $W/out/$name.done
 }
 points() {  # the curve points POINTS side by side; the first makes the data the others wait for
-  local first="" sfx=${1:-}  # sfx names a later pass's output apart from the first's
-  [ -d $W/j ] || cp -r .dev/j $W/j
+  local first="" sfx=${1:-} restore=0  # sfx names a later pass's output apart from the first's
+  [ -d $W/j ] || [ ! -d .dev/j ] || cp -r .dev/j $W/j
+  [ ! -f $W/j/journal.json ] || restore=1  # without a carried journal, the first regenerates
   for f in ${POINTS:-0.25 0.5}; do
     if [ -z "$first" ]; then
       first=$f
-      job s$f$sfx FRACTION=$f RESTORE=1 JDIR=$W/j CALL_S=3000 bash scripts/gpu/data_scaling.sh &
+      job s$f$sfx FRACTION=$f RESTORE=$restore JDIR=$W/j CALL_S=3000 bash scripts/gpu/data_scaling.sh &
       until [ -f /tmp/scale/data/vocab.safetensors ] || [ -f $W/out/s$f$sfx.done ]; do sleep 5; done
     else
       job s$f$sfx FRACTION=$f CALL_S=3000 bash scripts/gpu/data_scaling.sh &
@@ -58,7 +61,7 @@ gemma() {
 both() {  # the points' data and training beside the tests and arch2's data and training; then
   # each bench alone, since a bench times speed
   (export UNTIL=train; points) & local pts=$!
-  tests graphs; tests compile
+  [ "${TESTS:-1}" = 0 ] || { tests graphs; tests compile; }  # TESTS=0: no CUDA tests
   (export UNTIL=train; gemma arch2)
   wait $pts
   gemma arch2-bench
@@ -86,6 +89,7 @@ case ${1:?start, poll or master} in
         until [ -f $W/done ] || [ $(date +%s) -ge $end ]; do sleep 10; done
         tar czf $OUT/work.tgz --exclude='*.safetensors' --exclude='replies.jsonl.gz.*' --exclude='*/runs/*' \
           --exclude='*.pt' -C $W out master.log || true
+        cp $W/out/*/replies.jsonl.gz.* $W/out/*/journal.json $OUT/ 2>/dev/null || true  # the replies, for RESTORE
         cat $W/master.log; for f in $W/out/*.txt; do echo "== $f"; tail -n 4 $f; done
         nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
   master) master ;;
