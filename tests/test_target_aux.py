@@ -62,21 +62,44 @@ def test_compiled_decoder_layers_match_eager_with_one_graph(tiny_target):
         assert n == len(layers)
 
 
-def test_cpu_weight_layout_keeps_the_outputs():
-    """Column-major Linear weights (load_target on the CPU) compute the same logits; the tied
-    output head keeps its row-major layout for the embedding lookups."""
-    from draftling.target.load import transpose_cpu_linear_weights
+def test_cpu_weight_layout_follows_the_measured_choice_and_keeps_the_outputs(monkeypatch):
+    """Linear weights go column-major where the probe measured that faster for their dtype, and
+    back to row-major where it did not (a bf16 copy of a column-major fp32 target on a CPU
+    without fast bf16 ran 14x slower); the logits stay the same and the tied head row-major."""
+    import draftling.target.load as load
 
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 300, (2, 9))
+    q = model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         before = model(ids).logits
-        assert transpose_cpu_linear_weights(model) == 2 * 7  # q k v o gate up down per layer
-        after = model(ids).logits
-        assert transpose_cpu_linear_weights(model) == 0  # already done: nothing changes
-    assert not model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
-    assert model.get_output_embeddings().weight.is_contiguous()
-    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+        monkeypatch.setattr(load, "column_major_linear_is_faster", lambda dtype: True)
+        assert load.set_cpu_linear_layout(model) == 2 * 7  # q k v o gate up down per layer
+        assert load.set_cpu_linear_layout(model) == 0  # already so: nothing changes
+        assert not q.weight.is_contiguous() and model.get_output_embeddings().weight.is_contiguous()
+        torch.testing.assert_close(model(ids).logits, before, atol=1e-5, rtol=1e-5)
+        monkeypatch.setattr(load, "column_major_linear_is_faster", lambda dtype: dtype == torch.float32)
+        assert load.set_cpu_linear_layout(model) == 0  # fp32 keeps its column-major weights
+        model.to(torch.bfloat16)  # .to() keeps the strides: the bf16 copy is still column-major
+        assert not q.weight.is_contiguous()
+        assert load.set_cpu_linear_layout(model) == 2 * 7
+        assert q.weight.is_contiguous()
+
+
+def test_a_regen_copy_in_another_dtype_is_laid_out_for_that_dtype(tiny_target, monkeypatch):
+    """The bf16 copy that writes replies gets the layout measured for bf16, not the fp32 one
+    its strides were copied from."""
+    import draftling.target.load as load
+    from draftling.config import RegenConfig
+    from draftling.data.regen import generating_model
+
+    monkeypatch.setattr(load, "column_major_linear_is_faster", lambda dtype: dtype == torch.float32)
+    load.set_cpu_linear_layout(tiny_target.model)
+    assert not tiny_target.model.model.layers[0].mlp.up_proj.weight.is_contiguous()
+    copy = generating_model(tiny_target, RegenConfig(dtype="bfloat16"))
+    assert copy.dtype == torch.bfloat16
+    assert all(m.weight.is_contiguous() for m in copy.modules() if isinstance(m, torch.nn.Linear))
+    assert not tiny_target.model.model.layers[0].mlp.up_proj.weight.is_contiguous()  # the target's own
 
 
 def test_gguf_parsed_once_reads_the_file_once_and_changes_nothing():

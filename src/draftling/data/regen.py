@@ -23,6 +23,7 @@ from draftling.progress import Progress
 from draftling.target import Target
 from draftling.target.aux import recording_aux_states
 from draftling.target.devmap import dispatched_devices
+from draftling.target.load import set_cpu_linear_layout
 from draftling.target.quant import has_plain_weights
 
 
@@ -56,8 +57,10 @@ def generating_model(target: Target, cfg: RegenConfig):
     dtype = regen_dtype(target, cfg)
     if dtype == target.model.dtype:
         return target.model
-    # .to() keeps each weight's strides, so the CPU's column-major Linear layout carries over.
-    return copy.deepcopy(target.model).to(dtype)
+    model = copy.deepcopy(target.model).to(dtype)
+    if model.device.type == "cpu":  # .to() keeps each weight's strides: lay them out for the new dtype
+        set_cpu_linear_layout(model)
+    return model
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftling.errors import DraftlingError, TargetError, one_line
+from draftling.hardware import column_major_linear_is_faster
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
 from draftling.target.devmap import (
     Placement,
@@ -233,7 +234,7 @@ def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_
         model.to(device)
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu" and not place_on_load and not dispatched_devices(model):
-        transpose_cpu_linear_weights(model)
+        set_cpu_linear_layout(model)
     n = model.config.num_hidden_layers
     ids = default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids
     return Target(spec, model, tokenizer, validate_aux_layer_ids(ids, n))
@@ -266,20 +267,23 @@ def _placed(model, spec: TargetSpec, placement: Placement, offload, device: str)
     return model
 
 
-def transpose_cpu_linear_weights(model) -> int:
-    """Store each Linear weight [out, in] column-major: the same values, as the transpose of
-    a contiguous [in, out] tensor. On the CPU, F.linear then runs ``x @ W_t`` on a row-major
-    operand, which oneDNN/MKL handle far better for the few-row inputs of decoding and
-    verifying (measured on a 2-core Xeon with SmolLM2-135M: a 4-token verify pass 168 -> 127 ms,
-    a 700-token teacher forward 2.70 -> 2.32 s). The output head is left alone: it is tied to
-    the input embedding, whose row lookups want the row-major layout. Returns how many
-    weights were changed."""
+def set_cpu_linear_layout(model) -> int:
+    """Store each Linear weight in the layout that F.linear runs fastest on this CPU for its
+    dtype (hardware.column_major_linear_is_faster, measured): column-major, as the transpose
+    of a contiguous [in, out] tensor, or the usual row-major. The same values either way. The
+    output head is left alone: it is tied to the input embedding, whose row lookups want the
+    row-major layout. Returns how many weights were changed."""
     head = model.get_output_embeddings()
     changed = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module is not head and module.weight.is_contiguous():
-            module.weight.data = module.weight.data.t().contiguous().t()
-            changed += 1
+        if not isinstance(module, torch.nn.Linear) or module is head:
+            continue
+        w = module.weight.data
+        want_column = column_major_linear_is_faster(w.dtype)
+        if want_column and w.is_contiguous():
+            module.weight.data, changed = w.t().contiguous().t(), changed + 1
+        elif not want_column and not w.is_contiguous():
+            module.weight.data, changed = w.contiguous(), changed + 1
     return changed
 
 
