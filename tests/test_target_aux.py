@@ -102,6 +102,19 @@ def test_a_regen_copy_in_another_dtype_is_laid_out_for_that_dtype(tiny_target, m
     assert not tiny_target.model.model.layers[0].mlp.up_proj.weight.is_contiguous()  # the target's own
 
 
+def test_a_gguf_target_is_asked_for_as_a_plain_dequantized_model():
+    """transformers keeps GGUF weights packed where a kernel for them is installed; the engine
+    and the CPU layout need plain Linear weights, so load_target asks for dequantization."""
+    from draftling.target.load import TargetSpec, _gguf_model_kwargs
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GgufConfig"):
+        pytest.skip("this transformers always dequantizes GGUF weights")
+    kwargs = _gguf_model_kwargs(TargetSpec("t", "/models", gguf_file="/models/t.gguf"))
+    assert kwargs["gguf_file"] == "/models/t.gguf" and kwargs["quantization_config"].dequantize is True
+    assert _gguf_model_kwargs(TargetSpec("t", "/models/t")) == {}
+
+
 def test_gguf_parsed_once_reads_the_file_once_and_changes_nothing():
     """Loading a GGUF target memoizes transformers' three reads of the file; what they
     return must not change, and nothing stays patched afterwards."""

@@ -219,7 +219,7 @@ def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_
         if quantization and spec.gguf_file:
             model = _quantize_gguf(spec, kwargs)
         else:
-            model = _from_pretrained(spec.path, **kwargs, **_gguf_kwargs(spec))
+            model = _from_pretrained(spec.path, **kwargs, **_gguf_model_kwargs(spec))
     except (ImportError, ValueError, RuntimeError, NotImplementedError) as e:
         if not place_on_load:
             raise
@@ -302,7 +302,7 @@ def _quantize_gguf(spec: TargetSpec, kwargs: dict):
     log.info("%s: GGUF is dequantized on load; writing a %s copy to quantize it",
              spec.name, kwargs["dtype"])
     with tempfile.TemporaryDirectory(prefix="draftling-gguf-") as tmp:
-        plain = _from_pretrained(spec.path, dtype=kwargs["dtype"], **_gguf_kwargs(spec))
+        plain = _from_pretrained(spec.path, dtype=kwargs["dtype"], **_gguf_model_kwargs(spec))
         # The weights are plain tensors by now; only the GGUF marker stops save_pretrained.
         plain.hf_quantizer = None
         if hasattr(plain.config, "quantization_config"):
@@ -329,6 +329,18 @@ def load_target_tokenizer(target: str | None = None, chat_template: str | None =
 
 def _gguf_kwargs(spec: TargetSpec) -> dict:
     return {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+
+
+def _gguf_model_kwargs(spec: TargetSpec) -> dict:
+    """The model's GGUF arguments. transformers from about 5.24 keeps a GGUF's weights in their
+    quantized blocks where a matmul kernel for them is installed, which the engine's static-cache
+    forward and the CPU weight layout cannot use; ask for the plain dequantized model there."""
+    kwargs = _gguf_kwargs(spec)
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older: GGUF weights are always dequantized on load
+        return kwargs
+    return dict(kwargs, quantization_config=GgufConfig(dequantize=True)) if kwargs else kwargs
 
 
 def _load_tokenizer(spec: TargetSpec, chat_template: str | None):
