@@ -26,6 +26,10 @@
 # Measured on 2026-12-03 (second machine, jobs one at a time): graphs 78 s; device-map 2 min;
 # arch2 11.5 min (data 2 min with 64 s of regeneration, training 161 s, bench 271 s with a 69 s
 # warm-up); compile 91 s. Staging a part costs about 5 s of held time, a fresh machine about 90 s.
+# 2026-12-03, third run (both, POINTS=0.25, TESTS=0, no journal carried): the point's data stage
+# (regenerating all 42,855 replies, tokenizing, vocab) took about 14 min beside arch2's data and
+# training, against about 5 min alone on an earlier machine: regenerate alone, and carry the
+# journal (.dev/j, from poll) where one exists. arch2's bench then ran in 285 s.
 # Issue each call as soon as the last returns. Never `pkill -f PATTERN` in a call whose own
 # command line holds PATTERN: it kills the call's own shell and wrapper, and on 2026-12-03 the
 # machine went with them. Kill by a PID file instead.
