@@ -106,6 +106,34 @@ def test_smoke_v1_is_the_first_two_prompts_of_each_v1_workload():
     assert smoke == want and len(smoke) == 14
 
 
+def test_the_batched_smoke_bench_measures_each_prompt_as_batch_1_decodes_it():
+    """The smoke bench decodes its prompts together (more than SMOKE_ROWS, so rows are reused);
+    each prompt's tau equals batch-1 speculative decoding's with the same draft (fp32, an
+    accepting oracle draft, prompts of different lengths)."""
+    from draftling.data.prompt_sets import BenchPrompt
+    from draftling.engine import DraftRunner, build_target, speculative_generate
+    from draftling.train import convergence
+    from tests.test_engine import AUX, V, oracle_draft, perm_target
+
+    model = perm_target()
+    tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1, get_vocab=lambda: {})
+    target = wrap_target(model, tokenizer, aux_layer_ids=AUX)
+    g = torch.Generator().manual_seed(3)
+    prompts = [BenchPrompt(f"p{i}", "w", torch.randint(3, V, (5 + 3 * i,), generator=g).tolist())
+               for i in range(convergence.SMOKE_ROWS + 3)]
+    draft = oracle_draft(model)
+    taus = SmokeBench(target, prompts, 20, "t").measure(draft)
+    engine = build_target(model, AUX, 128)
+    runner = DraftRunner(draft, model.get_input_embeddings(), 128)
+    alone = {}
+    for p in prompts:
+        _, stats = speculative_generate(engine, runner, torch.tensor([p.input_ids]), 20, *convergence.SMOKE_TREE,
+                                        eos_ids=target.stop_token_ids())
+        alone[p.id] = stats.tau
+    assert taus == pytest.approx(alone, abs=1e-9)
+    assert max(taus.values()) > 1.5  # the oracle accepts: a tau of 1 everywhere would prove nothing
+
+
 def test_smoke_prompts_read_as_the_release_bench_reads_prompt_sets(tmp_path):
     from tests.test_bench_release import V, _ToyTokenizer
 
