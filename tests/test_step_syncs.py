@@ -165,3 +165,23 @@ def test_the_fixed_cost_script_runs_its_smoke_on_the_cpu(tmp_path, one_thread, m
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert {"commit", "command", "config", "machine", "date"} <= set(manifest)
     assert trainer.to_device is not None and ttt.ttt_unroll.__name__ == "ttt_unroll"  # the old reads undone
+
+
+def test_the_fixed_cost_script_fits_a_line_through_more_batch_sizes(tmp_path, one_thread, monkeypatch):
+    """--batches 2,3,4 --modes after: three points of one mode, and the least-squares line
+    through them (here checked against the points it was fitted to)."""
+    import importlib.util
+    import sys
+
+    from tests.conftest import CHECKOUT
+
+    spec = importlib.util.spec_from_file_location("step_fixed_cost", CHECKOUT / "scripts/gpu/step_fixed_cost.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "step_fixed_cost", script)
+    spec.loader.exec_module(script)
+    assert script.main(["--smoke", "--out", str(tmp_path), "--batches", "2,3,4", "--modes", "after"]) == 0
+    out = json.loads((tmp_path / "step-fixed-cost.json").read_text())
+    assert [(p["mode"], p["batch"]) for p in out["points"]] == [("after", 2), ("after", 3), ("after", 4)]
+    assert "fixed_cost_s_before" not in out
+    line = [{"mode": "after", "batch": n, "step_s": 0.5 + 0.25 * n} for n in (2, 3, 5)]
+    assert script.fit(line, "after") == pytest.approx((0.5, 0.25))

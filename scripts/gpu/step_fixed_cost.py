@@ -7,8 +7,8 @@ step's host reads (issue 27): a two-point fit step_s = fixed + per_seq * n per m
 Each point is the trainer's own step (a run as ``trainer.build_run`` builds it, the machinery of
 bench/train_bench.py) with the online teacher, ``configs/gpu_smollm2.yaml``'s settings and
 synthetic sequences of chat-like lengths (each step a new length, as length-grouped batches of
-real data have), stepped back to back with one sync at the end. Two per-step batch sizes (16 and
-32 sequences), each in two modes:
+real data have), stepped back to back with one sync at the end. Per-step batch sizes (16 and 32
+sequences, or --batches), each in two modes (or --modes):
 
 - after: the code as it is: train.pad_to_multiple auto (flex's block size under flex), and no
   read from the device inside a step; the counts are read per log line (never here);
@@ -154,10 +154,12 @@ def time_point(target, vocab, cfg: RunConfig, s: Settings, mode: str, batch: int
 
 
 def fit(points: list[dict], mode: str) -> tuple[float, float]:
-    """(fixed s, s per sequence) through the mode's two points."""
-    (n1, t1), (n2, t2) = sorted((p["batch"], p["step_s"]) for p in points if p["mode"] == mode)
-    per_seq = (t2 - t1) / (n2 - n1)
-    return t1 - n1 * per_seq, per_seq
+    """(fixed s, s per sequence): the least-squares line through the mode's points (through
+    both, for two)."""
+    xy = [(p["batch"], p["step_s"]) for p in points if p["mode"] == mode]
+    mx, my = sum(x for x, _ in xy) / len(xy), sum(y for _, y in xy) / len(xy)
+    per_seq = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+    return my - mx * per_seq, per_seq
 
 
 def tiny_target():
@@ -189,12 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny random target on the CPU, a few steps")
     p.add_argument("--device", default=None, help="default: cuda")
     p.add_argument("--measured", type=int, default=None, help="measured steps per point")
+    p.add_argument("--batches", default=None,
+                   help="sequences per step, comma-separated, two or more (default 16,32): e.g. 32,64,128 "
+                        "for how training tok/s scales with the batch")
+    p.add_argument("--modes", default=",".join(MODES), help="before, after or both (default both)")
     args = p.parse_args(argv)
+    modes = tuple(m for m in MODES if m in args.modes.split(","))
+    if not modes or len(modes) != len(args.modes.split(",")):
+        p.error(f"--modes {args.modes}: expected a comma-separated subset of {','.join(MODES)}")
     if not args.smoke and not args.target:
         p.error("--target is needed (or --smoke)")
     s = smoke_settings() if args.smoke else Settings()
     if args.measured:
         s.measured = args.measured
+    if args.batches:
+        s.batches = tuple(int(b) for b in args.batches.split(","))
+        if len(s.batches) < 2:
+            p.error("--batches: two or more sizes, for the fit")
     torch.backends.cuda.matmul.allow_tf32 = True  # as trainer.train sets it
     allow_recompiles(64)  # each batch length is new: compiled graphs must stay compiled
     target, device = load(args)
@@ -202,26 +215,26 @@ def main(argv: list[str] | None = None) -> int:
     probe = [torch.randint(2, target.config.vocab_size, (4, s.max_len), generator=torch.Generator().manual_seed(2))]
     vocab = synthetic_vocab(target, probe, cfg.vocab.size, device)
     started, points = time.perf_counter(), []
-    for mode in MODES:
+    for mode in modes:
         for batch in s.batches:
             points.append(time_point(target, vocab, cfg, s, mode, batch))
     results = {"date": datetime.date.today().isoformat(), "gpu": device_name(device)}
-    for mode in MODES:
+    for mode in modes:
         fixed, per_seq = fit(points, mode)
         results[f"fixed_cost_s_{mode}"], results[f"per_seq_s_{mode}"] = round(fixed, 5), round(per_seq, 6)
     results.update(points=points, settings=dataclasses.asdict(s), wall_s=round(time.perf_counter() - started, 1),
                    caveats=["synthetic token ids; each step a new longest length in [min_len, max_len]",
                             "before = pad 1 plus the old step's host reads put back where it made them "
                             "(scripts/gpu/step_fixed_cost.py old_reads), not the old commit itself",
-                            "one run per point; the two-point fit has no error estimate"])
+                            "one run per point; the fit has no error estimate"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "step-fixed-cost.json", results)
     write_manifest(out, None, {"settings": dataclasses.asdict(s), "config": "gpu_smollm2",
                                "target": args.target or "tiny random Llama (--smoke)"}, device, results["date"],
                    what="step-fixed-cost", files=["step-fixed-cost.json"])
-    print(f"[step-fixed-cost] fixed cost per step: before {results['fixed_cost_s_before']:.4f} s, after "
-          f"{results['fixed_cost_s_after']:.4f} s", flush=True)
+    print("[step-fixed-cost] fixed cost per step: " + ", ".join(
+        f"{m} {results[f'fixed_cost_s_{m}']:.4f} s" for m in modes), flush=True)
     return 0
 
 
