@@ -11,6 +11,8 @@
 #                     regenerates; `poll` brings the replies and journal back for .dev/j),
 #                     and EXTRA (train KEY=VALUEs) on all the data as run NAME; their tau and
 #                     identity are results, their speeds are not (they share the GPU)
+#   step-scaling      step_fixed_cost.py: training s/step and tok/s at BATCHES (default 32,64,128)
+#                     sequences per step, the code as it is, synthetic lengths (about 3 min)
 #   both              points (data and training) beside graphs, compile and arch2's data and
 #                     training; then arch2's bench and the points' benches, one at a time
 #                     (TESTS=0 leaves the CUDA tests out)
@@ -80,6 +82,8 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
       graphs|compile) tests $j ;;
       arch2) gemma ;;
       device-map) job device-map bash scripts/gpu/device_map_check.sh ${DMC_ARGS:-} ;;
+      step-scaling) job step-scaling bash -c "python3 scripts/gpu/step_fixed_cost.py --target $T --out \$OUT \
+                      --batches ${BATCHES:-32,64,128} --modes after --measured 20" ;;
       points) points ;;
       both) both ;;
     esac
