@@ -281,6 +281,17 @@ def test_shipped_prompt_sets_are_never_edited_in_place(tmp_path, monkeypatch):
         release.read_prompt_set("v9")
 
 
+def test_results_name_a_prompt_set_without_the_paths_a_run_read(tmp_path):
+    """A shipped set by its name, a user's file by its file name; its hash identifies it, and
+    no field holds the folder it was read from."""
+    info, _ = release.read_prompt_set("v1")
+    assert info["name"] == "v1" and str(prompt_sets.prompt_sets_dir()) not in json.dumps(info)
+    f = tmp_path / "mine.jsonl"
+    f.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    info, _ = release.read_prompt_set(str(f))
+    assert info["name"] == "mine.jsonl" and not info["builtin"] and str(tmp_path) not in json.dumps(info)
+
+
 def test_v1_prompt_set():
     info, records = release.read_prompt_set("v1")
     assert info["builtin"] and len(records) == 8 * len(V1_WORKLOADS)

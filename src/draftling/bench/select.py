@@ -124,7 +124,7 @@ def _report(rows: list[dict], opts: SelectOptions, ids: list[list[int]], prompt_
     return {"date": datetime.date.today().isoformat(),
             "selection": {"candidates": rows, "winner": win["checkpoint"], "reason": reason},
             "target": target,
-            "protocol": {"prompts": prompt_set["name"] if prompt_set["builtin"] else Path(prompt_set["path"]).name,
+            "protocol": {"prompts": prompt_set["name"],
                          "prompts_sha256": prompt_set["sha256"], "n": len(ids),
                          "max_prompt_tokens": max(map(len, ids)),  # the context length this selection tested
                          "config": opts.config,

@@ -303,7 +303,7 @@ def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 
     per_token = min(_timed(lambda: greedy_generate(engine, ids, tokens))[1] for _ in range(repeats)) / tokens
     n_configs = len(bc.configs)
     decoded = (bc.num_prompts * bc.max_new_tokens + WARMUP_TOKENS) * (1 + SPEC_TIME_RATIO * n_configs)
-    return {"per_token_s": round(per_token, 4), "seconds": round(decoded * per_token, 1)}
+    return {"per_token_s": round(per_token, 4), "seconds": round(decoded * per_token, 2)}
 
 
 def device_name(device) -> str:

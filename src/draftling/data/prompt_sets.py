@@ -70,11 +70,14 @@ def _shipped_name(s: str) -> str | None:
 
 
 def read_prompt_set(spec: str | Path = "v1") -> tuple[dict, list[dict]]:
-    """The set's provenance (name, builtin, path, sha256) and its raw records, each with a str
-    ``id`` (missing: "file:line"), a ``workload`` and ``_where`` ("path:line", for messages)."""
+    """The set's provenance (name, builtin, sha256) and its raw records, each with a str
+    ``id`` (missing: "file:line"), a ``workload`` and ``_where`` ("path:line", for messages).
+    A file's name is its file name: results name a set by name and hash, not by where a run
+    read it."""
     name, path = resolve_prompt_set(spec)
     raw = path.read_bytes()
-    info = {"name": name, "builtin": name != str(path), "path": str(path), "sha256": hashlib.sha256(raw).hexdigest()}
+    builtin = name != str(path)
+    info = {"name": name if builtin else path.name, "builtin": builtin, "sha256": hashlib.sha256(raw).hexdigest()}
     if info["builtin"]:
         _check_published(name, path, info["sha256"])
     return info, _records(raw, path)
