@@ -107,7 +107,7 @@ def test_smoke_v1_is_the_first_two_prompts_of_each_v1_workload():
 
 
 def test_the_batched_smoke_bench_measures_each_prompt_as_batch_1_decodes_it():
-    """The smoke bench decodes its prompts together (more than SMOKE_ROWS, so rows are reused);
+    """The smoke bench decodes its prompts together (more than its rows, so rows are reused);
     each prompt's tau equals batch-1 speculative decoding's with the same draft (fp32, an
     accepting oracle draft, prompts of different lengths)."""
     from draftling.data.prompt_sets import BenchPrompt
@@ -120,9 +120,9 @@ def test_the_batched_smoke_bench_measures_each_prompt_as_batch_1_decodes_it():
     target = wrap_target(model, tokenizer, aux_layer_ids=AUX)
     g = torch.Generator().manual_seed(3)
     prompts = [BenchPrompt(f"p{i}", "w", torch.randint(3, V, (5 + 3 * i,), generator=g).tolist())
-               for i in range(convergence.SMOKE_ROWS + 3)]
+               for i in range(7)]
     draft = oracle_draft(model)
-    taus = SmokeBench(target, prompts, 20, "t").measure(draft)
+    taus = SmokeBench(target, prompts, 20, "t", rows=4).measure(draft)
     engine = build_target(model, AUX, 128)
     runner = DraftRunner(draft, model.get_input_embeddings(), 128)
     alone = {}
@@ -305,6 +305,8 @@ def test_smoke_settings_are_checked_when_the_config_loads(data, target):
         load_config(None, ["train.stop_on_convergence=true"])
     with pytest.raises(ConfigError, match="smoke_every"):
         load_config(None, ["train.smoke_every=-1"])
+    with pytest.raises(ConfigError, match="smoke_rows"):
+        load_config(None, ["train.smoke_rows=0"])
     args = cli.build_parser().parse_args(["train", "--data", "d", "--run-dir", "r", "--stop-on-convergence",
                                           "train.smoke_every=5"])
     assert cli.run_config(args, ("stop_on_convergence",)).train.stop_on_convergence

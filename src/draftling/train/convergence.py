@@ -2,7 +2,7 @@
 
 Every ``train.smoke_every`` steps the run decodes a small versioned prompt set
 (``train.smoke_prompts``, by default ``set:smoke-v1``) greedily, chain-3-1-4, on the batched
-decode engine (up to SMOKE_ROWS prompts at once, each in its own cache row, as batch 1 would
+decode engine (``train.smoke_rows`` prompts at once, each in its own cache row, as batch 1 would
 decode it) with a frozen copy of the current draft, and logs tau (tokens per target pass,
 bonus included) per prompt, per workload and overall to metrics.jsonl. It is a trend
 instrument for this run, not a release number: few prompts, short completions, eager engine.
@@ -46,9 +46,6 @@ BAND_Z = 2.0  # ~95% two-sided for a normal mean change
 # 1 is the bonus token alone; below 1.1 a draft accepts less than one token in ten rounds, which
 # chance matches can give an untrained one on a small vocab: not a plateau to stop on.
 FLOOR_TAU = 1.1
-# Prompts decoded at once. On the H200 a check of smoke-v1's 14 prompts one at a time took 23-32 s,
-# 6 checks a third of a 2,394-step run's wall time; a round of 14 rows costs about one of 1.
-SMOKE_ROWS = 16
 
 
 def load_smoke_prompts(spec: str, tokenizer, vocab_size: int) -> list[BenchPrompt]:
@@ -71,10 +68,10 @@ def load_smoke_prompts(spec: str, tokenizer, vocab_size: int) -> list[BenchPromp
 class SmokeBench:
     """Chain-3-1-4 greedy decoding of fixed prompts with a copy of a draft: per-prompt tau."""
 
-    def __init__(self, target, prompts: list[BenchPrompt], max_new_tokens: int, name: str):
+    def __init__(self, target, prompts: list[BenchPrompt], max_new_tokens: int, name: str, rows: int = 1):
         self.target, self.prompts, self.max_new_tokens, self.name = target, prompts, max_new_tokens, name
         self.max_len = max(len(p.input_ids) for p in prompts) + max_new_tokens + DRAFT_TOKENS + 8
-        self.rows = min(len(prompts), SMOKE_ROWS)
+        self.rows = min(len(prompts), rows)
         self.eos = target.stop_token_ids()
         self._engine: tuple | None = None
         self.engine(target.aux_layer_ids)  # an unsupported target fails now, not at the first check
@@ -85,7 +82,7 @@ class SmokeBench:
             raise ConfigError("train.smoke_every: the decode engine runs a target on one device, and this one is "
                               "spread over devices by a device map; set train.smoke_every=0")
         prompts = load_smoke_prompts(tc.smoke_prompts, target.tokenizer, target.config.vocab_size)
-        return cls(target, prompts, tc.smoke_max_new_tokens, tc.smoke_prompts)
+        return cls(target, prompts, tc.smoke_max_new_tokens, tc.smoke_prompts, tc.smoke_rows)
 
     def engine(self, aux_layer_ids) -> CachedTarget:
         """The target's engine for these aux layers (the draft's; built once, its cache reused)."""
