@@ -32,18 +32,24 @@ def bf16_matmul_is_faster(device_type: str = "cpu") -> bool:
 
 
 def _cpu_matmul_seconds(dtypes: tuple[torch.dtype, ...], reps: int = 9) -> list[float]:
-    """The best time per dtype, the dtypes taking turns, so that a burst of load from other
-    processes slows them alike instead of deciding the answer."""
+    """The best time of a [256, 576] x [576, 1536] matmul per dtype."""
     g = torch.Generator().manual_seed(0)  # the run's own random stream stays untouched
     a, b = torch.randn(256, 576, generator=g), torch.randn(576, 1536, generator=g)
     pairs = [(a.to(d), b.to(d)) for d in dtypes]
-    for x, y in pairs:
-        x @ y  # first call: kernel selection and packing
-    best = [float("inf")] * len(dtypes)
+    return _best_seconds([lambda x=x, y=y: x @ y for x, y in pairs], reps)
+
+
+def _best_seconds(calls, reps: int) -> list[float]:
+    """The best time per call after a first untimed one (kernel selection and packing), the
+    calls taking turns, so that a burst of load from other processes slows them alike instead
+    of deciding the answer."""
+    for call in calls:
+        call()
+    best = [float("inf")] * len(calls)
     for _ in range(reps):
-        for i, (x, y) in enumerate(pairs):
+        for i, call in enumerate(calls):
             start = time.perf_counter()
-            x @ y
+            call()
             best[i] = min(best[i], time.perf_counter() - start)
     return best
 
@@ -58,16 +64,11 @@ def column_major_linear_is_faster(dtype: torch.dtype = torch.float32) -> bool:
     (6.4 against 0.46 ms). About 50 ms; measured once per process and dtype."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1536, 576, generator=g).to(dtype)
-    layouts = (w, w.t().contiguous().t())
     xs = [torch.randn(n, 576, generator=g).to(dtype) for n in (4, 256)]
-    best = [[float("inf")] * len(xs) for _ in layouts]
-    for _ in range(5):
-        for i, weight in enumerate(layouts):
-            for j, x in enumerate(xs):
-                start = time.perf_counter()
-                torch.nn.functional.linear(x, weight)
-                best[i][j] = min(best[i][j], time.perf_counter() - start)
-    row, col = (sum(b[j] / best[0][j] for j in range(len(xs))) for b in best)  # each size alike
+    layouts = (w, w.t().contiguous().t())
+    times = _best_seconds([lambda x=x, v=v: torch.nn.functional.linear(x, v) for v in layouts for x in xs], 5)
+    row_t, col_t = times[:len(xs)], times[len(xs):]
+    row, col = len(xs), sum(c / r for c, r in zip(col_t, row_t))  # as shares of row-major's: sizes count alike
     return col < 0.9 * row
 
 

@@ -41,7 +41,7 @@ from draftling.errors import ConfigError, DataError
 from draftling.target.devmap import dispatched_devices
 
 SMOKE_CONFIG = "chain-3-1-4"
-STEPS, TOPK, DRAFT_TOKENS = SMOKE_TREE = 3, 1, 4  # SMOKE_CONFIG in SGLang's naming (draft tokens count the root)
+SMOKE_TREE = (3, 1, 4)  # SMOKE_CONFIG as (steps, topk, draft tokens) in SGLang's naming (draft tokens count the root)
 BAND_Z = 2.0  # ~95% two-sided for a normal mean change
 # 1 is the bonus token alone; below 1.1 a draft accepts less than one token in ten rounds, which
 # chance matches can give an untrained one on a small vocab: not a plateau to stop on.
@@ -68,9 +68,9 @@ def load_smoke_prompts(spec: str, tokenizer, vocab_size: int) -> list[BenchPromp
 class SmokeBench:
     """Chain-3-1-4 greedy decoding of fixed prompts with a copy of a draft: per-prompt tau."""
 
-    def __init__(self, target, prompts: list[BenchPrompt], max_new_tokens: int, name: str, rows: int = 1):
+    def __init__(self, target, prompts: list[BenchPrompt], max_new_tokens: int, name: str, rows: int):
         self.target, self.prompts, self.max_new_tokens, self.name = target, prompts, max_new_tokens, name
-        self.max_len = max(len(p.input_ids) for p in prompts) + max_new_tokens + DRAFT_TOKENS + 8
+        self.max_len = max(len(p.input_ids) for p in prompts) + max_new_tokens + SMOKE_TREE[2] + 8
         self.rows = min(len(prompts), rows)
         self.eos = target.stop_token_ids()
         self._engine: tuple | None = None
@@ -105,7 +105,7 @@ class SmokeBench:
             engine = self.engine(frozen.config.eagle_aux_hidden_state_layer_ids)
             runner = DraftRunner(frozen, self.target.input_embeddings(), self.max_len, batch_size=self.rows)
             results = batch_generate(engine, [p.input_ids for p in self.prompts], self.max_new_tokens, draft=runner,
-                                     tree=(STEPS, TOPK, DRAFT_TOKENS), eos_ids=self.eos)
+                                     tree=SMOKE_TREE, eos_ids=self.eos)
         # done at prefill: one token, one pass
         return {p.id: r.stats.tau if r.stats.verify_steps else 1.0 for p, r in zip(self.prompts, results)}
 
