@@ -174,3 +174,11 @@ def test_results_name_a_draft_by_its_run():
     assert draft_label("/tmp/x/2026-12-03-train-a/draft") == "2026-12-03-train-a"
     assert draft_label("/tmp/x/run-a/checkpoints/step_0000200") == "run-a/step_0000200"
     assert draft_label(Path("/exports/my-head")) == "my-head"
+
+
+def test_a_results_command_names_the_tool_not_the_folder_it_ran_from():
+    from draftling.bench.manifest import command_line
+
+    assert command_line(["/dev/x/src/draftling/__main__.py", "bench", "a b"]) == "draftling bench 'a b'"
+    assert command_line(["/usr/local/bin/draftling", "train"]) == "draftling train"
+    assert command_line(["scripts/gpu/probe.py", "--n", "2"]) == "scripts/gpu/probe.py --n 2"

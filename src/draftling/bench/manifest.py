@@ -116,13 +116,23 @@ def run_folder_name(date: str, what: str, commit: str, machine: str, tag: str | 
     return f"{name}-{tag_slug(tag)}" if tag else name
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """This process's command, quoted as a shell needs it. Run through the package (``python -m
+    draftling`` or the ``draftling`` script), it is named ``draftling``: a result names the tool,
+    not the folder it ran from."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).name in ("__main__.py", "draftling"):
+        argv[0] = "draftling"
+    return shlex.join(argv)
+
+
 def manifest_fields(command: str | None, config: dict, device, date: str | None = None) -> dict:
     """commit (with the package version, which names the code where the commit is unknown),
     date, machine, command (default: this process's argv, quoted as a shell would need it) and
     the resolved config."""
     return {"commit": code_commit(), "version": __version__,
             "date": date or datetime.date.today().isoformat(), "machine": machine_line(device),
-            "command": command if command is not None else shlex.join(sys.argv), "config": config}
+            "command": command if command is not None else command_line(), "config": config}
 
 
 def write_manifest(folder: str | Path, command: str | None, config: dict, device, date: str | None = None,

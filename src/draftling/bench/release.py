@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from draftling.bench.manifest import code_commit, device_slug, draft_label, machine_slug, run_folder_name, tag_slug, write_manifest
+from draftling.bench.manifest import code_commit, command_line, device_slug, draft_label, machine_slug, run_folder_name, tag_slug, write_manifest
 from draftling.bench.report import ROUND_PHASES, format_speedup_table, release_caveats, write_release_outputs
 from draftling.bench.report import MARK_END, MARK_START, update_benchmarks_md  # noqa: F401 (release.X for callers)
 from draftling.bench.simple import DecodeConfig, build_engine, parse_decode_config
@@ -532,7 +531,7 @@ def _assemble(run: _Run, m: _Measured) -> dict:
         "draft": draft_label(run.draft_path),
         "prompt_set": run.info,
         "dtype": str(run.dtype).replace("torch.", ""),
-        "command": run.opts.command if run.opts.command is not None else " ".join(sys.argv),
+        "command": run.opts.command if run.opts.command is not None else command_line(),
         "baselines": base,
         "baseline_details": details,
         "configs": [_config_results(run, m, c, ref, plain_tok_s) for c in run.configs],
