@@ -11,6 +11,10 @@
 #                     regenerates; `poll` brings the replies and journal back for .dev/j),
 #                     and EXTRA (train KEY=VALUEs) on all the data as run NAME; their tau and
 #                     identity are results, their speeds are not (they share the GPU)
+#   recipe            data_scaling.sh on all the data as run "recipe", restored from the journal
+#                     staged in /tmp/work/j (see call 0b), STEPS=RECIPE_STEPS (default 5600) and
+#                     the train KEY=VALUEs of RECIPE, with --stop-on-convergence; alone, so its
+#                     bench's speeds are results
 #   step-scaling      step_fixed_cost.py: training s/step and tok/s at BATCHES (default 32,64,128)
 #                     sequences per step, the code as it is, synthetic lengths (about 3 min)
 #   both              points (data and training) beside graphs, compile and arch2's data and
@@ -19,6 +23,8 @@
 # Device calls straight after each other (the machine goes back 30 s after a call):
 #   0. carries .dev/a .dev/p .whl: mkdir -p /tmp/m /tmp/prompts && cp .dev/a/* /tmp/m/ &&
 #      tar xzf .dev/p/prompts.tgz -C /tmp/prompts
+#   0b. for recipe: carries .dev/p .dev/j .whl: mkdir -p /tmp/work /tmp/prompts &&
+#      cp -r .dev/j /tmp/work/j && tar xzf .dev/p/prompts.tgz -C /tmp/prompts (then 0 without .dev/p)
 #   1. carries .dev/b .whl (.dev/b with .dev/j is over the 64 MiB carry with the tree: for points,
 #      carry .dev/j in a call of its own first): JOBS=... bash scripts/gpu/shared_calls.sh start
 #   2-6. carry the Gemma parts (.dev/g_part_a?; ae and af together): mkdir -p /tmp/g &&
@@ -85,6 +91,8 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
       step-scaling) job step-scaling bash -c "python3 scripts/gpu/step_fixed_cost.py --target $T --out \$OUT \
                       --batches ${BATCHES:-32,64,128} --modes after --measured 20" ;;
       points) points ;;
+      recipe) job recipe FRACTION=1.0 RUN_NAME=recipe RESTORE=1 JDIR=$W/j STEPS=${RECIPE_STEPS:-5600} CALL_S=3000 \
+                bash scripts/gpu/data_scaling.sh ${RECIPE:-} --stop-on-convergence ;;
       both) both ;;
     esac
   done
