@@ -273,7 +273,10 @@ def test_shipped_prompt_sets_are_never_edited_in_place(tmp_path, monkeypatch):
     # ... and a copy of v1 with one character changed is refused by name.
     text = (prompt_sets.prompt_sets_dir() / "v1.jsonl").read_text(encoding="utf-8")
     (tmp_path / "v1.jsonl").write_text(text.replace("e", "E", 1), encoding="utf-8")
-    monkeypatch.setattr(prompt_sets, "prompt_sets_dir", lambda: tmp_path)
+    from draftling.data import sources
+
+    for module in (prompt_sets, sources):
+        monkeypatch.setattr(module, "prompt_sets_dir", lambda: tmp_path)
     with pytest.raises(DataError, match="v1 .*edited in place"):
         release.read_prompt_set("v1")
     (tmp_path / "v9.jsonl").write_text(text, encoding="utf-8")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftling.data.prompts import _parse_record, jsonl_values, prompt_messages
-from draftling.data.sources import prompt_sets_dir, resolve_prompt_path
+from draftling.data.sources import prompt_sets_dir, resolve_prompt_path, shipped_set_path
 from draftling.data.template import render
 from draftling.errors import DataError
 
@@ -52,8 +52,8 @@ def resolve_prompt_set(spec: str | Path) -> tuple[str, Path]:
     s = str(spec)
     name = _shipped_name(s)
     if name is not None:
-        path = prompt_sets_dir() / f"{name}.jsonl"
-        if not path.is_file():
+        path = shipped_set_path(name)
+        if path is None:
             raise UnknownPromptSet(f"prompt set {s!r} is not shipped (have: {', '.join(builtin_prompt_sets())})")
         return name, path
     path = resolve_prompt_path(s).expanduser()

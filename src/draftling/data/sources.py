@@ -51,6 +51,12 @@ def find_shared_prompts() -> Path | None:
     return None
 
 
+def shipped_set_path(name: str) -> Path | None:
+    """The file of the prompt set NAME shipped with draftling, or None."""
+    path = prompt_sets_dir() / f"{name}.jsonl"
+    return path if path.is_file() else None
+
+
 def resolve_prompt_path(spec: str) -> Path:
     """The file behind a file-backed spec (starter:, set:, shared: or a path)."""
     if spec.startswith("starter:"):
@@ -62,8 +68,8 @@ def resolve_prompt_path(spec: str) -> Path:
         return path
     if spec.startswith("set:"):
         name = spec.split(":", 1)[1]
-        path = prompt_sets_dir() / f"{name}.jsonl"
-        if not path.is_file():
+        path = shipped_set_path(name)
+        if path is None:
             raise ConfigError(f"{spec}: no prompt set {name!r} is shipped with draftling")
         return path
     if spec.startswith("shared:"):
