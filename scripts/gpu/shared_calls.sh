@@ -38,6 +38,9 @@
 # (regenerating all 42,855 replies, tokenizing, vocab) took about 14 min beside arch2's data and
 # training, against about 5 min alone on an earlier machine: regenerate alone, and carry the
 # journal (.dev/j, from poll) where one exists. arch2's bench then ran in 285 s.
+# 2026-12-03, fourth run (JOBS="step-scaling points", POINTS="0.25 0.5", no journal): step-scaling
+# 161 s; points 14.7 min: the data stage alone about 223 s (42,855 replies), both trainings side by
+# side (324 s and 340 s of training), then both benches side by side.
 # Issue each call as soon as the last returns. Never `pkill -f PATTERN` in a call whose own
 # command line holds PATTERN: it kills the call's own shell and wrapper, and on 2026-12-03 the
 # machine went with them. Kill by a PID file instead.
