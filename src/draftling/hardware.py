@@ -8,6 +8,7 @@ faster than fp32, one without emulates it and is several times slower (a 2-core 
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 
 import torch
@@ -68,8 +69,8 @@ def column_major_linear_is_faster(dtype: torch.dtype = torch.float32) -> bool:
     layouts = (w, w.t().contiguous().t())
     times = _best_seconds([lambda x=x, v=v: torch.nn.functional.linear(x, v) for v in layouts for x in xs], 5)
     row_t, col_t = times[:len(xs)], times[len(xs):]
-    row, col = len(xs), sum(c / r for c, r in zip(col_t, row_t))  # as shares of row-major's: sizes count alike
-    return col < 0.9 * row
+    ratio = statistics.fmean(c / r for c, r in zip(col_t, row_t))  # a mean of ratios: each size counts alike
+    return ratio < 0.9
 
 
 def resolve_fast_dtype(name: str | None, device, own: torch.dtype, field: str) -> torch.dtype:
