@@ -57,14 +57,14 @@ for line in sys.stdin:
   gzip -c $D/replies.jsonl | split -b 15000000 - $OUT/replies.jsonl.gz.
 fi
 
-if [ "$(stop_reason $run)" != completed ]; then
+if ! finished $run; then
   [ $(left) -gt 150 ] || { echo "scaling: too little time left to train; call again" | tee -a $log; exit 0; }
   minutes=$(train_minutes 100)
   d train --config gpu_smollm2 --target $T --data $D --run-dir $run $([ -d $run ] && echo --resume) \
     train.data_fraction=$F train.max_steps=$STEPS train.max_minutes=$minutes train.smoke_every=400 \
     train.smoke_max_new_tokens=64 train.ckpt_every=400 ${DEV:-} ${SMOKE_ARGS:-} "$@"
   tar czf $OUT/train.tgz -C $run train_result.json metrics.jsonl config.yaml
-  [ "$(stop_reason $run)" = completed ] \
+  finished $run \
     || { echo "scaling: training continues in the next call" | tee -a $log; exit 0; }
 fi
 
