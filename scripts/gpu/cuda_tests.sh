@@ -2,8 +2,8 @@
 # Device call (one GPU): the tests that skip without CUDA (CUDA graphs on both engine paths,
 # bf16 identity, flex's backward; then compile with graphs, the slow ones). Writes
 # $OUT/cuda-tests/{log.txt,graphs.xml,compile.xml}. TESTS_S caps each half's wall time (300 s);
-# HALVES picks them (default: graphs compile).
-source scripts/gpu/common.sh
+# HALVES picks them (default: graphs compile). One call, nothing carried but .whl.
+NEED_TARGET=${NEED_TARGET:-0} source scripts/gpu/common.sh  # tiny random models: no GGUF staged
 dir=$OUT/cuda-tests
 mkdir -p $dir
 FILES="tests/test_architectures.py tests/test_engine.py tests/test_train_memory.py"
