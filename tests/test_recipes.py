@@ -166,8 +166,12 @@ def test_every_shipped_profile_loads():
     configs = {n: load_config(n) for n in names}
     gpu = configs["gpu_smollm2"]
     assert gpu.draft.intermediate_size == 4096 and gpu.device == "cuda"
-    assert gpu.data.prompt_cap("shared:math_gsm8k_train.jsonl") == 2200
-    assert gpu.data.prompt_cap("shared:sharegpt.jsonl") == 5000
+    # The measured recipe (2026-12-03): every non-agent corpus file uncapped, trained until the
+    # smoke tau converges.
+    assert len(gpu.data.prompts) == 10 and not any("agent" in p for p in gpu.data.prompts)
+    assert gpu.data.prompt_cap("shared:math_gsm8k_train.jsonl") == 0
+    assert gpu.train.stop_on_convergence and gpu.train.smoke_every == 400
+    assert (gpu.train.batch_size, gpu.train.max_steps) == (64, 5600)
     quick = configs["quickstart_cpu"]
     assert quick.device == "cpu" and quick.wall_minutes > 0
     # The default path needs nothing outside the package.

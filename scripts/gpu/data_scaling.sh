@@ -16,7 +16,8 @@
 # points that are not the release run.
 # RESTORE=1 with .dev/j carried (the replies.jsonl.gz.* and journal.json of an earlier call)
 # rebuilds the journal first. RUN_NAME names a run that is not a plain curve point (default: F).
-# Extra KEY=VALUE args go to `train` (the recipe).
+# Extra KEY=VALUE args go to `train`. The curve's points train with OLD_RECIPE (stages.sh) at
+# STEPS steps; CURVE_ARGS= (empty) trains with gpu_smollm2's own recipe instead.
 # The sampled-replies point: SAMPLES=2 FRACTION=1.0 RUN_NAME=sampled-1.0 RESTORE=1 (the greedy
 # replies come from .dev/j; the samples are written through the batched engine, seeded per batch).
 # Then, here: python3 scripts/gpu/scaling_curve.py --runs DIR... --out bench/results/<folder>
@@ -61,7 +62,7 @@ if ! finished $run; then
   [ $(left) -gt 150 ] || { echo "scaling: too little time left to train; call again" | tee -a $log; exit 0; }
   minutes=$(train_minutes 100)
   d train --config gpu_smollm2 --target $T --data $D --run-dir $run $([ -d $run ] && echo --resume) \
-    train.data_fraction=$F train.max_steps=$STEPS train.max_minutes=$minutes train.smoke_every=400 \
+    ${CURVE_ARGS-$OLD_RECIPE} train.data_fraction=$F train.max_steps=$STEPS train.max_minutes=$minutes train.smoke_every=400 \
     train.smoke_max_new_tokens=64 train.ckpt_every=400 ${DEV:-} ${SMOKE_ARGS:-} "$@"
   tar czf $OUT/train.tgz -C $run train_result.json metrics.jsonl config.yaml
   finished $run \

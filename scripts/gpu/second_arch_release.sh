@@ -35,13 +35,13 @@ if [ ! -f $S/data/vocab.safetensors ]; then
   cp $S/data/summary.json $OUT/data_summary.json
 fi
 
-if [ "$(stop_reason $run)" != completed ]; then
+if ! finished $run; then
   [ $(left) -gt 150 ] || { echo "arch2: too little time left to train; call again" | tee -a $log; exit 0; }
   d train --config gpu_smollm2 --target $G --data $S/data --run-dir $run $([ -d $run ] && echo --resume) \
-    train.max_minutes=$(train_minutes 100) train.smoke_every=200 train.smoke_max_new_tokens=64 \
+    $OLD_RECIPE train.max_minutes=$(train_minutes 100) train.smoke_every=200 train.smoke_max_new_tokens=64 \
     train.ckpt_every=200 $TPL ${DEV:-} ${TRAIN_ARGS:-} "$@"
   tar czf $OUT/train.tgz -C $run train_result.json metrics.jsonl config.yaml
-  [ "$(stop_reason $run)" = completed ] || { echo "arch2: training continues in the next call" | tee -a $log; exit 0; }
+  finished $run || { echo "arch2: training continues in the next call" | tee -a $log; exit 0; }
 fi
 
 [ "${UNTIL:-}" != train ] || { echo "arch2: trained; the bench is left (UNTIL=train)" | tee -a $log; exit 0; }

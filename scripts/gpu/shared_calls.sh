@@ -11,10 +11,18 @@
 #                     regenerates; `poll` brings the replies and journal back for .dev/j),
 #                     and EXTRA (train KEY=VALUEs) on all the data as run NAME; their tau and
 #                     identity are results, their speeds are not (they share the GPU)
-#   recipe            data_scaling.sh on all the data as run "recipe", restored from the journal
-#                     staged in /tmp/work/j (see call 0b), STEPS=RECIPE_STEPS (default 5600) and
-#                     the train KEY=VALUEs of RECIPE, with --stop-on-convergence; alone, so its
-#                     bench's speeds are results
+#   recipe            data_scaling.sh on all the data with gpu_smollm2's own recipe (CURVE_ARGS
+#                     empty; it stops at convergence) as run RECIPE_NAME (default "recipe"),
+#                     restored from the journal staged in /tmp/work/j (see call 0b),
+#                     STEPS=RECIPE_STEPS (default 5600) and the train KEY=VALUEs of RECIPE; alone,
+#                     so its bench's speeds are results. 2026-12-03, 0fc3677 (RECIPE=
+#                     "train.batch_size=64 train.lr=7e-4 train.warmup_steps=60", now the config's
+#                     defaults): converged at step 3,600 after 575 s of training; 16.8 min from
+#                     start to "master: done". An annealed variant: RECIPE_NAME=anneal
+#                     RECIPE_STEPS=3600 RECIPE="train.stop_on_convergence=false"
+#   sampled           the curve's sampled point: data_scaling.sh with SAMPLES=2 on all the data
+#                     (the greedy replies restored from /tmp/work/j, one sampled reply per prompt
+#                     written), the curve's recipe (OLD_RECIPE, 2,394 steps)
 #   step-scaling      step_fixed_cost.py: training s/step and tok/s at BATCHES (default 32,64,128)
 #                     sequences per step, the code as it is, synthetic lengths (about 3 min)
 #   both              points (data and training) beside graphs, compile and arch2's data and
@@ -94,8 +102,11 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
       step-scaling) job step-scaling bash -c "python3 scripts/gpu/step_fixed_cost.py --target $T --out \$OUT \
                       --batches ${BATCHES:-32,64,128} --modes after --measured 20" ;;
       points) points ;;
-      recipe) job recipe FRACTION=1.0 RUN_NAME=recipe RESTORE=1 JDIR=$W/j STEPS=${RECIPE_STEPS:-5600} CALL_S=3000 \
-                bash scripts/gpu/data_scaling.sh ${RECIPE:-} --stop-on-convergence ;;
+      recipe) local r=${RECIPE_NAME:-recipe}
+              job $r FRACTION=1.0 RUN_NAME=$r RESTORE=1 JDIR=$W/j CURVE_ARGS= STEPS=${RECIPE_STEPS:-5600} CALL_S=3000 \
+                bash scripts/gpu/data_scaling.sh ${RECIPE:-} ;;
+      sampled) job sampled SAMPLES=2 FRACTION=1.0 RUN_NAME=sampled-1.0 RESTORE=1 JDIR=$W/j CALL_S=3000 \
+                 bash scripts/gpu/data_scaling.sh ;;
       both) both ;;
     esac
   done

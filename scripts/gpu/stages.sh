@@ -1,5 +1,5 @@
 # Sourced (after common.sh) by the device scripts that do what is left of a run in each call:
-# the call's clock, a quiet logged `draftling`, and a run's stop reason.
+# the call's clock, a quiet logged `draftling`, a run's stop reason, and the recipe before 2026-12-03.
 t0=$(date +%s)
 left() { echo $(( ${CALL_S:-575} - ($(date +%s) - t0) )); }  # seconds left in this call
 # The per-batch regeneration lines, unless QUIET=0 (never fails the pipe).
@@ -16,3 +16,12 @@ train_minutes() { python3 -c "print(round(($(left) - $1) / 60, 2))"; }
 CORPUS='["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl","shared:math_gsm8k_train.jsonl",'\
 '"shared:summarize.jsonl","shared:tool_use.jsonl","shared:code_gpteacher.jsonl","shared:roleplay_gpteacher.jsonl",'\
 '"shared:tool_toolformer.jsonl","shared:t0_tasks.jsonl"]'
+# The release recipe and data before 2026-12-03 (six files capped at 13.1k prompts; six epochs of
+# 32, lr 5e-4, no smoke bench): the data-scaling curve, the Gemma 3 run and the airline
+# adaptation ran with them, so they pin them over gpu_smollm2's defaults, which now hold the
+# converging recipe (configs/gpu_smollm2.yaml).
+OLD_RECIPE="train.epochs=6 train.max_steps=0 train.batch_size=32 train.lr=5e-4 train.warmup_steps=30 \
+train.stop_on_convergence=false train.smoke_every=0 train.max_minutes=8.5 train.ckpt_every=1000"
+OLD_DATA='data.prompts=["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl",'\
+'"shared:math_gsm8k_train.jsonl","shared:summarize.jsonl","shared:tool_use.jsonl"] data.max_prompts_per_file=5000 '\
+'data.max_prompts_by_file={"shared:math_gsm8k_train.jsonl":2200}'

@@ -5,6 +5,10 @@
 # draft_transport.py) and one archive of config, metrics and data summary: a call returns
 # at most 8 files. Logs go to $OUT with tee, so a call cut at its time limit still returns them.
 # DATA_ONLY=1 stops after the data and vocab: on a warm machine the next call trains on them.
+# Since 2026-12-03 the config's recipe (ten files, until convergence: about 4 min of data and
+# 10 of training) does not fit one call: run it through `JOBS=recipe bash
+# scripts/gpu/shared_calls.sh start` (data_scaling.sh, which resumes across calls and benches),
+# or give this script a smaller budget (OLD_RECIPE in stages.sh as args, fewer prompts in DATA_ARGS).
 # DATA_ARGS="KEY=VALUE ..." overrides the config of `data` (e.g. more prompts).
 source scripts/gpu/common.sh
 mkdir -p $OUT/train
