@@ -2,8 +2,8 @@
 # The data-scaling curve of issue 25: one recipe (configs/gpu_smollm2.yaml at a fixed number of
 # steps, so the points differ in data only) on nested shares of the whole regenerated corpus.
 # Every call does what is left, in order, inside its own time (CALL_S):
-#   data    regenerate every prompt file of the corpus (journaled: a call cut short is resumed
-#           by the next), then the draft vocab. The replies come back as replies.jsonl.gz.* with
+#   data    regenerate gpu_smollm2's prompts (the ten non-agent corpus files; journaled: a call
+#           cut short is resumed by the next), then the draft vocab. The replies come back as replies.jsonl.gz.* with
 #           the journal's settings, so a later machine can skip regeneration (RESTORE below).
 #   train   the share FRACTION for STEPS steps with the smoke bench on (--resume across calls).
 #   bench   the v1 release bench against the engine without speculation; then `draftling report`.
@@ -49,7 +49,6 @@ for line in sys.stdin:
   # The journal is removed when the data is written: keep its settings for RESTORE.
   (until [ -f $J/journal.json ]; do sleep 2; done; cp $J/journal.json $OUT/journal.json) & watcher=$!
   timeout $(( $(left) - 20 )) python3 -m draftling data --config gpu_smollm2 --target $T --out $D data.regen.samples_per_prompt=$N \
-    "data.prompts=$CORPUS" data.max_prompts_per_file=0 data.max_prompts_by_file={} \
     ${DEV:-} ${DATA_ARGS:-} 2>&1 | quiet | tee -a $log || true
   kill $watcher 2>/dev/null || true
   [ -f $D/summary.json ] || { echo "scaling: data not finished; call again" | tee -a $log; exit 0; }

@@ -28,7 +28,7 @@ sha=$(sha256sum $G | cut -c1-8)
 [ "$sha" = a5fd3b62 ] || { echo "Gemma GGUF checksum $sha != a5fd3b62" | tee -a $log; exit 3; }
 
 if [ ! -f $S/data/vocab.safetensors ]; then
-  d data --config gpu_smollm2 --target $G --out $S/data "data.prompts=$CORPUS" \
+  d data --config gpu_smollm2 --target $G --out $S/data \
     data.max_prompts_per_file=${PER_FILE:-300} data.max_prompts_by_file={} $TPL ${DEV:-} ${DATA_ARGS:-}
   [ -f $S/data/summary.json ] || { echo "arch2: data not finished; call again" | tee -a $log; exit 0; }
   d vocab --data $S/data --config gpu_smollm2 --target $G ${VOCAB_ARGS:-}

@@ -12,10 +12,6 @@ stop_reason() { python3 -c "import json;print(json.load(open('$1/train_result.js
 finished() { case "$(stop_reason $1)" in completed|converged) return 0 ;; *) return 1 ;; esac; }
 # Minutes of training that fit in this call, keeping $1 seconds for the rest.
 train_minutes() { python3 -c "print(round(($(left) - $1) / 60, 2))"; }
-# The ten non-agent files of the development corpus, as one data.prompts value.
-CORPUS='["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl","shared:math_gsm8k_train.jsonl",'\
-'"shared:summarize.jsonl","shared:tool_use.jsonl","shared:code_gpteacher.jsonl","shared:roleplay_gpteacher.jsonl",'\
-'"shared:tool_toolformer.jsonl","shared:t0_tasks.jsonl"]'
 # The release recipe and data before 2026-12-03 (six files capped at 13.1k prompts; six epochs of
 # 32, lr 5e-4, no smoke bench): the data-scaling curve, the Gemma 3 run and the airline
 # adaptation ran with them, so they pin them over gpu_smollm2's defaults, which now hold the
