@@ -3,8 +3,9 @@
 # steps, so the points differ in data only) on nested shares of the whole regenerated corpus.
 # Every call does what is left, in order, inside its own time (CALL_S):
 #   data    regenerate gpu_smollm2's prompts (the ten non-agent corpus files; journaled: a call
-#           cut short is resumed by the next), then the draft vocab. The replies come back as replies.jsonl.gz.* with
-#           the journal's settings, so a later machine can skip regeneration (RESTORE below).
+#           cut short is resumed by the next), then the draft vocab. The replies come back as
+#           replies.jsonl.gz.* with the journal's settings, so a later machine can skip
+#           regeneration (RESTORE below).
 #   train   the share FRACTION for STEPS steps with the smoke bench on (--resume across calls).
 #   bench   the v1 release bench against the engine without speculation; then `draftling report`.
 # Device calls straight after each other on one warm machine:
