@@ -12,10 +12,10 @@ stop_reason() { python3 -c "import json;print(json.load(open('$1/train_result.js
 finished() { case "$(stop_reason $1)" in completed|converged) return 0 ;; *) return 1 ;; esac; }
 # Minutes of training that fit in this call, keeping $1 seconds for the rest.
 train_minutes() { python3 -c "print(round(($(left) - $1) / 60, 2))"; }
-# The release recipe and data before 2026-12-03 (six files capped at 13.1k prompts; six epochs of
-# 32, lr 5e-4, no smoke bench): the data-scaling curve, the Gemma 3 run and the airline
-# adaptation ran with them, so they pin them over gpu_smollm2's defaults, which now hold the
-# converging recipe (configs/gpu_smollm2.yaml).
+# gpu_smollm2's recipe and data before 2026-12-03 (six epochs of 32, lr 5e-4, no smoke bench;
+# six files capped at 13.1k prompts). The data-scaling curve and the Gemma 3 run trained with
+# OLD_RECIPE, the airline adaptation with both, so those scripts pin them over the profile's
+# defaults, which now hold the converging recipe on ten files (configs/gpu_smollm2.yaml).
 OLD_RECIPE="train.epochs=6 train.max_steps=0 train.batch_size=32 train.lr=5e-4 train.warmup_steps=30 \
 train.stop_on_convergence=false train.smoke_every=0 train.max_minutes=8.5 train.ckpt_every=1000"
 OLD_DATA='data.prompts=["shared:sharegpt.jsonl","shared:instruct.jsonl","shared:code_mbpp.jsonl",'\
