@@ -148,5 +148,7 @@ def test_samples_per_prompt_adds_sampled_training_replies(tmp_path, tiny_target_
     assert {by_id[p]["provenance"]["temperature"] for p in train_prompts | val} == {0.0}
     reply = lambda r: r["messages"][-1]["content"]  # noqa: E731
     assert any(reply(by_id[f"{p}#sample1"]) != reply(by_id[p]) for p in train_prompts)  # sampled, not greedy
-    assert json.loads((tmp_path / "d" / "summary.json").read_text())["sampled_replies"] == 2 * len(train_prompts)
+    summary = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert summary["sampled_replies"] == 2 * len(train_prompts)
+    assert summary["skipped_long_prompts"] == 0  # the sampled replies are not counted against the prompts
     assert [reply(r) for r in data(tmp_path / "d2")] == [reply(r) for r in replies]  # seeded: the same again

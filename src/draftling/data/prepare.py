@@ -369,6 +369,7 @@ def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: in
     replies, server, budget = regenerated.replies, regenerated.server, regenerated.budget
     train_rows, val_rows = rows["train"], rows["val"]
     stopped = [r.record["provenance"]["stopped"] for r in replies]
+    sampled = sum(SAMPLE_TAG in r.record["id"] for r in replies)
     summary = {
         "target": target.spec.label,
         **({"server": server.base_url, "server_model": server.model} if server else {}),
@@ -376,10 +377,10 @@ def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: in
         **({"excluded": excluded, "exclude": list(dc.exclude), "exclude_ids": list(dc.exclude_ids)}
            if dc.exclude or dc.exclude_ids else {}),
         "regenerated": len(replies),
-        "sampled_replies": sum(SAMPLE_TAG in r.record["id"] for r in replies),
+        "sampled_replies": sampled,
         # Under a budget, prompts that were never offered are neither regenerated nor skipped.
         "skipped_long_prompts": (regenerated.val_skipped + budget["skipped_long"] if budget is not None
-                                 else regenerated.offered - len(replies)),
+                                 else regenerated.offered - (len(replies) - sampled)),
         "train_sequences": len(train_rows),
         "val_sequences": len(val_rows),
         "train_tokens": sum(len(r["input_ids"]) for r in train_rows),
