@@ -34,20 +34,18 @@ def plot(points: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for sampled in (False, True):
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    metrics = ["validation chain tau"] + [f"v1 {name}" for name in points[0]["v1_mean_tau"]]
+    value = lambda p, m: p["val_chain_tau"] if m == metrics[0] else p["v1_mean_tau"][m[3:]]  # noqa: E731
+    for sampled in (False, True):  # one colour per metric; sampled points hollow, apart from the line
         pts = sorted((p for p in points if p["sampled_replies"] == sampled), key=lambda p: p["loss_tokens"])
-        if not pts:
-            continue
-        x = [p["loss_tokens"] for p in pts]
-        style = "--" if sampled else "-"
-        ax.plot(x, [p["val_chain_tau"] for p in pts], "o" + style, label="validation chain tau" + (" (sampled)" if sampled else ""))
-        for name in pts[0]["v1_mean_tau"]:
-            ax.plot(x, [p["v1_mean_tau"][name] for p in pts], "s" + style, label=f"v1 {name}" + (" (sampled)" if sampled else ""))
+        for i, m in enumerate(metrics if pts else []):
+            ax.plot([p["loss_tokens"] for p in pts], [value(p, m) for p in pts], ("o" if i == 0 else "s") + "-",
+                    color=f"C{i}", mfc="none" if sampled else f"C{i}", label=m + (" (sampled replies added)" if sampled else ""))
     ax.set_xscale("log")
     ax.set_xlabel("training loss tokens")
     ax.set_ylabel("mean tau (bonus token counted)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

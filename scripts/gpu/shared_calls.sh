@@ -22,7 +22,9 @@
 #                     RECIPE_STEPS=3600 RECIPE="train.stop_on_convergence=false"
 #   sampled           the curve's sampled point: data_scaling.sh with SAMPLES=2 on all the data
 #                     (the greedy replies restored from /tmp/work/j, one sampled reply per prompt
-#                     written), the curve's recipe (OLD_RECIPE, 2,394 steps)
+#                     written), the curve's recipe (OLD_RECIPE, 2,394 steps). 2026-12-04, db907a7:
+#                     19.1 min from start to done (data 552 s, training 357 s, bench 183 s); poll
+#                     brings back all 84,516 replies (26 MB: keep them in .dev/j2 to skip the data)
 #   step-scaling      step_fixed_cost.py: training s/step and tok/s at BATCHES (default 32,64,128)
 #                     sequences per step, the code as it is, synthetic lengths (about 3 min)
 #   both              points (data and training) beside graphs, compile and arch2's data and
