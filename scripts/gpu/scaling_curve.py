@@ -35,13 +35,13 @@ def plot(points: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4))
-    metrics = ["validation chain tau"] + [f"v1 {name}" for name in points[0]["v1_mean_tau"]]
-    value = lambda p, m: p["val_chain_tau"] if m == metrics[0] else p["v1_mean_tau"][m[3:]]  # noqa: E731
+    metrics = [("validation chain tau", lambda p: p["val_chain_tau"])] + [
+        (f"v1 {name}", lambda p, name=name: p["v1_mean_tau"][name]) for name in points[0]["v1_mean_tau"]]
     for sampled in (False, True):  # one colour per metric; sampled points hollow, apart from the line
         pts = sorted((p for p in points if p["sampled_replies"] == sampled), key=lambda p: p["loss_tokens"])
-        for i, m in enumerate(metrics if pts else []):
-            ax.plot([p["loss_tokens"] for p in pts], [value(p, m) for p in pts], ("o" if i == 0 else "s") + "-",
-                    color=f"C{i}", mfc="none" if sampled else f"C{i}", label=m + (" (sampled replies added)" if sampled else ""))
+        for i, (label, value) in enumerate(metrics if pts else []):
+            ax.plot([p["loss_tokens"] for p in pts], [value(p) for p in pts], ("o" if i == 0 else "s") + "-",
+                    color=f"C{i}", mfc="none" if sampled else f"C{i}", label=label + (" (sampled replies added)" if sampled else ""))
     ax.set_xscale("log")
     ax.set_xlabel("training loss tokens")
     ax.set_ylabel("mean tau (bonus token counted)")
