@@ -177,3 +177,40 @@ def test_scaling_summary_skips_warmup_window_and_computes_efficiency(tmp_path):
     two = out["per_world_size"]["2"]
     assert out["per_world_size"]["1"]["tok_s"] == 100.0 and two["tok_s"] == 170.0
     assert two["speedup_vs_1"] == pytest.approx(1.7) and two["scaling_efficiency"] == pytest.approx(0.85)
+
+
+def test_train_fixed_cost_fits_the_line_through_each_codes_step_times(tmp_path):
+    """Four finished runs (before/after x 32/16 sequences): step_s = batch * mean length / tok_s,
+    and the fit recovers the fixed cost and the per-sequence cost each code was built with."""
+    import importlib.util
+
+    from tests.conftest import CHECKOUT
+
+    spec = importlib.util.spec_from_file_location("train_fixed_cost", CHECKOUT / "scripts/gpu/train_fixed_cost.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "summary.json").write_text(json.dumps({"train_tokens": 5000, "train_sequences": 10}))  # 500 tok/seq
+    truth = {"before": (0.26, 0.01), "after": (0.02, 0.01)}  # (fixed s, s per sequence)
+    args = []
+    for code, (fixed, per_seq) in truth.items():
+        for batch in (32, 16):
+            tok_s = batch * 500 / (fixed + per_seq * batch)
+            run = tmp_path / f"{code}-{batch}"
+            run.mkdir()
+            (run / "metrics.jsonl").write_text("".join(
+                json.dumps({"split": "train", "tok_s": r, "step": i}) + "\n" for i, r in enumerate([1.0, tok_s, tok_s])))
+            (run / "train_result.json").write_text(json.dumps({"steps": 30}))
+            args += ["--run", f"{code}:{batch}={run}"]
+    assert script.main(["--data", str(data), "--out", str(tmp_path / "out"), "--gpu", "test-gpu", *args]) == 0
+    out = json.loads((tmp_path / "out" / "fixed-cost.json").read_text())
+    assert out["gpu"] == "test-gpu" and out["mean_seq_tokens"] == 500.0
+    assert out["fixed_cost_s_before"] == pytest.approx(0.26, abs=1e-4)
+    assert out["fixed_cost_s_after"] == pytest.approx(0.02, abs=1e-4)
+    assert out["per_seq_s_after"] == pytest.approx(0.01, abs=1e-5)
+    ratio = (0.26 + 0.32) / (0.02 + 0.32)  # same work per sequence: the step-time ratio at 32
+    assert out["tok_s_after_over_before"]["32"] == pytest.approx(ratio, abs=2e-3)
+    assert len(out["points"]) == 4 and all(p["windows"] == 2 for p in out["points"])
+    with pytest.raises(SystemExit, match="CODE:BATCH=DIR"):
+        script.parse_run("middle:32=/x")

@@ -27,6 +27,9 @@
 #                     brings back all 84,516 replies (26 MB: keep them in .dev/j2 to skip the data)
 #   step-scaling      step_fixed_cost.py: training s/step and tok/s at BATCHES (default 32,64,128)
 #                     sequences per step, the code as it is, synthetic lengths (about 3 min)
+#   fixed-cost        train_fixed_cost.sh: real-data training tok/s at 32 and 16 sequences per
+#                     step, before the issue-27 fixes (.dev/old/src, carried) and after
+#                     (REPEATS, STEPS); FC_BATCHES overrides "32 16"
 #   both              points (data and training) beside graphs, compile and arch2's data and
 #                     training; then arch2's bench and the points' benches, one at a time
 #                     (TESTS=0 leaves the CUDA tests out)
@@ -103,6 +106,7 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
       device-map) job device-map bash scripts/gpu/device_map_check.sh ${DMC_ARGS:-} ;;
       step-scaling) job step-scaling bash -c "python3 scripts/gpu/step_fixed_cost.py --target $T --out \$OUT \
                       --batches ${BATCHES:-32,64,128} --modes after --measured 20" ;;
+      fixed-cost) job fixed-cost bash scripts/gpu/train_fixed_cost.sh ;;
       points) points ;;
       recipe) local r=${RECIPE_NAME:-recipe}
               job $r FRACTION=1.0 RUN_NAME=$r RESTORE=1 JDIR=$W/j CURVE_ARGS= STEPS=${RECIPE_STEPS:-5600} CALL_S=3000 \

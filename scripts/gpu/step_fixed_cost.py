@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from draftling.bench.ddp_scaling import line_fit
 from draftling.bench.manifest import write_manifest
 from draftling.bench.simple import device_name
 from draftling.bench.train_bench import _sync, synthetic_vocab
@@ -154,12 +155,8 @@ def time_point(target, vocab, cfg: RunConfig, s: Settings, mode: str, batch: int
 
 
 def fit(points: list[dict], mode: str) -> tuple[float, float]:
-    """(fixed s, s per sequence): the least-squares line through the mode's points (through
-    both, for two)."""
-    xy = [(p["batch"], p["step_s"]) for p in points if p["mode"] == mode]
-    mx, my = sum(x for x, _ in xy) / len(xy), sum(y for _, y in xy) / len(xy)
-    per_seq = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
-    return my - mx * per_seq, per_seq
+    """(fixed s, s per sequence): the least-squares line through the mode's points."""
+    return line_fit([(p["batch"], p["step_s"]) for p in points if p["mode"] == mode])
 
 
 def tiny_target():

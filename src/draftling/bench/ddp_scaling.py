@@ -29,6 +29,15 @@ def steady_tok_s(run_dir: Path) -> tuple[float, int]:
     return sum(steady) / len(steady), len(steady)
 
 
+def line_fit(xy: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points (through both, for two):
+    with x sequences per step and y seconds per step, the step's fixed cost and its cost per
+    sequence."""
+    mx, my = sum(x for x, _ in xy) / len(xy), sum(y for _, y in xy) / len(xy)
+    slope = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+    return my - mx * slope, slope
+
+
 def summarize(runs: dict[int, Path], gpu: str, extra: dict | None = None) -> dict:
     per_world = {}
     for world, run_dir in sorted(runs.items()):

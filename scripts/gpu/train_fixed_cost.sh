@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Device job (one GPU), issue 27 item 1 on real data: training tok/s at 32 and 16 sequences per
+# step, before the padding and host-read fixes (the source of 8cab536, the parent of their merge
+# 47dfeed, carried as .dev/old/src: `git archive 8cab536 src | tar -x -C .dev/old`) and after
+# (this checkout), on the same data; then the two-point fit (scripts/gpu/train_fixed_cost.py).
+# The data is ddp_scaling.sh's: gpu_smollm2's prompts capped at 200 per file, regenerated here.
+# Order per repeat: after 32, before 32, after 16, before 16 (REPEATS, default 1; STEPS, default 80).
+# Writes $OUT/fixed-cost.json with the runs' logs and metrics beside it.
+# SMOKE=1: the same on the CPU with a few prompts and steps (a dry run, not a measurement).
+source scripts/gpu/common.sh
+R=/tmp/fc D=/tmp/fc/data OLD=${OLD_SRC:-$PWD/.dev/old/src}
+[ -d $OLD/draftling ] || { echo "train_fixed_cost: no old source at $OLD"; exit 2; }
+KEYS="train.max_steps=${STEPS:-80} train.max_minutes=0 train.log_every=10 train.ckpt_every=1000
+  train.max_val_batches=4 train.lr=5e-4 train.warmup_steps=30 train.smoke_every=0 train.stop_on_convergence=false"
+if [ "${SMOKE:-0}" = 1 ]; then
+  DEV="--device cpu" KEYS="$KEYS train.max_steps=6 train.log_every=2 train.max_val_batches=1"
+  DATA_ARGS="data.max_prompts_per_file=4 data.regen.max_new_tokens=8 data.regen.batch_size=8"
+fi
+mkdir -p $OUT $R
+if [ ! -f $D/vocab.safetensors ]; then
+  python3 -m draftling data --config gpu_smollm2 --target $T --out $D data.max_prompts_per_file=200 \
+    ${DEV:-} ${DATA_ARGS:-} 2>&1 | grep --line-buffered -v "^regenerate: " | tee $OUT/data_log.txt
+  python3 -m draftling vocab --data $D --config gpu_smollm2 --target $T | tee -a $OUT/data_log.txt
+  cp $D/summary.json $OUT/data_summary.json
+fi
+runs=()
+for rep in $(seq ${REPEATS:-1}); do
+  for b in ${FC_BATCHES:-32 16}; do
+    for code in after before; do
+      src=$PWD/src; [ $code = after ] || src=$OLD
+      bs=$b; [ "${SMOKE:-0}" = 0 ] || bs=$(( b / 8 ))
+      name=$code-$bs-$rep; rm -rf $R/$name
+      echo "train_fixed_cost: $name from $(date -u +%T)"
+      PYTHONPATH=/tmp/site:$src python3 -m draftling train --config gpu_smollm2 --target $T --data $D \
+        --run-dir $R/$name train.batch_size=$bs \
+        $KEYS ${DEV:-} > $OUT/train_$name.txt 2>&1 || { echo "$name: exit $?"; tail -5 $OUT/train_$name.txt; exit 1; }
+      cp $R/$name/metrics.jsonl $OUT/metrics_$name.jsonl; cp $R/$name/train_result.json $OUT/result_$name.json
+      runs+=(--run $code:$bs=$R/$name)
+    done
+  done
+done
+python3 scripts/gpu/train_fixed_cost.py --data $D --out $OUT "${runs[@]}" $([ "${SMOKE:-0}" = 1 ] && echo --gpu cpu)
