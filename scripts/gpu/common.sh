@@ -12,6 +12,7 @@ if [ "${NEED_TARGET:-1}" = 1 ]; then  # NEED_TARGET=0: a script that never loads
   sha=$(sha256sum $T | cut -c1-8)
   [ "$sha" = b179c952 ] || { echo "GGUF checksum $sha != b179c952"; exit 3; }
 fi
-if [ -f .dev/p/prompts.tgz ]; then tar xzf .dev/p/prompts.tgz -C /tmp/prompts; fi
+# prompts.tgz, or prompts.txz (xz: 3.1 MB against 7.6, room for a GGUF part in one carry)
+for f in .dev/p/prompts.tgz .dev/p/prompts.txz; do [ ! -f $f ] || tar xf $f -C /tmp/prompts; done
 export DRAFTLING_SHARED_PROMPTS=/tmp/prompts
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no nvidia-smi"
