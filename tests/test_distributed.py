@@ -212,5 +212,8 @@ def test_train_fixed_cost_fits_the_line_through_each_codes_step_times(tmp_path):
     ratio = (0.26 + 0.32) / (0.02 + 0.32)  # same work per sequence: the step-time ratio at 32
     assert out["tok_s_after_over_before"]["32"] == pytest.approx(ratio, abs=2e-3)
     assert len(out["points"]) == 4 and all(p["windows"] == 2 for p in out["points"])
+    bound = out["two_gpu_efficiency_bound"]  # step(32) / (2 step(16)): (fixed + 32 c) / (2 fixed + 32 c)
+    assert bound["before"]["32"] == pytest.approx(0.58 / 0.84, abs=2e-3)
+    assert bound["after"]["32"] == pytest.approx(0.34 / 0.36, abs=2e-3) and "16" not in bound["after"]
     with pytest.raises(SystemExit, match="CODE:BATCH=DIR"):
         script.parse_run("middle:32=/x")

@@ -51,6 +51,23 @@ def point(code: str, batch: int, run: Path, seq_tokens: float) -> dict:
             "run": run.name}
 
 
+def efficiency_bound(points: list[dict]) -> dict:
+    """{code: {global batch B: step_s(B) / (2 * step_s(B/2))}}: the 2-GPU scaling efficiency at
+    global batch B if each rank's step took as long as one GPU's step at B/2, i.e. with no gradient
+    all-reduce and no rank skew (an upper bound)."""
+    def mean_step(code, batch):
+        s = [p["step_s"] for p in points if p["code"] == code and p["batch"] == batch]
+        return sum(s) / len(s) if s else None
+
+    out = {}
+    for code in CODES:
+        for batch in sorted({p["batch"] for p in points if p["code"] == code}):
+            full, half = mean_step(code, batch), mean_step(code, batch // 2) if batch % 2 == 0 else None
+            if half:
+                out.setdefault(code, {})[str(batch)] = round(full / (2 * half), 3)
+    return out
+
+
 def summarize(points: list[dict], seq_tokens: float, gpu: str) -> dict:
     out = {"date": datetime.date.today().isoformat(), "gpu": gpu, "mean_seq_tokens": round(seq_tokens, 1)}
     for code in CODES:
@@ -64,10 +81,12 @@ def summarize(points: list[dict], seq_tokens: float, gpu: str) -> dict:
         if tok["before"] and tok["after"]:
             ratio[str(batch)] = round(sum(tok["after"]) / len(tok["after"]) / (sum(tok["before"]) / len(tok["before"])), 3)
     out["tok_s_after_over_before"] = ratio
+    out["two_gpu_efficiency_bound"] = efficiency_bound(points)
     out["points"] = points
     out["caveats"] = [
         "before is the code of the fixes' merge parent (8cab536), carried as a source tree; after is this checkout",
-        "one GPU: 16 sequences per step stands in for one rank's share at 2 GPUs, without the gradient all-reduce",
+        "one GPU: B/2 sequences per step stands in for one rank's share of B at 2 GPUs, without the "
+        "gradient all-reduce, so two_gpu_efficiency_bound is an upper bound",
         "the first logged window (compile, warm-up) is excluded from tok/s",
         "step_s prices both batch sizes at the data's mean sequence length; the sampled batches differ"]
     return out
@@ -96,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[train-fixed-cost] {code}: {result[f'fixed_cost_s_{code}']:.4f} s fixed + "
                   f"{result[f'per_seq_s_{code}'] * 1e3:.2f} ms per sequence")
     print(f"[train-fixed-cost] tok/s after / before by batch: {result['tok_s_after_over_before']}")
+    print(f"[train-fixed-cost] 2-GPU efficiency bound by global batch: {result['two_gpu_efficiency_bound']}")
     return 0
 
 

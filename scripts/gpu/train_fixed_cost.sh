@@ -4,7 +4,8 @@
 # 47dfeed, carried as .dev/old/src: `git archive 8cab536 src | tar -x -C .dev/old`) and after
 # (this checkout), on the same data; then the two-point fit (scripts/gpu/train_fixed_cost.py).
 # The data is ddp_scaling.sh's: gpu_smollm2's prompts capped at 200 per file, regenerated here.
-# Order per repeat: after 32, before 32, after 16, before 16 (REPEATS, default 1; STEPS, default 80).
+# Order per repeat: after 32, before 32, after 16, before 16 (REPEATS, default 1; STEPS, default 80;
+# FC_BATCHES, default "32 16"; CODES, default "after before").
 # Writes $OUT/fixed-cost.json with the runs' logs and metrics beside it.
 # SMOKE=1: the same on the CPU with a few prompts and steps (a dry run, not a measurement).
 source scripts/gpu/common.sh
@@ -26,7 +27,7 @@ fi
 runs=()
 for rep in $(seq ${REPEATS:-1}); do
   for b in ${FC_BATCHES:-32 16}; do
-    for code in after before; do
+    for code in ${CODES:-after before}; do
       src=$PWD/src; [ $code = after ] || src=$OLD
       bs=$b; [ "${SMOKE:-0}" = 0 ] || bs=$(( b / 8 ))
       name=$code-$bs-$rep; rm -rf $R/$name
