@@ -217,3 +217,43 @@ def test_train_fixed_cost_fits_the_line_through_each_codes_step_times(tmp_path):
     assert bound["after"]["32"] == pytest.approx(0.34 / 0.36, abs=2e-3) and "16" not in bound["after"]
     with pytest.raises(SystemExit, match="CODE:BATCH=DIR"):
         script.parse_run("middle:32=/x")
+
+
+def test_two_gpu_results_carry_the_contract_keys_and_the_loss_differences(tmp_path):
+    """1 and 2 GPUs, the 2-GPU run under FSDP and a split teacher: the top-level keys of the two-GPU
+    results, the FSDP loss difference taken against DDP at every shared point, the split's
+    against 1 GPU."""
+    from draftling.bench.ddp_scaling import main
+
+    def run(name, rates, losses, val_loss, peak, tau):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"split": "train", "tok_s": r, "step": 10 * (i + 1), "loss": l} for i, (r, l) in enumerate(zip(rates, losses))]
+        rows.append({"split": "val", "step": 30, "loss": val_loss, "sim_tau": tau})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "train_result.json").write_text(json.dumps({"steps": 30, "train_wall_s": 1.0, "peak_gpu_gib": peak,
+                                                         "val": {"sim_tau": tau, "chain_tau": tau - 0.01}}))
+        return d
+
+    one = run("one", [1, 100, 100], [9.0, 8.0, 7.0], 7.5, 8.0, 1.5)
+    two = run("two", [1, 190, 190], [9.0, 8.0, 7.0], 7.5, 4.5, 1.5)
+    fsdp = run("fsdp", [1, 170, 170], [9.0, 8.002, 7.0], 7.505, 3.0, 1.5)
+    split = run("split", [1, 80, 80], [9.0, 8.0, 7.1], 7.5, 2.0, 1.49)
+    fixed = tmp_path / "fixed-cost.json"
+    fixed.write_text(json.dumps({"fixed_cost_s_before": 0.138, "fixed_cost_s_after": 0.055}))
+    out = tmp_path / "x2.json"
+    main(["--run", f"1={one}", "--run", f"2={two}", "--fsdp", str(fsdp), "--split", str(split),
+          "--fixed-cost", str(fixed), "--out", str(out), "--gpu", "test-gpu"])
+    res = json.loads(out.read_text())
+    assert {"date", "gpu", "tok_s_1gpu", "tok_s_2gpu", "scaling_efficiency", "fixed_cost_s_before",
+            "fixed_cost_s_after", "fsdp"} <= set(res)
+    assert res["tok_s_2gpu"] == 190 and res["scaling_efficiency"] == pytest.approx(0.95)
+    assert res["fixed_cost_s_after"] == 0.055
+    f = res["fsdp"]
+    assert f["tok_s_2gpu"] == 170 and f["peak_gib"] == 3.0 and f["ddp_peak_gib"] == 4.5
+    assert f["max_loss_diff_vs_ddp"] == pytest.approx(0.005) and f["points_compared"] == 4
+    s = res["teacher_split"]
+    assert s["max_loss_diff_vs_1gpu"] == pytest.approx(0.1) and s["val_sim_tau"] == 1.49
+    assert s["one_gpu_val_sim_tau"] == 1.5
+    with pytest.raises(SystemExit, match="not found"):
+        main(["--run", f"1={one}", "--run", f"2={two}", "--fsdp", str(tmp_path / "nope"), "--out", str(out)])

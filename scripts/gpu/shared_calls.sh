@@ -30,6 +30,8 @@
 #   fixed-cost        train_fixed_cost.sh: real-data training tok/s at 32 and 16 sequences per
 #                     step, before the issue-27 fixes (.dev/old/src, carried) and after
 #                     (REPEATS, STEPS); FC_BATCHES overrides "32 16"
+#   x2                ddp_scaling.sh on nvidia-h200-x2 (issue 27): 1 and 2 GPUs at BATCHES, FSDP
+#                     and the split teacher; about 70 s of data, then about 100 s per run
 #   both              points (data and training) beside graphs, compile and arch2's data and
 #                     training; then arch2's bench and the points' benches, one at a time
 #                     (TESTS=0 leaves the CUDA tests out)
@@ -107,6 +109,7 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
       step-scaling) job step-scaling bash -c "python3 scripts/gpu/step_fixed_cost.py --target $T --out \$OUT \
                       --batches ${BATCHES:-32,64,128} --modes after --measured 20" ;;
       fixed-cost) job fixed-cost bash scripts/gpu/train_fixed_cost.sh ;;
+      x2) job x2 bash scripts/gpu/ddp_scaling.sh ;;
       points) points ;;
       recipe) local r=${RECIPE_NAME:-recipe}
               job $r FRACTION=1.0 RUN_NAME=$r RESTORE=1 JDIR=$W/j CURVE_ARGS= STEPS=${RECIPE_STEPS:-5600} CALL_S=3000 \
