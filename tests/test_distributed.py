@@ -257,3 +257,5 @@ def test_two_gpu_results_carry_the_contract_keys_and_the_loss_differences(tmp_pa
     assert s["one_gpu_val_sim_tau"] == 1.5
     with pytest.raises(SystemExit, match="not found"):
         main(["--run", f"1={one}", "--run", f"2={two}", "--fsdp", str(tmp_path / "nope"), "--out", str(out)])
+    with pytest.raises(SystemExit, match="--run 2=DIR"):
+        main(["--run", f"1={one}", "--fsdp", str(fsdp), "--out", str(out)])

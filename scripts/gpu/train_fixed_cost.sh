@@ -10,7 +10,8 @@
 # SMOKE=1: the same on the CPU with a few prompts and steps (a dry run, not a measurement).
 source scripts/gpu/common.sh
 R=/tmp/fc D=/tmp/fc/data OLD=${OLD_SRC:-$PWD/.dev/old/src}
-[ -d $OLD/draftling ] || { echo "train_fixed_cost: no old source at $OLD"; exit 2; }
+[[ " ${CODES:-after before} " != *" before "* ]] || [ -d $OLD/draftling ] \
+  || { echo "train_fixed_cost: no old source at $OLD (CODES=after runs without it)"; exit 2; }
 KEYS="train.max_steps=${STEPS:-80} train.max_minutes=0 train.log_every=10 train.ckpt_every=1000
   train.max_val_batches=4 train.lr=5e-4 train.warmup_steps=30 train.smoke_every=0 train.stop_on_convergence=false"
 if [ "${SMOKE:-0}" = 1 ]; then

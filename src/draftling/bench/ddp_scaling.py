@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     for path in filter(None, (args.fsdp, args.split, args.fixed_cost)):
         if not path.exists():
             raise SystemExit(f"{path}: not found")
+    for flag, world in (("fsdp", 2), ("split", 1)):
+        if getattr(args, flag) and world not in runs:
+            raise SystemExit(f"--{flag}: needs the run at {world} GPU(s) to compare with (--run {world}=DIR)")
     result = summarize(runs, gpu, extra, args.fsdp, args.split, args.fixed_cost)
     write_json(args.out, result)
     for world, e in result["per_world_size"].items():
