@@ -157,3 +157,29 @@ def test_a_timed_dtype_probe_is_decided_once_per_journal(tmp_path, tiny_target_d
     assert _data(tiny_target_dir, prompts, out, "data.regen.dtype=bfloat16_if_fast") == 0
     replies = [json.loads(line) for line in (out / "replies.jsonl").read_text().splitlines()]
     assert {r["provenance"]["dtype"] for r in replies if r["split"] == "train"} == {"bfloat16"}
+
+
+def test_a_rerun_takes_the_journals_cpu_weight_layout_not_its_own_timing(tmp_path, monkeypatch, tiny_target):
+    """The two CPU weight layouts round differently (F.linear's bits differ), and the layout is a
+    timed pick a busy machine may answer otherwise: a data rerun lays the target out as the
+    journal's first run did."""
+    from draftling import hardware
+    from draftling.data.prepare import _pin_cpu_layout
+
+    monkeypatch.setattr(hardware, "_PINNED_LAYOUT", {})
+    target = tiny_target
+    linears = [m for m in target.model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not target.model.get_output_embeddings()]
+    measured = hardware.column_major_linear_is_faster(torch.float32)
+    first = ReplyJournal(tmp_path / ".data.journal", {"a": 1})
+    _pin_cpu_layout(target, first, {torch.float32})
+    first.add([{"id": "x", "v": 1}])  # the pick is written with the first reply
+    assert all(m.weight.is_contiguous() != measured for m in linears)
+    hardware._PINNED_LAYOUT.clear()
+    monkeypatch.setattr(hardware, "_time_column_major", lambda dtype: not measured)  # a rerun that times otherwise
+    _pin_cpu_layout(target, ReplyJournal(tmp_path / ".data.journal", {"a": 1}), {torch.float32})
+    assert hardware.column_major_linear_is_faster(torch.float32) == measured
+    assert all(m.weight.is_contiguous() != measured for m in linears)
+    hardware._PINNED_LAYOUT.clear()
+    _pin_cpu_layout(target, ReplyJournal(tmp_path / ".other.journal", {"a": 1}), {torch.float32})
+    assert all(m.weight.is_contiguous() == measured for m in linears)  # a new journal: this process's pick

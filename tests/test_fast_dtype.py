@@ -120,3 +120,17 @@ def test_a_bad_regen_dtype_fails_before_any_output(tiny_target_dir, tmp_path, ca
                  "--prompts", str(write_sea_prompts(tmp_path / "p.jsonl", 4)), "data.regen.dtype=int8"]) != 0
     assert "data.regen.dtype='int8'" in capsys.readouterr().err
     assert not data.exists() or not any(data.iterdir())
+
+
+def test_the_cpu_weight_layout_env_skips_the_timing_and_a_pin_beats_it(monkeypatch):
+    monkeypatch.setattr(hardware, "_PINNED_LAYOUT", {})
+    monkeypatch.setattr(hardware, "_time_column_major", lambda dtype: pytest.fail("timed"))
+    monkeypatch.setenv(hardware.LAYOUT_ENV, "column")
+    assert hardware.column_major_linear_is_faster(torch.float32) is True
+    monkeypatch.setenv(hardware.LAYOUT_ENV, "row")
+    assert hardware.column_major_linear_is_faster(torch.bfloat16) is False
+    hardware.pin_column_major(torch.float32, True)  # a resumed run's journal wins over the env
+    assert hardware.column_major_linear_is_faster(torch.float32) is True
+    monkeypatch.setenv(hardware.LAYOUT_ENV, "diagonal")
+    with pytest.raises(ConfigError, match="DRAFTLING_CPU_WEIGHT_LAYOUT='diagonal'"):
+        hardware.column_major_linear_is_faster(torch.bfloat16)

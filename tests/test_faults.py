@@ -37,6 +37,8 @@ SEED = 21
 
 def _env(fault: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT / "src"), str(CHECKOUT)])}
+    # Runs compared with separate uninterrupted runs: not a timed layout a busy machine may flip.
+    env.setdefault("DRAFTLING_CPU_WEIGHT_LAYOUT", "row")
     env.pop("DRAFTLING_FAULT", None)
     if fault:
         env["DRAFTLING_FAULT"] = fault

@@ -148,6 +148,31 @@ def test_extraction_resumes_after_a_kill(tmp_path, tiny_target):
     for k in last:
         assert (redone[k].float() - last[k].float()).abs().max() < 1e-4, k
     assert json.loads((cache / "manifest.json").read_text())["splits"]["train"]["complete"] == [0, 1, 2]
+
+
+def test_a_resumed_extraction_keeps_the_first_runs_cpu_weight_layout(tmp_path, tiny_target, monkeypatch):
+    """The layout is a timed pick, and the two round differently: the manifest keeps the first
+    run's, and a resume that would time otherwise lays the teacher out as the first did."""
+    import torch
+
+    from draftling import hardware
+
+    monkeypatch.setattr(hardware, "_PINNED_LAYOUT", {})
+    setup_data(tmp_path)
+    cache = tmp_path / "cache"
+    extract(tiny_target, tmp_path, cache, shard_size=SHARD, batch_size=3)
+    first = json.loads((cache / "manifest.json").read_text())["cpu_column_major"]
+    assert first == {"float32": hardware._time_column_major(torch.float32)}
+    hardware._PINNED_LAYOUT.clear()
+    monkeypatch.setattr(hardware, "_time_column_major", lambda dtype: not first["float32"])
+    (cache / "train" / "shard_00002.safetensors").unlink()
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["splits"]["train"]["complete"] = [0, 1]
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    extract(tiny_target, tmp_path, cache, shard_size=SHARD, batch_size=3)
+    assert json.loads((cache / "manifest.json").read_text())["cpu_column_major"] == first
+    q = tiny_target.model.model.layers[0].self_attn.q_proj.weight
+    assert q.is_contiguous() != first["float32"]
     teacher_for(tmp_path, cache)  # complete again
 
 

@@ -8,6 +8,7 @@ faster than fp32, one without emulates it and is several times slower (a 2-core 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 
@@ -55,8 +56,35 @@ def _best_seconds(calls, reps: int) -> list[float]:
     return best
 
 
-@functools.cache
+# Answers of column_major_linear_is_faster fixed by pin_column_major: the two layouts round
+# differently, so a resumed run must keep its first run's pick (a busy machine may time otherwise).
+_PINNED_LAYOUT: dict[torch.dtype, bool] = {}
+
+
+def pin_column_major(dtype: torch.dtype, column: bool) -> None:
+    """Make column_major_linear_is_faster(dtype) answer ``column`` in this process."""
+    _PINNED_LAYOUT[dtype] = bool(column)
+
+
+# row or column: skip the timing (two runs that must agree bit for bit, as the fault tests' are).
+LAYOUT_ENV = "DRAFTLING_CPU_WEIGHT_LAYOUT"
+
+
 def column_major_linear_is_faster(dtype: torch.dtype = torch.float32) -> bool:
+    """The pinned answer for ``dtype`` (pin_column_major), else $DRAFTLING_CPU_WEIGHT_LAYOUT's,
+    else the timed one."""
+    if dtype in _PINNED_LAYOUT:
+        return _PINNED_LAYOUT[dtype]
+    forced = os.environ.get(LAYOUT_ENV)
+    if forced:
+        if forced not in ("row", "column"):
+            raise ConfigError(f"${LAYOUT_ENV}={forced!r}: expected row or column")
+        return forced == "column"
+    return _time_column_major(dtype)
+
+
+@functools.cache
+def _time_column_major(dtype: torch.dtype) -> bool:
     """Whether F.linear on this CPU runs clearly faster (by 10% or more) with a column-major
     weight (the transpose of a contiguous [in, out] tensor) than with the usual row-major one,
     timed in ``dtype`` on a small target's projection for a decode-sized input (4 rows) and a

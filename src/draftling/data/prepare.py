@@ -34,7 +34,7 @@ from draftling.data.template import tokenize_conversation
 from draftling.errors import DataError
 from draftling.io import OUTPUT_MARKER, atomic_dir, output_dir_in_use, write_json, write_jsonl
 from draftling.target import Target
-from draftling.target.load import TargetTokenizer
+from draftling.target.load import TargetTokenizer, pin_cpu_layout
 
 
 def _user_texts(conv: Conversation) -> set[str]:
@@ -273,7 +273,14 @@ def _pinned_regen(dc, target, journal: ReplyJournal) -> _LocalRegen | None:
         return None
     name = journal.pinned("regen_dtype", lambda: str(regen_dtype(target, dc.regen)).removeprefix("torch."))
     regen_cfg = replace(dc.regen, dtype=name)
+    _pin_cpu_layout(target, journal, {target.model.dtype, regen_dtype(target, regen_cfg)})
     return _LocalRegen(regen_cfg, regen_dtype(target, regen_cfg) == target.model.dtype)
+
+
+def _pin_cpu_layout(target: Target, journal: ReplyJournal, dtypes) -> None:
+    """The CPU weight layouts (target.load.pin_cpu_layout), pinned in the journal like the dtype."""
+    kept = journal.pinned("cpu_column_major", dict)
+    kept.update(pin_cpu_layout(target, dtypes, kept))
 
 
 def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftling.errors import DraftlingError, TargetError, one_line
-from draftling.hardware import column_major_linear_is_faster
+from draftling.hardware import column_major_linear_is_faster, pin_column_major
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
 from draftling.target.devmap import (
     Placement,
@@ -285,6 +285,24 @@ def set_cpu_linear_layout(model) -> int:
         elif not want_column and not w.is_contiguous():
             module.weight.data, changed = w.contiguous(), changed + 1
     return changed
+
+
+def pin_cpu_layout(target, dtypes, kept: dict) -> dict:
+    """The CPU weight layout per dtype as an earlier run of the same output picked it (``kept``:
+    {dtype name: column-major?}), else as this process times it; pinned for the process, and the
+    target laid out again to match. The two layouts round differently, and a busy machine may
+    time otherwise, so a resumed data or extract run must not pick again. Returns the picks;
+    {} off the CPU."""
+    if torch.device(target.device).type != "cpu":
+        return {}
+    picks = {}
+    for dtype in sorted(dtypes, key=str):
+        name = str(dtype).removeprefix("torch.")
+        picks[name] = bool(kept[name]) if name in kept else column_major_linear_is_faster(dtype)
+        pin_column_major(dtype, picks[name])
+    if not dispatched_devices(target.model):
+        set_cpu_linear_layout(target.model)
+    return picks
 
 
 def _from_pretrained(path: str, **kwargs):

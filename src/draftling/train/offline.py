@@ -45,6 +45,7 @@ from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.errors import DataError
 from draftling.faults import fault_point
 from draftling.io import atomic_path, output_dir_in_use, write_json
+from draftling.target.load import pin_cpu_layout
 from draftling.train.dataset import collate
 from draftling.train.settings import compile_teacher as resolve_compile_teacher
 from draftling.train.teacher import TeacherBatch, teacher_forward
@@ -251,7 +252,10 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
                   "num_shards": math.ceil(len(rows) / options.shard_size), "complete": []}
               for s, rows in examples.items()}
     manifest = _manifest(target, vocab, layout, options.shard_size, splits)
-    if (out_dir / MANIFEST).is_file():
+    old = json.loads((out_dir / MANIFEST).read_text()) if (out_dir / MANIFEST).is_file() else {}
+    # A resumed extract lays the target out as the first did (the layouts round differently).
+    manifest["cpu_column_major"] = pin_cpu_layout(target, {target.model.dtype}, old.get("cpu_column_major", {}))
+    if old:
         _resume(out_dir, manifest)
     estimate = _echo_estimate(echo, splits, layout)
 
