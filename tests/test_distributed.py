@@ -201,7 +201,7 @@ def test_train_fixed_cost_fits_the_line_through_each_codes_step_times(tmp_path):
             run.mkdir()
             (run / "metrics.jsonl").write_text("".join(
                 json.dumps({"split": "train", "tok_s": r, "step": i}) + "\n" for i, r in enumerate([1.0, tok_s, tok_s])))
-            (run / "train_result.json").write_text(json.dumps({"steps": 30}))
+            (run / "train_result.json").write_text(json.dumps({"steps": 30, "train_wall_s": 9.0}))
             args += ["--run", f"{code}:{batch}={run}"]
     assert script.main(["--data", str(data), "--out", str(tmp_path / "out"), "--gpu", "test-gpu", *args]) == 0
     out = json.loads((tmp_path / "out" / "fixed-cost.json").read_text())

@@ -7,7 +7,7 @@ GPUs), step_s = fixed + per_seq * n.
         --run after:32=DIR --run after:16=DIR --out OUT       # after train_fixed_cost.sh's runs
 
 Each DIR is a finished `draftling train` run. Its steady tok/s is the mean over logged windows after
-the first (draftling.bench.ddp_scaling.steady_tok_s). A step of n sequences takes
+the first (draftling.bench.ddp_scaling.run_entry). A step of n sequences takes
 n * L / tok_s seconds, L being the data's mean sequence length (train tokens / train sequences in
 D/summary.json), so both batch sizes are priced on the same sequences. A (code, batch) run more
 than once is a point per run; the fit is the least-squares line through them.
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from draftling.bench.ddp_scaling import line_fit, steady_tok_s
+from draftling.bench.ddp_scaling import line_fit, run_entry
 from draftling.io import write_json
 
 CODES = ("before", "after")
@@ -44,11 +44,9 @@ def mean_seq_tokens(data: Path) -> float:
 
 
 def point(code: str, batch: int, run: Path, seq_tokens: float) -> dict:
-    tok_s, windows = steady_tok_s(run)
-    result = json.loads((run / "train_result.json").read_text())
-    return {"code": code, "batch": batch, "tok_s": round(tok_s, 1), "step_s": round(batch * seq_tokens / tok_s, 5),
-            "windows": windows, "steps": result["steps"], "peak_gpu_gib": result.get("peak_gpu_gib"),
-            "run": run.name}
+    e = run_entry(run)
+    return {"code": code, "batch": batch, "tok_s": round(e["tok_s"], 1), "step_s": round(batch * seq_tokens / e["tok_s"], 5),
+            "windows": e["windows"], "steps": e["steps"], "peak_gpu_gib": e["peak_gpu_gib_rank0"], "run": run.name}
 
 
 def efficiency_bound(points: list[dict]) -> dict:
