@@ -23,12 +23,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" KEYS="$KEYS train.max_steps=6 train.log_every=2 train.max_val_batches=1"
   DATA_ARGS="data.max_prompts_per_file=4 data.regen.max_new_tokens=8 data.regen.batch_size=8"
 fi
-if [ ! -f $D/vocab.safetensors ]; then
-  python3 -m draftling data --config gpu_smollm2 --target $T --out $D data.max_prompts_per_file=200 \
-    ${DEV:-} ${DATA_ARGS:-} 2>&1 | grep --line-buffered -v "^regenerate: " | tee $OUT/ddp/data_log.txt
-  python3 -m draftling vocab --data $D --config gpu_smollm2 --target $T | tee -a $OUT/ddp/data_log.txt
-  cp $D/summary.json $OUT/ddp/data_summary.json
-fi
+subset_data $D $OUT/ddp ${DEV:-} ${DATA_ARGS:-}
 [ "$mode" = data ] && exit 0
 train() {  # train NAME BATCH ARGS...: one run, its log and metrics copied to $OUT/ddp
   local name=$1 b=$2; shift 2; rm -rf $R/$name

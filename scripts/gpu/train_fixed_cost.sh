@@ -3,7 +3,7 @@
 # step, before the padding and host-read fixes (the source of 8cab536, the parent of their merge
 # 47dfeed, carried as .dev/old/src: `git archive 8cab536 src | tar -x -C .dev/old`) and after
 # (this checkout), on the same data; then the two-point fit (scripts/gpu/train_fixed_cost.py).
-# The data is ddp_scaling.sh's: gpu_smollm2's prompts capped at 200 per file, regenerated here.
+# The data is ddp_scaling.sh's (common.sh's subset_data): gpu_smollm2's prompts, 200 per file.
 # Order per repeat: after 32, before 32, after 16, before 16 (REPEATS, default 1; STEPS, default 80;
 # FC_BATCHES, default "32 16"; CODES, default "after before").
 # Writes $OUT/fixed-cost.json with the runs' logs and metrics beside it.
@@ -19,12 +19,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   DATA_ARGS="data.max_prompts_per_file=4 data.regen.max_new_tokens=8 data.regen.batch_size=8"
 fi
 mkdir -p $OUT $R
-if [ ! -f $D/vocab.safetensors ]; then
-  python3 -m draftling data --config gpu_smollm2 --target $T --out $D data.max_prompts_per_file=200 \
-    ${DEV:-} ${DATA_ARGS:-} 2>&1 | grep --line-buffered -v "^regenerate: " | tee $OUT/data_log.txt
-  python3 -m draftling vocab --data $D --config gpu_smollm2 --target $T | tee -a $OUT/data_log.txt
-  cp $D/summary.json $OUT/data_summary.json
-fi
+subset_data $D $OUT ${DEV:-} ${DATA_ARGS:-}
 runs=()
 for rep in $(seq ${REPEATS:-1}); do
   for b in ${FC_BATCHES:-32 16}; do
