@@ -252,11 +252,12 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
                   "num_shards": math.ceil(len(rows) / options.shard_size), "complete": []}
               for s, rows in examples.items()}
     manifest = _manifest(target, vocab, layout, options.shard_size, splits)
-    old = json.loads((out_dir / MANIFEST).read_text()) if (out_dir / MANIFEST).is_file() else {}
+    resuming = (out_dir / MANIFEST).is_file()
+    old = json.loads((out_dir / MANIFEST).read_text()) if resuming else {}
     # A resumed extract lays the target out as the first did (the layouts round differently).
     manifest["cpu_column_major"] = pin_cpu_layout(target, {target.model.dtype}, old.get("cpu_column_major", {}))
-    if old:
-        _resume(out_dir, manifest)
+    if resuming:
+        _resume(out_dir / MANIFEST, old, manifest)
     estimate = _echo_estimate(echo, splits, layout)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -297,11 +298,10 @@ def _manifest(target, vocab, layout: _ShardLayout, shard_size: int, splits: dict
             "shard_size": shard_size, "splits": splits}
 
 
-def _resume(out_dir: Path, manifest: dict) -> None:
-    """Refuse an earlier extract's cache made with other settings or data; take over the list
-    of shards it completed."""
-    manifest_path = out_dir / MANIFEST
-    old = json.loads(manifest_path.read_text())
+def _resume(manifest_path: Path, old: dict, manifest: dict) -> None:
+    """Refuse an earlier extract's cache (its manifest ``old``, read from ``manifest_path``) made
+    with other settings or data; take over the list of shards it completed."""
+    out_dir = manifest_path.parent
     for key in _MANIFEST_KEYS:
         if old.get(key) != manifest[key]:
             raise DataError(f"{manifest_path}: this cache was extracted with {key}={old.get(key)!r}, "
