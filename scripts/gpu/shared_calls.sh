@@ -19,7 +19,10 @@
 #                     "train.batch_size=64 train.lr=7e-4 train.warmup_steps=60", now the config's
 #                     defaults): converged at step 3,600 after 575 s of training; 16.8 min from
 #                     start to "master: done". An annealed variant: RECIPE_NAME=anneal
-#                     RECIPE_STEPS=3600 RECIPE="train.stop_on_convergence=false"
+#                     RECIPE_STEPS=3600 RECIPE="train.stop_on_convergence=false". Without a staged
+#                     journal it regenerates the replies (about 5 min; poll brings them back).
+#                     BENCH_ARGS='bench.sampled_temperatures=[0.7,1.0]' (the release default) adds
+#                     the sampled figures to its bench (about 3 min more); `head` brings the head back
 #   sampled           the curve's sampled point: data_scaling.sh with SAMPLES=2 on all the data
 #                     (the greedy replies restored from /tmp/work/j, one sampled reply per prompt
 #                     written), the curve's recipe (OLD_RECIPE, 2,394 steps). 2026-12-04, db907a7:
@@ -45,6 +48,11 @@
 #   2-6. carry the Gemma parts (.dev/g_part_a?; ae and af together): mkdir -p /tmp/g &&
 #      cp .dev/g_part_*/part_* /tmp/g/ (the last adds && touch /tmp/g/ready)
 #   7.. bash scripts/gpu/shared_calls.sh poll [SECONDS], until it prints "master: done"
+# The trained head (run RECIPE_NAME's final draft, about 112 MB in fp32) is over what one call
+# brings back (64 MiB): `bash scripts/gpu/shared_calls.sh head SECONDS "PIECES"` waits up to
+# SECONDS for it, tars <run>/draft once into 15,000,000-byte pieces draft.tar.aa, .ab, ... with
+# its sha256, and copies PIECES (e.g. "aa ab ac ad"; the rest in a later call) and the data's
+# vocab.safetensors to $OUT. Here: cat draft.tar.* | sha256sum (against the printed one), tar xf.
 # Each job's output is under /tmp/work/out/<job>/ and comes back as $OUT/work.tgz from `poll`.
 # Measured on 2026-12-03 (second machine, jobs one at a time): graphs 78 s; device-map 2 min;
 # arch2 11.5 min (data 2 min with 64 s of regeneration, training 161 s, bench 271 s with a 69 s
@@ -99,7 +107,7 @@ both() {  # the points' data and training beside the tests and arch2's data and 
 }
 master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed each other to a crawl)
   mkdir -p $W/out
-  export BENCH_ARGS="bench.sampled_temperatures=[]"
+  export BENCH_ARGS="${BENCH_ARGS-bench.sampled_temperatures=[]}"  # set: the bench's flags, sampled ones too
   for j in ${JOBS:-graphs device-map arch2 compile}; do
     echo "master: $j from $(date -u +%T)"
     case $j in
@@ -111,8 +119,9 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
       fixed-cost) job fixed-cost bash scripts/gpu/train_fixed_cost.sh ;;
       x2) job x2 bash scripts/gpu/ddp_scaling.sh ;;
       points) points ;;
-      recipe) local r=${RECIPE_NAME:-recipe}
-              job $r FRACTION=1.0 RUN_NAME=$r RESTORE=1 JDIR=$W/j CURVE_ARGS= STEPS=${RECIPE_STEPS:-5600} CALL_S=3000 \
+      recipe) local r=${RECIPE_NAME:-recipe} restore=0
+              [ ! -f $W/j/journal.json ] || restore=1  # without a staged journal, it regenerates
+              job $r FRACTION=1.0 RUN_NAME=$r RESTORE=$restore JDIR=$W/j CURVE_ARGS= STEPS=${RECIPE_STEPS:-5600} CALL_S=3000 \
                 bash scripts/gpu/data_scaling.sh ${RECIPE:-} ;;
       sampled) job sampled SAMPLES=2 FRACTION=1.0 RUN_NAME=sampled-1.0 RESTORE=1 JDIR=$W/j CALL_S=3000 \
                  bash scripts/gpu/data_scaling.sh ;;
@@ -121,7 +130,7 @@ master() {  # JOBS in order, one at a time (side by side, CPU-heavy steps slowed
   done
   touch $W/done; echo "master: done $(date -u +%T)"
 }
-case ${1:?start, poll or master} in
+case ${1:?start, poll, head or master} in
   start) mkdir -p $W; rm -f $W/done; setsid nohup bash scripts/gpu/shared_calls.sh master > $W/master.log 2>&1 < /dev/null &
          sleep 20; cat $W/master.log ;;
   poll) end=$(( $(date +%s) + ${2:-540} ))
@@ -131,5 +140,15 @@ case ${1:?start, poll or master} in
         cp $W/out/*/replies.jsonl.gz.* $W/out/*/journal.json $OUT/ 2>/dev/null || true  # the replies, for RESTORE
         cat $W/master.log; for f in $W/out/*.txt; do echo "== $f"; tail -n 4 $f; done
         nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
+  head) r=/tmp/scale/run-${RECIPE_NAME:-recipe} H=$W/head end=$(( $(date +%s) + ${2:-0} ))
+        until [ -f $r/train_result.json ] || [ $(date +%s) -ge $end ]; do sleep 10; done
+        [ -f $r/train_result.json ] || { echo "head: $r has no final draft yet"; tail -n 3 $W/out/*.txt || true; exit 0; }
+        if [ ! -f $H/draft.tar.sha256 ]; then
+          mkdir -p $H && tar cf $H/draft.tar -C $r draft && (cd $H && split -b 15000000 draft.tar draft.tar. \
+            && sha256sum draft.tar > draft.tar.sha256 && rm draft.tar)
+        fi
+        (cd $r/draft && sha256sum *); cat $H/draft.tar.sha256; ls -l $H; cat $r/train_result.json
+        for p in ${3:-}; do cp $H/draft.tar.$p $OUT/; done
+        cp /tmp/scale/data/vocab.safetensors $OUT/ 2>/dev/null || true ;;
   master) master ;;
 esac
