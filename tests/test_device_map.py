@@ -268,5 +268,7 @@ def test_a_gguf_target_is_dispatched_after_dequantizing(tmp_path, one_thread):
     t2d = torch.zeros(split.config.vocab_size, dtype=torch.bool)
     t2d[:5000] = True
     a, b = (teacher_forward(t, ids, torch.ones_like(ids), t2d) for t in (plain, split))
-    torch.testing.assert_close(b.aux, a.aux, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(b.draft_logits, a.draft_logits, rtol=1e-5, atol=1e-5)
+    # Offloaded layers reach the matmul from another buffer; on some CPUs (CI's) the kernel
+    # picked then rounds differently, up to 1e-4 here. A misplaced layer differs by whole units.
+    torch.testing.assert_close(b.aux, a.aux, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(b.draft_logits, a.draft_logits, rtol=1e-3, atol=1e-3)

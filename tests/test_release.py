@@ -72,3 +72,39 @@ def test_release_ships_the_selected_checkpoint(tmp_path, tiny_target):
                                final.fc.weight.to(torch.bfloat16).float())
     with pytest.raises(DraftlingError, match="no checkpoint step_9"):
         release(ReleaseSpec(str(run), str(tmp_path / "rel3"), checkpoint="step_9"), tiny_target)
+
+
+def test_release_serves_the_config_its_bench_found_best_and_names_every_engine(tmp_path, tiny_target):
+    setup_data(tmp_path)
+    train(cfg_for(2), tiny_target, tmp_path / "run", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
+          tmp_path / "vocab.safetensors")
+    bench = {"date": "2026-12-05", "gpu": "nvidia-h200", "engine": "draftling 0.1.0", "dtype": "bfloat16",
+             "prompt_set": {"name": "v1"}, "caveats": ["n = 56 prompts"],
+             "configs": [{"name": "chain-3-1-4", "steps": 3, "topk": 1, "draft_tokens": 4, "mean_speedup": 1.36,
+                          "mean_tau": 2.4},
+                         {"name": "tree-5-8-16", "steps": 5, "topk": 8, "draft_tokens": 16, "mean_speedup": 1.52,
+                          "mean_tau": 3.1},
+                         {"name": "tree-3-4-8", "steps": 3, "topk": 4, "draft_tokens": 8, "mean_speedup": 1.45,
+                          "mean_tau": 2.9}]}
+    rec = {"format": "sglang", "config": "chain-3-1-4", "vllm_version": "0.32.0", "device": "cpu",
+           "draftling_device": "cpu", "tau_vllm": 2.31, "tau_draftling": 2.35, "ratio": 0.983, "within_band": True,
+           "band": 0.1}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    (tmp_path / "served.json").write_text(json.dumps({"date": "2026-12-05", "vllm_check": [rec], "caveats": []}))
+    out = release(ReleaseSpec(str(tmp_path / "run"), str(tmp_path / "rel"), "sglang", "org/tiny-llama",
+                              bench=str(tmp_path / "bench.json"), serve_check=str(tmp_path / "served.json")),
+                  tiny_target)
+    serving = json.loads((out / "serving.json").read_text())
+    assert serving["vllm"]["speculative_config"]["num_speculative_tokens"] == 5  # tree-5-8-16's depth
+    assert "--speculative-num-steps 5 --speculative-eagle-topk 8 --speculative-num-draft-tokens 16" in \
+        serving["sglang"]["command"]
+    assert serving["chosen_by"].startswith("tree-5-8-16: the best mean speedup (1.52x)")
+    card = (out / "README.md").read_text()
+    assert "measured by the engine of draftling 0.1.0 on nvidia-h200, bfloat16, batch 1" in card
+    assert "| sglang | chain-3-1-4 | vLLM 0.32.0 (cpu) | 2.31 | 2.35 (cpu) | 0.983 | yes (+-10%) |" in card
+    assert "Engine versions checked: vLLM 0.32.0 (cpu)" in card and "omits the embedding" in card
+    # Without a bench, the default config, and the card says no bench chose it.
+    plain = release(ReleaseSpec(str(tmp_path / "run"), str(tmp_path / "rel2"), "sglang", "org/tiny-llama"),
+                    tiny_target)
+    assert "no release bench was given" in json.loads((plain / "serving.json").read_text())["chosen_by"]
+    assert "Not checked: `draftling serve-check" in (plain / "README.md").read_text()

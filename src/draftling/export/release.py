@@ -30,11 +30,12 @@ class ReleaseSpec:
     fmt: str = "sglang"
     target_id: str = DEFAULT_TARGET_HUB_ID  # the verifier's hub id, as serving engines load it
     repo: str | None = None  # where the folder will live on the hub (names the draft in the commands)
-    bench: str | None = None  # a release-bench results JSON for the card's table
+    bench: str | None = None  # a release-bench results JSON: the card's table and the serving config
     overwrite: bool = False
     # What ships: "final" (RUN/draft), a checkpoint's name, or None = the winner of RUN's
     # `draftling select` report where there is one, else the final head.
     checkpoint: str | None = None
+    serve_check: str | None = None  # a `draftling serve-check` results JSON: vLLM's figures in the card
 
 
 SELECTION = Path("selection") / "selection.json"  # where `draftling select` writes by default
@@ -57,7 +58,8 @@ def shipped_head(run: Path, checkpoint: str | None) -> tuple[Path, dict | None]:
 def release(spec: ReleaseSpec, target) -> Path:
     run = Path(spec.run_dir)
     draft_dir, selection = shipped_head(run, spec.checkpoint)
-    bench = _read_bench(spec.bench)
+    bench = _read_json(spec.bench, "--bench", "a release-bench results JSON")
+    served = _read_json(spec.serve_check, "--serve-check", "a serve-check results JSON")
     check_output_dir(spec.out, "release", spec.overwrite)
     with atomic_dir(spec.out) as tmp:
         export_draft(draft_dir, tmp / "export", spec.fmt, False, target, "bfloat16",
@@ -65,29 +67,48 @@ def release(spec: ReleaseSpec, target) -> Path:
         for f in (tmp / "export").iterdir():  # the export's files at the folder's top, as hubs serve them
             f.rename(tmp / f.name)
         (tmp / "export").rmdir()
-        serving = serving_configs(spec, load_draft(draft_dir).config)
+        serving = serving_configs(spec, load_draft(draft_dir).config, bench)
         write_json(tmp / "serving.json", serving)
-        card = model_card(spec, run, target, serving, bench)
+        card = model_card(spec, run, target, serving, bench, served)
         write_text(tmp / "README.md", card + "\n" + _selection_section(draft_dir, selection))
         files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MARKER)
         write_json(tmp / OUTPUT_MARKER, {"kind": "release", "files": files})
     return Path(spec.out)
 
 
-def _read_bench(path: str | None) -> dict | None:
+def _read_json(path: str | None, flag: str, what: str) -> dict | None:
     if path is None:
         return None
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise DraftlingError(f"--bench {path}: not a release-bench results JSON ({e})") from None
+        raise DraftlingError(f"{flag} {path}: not {what} ({e})") from None
 
 
-def serving_configs(spec: ReleaseSpec, draft_config) -> dict:
-    steps, topk, tokens = DEFAULT_CONFIG
+def chosen_config(bench: dict | None) -> tuple[tuple[int, int, int], str]:
+    """(steps, topk, draft tokens) to serve with, and which bench chose it: the config with the
+    release bench's best mean speedup, else DEFAULT_CONFIG."""
+    configs = [c for c in (bench or {}).get("configs", []) if c.get("mean_speedup") is not None]
+    if not configs:
+        return DEFAULT_CONFIG, ("no release bench was given: draftling's default tree-3-4-8, the best mean "
+                                "speedup of the v1 release bench of the GPU recipe head (BENCHMARKS.md)")
+    best = max(configs, key=lambda c: c["mean_speedup"])
+    why = (f"the best mean speedup ({best['mean_speedup']:.2f}x) of the release bench of {bench.get('date')} "
+           f"({_engine_words(bench)}, prompt set {(bench.get('prompt_set') or {}).get('name')})")
+    return (int(best["steps"]), int(best["topk"]), int(best["draft_tokens"])), f"{best['name']}: {why}"
+
+
+def _engine_words(bench: dict) -> str:
+    """Which engine measured a release bench's speeds, on what, at what concurrency."""
+    return f"the engine of {bench.get('engine', 'draftling')} on {bench.get('gpu')}, {bench.get('dtype')}, batch 1"
+
+
+def serving_configs(spec: ReleaseSpec, draft_config, bench: dict | None = None) -> dict:
+    (steps, topk, tokens), why = chosen_config(bench)
     draft = spec.repo or "<path to this folder>"
+    # vLLM's EAGLE-3 proposes a chain: the chosen config's depth; the tree's width is SGLang's.
     vllm = {"method": "eagle3", "model": draft, "num_speculative_tokens": steps}
-    return {"target": spec.target_id, "draft": draft, "format": spec.fmt,
+    return {"target": spec.target_id, "draft": draft, "format": spec.fmt, "chosen_by": why,
             "max_position_embeddings": int(getattr(draft_config, "max_position_embeddings", 0)),
             "vllm": {"speculative_config": vllm,
                      "command": f"vllm serve {spec.target_id} --speculative-config '{json.dumps(vllm)}'"},
@@ -97,7 +118,8 @@ def serving_configs(spec: ReleaseSpec, draft_config) -> dict:
                                    f"--speculative-num-draft-tokens {tokens}")}}
 
 
-def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict | None) -> str:
+def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict | None,
+               served: dict | None = None) -> str:
     result = json.loads((run / "train_result.json").read_text()) if (run / "train_result.json").is_file() else {}
     fp = fingerprint(target.config, target.tokenizer) if target is not None else {}
     lines = ["---", f"base_model: {spec.target_id}", "library_name: draftling", "license: apache-2.0",
@@ -105,14 +127,19 @@ def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict 
              f"# EAGLE-3 draft head for {spec.target_id}", "",
              f"A one-layer EAGLE-3 draft head ({spec.fmt} format) trained with draftling to speed up "
              f"{spec.target_id} by speculative decoding. Output is the target's: verification is lossless.", "",
+             "The export omits the embedding: serving engines share the target's own. It holds the fused "
+             "feature layer, one decoder layer, the norm, the draft-vocabulary output head and the d2t/t2d "
+             "vocabulary maps.", "",
              "## Target", "", f"- {spec.target_id}; checkpoint fingerprint: config `{fp.get('config', '?')}`, "
              f"tokenizer `{fp.get('tokenizer', '?')}` (`draftling check` compares them).",
              f"- context length of the head's config: {serving['max_position_embeddings']} positions", "",
              "## Training", "", *_data_lines(run), f"- steps: {result.get('steps', '?')}; validation: "
              + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                          for k, v in (result.get('val') or {}).items() if isinstance(v, (int, float))), ""]
-    lines += _bench_section(bench)
-    lines += ["## Serving", "", "vLLM:", "", "```bash", serving["vllm"]["command"], "```", "",
+    lines += _bench_section(bench) + _served_section(served)
+    lines += ["## Serving", "", f"Config: {serving['chosen_by']}. vLLM's EAGLE-3 drafts a chain, so its line "
+              "takes the config's depth; SGLang's takes the whole tree.", "",
+              "vLLM:", "", "```bash", serving["vllm"]["command"], "```", "",
               "`speculative_config` for frameworks that embed vLLM:", "", "```json",
               json.dumps(serving["vllm"]["speculative_config"], indent=2), "```", "", "SGLang:", "", "```bash",
               serving["sglang"]["command"], "```", ""]
@@ -158,10 +185,27 @@ def _bench_section(bench: dict | None) -> list[str]:
         return ["## Speed", "", "No release bench was given (`draftling bench --release`, then `--bench FILE`).", ""]
     rows = ["| config | mean speedup | mean tau |", "|---|---|---|"]
     rows += [f"| {c['name']} | {c['mean_speedup']:.2f}x | {c['mean_tau']:.2f} |" for c in bench.get("configs", [])]
-    return (["## Speed", "", f"Release bench, {bench.get('date')}, {bench.get('gpu')}, {bench.get('dtype')}, prompt "
-             f"set {(bench.get('prompt_set') or {}).get('name')}; speedup over the same engine without speculation, "
-             "tau counting the bonus token:", ""] + rows + ["", "Caveats:", ""]
-            + [f"- {c}" for c in bench.get("caveats", [])] + [""])
+    return (["## Speed", "", f"Release bench, {bench.get('date')}, measured by {_engine_words(bench)} (one "
+             f"request at a time), prompt set {(bench.get('prompt_set') or {}).get('name')}; speedup over the same "
+             "engine without speculation, tau counting the bonus token. These are not vLLM's or SGLang's speeds:",
+             ""] + rows + ["", "Caveats:", ""] + [f"- {c}" for c in bench.get("caveats", [])] + [""])
+
+
+def _served_section(served: dict | None) -> list[str]:
+    """vLLM's own acceptance of the export beside draftling's engine's (`draftling serve-check`)."""
+    if not served:
+        return ["## Served by vLLM", "", "Not checked: `draftling serve-check EXPORT --out FILE`, then "
+                "`release --serve-check FILE`.", ""]
+    rows = ["| format | config | engine (device) | tau | draftling's engine tau | ratio | within band |",
+            "|---|---|---|---|---|---|---|"]
+    rows += [f"| {r['format']} | {r['config']} | vLLM {r['vllm_version']} ({r['device']}) | {r['tau_vllm']:.2f} | "
+             f"{r['tau_draftling']:.2f} ({r.get('draftling_device', '?')}) | {r['ratio']:.3f} | "
+             f"{'yes' if r['within_band'] else 'NO'} (+-{r['band']:.0%}) |" for r in served.get("vllm_check", [])]
+    versions = sorted({f"vLLM {r['vllm_version']} ({r['device']})" for r in served.get("vllm_check", [])})
+    return (["## Served by vLLM", "", f"`draftling serve-check`, {served.get('date')}: the export loaded as vLLM's "
+             "EAGLE-3 speculator, greedy, tau from vLLM's own spec-decode counters (bonus token counted), beside "
+             f"draftling's engine on the same prompts. Engine versions checked: {', '.join(versions)}.", ""]
+            + rows + [""] + [f"- {c}" for c in served.get("caveats", [])] + [""])
 
 
 def push(folder: Path, repo: str) -> str:

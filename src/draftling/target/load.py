@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
 import importlib.util
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 
 from draftling.errors import DraftlingError, TargetError, one_line
 from draftling.hardware import column_major_linear_is_faster, pin_column_major
+from draftling.io import atomic_dir
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
 from draftling.target.devmap import (
     Placement,
@@ -320,14 +323,41 @@ def _quantize_gguf(spec: TargetSpec, kwargs: dict):
     log.info("%s: GGUF is dequantized on load; writing a %s copy to quantize it",
              spec.name, kwargs["dtype"])
     with tempfile.TemporaryDirectory(prefix="draftling-gguf-") as tmp:
-        plain = _from_pretrained(spec.path, dtype=kwargs["dtype"], **_gguf_model_kwargs(spec))
-        # The weights are plain tensors by now; only the GGUF marker stops save_pretrained.
-        plain.hf_quantizer = None
-        if hasattr(plain.config, "quantization_config"):
-            del plain.config.quantization_config
-        plain.save_pretrained(tmp)
-        del plain
+        _save_dequantized(spec, kwargs["dtype"], Path(tmp))
         return _from_pretrained(tmp, **kwargs)
+
+
+def _save_dequantized(spec: TargetSpec, dtype, out: Path) -> None:
+    """The GGUF target as a plain safetensors checkpoint in ``out`` (weights and config)."""
+    plain = _from_pretrained(spec.path, dtype=dtype, **_gguf_model_kwargs(spec))
+    # The weights are plain tensors by now; only the GGUF marker stops save_pretrained.
+    plain.hf_quantizer = None
+    if hasattr(plain.config, "quantization_config"):
+        del plain.config.quantization_config
+    plain.save_pretrained(out)
+
+
+def plain_checkpoint_dir(spec: TargetSpec, cache_root: str | os.PathLike | None = None) -> Path:
+    """A directory another engine (vLLM) can load for ``spec``: the target's own directory, or
+    for a GGUF its dequantized float32 weights, config and tokenizer, written once under
+    ``cache_root`` (default ``$DRAFTLING_CACHE`` or ~/.cache/draftling) in a folder named by
+    the file's sha256 and reused after."""
+    if spec.gguf_file is None:
+        if not Path(spec.path).is_dir():
+            raise TargetError(f"--target {spec.name}: give a local model directory or a GGUF file "
+                              "(a hub id is loaded by the serving engine itself)")
+        return Path(spec.path)
+    digest = hashlib.sha256(Path(spec.gguf_file).read_bytes()).hexdigest()[:16]
+    root = Path(cache_root or os.environ.get("DRAFTLING_CACHE") or Path.home() / ".cache" / "draftling")
+    out = root / "plain-targets" / f"{Path(spec.gguf_file).stem}-{digest}"
+    if (out / "config.json").is_file():
+        return out
+    log.info("%s: writing its dequantized weights once to %s", spec.name, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out) as tmp, gguf_parsed_once(spec):
+        _save_dequantized(spec, torch.float32, tmp)
+        _load_tokenizer(spec, None).save_pretrained(tmp)
+    return out
 
 
 @dataclass

