@@ -225,7 +225,8 @@ def serve_check(target: Target, export, o: ServeCheckOptions) -> dict:
     rec["identical_outputs"] = round(sum(v_tokens[p.id] == d_tokens[p.id] for p in prompts) / len(prompts), 4)
     rec["per_workload"] = {w: compare(v_tallies[w], d_tallies[w], o.band) for w in d_tallies}
     results = {"date": datetime.date.today().isoformat(), "vllm_check": [rec], "caveats": _caveats(rec)}
-    config = {"target": target.spec.label, "export": draft_label(export), "options": dataclasses.asdict(o)}
+    options = {k: v for k, v in dataclasses.asdict(o).items() if k not in ("cache_dir", "out")}  # paths, not config
+    config = {"target": target.spec.label, "export": draft_label(export), "options": options}
     results["manifest"] = manifest_fields(None, config, target.device, results["date"])
     print(format_record(rec))
     if o.out:
