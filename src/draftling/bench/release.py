@@ -57,7 +57,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 PROTOCOL_KEYS = {"bench.configs": list(DEFAULT_CONFIGS), "bench.max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
-RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
+RESULT_KEYS = ("date", "gpu", "engine", "target", "draft", "prompt_set", "dtype", "command", "baselines",
                "baseline_details", "configs", "sampled", "caveats")
 
 # ----------------------------------------------------------------------------- prompt sets
