@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import math
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -27,6 +26,7 @@ from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
 from draftling.faults import fault_point
 from draftling.io import atomic_dir, atomic_path, read_metrics, remove_path, write_json
+from draftling.progress import Progress
 from draftling.target import Target
 from draftling.train.checkpoint import (KeepPolicy, latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
                                         set_rng_state)
@@ -621,6 +621,7 @@ class TrainRun:
     cache: TeacherCache | None = None
     metrics_log: MetricsLog | None = None
     smoke: SmokeMonitor | None = None  # train.smoke_every: the smoke bench and convergence detector
+    progress: Progress | None = None  # the loop's bar and its elapsed / time-left meter
     stop_reason: str = "completed"  # or "max_minutes", "converged"
     # Segments: each process (the start, each resume) is one. Train records carry the step it
     # started from and the seconds since, which `draftling report` times segments by.
@@ -732,13 +733,30 @@ def restore_run(run: TrainRun, ckpt: Path, changes: dict) -> None:
             + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else ""))
 
 
+def param_counts(draft: torch.nn.Module, target: Target) -> dict:
+    """What the draft trains and what its forward reads frozen (its own frozen parameters and the
+    target's input embedding, which it embeds tokens with), the target's parameters, and the
+    trainable share of the target's: a head that trains the wrong thing shows here."""
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
+    frozen += target.input_embeddings().weight.numel()
+    total = sum(p.numel() for p in target.model.parameters())
+    return {"trainable": trainable, "frozen": frozen, "target": total,
+            "share_of_target": trainable / total if total else None}
+
+
+def params_line(p: dict) -> str:
+    share = f" ({p['share_of_target']:.1%} of the target's {p['target'] / 1e6:.2f}M)" if p["share_of_target"] else ""
+    return (f"{p['trainable'] / 1e6:.2f}M trainable params{share}, {p['frozen'] / 1e6:.2f}M frozen "
+            "(the target's embedding included)")
+
+
 def describe_run(run: TrainRun) -> None:
     tc, ctx, inputs = run.cfg.train, run.ctx, run.inputs
-    n_params = sum(p.numel() for p in run.draft.parameters() if p.requires_grad)
     parallel = (f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ "
                 f"sequences per rank" if ctx.active else "")
     m = run.unroll
-    run.say(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(inputs.examples)} train / "
+    run.say(f"training draft: {params_line(param_counts(run.draft, run.target))}, {len(inputs.examples)} train / "
             f"{len(inputs.val_examples)} val sequences, {run.total_steps} steps of {tc.batch_size}, "
             f"TTT {tc.ttt_steps}, device {run.target.device}{parallel}")
     run.say(f"memory: loss_chunk_tokens {m.loss_chunk_tokens}, grad_checkpoint {m.grad_checkpoint}, "
@@ -816,10 +834,8 @@ def train_loop(run: TrainRun) -> float:
     """Steps to ``run.total_steps``, logging, validating and checkpointing on the way. Returns
     the loop's start time."""
     tc, ctx, device = run.cfg.train, run.ctx, run.target.device
-    progress = None
-    if sys.stderr.isatty() and ctx.is_main:
-        from tqdm import tqdm
-        progress = tqdm(total=run.total_steps, initial=run.step, desc="train", leave=False)
+    # Steps are its units; its lines are the log lines (StepWindow.log appends its timing).
+    progress = run.progress = Progress(run.total_steps, "train", enabled=ctx.is_main, initial=run.step)
     window = StepWindow(tc.ttt_steps, device)
     t_start = run.segment_start = time.perf_counter()
     run.segment_step = run.step
@@ -829,11 +845,9 @@ def train_loop(run: TrainRun) -> float:
         fault_point("train.step")
         if fit is not None and fit.due(run.step, run.batches.position(run.step)[1] == 0):
             run.total_steps = run.schedule.total = fit.refit(run.step)
-            if progress is not None:
-                progress.total = run.total_steps
+            progress.set_total(run.total_steps)
         window.add(counts, loss, tokens)  # stays on the device until the log line
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
         if run.step % tc.log_every == 0 or run.step == run.total_steps:
             window.log(run)
         if tc.val_every and run.step % tc.val_every == 0 and run.inputs.val_examples:
@@ -847,8 +861,7 @@ def train_loop(run: TrainRun) -> float:
         epoch_end = tc.ckpt_every_epoch and run.batches.position(run.step)[1] == 0
         if run.step % tc.ckpt_every == 0 or run.step == run.total_steps or epoch_end:
             run.checkpoint()
-    if progress is not None:
-        progress.close()
+    progress.close()
     return t_start
 
 
@@ -914,8 +927,9 @@ class StepWindow:
                  lr=run.scheduler.get_last_lr()[0], tok_s=tokens / (now - self.t0), window_tokens=tokens,
                  segment=run.segment_step, wall_s=now - run.segment_start, split="train")
         if run.metrics_log:
+            timing = f" | {run.progress.timing()}" if run.progress is not None else ""
             run.metrics_log.write(m, format_line(f"step {step}/{run.total_steps}", m)
-                                  + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s")
+                                  + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s{timing}")
         self.reset()
 
 
@@ -933,7 +947,8 @@ def finish_run(run: TrainRun, t_start: float) -> dict:
     # segments' times are in metrics.jsonl; `draftling report` lists them).
     result = {"steps": run.total_steps, "steps_ceiling": run.ceiling, "train_wall_s": time.perf_counter() - t_start,
               "segment_from_step": run.segment_step, "stop_reason": run.stop_reason, "world_size": ctx.world_size, "data": data_used(run),
-              "compute_dtype": run.unroll.autocast or str(run.param_dtype).replace("torch.", "")}
+              "compute_dtype": run.unroll.autocast or str(run.param_dtype).replace("torch.", ""),
+              "params": param_counts(run.draft, run.target)}
     if run.smoke is not None:
         result["convergence"] = run.smoke.detector.summary()
     if torch.cuda.is_available() and device.type == "cuda":
