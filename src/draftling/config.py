@@ -26,7 +26,7 @@ POSITIVE = ("a number > 0", lambda v: v > 0)
 AT_LEAST_ONE = ("an integer >= 1", lambda v: v >= 1)
 NON_NEGATIVE = ("a number >= 0", lambda v: v >= 0)
 FRACTION = ("a number in [0, 1]", lambda v: 0 <= v <= 1)
-SPLIT_KEYS = ("id", "task", "source")  # data.split_key (see data/split.py)
+SPLIT_KEYS = ("auto", "id", "task", "source")  # data.split_key (see data/split.py)
 
 
 def check_bounds(section: str, obj, rules: dict) -> None:
@@ -198,8 +198,10 @@ class DataConfig:
     rollout_max_turns: int = 0
     val_fraction: float = 0.05
     # "id": each conversation is its own task; "task": a record's `task` field, or NAME-TASK for
-    # ids NAME-TASK-TRIAL (tau-bench's trials of one task stay on one side); "source": per file.
-    split_key: str = "id"
+    # ids NAME-TASK-TRIAL (tau-bench's trials of one task stay on one side); "source": per file;
+    # "auto": task when any record carries a task identity, else id (data/split.py
+    # resolve_split_key; the data summary names the key chosen and why).
+    split_key: str = "auto"
     drop_tool_calls: bool = False
     min_tokens: int = 8  # drop conversations shorter than this (in target tokens)
     max_tokens: int = 2048  # truncate longer ones

@@ -154,8 +154,9 @@ def _data_lines(run: Path) -> list[str]:
     dc, tc = cfg.data, cfg.train
     how = "; agent rollouts (each assistant turn a prompt, the target's reply its only loss)" if dc.rollouts else ""
     held = f"; ids of {', '.join(Path(f).name for f in dc.exclude_ids)} kept out" if dc.exclude_ids else ""
+    split = ("task when the records carry a task identity, else id" if dc.split_key == "auto" else dc.split_key)
     return [f"- data: replies the target wrote to {', '.join(dc.prompts)}{how}, up to {dc.max_tokens} tokens "
-            f"a sequence; split by {dc.split_key}, {dc.val_fraction:.0%} of tasks to validation{held}",
+            f"a sequence; split by {split}, {dc.val_fraction:.0%} of tasks to validation{held}",
             f"- recipe: {tc.epochs:g} epochs, batch {tc.batch_size}, lr {tc.lr:g}, {tc.ttt_steps} TTT steps"
             + (f", warm-started from {Path(cfg.draft.init_from).name}" if cfg.draft.init_from else "")]
 
