@@ -383,7 +383,11 @@ class TrainConfig:
     # smoke_rows prompts decode at once, each in its own row of the target's static cache, which
     # lives through the run: 1 decodes them one at a time in the least memory. On the H200 a
     # check of 14 prompts one at a time took 23-32 s, a third of a 2,394-step run's wall time.
+    # smoke_max_share: where a check's measured seconds exceed this share of the training time
+    # between checks, the run checks less often (every multiple of smoke_every that fits) and logs
+    # the numbers; 0 = never adapt.
     smoke_every: int = 0
+    smoke_max_share: float = 0.05
     smoke_prompts: str = "set:smoke-v1"
     smoke_max_new_tokens: int = 32
     smoke_rows: int = 16
@@ -393,7 +397,8 @@ class TrainConfig:
     def __post_init__(self):
         check_bounds("train", self, {
             "smoke_every": ("an integer >= 0 (0 = off)", lambda v: v >= 0),
-            "smoke_max_new_tokens": AT_LEAST_ONE, "smoke_rows": AT_LEAST_ONE, "convergence_checks": AT_LEAST_ONE})
+            "smoke_max_new_tokens": AT_LEAST_ONE, "smoke_rows": AT_LEAST_ONE, "convergence_checks": AT_LEAST_ONE,
+            "smoke_max_share": ("a number in [0, 1) (0 = never adapt)", lambda v: 0 <= v < 1)})
         if self.stop_on_convergence and not self.smoke_every:
             raise ConfigError("train.stop_on_convergence needs the smoke bench: set train.smoke_every "
                               "(steps between checks), e.g. train.smoke_every=200")

@@ -622,6 +622,8 @@ class TrainRun:
     metrics_log: MetricsLog | None = None
     smoke: SmokeMonitor | None = None  # train.smoke_every: the smoke bench and convergence detector
     progress: Progress | None = None  # the loop's bar and its elapsed / time-left meter
+    smoke_every: int = 0  # steps between smoke checks: train.smoke_every, or fewer checks (pace_smoke)
+    smoke_seconds: float = 0.0  # this segment's time in smoke checks
     stop_reason: str = "completed"  # or "max_minutes", "converged"
     # Segments: each process (the start, each resume) is one. Train records carry the step it
     # started from and the seconds since, which `draftling report` times segments by.
@@ -852,8 +854,10 @@ def train_loop(run: TrainRun) -> float:
             window.log(run)
         if tc.val_every and run.step % tc.val_every == 0 and run.inputs.val_examples:
             run.validate(f"val @ {run.step}")
-        if run.smoke is not None and run.step % tc.smoke_every == 0:
-            window.t0 += smoke_check(run)  # the smoke bench's time is not training throughput
+        if run.smoke is not None and run.step % run.smoke_every == 0:
+            seconds = smoke_check(run)
+            window.t0 += seconds  # the smoke bench's time is not training throughput
+            pace_smoke(run, seconds)
         out_of_time = tc.max_minutes > 0 and time.perf_counter() - t_start > 60 * tc.max_minutes
         if tc.max_minutes > 0 and any_rank(out_of_time, ctx, device) and run.step < run.total_steps:
             run.say(f"stopping at step {run.step}/{run.total_steps}: train.max_minutes={tc.max_minutes} reached")
@@ -872,11 +876,16 @@ def start_smoke(run: TrainRun, bench: SmokeBench | None, resumed: bool) -> Smoke
     if bench is None:
         return None
     tc = run.cfg.train
+    run.smoke_every = tc.smoke_every
     monitor = SmokeMonitor(bench, ConvergenceDetector(tc.convergence_checks, tc.warmup_steps),
                            run.metrics_log.write if run.metrics_log else None)
     log = run.run_dir / "metrics.jsonl"
     if resumed and log.is_file():
-        monitor.replay(read_metrics(log), run.step)
+        records = read_metrics(log)
+        monitor.replay(records, run.step)
+        for r in records:  # the interval the interrupted run had come to, so it checks at the same steps
+            if r.get("split") == "smoke_interval" and r["step"] <= run.step:
+                run.smoke_every = r["every"]
     verdict = monitor.detector.verdict
     if verdict and tc.stop_on_convergence and run.step < run.total_steps:
         run.say(f"{verdict_line(verdict)}, before this resume: stopping at step {run.step}")
@@ -896,6 +905,35 @@ def smoke_check(run: TrainRun) -> float:
                 "(train.stop_on_convergence)")
         run.stop("converged")
     return time.perf_counter() - t0
+
+
+def pace_smoke(run: TrainRun, seconds: float) -> None:
+    """train.smoke_max_share: where a check of ``seconds`` costs more than that share of the
+    training time between checks, check every multiple of train.smoke_every that keeps within it
+    (the slowest rank's numbers, so every rank checks at the same steps), and log the numbers."""
+    tc = run.cfg.train
+    run.smoke_seconds += seconds
+    steps = run.step - run.segment_step
+    train_s = time.perf_counter() - run.segment_start - run.smoke_seconds
+    if tc.smoke_max_share <= 0 or steps <= 0 or train_s <= 0:
+        return
+    step_s, cap = train_s / steps, tc.smoke_max_share
+    need = seconds * (1 - cap) / (cap * step_s)  # steps between checks for c / (c + N s) <= cap
+    every = max(run.smoke_every, tc.smoke_every * math.ceil(need / tc.smoke_every))
+    if run.ctx.active:
+        t = torch.tensor([every], dtype=torch.int64, device=run.target.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        every = int(t.item())
+    if every == run.smoke_every:
+        return
+    share = seconds / (seconds + run.smoke_every * step_s)
+    run.say(f"smoke bench: a check took {seconds:.1f} s against {step_s:.3f} s a training step, {share:.0%} of the "
+            f"time at every {run.smoke_every} steps, over train.smoke_max_share={tc.smoke_max_share:g}: checking "
+            f"every {every} steps from here")
+    if run.metrics_log:
+        run.metrics_log.write({"split": "smoke_interval", "step": run.step, "every": every, "check_s": seconds,
+                               "step_s": step_s, "share": share, "max_share": tc.smoke_max_share})
+    run.smoke_every = every
 
 
 class StepWindow:
