@@ -80,7 +80,7 @@ def test_json_contract(bench_run):
     r = bench_run.results
     on_disk = json.loads(Path(f"{bench_run.stem}.json").read_text())
     assert on_disk == json.loads(json.dumps(r))
-    assert set(on_disk) == {"date", "gpu", "target", "draft", "prompt_set", "baselines",
+    assert set(on_disk) == {"date", "gpu", "engine", "target", "draft", "prompt_set", "baselines",
                             "baseline_details", "configs", "sampled", "caveats", "command", "dtype"}
     # Sampled decoding at 0.7 and 1.0, per workload, for every config (lossless: rates only).
     assert list(r["sampled"]) == ["0.7", "1.0"]

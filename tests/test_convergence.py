@@ -173,7 +173,7 @@ def data(tmp_path):
 def config(data, steps=20, **extra):
     over = {"max_steps": steps, "batch_size": 4, "ttt_steps": 3, "log_every": 1, "ckpt_every": 2, "warmup_steps": 2,
             "lr": 1e-12, "keep_checkpoints": 10, "smoke_every": 2, "smoke_prompts": str(data / "smoke.jsonl"),
-            "smoke_max_new_tokens": 12, "stop_on_convergence": "true", **extra}
+            "smoke_max_new_tokens": 12, "stop_on_convergence": "true", "smoke_max_share": 0, **extra}
     return load_config(None, [f"train.{k}={v}" for k, v in over.items()])
 
 
@@ -238,6 +238,25 @@ def test_a_rise_then_a_plateau_stops_where_the_plateau_has_lasted_m_checks(data,
     result = run(data, target, "rising", config(data))
     assert result["steps"] == 20 and result["stop_reason"] == "completed"
     assert result["convergence"] == {"converged": False, "checks_run": 10, "checks": 3}
+
+
+def test_a_smoke_bench_over_its_share_of_training_time_checks_less_often(data, target, plateau, monkeypatch, capsys):
+    import time
+
+    measure = SmokeBench.measure
+
+    def slow(self, draft):  # far over 5% of two tiny training steps
+        time.sleep(0.4)
+        return measure(self, draft)
+
+    monkeypatch.setattr(SmokeBench, "measure", slow)
+    result = run(data, target, "r", config(data, steps=10, smoke_max_share=0.05, stop_on_convergence="false"))
+    assert result["steps"] == 10 and [r["step"] for r in records(data / "r", "smoke")] == [2]
+    (paced,) = records(data / "r", "smoke_interval")
+    assert paced["step"] == 2 and paced["every"] > 10 and paced["every"] % 2 == 0 and paced["share"] > 0.05
+    assert paced["check_s"] >= 0.4 and paced["max_share"] == 0.05
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("smoke bench: a check took"))
+    assert f"over train.smoke_max_share=0.05: checking every {paced['every']} steps from here" in line
 
 
 def test_smoke_checks_do_not_change_training(data, target):
@@ -307,6 +326,8 @@ def test_smoke_settings_are_checked_when_the_config_loads(data, target):
         load_config(None, ["train.smoke_every=-1"])
     with pytest.raises(ConfigError, match="smoke_rows"):
         load_config(None, ["train.smoke_rows=0"])
+    with pytest.raises(ConfigError, match=r"train.smoke_max_share=1.5: expected a number in \[0, 1\)"):
+        load_config(None, ["train.smoke_max_share=1.5"])
     args = cli.build_parser().parse_args(["train", "--data", "d", "--run-dir", "r", "--stop-on-convergence",
                                           "train.smoke_every=5"])
     assert cli.run_config(args, ("stop_on_convergence",)).train.stop_on_convergence

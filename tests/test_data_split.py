@@ -117,3 +117,51 @@ def test_task_key_keeps_every_trial_of_a_task_on_one_side():
     assert val and train and all(len(s) == 1 for s in sides.values())
     by_id = split_by_task(trials, 0.3, key="id")[1]  # the id key splits a task's trials apart
     assert any(len({c.id for c in by_id if task_identity(c) == t}) not in (0, 4) for t in sides)
+
+
+def trial(task: int, n: int, **meta):
+    return Conversation(id=f"tau-airline-{task}-{n}", source="airline", category="agent",
+                        messages=[{"role": "user", "content": f"{task} {n}"}], meta=meta)
+
+
+def test_the_default_key_keeps_every_trial_of_a_task_on_one_side():
+    """Rollouts with tau-bench ids: by default (auto -> task) no task straddles the split."""
+    from draftling.config import DataConfig
+    from draftling.data.split import resolve_split_key, task_identity
+
+    trials = [trial(t, n) for t in range(40) for n in range(4)]
+    key = DataConfig().split_key
+    assert resolve_split_key(trials, key)[0] == "task"
+    train, val = split_by_task(trials, 0.3, key=key)
+    assert val and {task_identity(c) for c in train}.isdisjoint({task_identity(c) for c in val})
+
+
+def test_auto_keys_by_id_without_a_task_identity_and_set_keys_stay():
+    from draftling.data.split import resolve_split_key
+
+    assert resolve_split_key(FAKE, "auto") == ("id", "auto: no record carries a task identity (a task field "
+                                                     "or NAME-TASK-TRIAL ids)")
+    tagged = FAKE[:3] + [Conversation("q", "s", "c", [{"role": "user", "content": "x"}], meta={"task": "t1"})]
+    key, why = resolve_split_key(tagged, "auto")
+    assert key == "task" and why.startswith("auto: 1 of 4 records carry a task identity")
+    assert resolve_split_key([trial(0, 0)], "id") == ("id", "data.split_key as set")
+    assert split_by_task(FAKE, 0.2, key="auto") == split_by_task(FAKE, 0.2, key="id")
+
+
+@pytest.mark.parametrize("key", ["auto", "id", "task"])
+def test_prompt_counts_leave_out_the_conversations_of_validation_rollout_turns(key, monkeypatch):
+    """Validation holds rollout turns (ids CONV#turnN); the vocab's prompt counts must leave out
+    the conversations they came from, as the split put them, not count them as training's."""
+    from draftling.data.prepare import pool_prompt_counts
+    from draftling.data.prompts import rollout_turns
+
+    pool = [trial(t, n) for t in range(6) for n in range(2)]
+    for c in pool:
+        c.messages.append({"role": "assistant", "content": "ok"})
+    train, val = split_by_task(pool, 0.4, key=key)
+    turns = [t for c in val for t in rollout_turns(c)]
+    assert turns and all("#turn" in t.id for t in turns)
+    counted = []
+    monkeypatch.setattr("draftling.data.prepare.count_prompt_tokens", lambda tok, convs, n: counted.extend(convs))
+    _, kept = pool_prompt_counts([0] * 8, pool, turns, key)  # a "tokenizer" of 8 tokens: only len() is read
+    assert {c.id for c in counted} == {c.id for c in train} and kept == len(train)

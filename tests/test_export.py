@@ -545,3 +545,90 @@ def test_check_accepts_a_fitting_export_and_names_every_mismatch(tmp_path):
     assert "hidden size: head 64, target 96" in msg and "of a 2-layer target" in msg
     assert "config hash" in msg and "tokenizer hash" in msg and "\n" not in msg
     assert _json.loads((out / "config.json").read_text())["draftling"]["target_fingerprint"]["config"]
+
+
+def _tiny_export(tmp_path, target_dir, name, *flags):
+    """An SGLang export, with --target, of a random head for the target saved in ``target_dir``."""
+    from draftling.target.load import load_target_config
+
+    cfg = load_target_config(str(target_dir))
+    draft_dir = tmp_path / "draft"
+    if not draft_dir.is_dir():
+        torch.manual_seed(0)
+        draft = Eagle3Draft(draft_config_from_target(cfg, 64, [2, 3, 4]))
+        draft.set_vocab(torch.zeros(64, dtype=torch.long), torch.arange(cfg.vocab_size) < 64)
+        save_draft_dir(draft_dir, draft)
+    out = tmp_path / name
+    assert main(["export", "--draft", str(draft_dir), "--out", str(out), "--target", str(target_dir), *flags]) == 0
+    return out
+
+
+def _changed_target(tmp_path, target_dir, name, config=None, weight=False):
+    """A copy of the target with its config.json updated by ``config`` and/or one weight changed."""
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(target_dir, copy)
+    if weight:
+        model = LlamaForCausalLM.from_pretrained(copy)
+        with torch.no_grad():
+            model.model.layers[3].mlp.up_proj.weight.mul_(1.01)  # a fine-tune: every element moves a little
+        model.save_pretrained(copy)
+    if config:
+        path = copy / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return copy
+
+
+def test_check_fails_on_a_changed_rope(tmp_path, tiny_target_dir, capsys):
+    from draftling.target.fingerprint import rope_params
+    from draftling.target.load import load_target_config
+
+    export = _tiny_export(tmp_path, tiny_target_dir, "export")
+    recorded = json.loads((export / "config.json").read_text())["draftling"]["target_fingerprint"]
+    assert recorded["rope"] == rope_params(load_target_config(str(tiny_target_dir)))
+    assert recorded["rope"]["rope_theta"] is not None  # read from rope_parameters under transformers 5
+    assert main(["check", str(export), "--target", str(tiny_target_dir)]) == 0
+    capsys.readouterr()
+    for i, rope in enumerate([{"rope_type": "linear", "factor": 2.0, "rope_theta": recorded["rope"]["rope_theta"]},
+                              {"rope_type": "default", "rope_theta": 1234.0}]):
+        scaled = _changed_target(tmp_path, tiny_target_dir, f"rope{i}", {"rope_parameters": rope, "rope_scaling": rope})
+        assert main(["check", str(export), "--target", str(scaled)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "target rope: recorded" in err and "\n" not in err
+        assert ('"factor": 2.0' in err) if i == 0 else ('"rope_theta": 1234.0' in err)
+
+
+def test_a_changed_weight_fails_check_only_where_both_carry_a_weight_fingerprint(tmp_path, tiny_target_dir, capsys):
+    plain = _tiny_export(tmp_path, tiny_target_dir, "plain")
+    weighed = _tiny_export(tmp_path, tiny_target_dir, "weighed", "--weight-fingerprint")
+    assert "weights" not in json.loads((plain / "config.json").read_text())["draftling"]["target_fingerprint"]
+    assert main(["check", str(weighed), "--target", str(tiny_target_dir)]) == 0
+    assert "ok: target weights hash: recorded" in capsys.readouterr().out
+    retrained = _changed_target(tmp_path, tiny_target_dir, "retrained", weight=True)
+    assert main(["check", str(weighed), "--target", str(retrained)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "target weights hash: recorded" in err and "config hash" not in err and "\n" not in err
+    assert main(["check", str(plain), "--target", str(retrained)]) == 0  # neither side hashes weights
+    assert "no weight fingerprint recorded" in capsys.readouterr().out
+
+
+def test_the_weight_hash_ignores_the_load_dtype_and_sees_one_changed_tensor(tiny_target_dir):
+    from draftling.target.fingerprint import weight_hash
+
+    model = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    h = weight_hash(model)
+    assert weight_hash(LlamaForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.bfloat16)) == h
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)  # 64 elements: the whole tensor is the sample
+    assert weight_hash(model) != h
+
+
+def test_weight_fingerprint_needs_the_target_and_the_sglang_format(tmp_path):
+    from draftling.export.cli import check_weight_fingerprint
+
+    with pytest.raises(DraftlingError, match="needs --target"):
+        check_weight_fingerprint(True, "sglang", False)
+    with pytest.raises(DraftlingError, match="only the sglang format"):
+        check_weight_fingerprint(True, "speculators", True)
+    check_weight_fingerprint(False, "speculators", False)

@@ -39,6 +39,7 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
     assert max(c["tau"] for c in bench["configs"][1:]) > 1.0
     assert summary["tau_chain3"] >= 1.0 and summary["bench_prompts"] == 3
     assert summary["wall_s"] > 0 and summary["train_steps"] == 6
+    assert summary["convergence"]["checked"] is False and "train.smoke_every=0" in summary["convergence"]["why"]
     # The validation walk of a chain-3 decode: a tau, so within [1, 1 + 3] (0.0 if missing).
     assert 1.0 <= summary["val_chain_tau"] <= 4.0
     # Accuracy counts out-of-vocab reply positions as misses: it can never pass the coverage.

@@ -31,12 +31,31 @@ def test_release_folder_reloads_and_says_how_to_serve(tmp_path, tiny_target, fmt
     assert "--speculative-algorithm EAGLE3" in serving["sglang"]["command"]
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: org/tiny-llama\n") and "speculative_config" in card
-    assert "- data: replies the target wrote to " in card and "split by id" in card
+    assert "- data: replies the target wrote to " in card
+    assert "split by task when the records carry a task identity, else id" in card  # data.split_key=auto
+    if fmt == "sglang":  # the card names the fingerprint the export carries
+        assert "the export's checkpoint fingerprint: config `" in card and "RoPE `{" in card
+        assert "no weight fingerprint (`release --weight-fingerprint` adds one)" in card
+    else:
+        assert "the export records no checkpoint fingerprint" in card
     if fmt == "speculators":
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
     with pytest.raises(DraftlingError, match="already|--overwrite"):  # an earlier release is not replaced silently
         release(ReleaseSpec(str(tmp_path / "run"), str(out), fmt, "org/tiny-llama"), tiny_target)
+
+
+def test_release_with_a_weight_fingerprint_says_so_in_its_card(tmp_path, tiny_target):
+    from draftling.target.fingerprint import weight_hash
+
+    setup_data(tmp_path)
+    train(cfg_for(2), tiny_target, tmp_path / "run", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
+          tmp_path / "vocab.safetensors")
+    out = release(ReleaseSpec(str(tmp_path / "run"), str(tmp_path / "rel"), weight_fingerprint=True), tiny_target)
+    recorded = json.loads((out / "config.json").read_text())["draftling"]["target_fingerprint"]
+    assert recorded["weights"] == weight_hash(tiny_target.model)
+    assert f"weights `{recorded['weights']}` (sha256 of a fixed sample of every weight tensor)" in (
+        out / "README.md").read_text()
 
 
 def test_push_without_a_hub_is_one_clear_line(tmp_path, monkeypatch):

@@ -61,6 +61,20 @@ def test_data_regenerates_every_assistant_turn_and_trains_only_on_it(tmp_path, t
         assert first >= by_turn[row["id"]]["provenance"]["prompt_tokens"] - 1
 
 
+def test_tau_bench_trials_split_by_task_by_default_and_the_summary_says_why(tmp_path, tiny_target_dir):
+    prompts = tmp_path / "rollouts.jsonl"
+    trials = [{**airline_like(i), "id": f"tau-airline-{i // 3}-{i % 3}"} for i in range(9)]  # 3 tasks x 3 trials
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in trials))
+    out = tmp_path / "data"
+    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
+                 "--out", str(out), "data.rollouts=true", "data.rollout_max_turns=1", "data.regen.max_new_tokens=3",
+                 "data.val_fraction=0.34", "data.min_tokens=4"]) == 0
+    tasks = {s: {r["id"].split("#")[0].rsplit("-", 1)[0] for r in _rows(out, s)} for s in ("train", "val")}
+    assert tasks["val"] and not tasks["train"] & tasks["val"]  # no task's trials on both sides
+    split = json.loads((out / "summary.json").read_text())["split"]
+    assert split["key"] == "task" and split["set"] == "auto" and split["why"].startswith("auto: 9 of 9 records")
+
+
 def _rows(out, split):
     return [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
 

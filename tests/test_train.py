@@ -82,6 +82,15 @@ def test_loss_goes_down_and_metrics_are_logged(tmp_path, tiny_target, capsys):
     assert records[-1]["split"] == "val" and "val" in result
     out = capsys.readouterr().out
     assert "step 30/30" in out and "sim_tau" in out and "validation" in out  # no TTY needed
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert all(" | elapsed " in line and " left" in line for line in step_lines)  # the ETA, no TTY
+    assert "M trainable params (" in out and "frozen (the target's embedding included)" in out
+    params = json.loads((tmp_path / "fit" / "train_result.json").read_text())["params"]
+    embed = tiny_target.input_embeddings().weight.numel()
+    weights = load_file(tmp_path / "fit" / "draft" / "draft.safetensors")
+    assert params["trainable"] == sum(t.numel() for k, t in weights.items() if k not in ("d2t", "t2d"))  # not the maps
+    assert params["frozen"] == embed and params["target"] == sum(p.numel() for p in tiny_target.model.parameters())
+    assert params["share_of_target"] == pytest.approx(params["trainable"] / params["target"])
     assert (tmp_path / "fit" / "config.yaml").is_file()
 
 

@@ -4,9 +4,10 @@ map, refusing a head built for another target, never writing the source."""
 import hashlib
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from draftling.draft.store import load_draft
 from draftling.draft.vocab import build_vocab_file, load_vocab
@@ -52,14 +53,24 @@ def adapt(tmp_path, target, init, data, name, steps=2):
                  data / "vocab.safetensors", init=init)
 
 
-@pytest.mark.parametrize("fmt", ["draftling", "sglang", "speculators"])
+def maps_to_npy(export: Path, t2d_dtype=numpy.bool_) -> None:
+    """Move an export's d2t/t2d out of model.safetensors into d2t.npy / t2d.npy beside it."""
+    tensors = load_file(export / "model.safetensors")
+    numpy.save(export / "d2t.npy", tensors.pop("d2t").numpy())
+    numpy.save(export / "t2d.npy", tensors.pop("t2d").numpy().astype(t2d_dtype))
+    save_file(tensors, export / "model.safetensors")
+
+
+@pytest.mark.parametrize("fmt", ["draftling", "sglang", "sglang-npy", "speculators"])
 def test_warm_start_from_each_format_keeps_the_heads_weights_and_map(tmp_path, tiny_target, fmt, capsys):
     src = base_run(tmp_path, tiny_target)
     head = load_draft(src)
     if fmt != "draftling":
         out = tmp_path / fmt
-        if fmt == "sglang":
+        if fmt.startswith("sglang"):
             export_sglang(head, out, trained_on_default_layers=True, dtype="keep", target_config=tiny_target.config)
+            if fmt == "sglang-npy":  # the maps as some published heads ship them
+                maps_to_npy(out, numpy.uint8)
         else:
             export_speculators(head, out, dtype="keep", target_config=tiny_target.config,
                                verifier_name_or_path="org/tiny-llama", verifier_architectures=["LlamaForCausalLM"])
@@ -131,3 +142,25 @@ def test_selection_candidates_survive_pruning(tmp_path, tiny_target):
           tmp_path / "vocab.safetensors")
     steps = [int(p.name.split("_")[1]) for p in list_checkpoints(tmp_path / "r")]
     assert steps == [3, 4, 6, 8, 9]  # epoch ends 3, 6, 9; multiples of 4; the newest (9)
+
+
+@pytest.mark.parametrize("bad, says", [
+    (lambda d2t, t2d: (d2t[:-1], t2d), "d2t.npy: d2t has shape (63,), expected (64,) from config.json"),
+    (lambda d2t, t2d: (d2t.astype(numpy.float32), t2d), "d2t.npy: d2t has dtype float32, expected integer offsets"),
+    (lambda d2t, t2d: (d2t, t2d.astype(numpy.float64)), "t2d.npy: t2d has dtype float64, expected bool"),
+    (lambda d2t, t2d: (d2t + 1000, t2d), "(vocab maps from d2t.npy, t2d.npy): d2t maps draft ids outside the target"),
+    (lambda d2t, t2d: (numpy.array([{"x": 1}] * 64, dtype=object), t2d), "d2t.npy: not a readable .npy array"),
+])
+def test_init_from_refuses_bad_npy_maps_in_one_line(tmp_path, tiny_target, bad, says, capsys):
+    from draftling.cli import main
+
+    head = load_draft(base_run(tmp_path, tiny_target))
+    out = tmp_path / "npy"
+    export_sglang(head, out, trained_on_default_layers=True, dtype="keep", target_config=tiny_target.config)
+    maps_to_npy(out)
+    d2t, t2d = bad(numpy.load(out / "d2t.npy"), numpy.load(out / "t2d.npy"))
+    numpy.save(out / "d2t.npy", d2t, allow_pickle=True)
+    numpy.save(out / "t2d.npy", t2d)
+    code = main(["train", "--data", str(tmp_path), "--run-dir", str(tmp_path / "run"), "--init-from", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and says in err and "\n" not in err and not (tmp_path / "run").exists()

@@ -390,6 +390,8 @@ def add_export_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (only "
                    "the files draftling wrote there; other files stay). Without it --out must be new or "
                    "empty; a directory draftling did not write is always refused")
+    p.add_argument("--weight-fingerprint", action="store_true", help="also record a hash of a fixed sample of "
+                   "the target's weights (needs --target; sglang format), which `draftling check` compares")
 
 
 def add_quickstart_parser(sub) -> None:
@@ -637,8 +639,9 @@ def add_check_parser(sub) -> None:
     p = sub.add_parser("check", help="check that an exported head fits a target before serving it",
                        description="Load EXPORT (an SGLang or speculators export, or a draftling draft), check its "
                        "vocab maps, hidden size, vocabulary and aux layer ids against the target, and the target "
-                       "fingerprint (config and tokenizer hashes) the export recorded. Exit 2 with every mismatch "
-                       "named.", epilog=EPILOG_OVERRIDES)
+                       "fingerprint the export recorded (config and tokenizer hashes, RoPE parameters, and where "
+                       "it carries one the weight hash, for which the target's weights are loaded). Exit 2 with "
+                       "every mismatch named.", epilog=EPILOG_OVERRIDES)
     _common(p)
     p.add_argument("export", metavar="EXPORT", help="the export (or draft) directory")
 
@@ -696,6 +699,8 @@ def add_release_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier release in --out")
     p.add_argument("--checkpoint", metavar="NAME", help="ship checkpoints/NAME, or 'final' for RUN/draft (default: "
                    "the selection's winner, else the final head)")
+    p.add_argument("--weight-fingerprint", action="store_true", help="the export's target fingerprint also hashes "
+                   "a fixed sample of the target's weights (sglang format), which `draftling check` compares")
 
 
 def cmd_release(args) -> None:
@@ -707,7 +712,7 @@ def cmd_release(args) -> None:
     cfg = run_config(args, ("target", "dtype"), base=("device=cpu",))
     target_id = verifier_hub_id(None if args.verifier_id else resolve_target(cfg.target), args.verifier_id)
     spec = ReleaseSpec(args.run_dir, args.out, args.format, target_id, args.push, args.bench, args.overwrite,
-                       args.checkpoint, args.serve_check)
+                       args.checkpoint, args.serve_check, args.weight_fingerprint)
     out = release(spec, load_target_from_config(cfg))
     print(f"released {args.run_dir} to {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.name[0] != '.'))}")
     if args.push:
@@ -743,7 +748,14 @@ def cmd_check(args) -> None:
         raise DraftlingError(f"{args.export}: no such directory")
     config = load_target_config(cfg.target)
     tokenizer = load_target_tokenizer(cfg.target, cfg.chat_template).tokenizer
-    for line in check_export(args.export, config, tokenizer):
+
+    def weights() -> str:  # only where the export carries a weight hash: loading the weights costs
+        from draftling.target import load_target_from_config
+        from draftling.target.fingerprint import weight_hash
+
+        return weight_hash(load_target_from_config(cfg).model)
+
+    for line in check_export(args.export, config, tokenizer, weights):
         print(f"ok: {line}")
     print(f"{args.export} fits {cfg.target or 'the default target'}")
 

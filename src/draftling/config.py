@@ -26,7 +26,7 @@ POSITIVE = ("a number > 0", lambda v: v > 0)
 AT_LEAST_ONE = ("an integer >= 1", lambda v: v >= 1)
 NON_NEGATIVE = ("a number >= 0", lambda v: v >= 0)
 FRACTION = ("a number in [0, 1]", lambda v: 0 <= v <= 1)
-SPLIT_KEYS = ("id", "task", "source")  # data.split_key (see data/split.py)
+SPLIT_KEYS = ("auto", "id", "task", "source")  # data.split_key (see data/split.py)
 
 
 def check_bounds(section: str, obj, rules: dict) -> None:
@@ -198,8 +198,10 @@ class DataConfig:
     rollout_max_turns: int = 0
     val_fraction: float = 0.05
     # "id": each conversation is its own task; "task": a record's `task` field, or NAME-TASK for
-    # ids NAME-TASK-TRIAL (tau-bench's trials of one task stay on one side); "source": per file.
-    split_key: str = "id"
+    # ids NAME-TASK-TRIAL (tau-bench's trials of one task stay on one side); "source": per file;
+    # "auto": task when any record carries a task identity, else id (data/split.py
+    # resolve_split_key; the data summary names the key chosen and why).
+    split_key: str = "auto"
     drop_tool_calls: bool = False
     min_tokens: int = 8  # drop conversations shorter than this (in target tokens)
     max_tokens: int = 2048  # truncate longer ones
@@ -381,7 +383,11 @@ class TrainConfig:
     # smoke_rows prompts decode at once, each in its own row of the target's static cache, which
     # lives through the run: 1 decodes them one at a time in the least memory. On the H200 a
     # check of 14 prompts one at a time took 23-32 s, a third of a 2,394-step run's wall time.
+    # smoke_max_share: where a check's measured seconds exceed this share of the training time
+    # between checks, the run checks less often (every multiple of smoke_every that fits) and logs
+    # the numbers; 0 = never adapt.
     smoke_every: int = 0
+    smoke_max_share: float = 0.05
     smoke_prompts: str = "set:smoke-v1"
     smoke_max_new_tokens: int = 32
     smoke_rows: int = 16
@@ -391,7 +397,8 @@ class TrainConfig:
     def __post_init__(self):
         check_bounds("train", self, {
             "smoke_every": ("an integer >= 0 (0 = off)", lambda v: v >= 0),
-            "smoke_max_new_tokens": AT_LEAST_ONE, "smoke_rows": AT_LEAST_ONE, "convergence_checks": AT_LEAST_ONE})
+            "smoke_max_new_tokens": AT_LEAST_ONE, "smoke_rows": AT_LEAST_ONE, "convergence_checks": AT_LEAST_ONE,
+            "smoke_max_share": ("a number in [0, 1) (0 = never adapt)", lambda v: 0 <= v < 1)})
         if self.stop_on_convergence and not self.smoke_every:
             raise ConfigError("train.stop_on_convergence needs the smoke bench: set train.smoke_every "
                               "(steps between checks), e.g. train.smoke_every=200")

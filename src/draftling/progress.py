@@ -1,11 +1,13 @@
 """Progress for the long stages: a tqdm bar on a terminal; without one (a log file, CI, a
-device run) the bar would print nothing useful, so the stage's own status lines go to stdout.
+device run) the bar would print nothing useful, so the stage's own status lines go to stdout,
+each with the elapsed time and the time left at the measured rate.
 ``quiet_libraries`` keeps the libraries' own bars and chatter out of that log."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 def quiet_libraries() -> None:
@@ -22,22 +24,48 @@ def quiet_libraries() -> None:
 
 
 class Progress:
-    """``update(n, line)`` advances the bar on a terminal, or prints ``line`` (when given)
-    without one. ``enabled=False`` keeps it silent either way."""
+    """``update(n, line)`` advances the bar on a terminal (tqdm draws elapsed and time left), or
+    prints ``line`` (when given) with ``timing()`` appended without one. ``enabled=False`` keeps
+    it silent either way. ``emit``: where lines go (default print); ``bar=False``: lines even on a
+    terminal (a stage whose lines are its record); ``initial``: units already done (a resumed
+    run), which the rate does not count."""
 
-    def __init__(self, total: int, desc: str, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, total: int, desc: str, enabled: bool = True, initial: int = 0, emit=None,
+                 bar: bool = True):
+        self.enabled, self.total, self.done = enabled, total, initial
+        self.emit = emit or (lambda line: print(line, flush=True))
+        self.t0, self.base = time.perf_counter(), initial  # the rate counts units done since t0
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        if enabled and bar and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc)
+            self.bar = tqdm(total=total, initial=initial, desc=desc)
 
     def update(self, n: int = 1, line: str | None = None) -> None:
+        self.done += n
         if self.bar is not None:
             self.bar.update(n)
         elif self.enabled and line is not None:
-            print(line, flush=True)
+            self.emit(f"{line} | {self.timing()}")
+
+    def skip(self, n: int = 1) -> None:
+        """``n`` units found done (a journal, a finished shard): advanced, but not in the rate."""
+        self.base += n
+        self.update(n)
+
+    def set_total(self, total: int) -> None:
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def timing(self) -> str:
+        """"elapsed 3m10s, ~1h02m left", from the rate measured since the start."""
+        elapsed = time.perf_counter() - self.t0
+        worked, left = self.done - self.base, max(0, self.total - self.done)
+        if worked <= 0 or elapsed <= 0:
+            return f"elapsed {duration(elapsed)}"
+        return f"elapsed {duration(elapsed)}, ~{duration(left * elapsed / worked)} left"
 
     def close(self) -> None:
         if self.bar is not None:
@@ -48,3 +76,13 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def duration(seconds: float) -> str:
+    """42s, 3m10s, 1h02m."""
+    s = int(round(max(0.0, seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

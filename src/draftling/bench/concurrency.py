@@ -29,6 +29,7 @@ from draftling.engine.batch import batch_generate
 from draftling.errors import ConfigError
 from draftling.export.formats import load_any_draft
 from draftling.io import write_json
+from draftling.progress import Progress
 from draftling.target import Target
 
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
@@ -77,12 +78,14 @@ def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log
     info, prompts = load_prompt_set(options.prompt_set, target)
     draft = load_any_draft(draft_path, target.device, next(target.model.parameters()).dtype)
     rows = []
+    # Requests decoded (plain and every config at each level): a level's cost grows with them.
+    progress = Progress(sum(options.requests(v) for v in options.levels), "concurrency", emit=log, bar=False)
     for level in options.levels:
         ids = [prompts[i % len(prompts)].input_ids for i in range(options.requests(level))]
         max_len = max(map(len, ids)) + options.max_new_tokens + max(c.draft_tokens for c in configs) + 8
         tgt, runner = build_engine(target, draft, max_len, engine, batch_size=level)
         rows += _level(tgt, runner, ids, configs, options.max_new_tokens)
-        log(_level_line(rows[-1 - len(configs):]))
+        progress.update(len(ids), _level_line(rows[-1 - len(configs):]))
         del tgt, runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

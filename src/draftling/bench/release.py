@@ -47,6 +47,7 @@ from draftling.engine import (CachedTarget, DraftRunner, EngineOptions, build_ta
                               speculative_generate)
 from draftling.errors import ConfigError, DataError
 from draftling.export.formats import load_any_draft
+from draftling.progress import Progress
 from draftling.target import Target
 
 BASELINES = RELEASE_BASELINES
@@ -57,7 +58,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 PROTOCOL_KEYS = {"bench.configs": list(DEFAULT_CONFIGS), "bench.max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
-RESULT_KEYS = ("date", "gpu", "target", "draft", "prompt_set", "dtype", "command", "baselines",
+RESULT_KEYS = ("date", "gpu", "engine", "target", "draft", "prompt_set", "dtype", "command", "baselines",
                "baseline_details", "configs", "sampled", "caveats")
 
 # ----------------------------------------------------------------------------- prompt sets
@@ -384,6 +385,7 @@ def _warm_up(run: _Run) -> None:
 def _time_engine(run: _Run) -> tuple[list[dict], dict[str, list[int]]]:
     """One row per prompt: engine_plain (and unpadded), then each config; and plain's tokens."""
     rows, refs, cap = [], {}, run.opts.max_new_tokens
+    progress = Progress(len(run.prompts), "engine", emit=run.log, bar=False)
     for i, p in enumerate(run.prompts):
         x = run.tensor(p)
         ref, t = run.clock.timed(lambda: run.plain(x))
@@ -402,8 +404,8 @@ def _time_engine(run: _Run) -> tuple[list[dict], dict[str, list[int]]]:
                            "accepted": sum(stats.accept_lengths), "verifies": len(stats.accept_lengths),
                            "accept_counts": list(stats.accept_counts)}
         rows.append(row)
-        if (i + 1) % 8 == 0 or i + 1 == len(run.prompts):
-            run.log(f"engine: {i + 1}/{len(run.prompts)} prompts")
+        last = (i + 1) % 8 == 0 or i + 1 == len(run.prompts)
+        progress.update(1, f"engine: {i + 1}/{len(run.prompts)} prompts" if last else None)
     return rows, refs
 
 
@@ -429,6 +431,7 @@ def _time_hf_baselines(run: _Run, rows: list[dict], refs: dict) -> list[BenchPro
     subset = _first_per_workload(run.prompts, run.opts.baseline_prompts_per_workload)
     by_id, cap = {r["id"]: r for r in rows}, run.opts.max_new_tokens
     pad = _pad_id(run.target, run.eos)
+    progress = Progress(len(subset) * len(run.opts.hf_runs), "baselines", emit=run.log, bar=False)
     for name in run.opts.hf_runs:
         kw = _hf_kwargs(name, cap, run.eos, pad)
 
@@ -442,7 +445,8 @@ def _time_hf_baselines(run: _Run, rows: list[dict], refs: dict) -> list[BenchPro
             toks = out[0, x.shape[1]:].tolist()
             by_id[p.id][name] = {"tokens": len(toks), "s": t, "natural_stop": len(toks) < cap,
                                  "identical": toks == refs[p.id]}
-        run.log(f"{name}: {len(subset)} prompts")
+            progress.update(1)
+        progress.update(0, f"{name}: {len(subset)} prompts")
     return subset
 
 
@@ -464,7 +468,9 @@ def _time_sampled(run: _Run) -> dict:
     engine) and each config on every prompt, one generator seed per prompt. Verification is
     lossless, so both follow the target's law, but their tokens differ: only rates compare."""
     out = {}
-    for temp in run.opts.sampled_temperatures:
+    temps = run.opts.sampled_temperatures
+    progress = Progress(len(temps) * len(run.prompts), "sampled", emit=run.log, bar=False)
+    for temp in temps:
         rows = []
         for i, p in enumerate(run.prompts):
             x = run.tensor(p)
@@ -479,8 +485,11 @@ def _time_sampled(run: _Run) -> dict:
                 row[c.name] = {"tokens": toks.shape[1], "s": t, "accepted": sum(stats.accept_lengths),
                                "verifies": len(stats.accept_lengths)}
             rows.append(row)
+            progress.update(1, f"sampled at temperature {temp}: {i + 1}/{len(run.prompts)} prompts"
+                            if (i + 1) % 8 == 0 and i + 1 < len(run.prompts) else None)
         out[str(temp)] = {c.name: _sampled_config(run, rows, c.name) for c in run.configs}
-        run.log(f"sampled at temperature {temp}: {len(rows)} prompts x (plain + {len(run.configs)} configs)")
+        progress.update(0, f"sampled at temperature {temp}: {len(rows)} prompts x (plain + "
+                           f"{len(run.configs)} configs)")
     return out
 
 

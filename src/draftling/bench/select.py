@@ -29,6 +29,7 @@ from draftling.engine.batch import batch_generate
 from draftling.errors import DraftlingError
 from draftling.export.formats import load_any_draft
 from draftling.io import write_json, write_text
+from draftling.progress import Progress
 from draftling.target import Target
 from draftling.train.checkpoint import list_checkpoints
 from draftling.train.trainer import evaluate
@@ -57,13 +58,15 @@ def select_checkpoint(target: Target, run_dir, opts: SelectOptions, measure=None
                              "or train.ckpt_every_epoch=true to keep candidates)")
     run_cfg = load_config(run_dir / "config.yaml")
     val = load_tokenized(Path(opts.data) / "val.jsonl", target.config.vocab_size)
-    losses = {c: val_loss(target, c, run_cfg, val) for c in cands}
+    losses = {}
+    with Progress(len(cands), "select: validation loss", bar=False) as progress:
+        for i, c in enumerate(cands):
+            losses[c] = val_loss(target, c, run_cfg, val)
+            progress.update(1, f"select: validation loss {i + 1}/{len(cands)}: {c.name} {losses[c]:.4f}")
     shortlist = sorted(cands, key=lambda c: losses[c])[:opts.shortlist]
     info, prompts = load_prompt_set(opts.prompts, target)
     ids = [p.input_ids for p in prompts]
-    measure = measure or measure_head
-    rows = [{"checkpoint": c.name, "val_loss": losses[c], **measure(target, load_any_draft(c, target.device, _dtype(target)),
-                                                                   ids, opts)} for c in shortlist]
+    rows = measure_shortlist(target, shortlist, losses, ids, opts, measure or measure_head)
     report = _report(rows, opts, ids, info, target.spec.label)
     if opts.base:
         base = measure(target, load_any_draft(opts.base, target.device, _dtype(target)), ids, opts)
@@ -73,6 +76,19 @@ def select_checkpoint(target: Target, run_dir, opts: SelectOptions, measure=None
                                 "adapted": {k: win[k] for k in ("tau", "tok_s")}}
     _write(report, Path(opts.out or run_dir / "selection"), target, opts)
     return report
+
+
+def measure_shortlist(target: Target, shortlist: list[Path], losses: dict, ids, opts: SelectOptions,
+                      measure) -> list[dict]:
+    """One row per shortlisted checkpoint: its validation loss and what ``measure`` gives."""
+    rows = []
+    with Progress(len(shortlist), "select: served speed", bar=False) as progress:
+        for i, c in enumerate(shortlist):
+            m = measure(target, load_any_draft(c, target.device, _dtype(target)), ids, opts)
+            rows.append({"checkpoint": c.name, "val_loss": losses[c], **m})
+            progress.update(1, f"select: served speed {i + 1}/{len(shortlist)}: {c.name} {m['tok_s']:.1f} tok/s, "
+                               f"tau {m['tau']:.2f}")
+    return rows
 
 
 def _dtype(target: Target) -> torch.dtype:

@@ -161,6 +161,7 @@ def vllm_decode(llm, prompts: list[BenchPrompt], o: ServeCheckOptions, eos: list
 
     params = SamplingParams(temperature=0.0, max_tokens=o.max_new_tokens, stop_token_ids=eos)
     tallies, tokens = {}, {}
+    progress = Progress(len(prompts), "vLLM", bar=False)  # one line per workload, as vLLM decodes it whole
     for w in dict.fromkeys(p.workload for p in prompts):
         group = [p for p in prompts if p.workload == w]
         before = _spec_counters(llm)
@@ -169,7 +170,7 @@ def vllm_decode(llm, prompts: list[BenchPrompt], o: ServeCheckOptions, eos: list
         per_pos = [b - a for a, b in zip(before[2], after[2])]
         tallies[w] = Tally(after[0] - before[0], after[1] - before[1], per_pos)
         tokens.update({p.id: list(out.outputs[0].token_ids) for p, out in zip(group, outs)})
-        print(f"vLLM: workload {w}: {len(group)} prompts at once, tau {tallies[w].tau:.2f}", flush=True)
+        progress.update(len(group), f"vLLM: workload {w}: {len(group)} prompts at once, tau {tallies[w].tau:.2f}")
     return tallies, tokens
 
 

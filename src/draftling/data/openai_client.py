@@ -196,7 +196,7 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
         for conv, _ in prompts:
             if journal is not None and journal.has_all([conv.id]):
                 futures.append(None)
-                bar.update(1)
+                bar.skip(1)
                 continue
             fut = pool.submit(server.chat, prompt_messages(conv), cfg, conv.tools)
             fut.add_done_callback(tick)

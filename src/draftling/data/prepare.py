@@ -28,7 +28,7 @@ from draftling.data.prompts import Conversation, has_tool_calls, is_rollout_turn
 from draftling.data.sources import load_prompt_spec, read_id_file
 from draftling.data.regen import RegenRun, regen_dtype, regenerate, regenerate_within, render_prompt_ids
 from draftling.data.runs import RUN_KEY, run_id
-from draftling.data.split import split_by_task, task_of
+from draftling.data.split import resolve_split_key, split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
 from draftling.errors import DataError
@@ -100,8 +100,9 @@ def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_
 
 def pool_prompt_counts(tokenizer, pool: list[Conversation], val: list, split_key: str):
     """(token counts, conversations counted) over the whole pool but validation's tasks (same
-    split key; ``val`` holds anything with ``id`` and ``source``), so the draft vocab can rank
-    tokens the sampled replies are too few to show."""
+    split key, ``auto`` resolved over the pool; ``val`` holds conversations or their rollout
+    turns), so the draft vocab can rank tokens the sampled replies are too few to show."""
+    split_key = resolve_split_key(pool, split_key)[0]
     val_tasks = {task_of(c, split_key) for c in val}
     kept = [c for c in pool if task_of(c, split_key) not in val_tasks]
     return count_prompt_tokens(tokenizer, kept, len(tokenizer)), len(kept)
@@ -197,7 +198,8 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
               f"{', '.join(dc.exclude + dc.exclude_ids)}", flush=True)
     journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
     local = _pinned_regen(dc, target, journal)
-    train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=dc.split_key)
+    split_key, why = resolve_split_key(convs, dc.split_key)
+    train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=split_key)
     turns = None
     if dc.rollouts:  # after the split: every turn of a conversation stays on its task's side
         turns = {"prompt_limit": max_prompt_tokens(dc)}
@@ -207,7 +209,7 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
               f"{', ' + str(turns['sampled_out']) + ' left out by data.rollout_max_turns' if turns['sampled_out'] else ''})",
               flush=True)
     print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
-          f"{len(val_convs)} val (split by {dc.split_key})", flush=True)
+          f"{len(val_convs)} val (split by {split_key}: {why})", flush=True)
     if local is not None and replies is not None:
         local = replace(local, replies=replies)
     regenerated = _regenerate(dc, target, journal, local, (train_convs, val_convs), regen_seconds)
@@ -216,9 +218,10 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     # The directory is built aside and swapped in whole: a killed rerun leaves the earlier
     # data as it was, never a new train.jsonl beside an old val.jsonl.
     with atomic_dir(out_dir) as tmp:
-        write_prompt_pool_counts(target.tokenizer, pool, val_convs, dc.split_key, tmp / PROMPT_COUNTS_FILE, run)
+        write_prompt_pool_counts(target.tokenizer, pool, val_convs, split_key, tmp / PROMPT_COUNTS_FILE, run)
         rows = write_splits(target, dc, tmp, replies, run)
         summary = {"run": run, **data_summary(cfg, target, convs, excluded, regenerated, rows),
+                   "split": {"key": split_key, "set": dc.split_key, "why": why},
                    **({"rollout_turns": turns} if turns is not None else {})}
         write_json(tmp / "summary.json", summary)
         write_json(tmp / OUTPUT_MARKER, {"kind": "data", "run": run})

@@ -157,7 +157,7 @@ def _regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run
         if run.journal is not None and run.journal.has_all(c.id for c, _ in chunk):
             yield from (run.journal.get(c.id) for c, _ in chunk)
             done += len(chunk)
-            bar.update(len(chunk))
+            bar.skip(len(chunk))  # journaled: no time, not in the rate
             continue
         slowest = pace.get("slowest_batch_s")
         if run.deadline is not None and slowest is not None and time.perf_counter() + slowest > run.deadline:

@@ -118,16 +118,18 @@ def verifier_architectures(model) -> list[str]:
 
 def export_draft(draft_dir, out, fmt: str = "sglang", with_embedding: bool = False,
                  target=None, dtype: str = "bfloat16", overwrite: bool = False,
-                 verifier_id: str | None = None) -> Path:
+                 verifier_id: str | None = None, weight_fingerprint: bool = False) -> Path:
     """Export a draftling draft directory. ``target`` is a loaded Target (needed for the
     embedding, and for the verifier of the speculators format) or None. ``out`` must be new,
     empty, or (with ``overwrite``) an earlier export, whose own files are then replaced;
     anything else there is refused before any work. ``verifier_id``: the verifier's hub id
-    for the speculators format (see :func:`verifier_hub_id`)."""
+    for the speculators format (see :func:`verifier_hub_id`). ``weight_fingerprint``: the
+    SGLang export's target fingerprint also hashes a sample of the target's weights."""
     if fmt not in ("sglang", "speculators"):
         raise DraftlingError(f"--format {fmt}: expected sglang or speculators")
     if fmt == "speculators" and target is None:
         raise DraftlingError(NEEDS_TARGET)
+    check_weight_fingerprint(weight_fingerprint, fmt, target is not None)
     check_output_dir(out, "export", overwrite)
     verifier, archs = "", []
     if fmt == "speculators":  # before the work, so a bad name costs nothing
@@ -147,11 +149,21 @@ def export_draft(draft_dir, out, fmt: str = "sglang", with_embedding: bool = Fal
     if fmt == "sglang":
         out = _export_sglang(draft, out, with_embedding, embedding, default, dtype, target_config)
         if target is not None:
-            record_fingerprint(out, fingerprint(target.config, target.tokenizer))
+            model = target.model if weight_fingerprint else None
+            record_fingerprint(out, fingerprint(target.config, target.tokenizer, model))
         return out
     return export_speculators(draft, out, verifier_name_or_path=verifier, verifier_architectures=archs,
                               include_embedding=with_embedding, embedding=embedding, dtype=dtype,
                               target_config=target_config)
+
+
+def check_weight_fingerprint(wanted: bool, fmt: str, has_target: bool) -> None:
+    """--weight-fingerprint: refused (before any work) where no fingerprint would carry it."""
+    if wanted and fmt != "sglang":
+        raise DraftlingError("--weight-fingerprint: only the sglang format records the target fingerprint "
+                             "(the speculators config names its verifier by hub id instead)")
+    if wanted and not has_target:
+        raise DraftlingError("--weight-fingerprint needs --target: the weights it hashes are the target's")
 
 
 def record_fingerprint(out: Path, fp: dict) -> None:
@@ -177,6 +189,7 @@ def export_from_cli(args, cfg) -> None:
     """`draftling export`'s flags; ``cfg``: the run config naming the target, loaded only when
     --with-embedding, --target or --format speculators asks for it."""
     check_output_dir(args.out, "export", args.overwrite)  # before the target loads
+    check_weight_fingerprint(args.weight_fingerprint, args.format, bool(args.target))
     verifier_id = getattr(args, "verifier_id", None)
     if args.format == "speculators":
         if not args.target:
@@ -191,5 +204,5 @@ def export_from_cli(args, cfg) -> None:
 
         target = load_target_from_config(cfg)
     out = export_draft(args.draft, args.out, args.format, args.with_embedding, target, args.export_dtype,
-                       args.overwrite, verifier_id=verifier_id)
+                       args.overwrite, verifier_id=verifier_id, weight_fingerprint=args.weight_fingerprint)
     print(f"exported {args.format} format to {out}")

@@ -4,7 +4,8 @@
   config.json plus one model.safetensors with ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
   ``d2t``, ``t2d`` (and ``embed_tokens`` only on request).
 - :func:`export_speculators`: the vLLM "speculators" layout (``Eagle3Speculator``).
-- :func:`load_sglang_export`: rebuild an :class:`Eagle3Draft` from an SGLang-layout dir.
+- :func:`load_sglang_export`: rebuild an :class:`Eagle3Draft` from an SGLang-layout dir (its
+  vocab maps from the weights, or from ``d2t.npy`` / ``t2d.npy`` beside them).
 - :func:`load_any_draft`: a draftling draft or an SGLang export, whichever the dir holds.
 
 Aux-layer ids are translated by :mod:`draftling.export.conventions` and nowhere else.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -271,6 +273,40 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+NPY_MAPS = ("d2t", "t2d")  # published heads sometimes ship their vocab maps as NAME.npy beside the weights
+
+
+def _read_npy_maps(path: Path, tensors: dict[str, torch.Tensor], draft_vocab: int, vocab: int) -> list[str]:
+    """d2t.npy / t2d.npy beside the weights, into ``tensors`` under their names, their shape and
+    dtype checked (offsets are checked with the safetensors maps'). Returns the files read."""
+    read = []
+    for name in NPY_MAPS:
+        f = path / f"{name}.npy"
+        if not f.is_file():
+            continue
+        if name in tensors or f"model.{name}" in tensors:
+            raise DraftlingError(f"{f}: {name} is also in the .safetensors weights; keep one of them")
+        tensors[name] = _npy_map(f, name, draft_vocab if name == "d2t" else vocab)
+        read.append(f.name)
+    return read
+
+
+def _npy_map(f: Path, name: str, size: int) -> torch.Tensor:
+    try:
+        a = numpy.load(f, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # pickled objects are refused as ValueError
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DraftlingError(f"{f}: not a readable .npy array ({why})") from None
+    if a.shape != (size,):
+        raise DraftlingError(f"{f}: {name} has shape {a.shape}, expected ({size},) from config.json")
+    integer = numpy.issubdtype(a.dtype, numpy.integer)
+    if name == "d2t" and not integer:
+        raise DraftlingError(f"{f}: d2t has dtype {a.dtype}, expected integer offsets (target = draft id + d2t)")
+    if name == "t2d" and not (a.dtype == numpy.bool_ or (integer and bool(numpy.isin(a, (0, 1)).all()))):
+        raise DraftlingError(f"{f}: t2d has dtype {a.dtype}, expected bool (or 0/1 integers)")
+    return torch.from_numpy(a.astype(numpy.int64 if name == "d2t" else numpy.bool_))
+
+
 def _aux_ids_from_config(cfg: dict[str, Any], path: Path, target_num_layers: int | None) -> list[int]:
     candidates: dict[str, list[int]] = {}
     sgl = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -312,13 +348,15 @@ def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None =
     config = _export_config(cfg, path, ids)
     draft = Eagle3Draft(config)
     vocab, draft_vocab = int(cfg["vocab_size"]), int(config.draft_vocab_size)
+    npy = _read_npy_maps(path, tensors, draft_vocab, vocab)
     sd, embed = _export_state_dict(tensors, vocab, draft_vocab, path)
     expected = set(draft.trainable_state_dict())
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
         raise DraftlingError(f"{path}: weights do not fit an EAGLE-3 head "
                              f"(missing {missing}, unexpected {unexpected})")
-    check_vocab_maps(sd["d2t"], sd["t2d"], draft_vocab, vocab, where=str(path))
+    check_vocab_maps(sd["d2t"], sd["t2d"], draft_vocab, vocab,
+                     where=f"{path} (vocab maps from {', '.join(npy)})" if npy else str(path))
     try:
         draft.load_state_dict(sd, strict=False)
     except RuntimeError as e:

@@ -15,10 +15,10 @@ from pathlib import Path
 from draftling.config import load_config
 from draftling.draft.store import WEIGHTS_FILE, load_draft
 from draftling.errors import DraftlingError
-from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft
+from draftling.export.cli import DEFAULT_TARGET_HUB_ID, check_weight_fingerprint, export_draft
 from draftling.io import OUTPUT_MARKER, atomic_dir, check_output_dir, write_json, write_text
 from draftling.network import hub_unreachable
-from draftling.target.fingerprint import fingerprint
+from draftling.target.fingerprint import describe
 
 DEFAULT_CONFIG = (3, 4, 8)  # steps, topk, draft tokens: tree-3-4-8, the v1 release bench's best mean
 
@@ -36,6 +36,7 @@ class ReleaseSpec:
     # `draftling select` report where there is one, else the final head.
     checkpoint: str | None = None
     serve_check: str | None = None  # a `draftling serve-check` results JSON: vLLM's figures in the card
+    weight_fingerprint: bool = False  # the export's target fingerprint also hashes a sample of the weights
 
 
 SELECTION = Path("selection") / "selection.json"  # where `draftling select` writes by default
@@ -61,15 +62,19 @@ def release(spec: ReleaseSpec, target) -> Path:
     bench = _read_json(spec.bench, "--bench", "a release-bench results JSON")
     served = _read_json(spec.serve_check, "--serve-check", "a serve-check results JSON")
     check_output_dir(spec.out, "release", spec.overwrite)
+    check_weight_fingerprint(spec.weight_fingerprint, spec.fmt, target is not None)
     with atomic_dir(spec.out) as tmp:
         export_draft(draft_dir, tmp / "export", spec.fmt, False, target, "bfloat16",
-                     verifier_id=spec.target_id if spec.fmt == "speculators" else None)
+                     verifier_id=spec.target_id if spec.fmt == "speculators" else None,
+                     weight_fingerprint=spec.weight_fingerprint)
+        recorded = (json.loads((tmp / "export" / "config.json").read_text()).get("draftling") or {}).get(
+            "target_fingerprint")
         for f in (tmp / "export").iterdir():  # the export's files at the folder's top, as hubs serve them
             f.rename(tmp / f.name)
         (tmp / "export").rmdir()
         serving = serving_configs(spec, load_draft(draft_dir).config, bench)
         write_json(tmp / "serving.json", serving)
-        card = model_card(spec, run, target, serving, bench, served)
+        card = model_card(spec, run, recorded, serving, bench, served)
         write_text(tmp / "README.md", card + "\n" + _selection_section(draft_dir, selection))
         files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MARKER)
         write_json(tmp / OUTPUT_MARKER, {"kind": "release", "files": files})
@@ -118,10 +123,10 @@ def serving_configs(spec: ReleaseSpec, draft_config, bench: dict | None = None) 
                                    f"--speculative-num-draft-tokens {tokens}")}}
 
 
-def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict | None,
+def model_card(spec: ReleaseSpec, run: Path, fp: dict | None, serving: dict, bench: dict | None,
                served: dict | None = None) -> str:
+    """``fp``: the target fingerprint the export records (None: it records none)."""
     result = json.loads((run / "train_result.json").read_text()) if (run / "train_result.json").is_file() else {}
-    fp = fingerprint(target.config, target.tokenizer) if target is not None else {}
     lines = ["---", f"base_model: {spec.target_id}", "library_name: draftling", "license: apache-2.0",
              "tags:", "- speculative-decoding", "- eagle3", "- draft-model", "---", "",
              f"# EAGLE-3 draft head for {spec.target_id}", "",
@@ -130,8 +135,9 @@ def model_card(spec: ReleaseSpec, run: Path, target, serving: dict, bench: dict 
              "The export omits the embedding: serving engines share the target's own. It holds the fused "
              "feature layer, one decoder layer, the norm, the draft-vocabulary output head and the d2t/t2d "
              "vocabulary maps.", "",
-             "## Target", "", f"- {spec.target_id}; checkpoint fingerprint: config `{fp.get('config', '?')}`, "
-             f"tokenizer `{fp.get('tokenizer', '?')}` (`draftling check` compares them).",
+             "## Target", "", f"- {spec.target_id}; " + (f"the export's checkpoint fingerprint: {describe(fp)} "
+                                                        "(`draftling check` compares them)." if fp else
+                                                        "the export records no checkpoint fingerprint."),
              f"- context length of the head's config: {serving['max_position_embeddings']} positions", "",
              "## Training", "", *_data_lines(run), f"- steps: {result.get('steps', '?')}; validation: "
              + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
@@ -154,8 +160,9 @@ def _data_lines(run: Path) -> list[str]:
     dc, tc = cfg.data, cfg.train
     how = "; agent rollouts (each assistant turn a prompt, the target's reply its only loss)" if dc.rollouts else ""
     held = f"; ids of {', '.join(Path(f).name for f in dc.exclude_ids)} kept out" if dc.exclude_ids else ""
+    split = ("task when the records carry a task identity, else id" if dc.split_key == "auto" else dc.split_key)
     return [f"- data: replies the target wrote to {', '.join(dc.prompts)}{how}, up to {dc.max_tokens} tokens "
-            f"a sequence; split by {dc.split_key}, {dc.val_fraction:.0%} of tasks to validation{held}",
+            f"a sequence; split by {split}, {dc.val_fraction:.0%} of tasks to validation{held}",
             f"- recipe: {tc.epochs:g} epochs, batch {tc.batch_size}, lr {tc.lr:g}, {tc.ttt_steps} TTT steps"
             + (f", warm-started from {Path(cfg.draft.init_from).name}" if cfg.draft.init_from else "")]
 

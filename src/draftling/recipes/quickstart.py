@@ -129,6 +129,10 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         # the ceiling on step-0 acceptance.
         "val_vocab_coverage": round(val.get("vocab_coverage", 0.0), 4),
         "train_steps": train_result["steps"],
+        # The smoke bench's convergence verdict where the profile had time for checks (train.smoke_every).
+        "convergence": train_result.get("convergence") or {
+            "checked": False, "why": "train.smoke_every=0: one smoke check decodes 14 prompts through the target, "
+                                     "minutes on a 2-core CPU, more than the budget's training share affords"},
         "train_sequences": data_summary["train_sequences"],
         # Where the profile lets the CPU pick bf16 (data.regen.dtype, train.compute_dtype):
         # what it picked. The bench always runs the target in its own dtype.

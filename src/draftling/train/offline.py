@@ -45,6 +45,7 @@ from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.errors import DataError
 from draftling.faults import fault_point
 from draftling.io import atomic_path, output_dir_in_use, write_json
+from draftling.progress import Progress
 from draftling.target.load import pin_cpu_layout
 from draftling.train.dataset import collate
 from draftling.train.settings import compile_teacher as resolve_compile_teacher
@@ -207,6 +208,7 @@ class _Extraction:
     manifest: dict
     t2d: torch.Tensor
     echo: Callable[[str], None]
+    progress: Progress  # over both splits' tokens; echoes each shard's line with the time left
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,8 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / MANIFEST, manifest)
-    run = _Extraction(target, layout, options, out_dir, manifest, vocab.t2d.to(target.device), echo)
+    progress = Progress(sum(info["num_tokens"] for info in splits.values()), "extract", emit=echo, bar=False)
+    run = _Extraction(target, layout, options, out_dir, manifest, vocab.t2d.to(target.device), echo, progress)
     written = {s: [] for s in splits}
     skipped = {s: [] for s in splits}
     for s, rows in examples.items():
@@ -345,12 +348,14 @@ def _extract_split(run: _Extraction, split: str, rows: list, written: list, skip
         path = split_dir / shard_name(k)
         if _shard_ok(path, meta):
             skipped.append(k)
+            run.progress.skip(shard.offsets[-1])
         else:
             t0 = time.perf_counter()
             _write_shard(path, meta, rows, shard, run)
             written.append(k)
-            run.echo(f"extract {split} shard {k + 1}/{info['num_shards']}: {len(shard.ids)} sequences, "
-                     f"{shard.offsets[-1]} tokens, {time.perf_counter() - t0:.1f}s")
+            run.progress.update(shard.offsets[-1], f"extract {split} shard {k + 1}/{info['num_shards']}: "
+                                f"{len(shard.ids)} sequences, {shard.offsets[-1]} tokens, "
+                                f"{time.perf_counter() - t0:.1f}s")
         if k not in info["complete"]:
             info["complete"] = sorted(info["complete"] + [k])
             write_json(run.out_dir / MANIFEST, run.manifest)

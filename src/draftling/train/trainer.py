@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import math
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -27,6 +26,7 @@ from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
 from draftling.faults import fault_point
 from draftling.io import atomic_dir, atomic_path, read_metrics, remove_path, write_json
+from draftling.progress import Progress
 from draftling.target import Target
 from draftling.train.checkpoint import (KeepPolicy, latest_checkpoint, load_train_state, remove_stale_temporaries, save_checkpoint,
                                         set_rng_state)
@@ -621,6 +621,9 @@ class TrainRun:
     cache: TeacherCache | None = None
     metrics_log: MetricsLog | None = None
     smoke: SmokeMonitor | None = None  # train.smoke_every: the smoke bench and convergence detector
+    progress: Progress | None = None  # the loop's bar and its elapsed / time-left meter
+    smoke_every: int = 0  # steps between smoke checks: train.smoke_every, or fewer checks (pace_smoke)
+    smoke_seconds: float = 0.0  # this segment's time in smoke checks
     stop_reason: str = "completed"  # or "max_minutes", "converged"
     # Segments: each process (the start, each resume) is one. Train records carry the step it
     # started from and the seconds since, which `draftling report` times segments by.
@@ -732,13 +735,30 @@ def restore_run(run: TrainRun, ckpt: Path, changes: dict) -> None:
             + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else ""))
 
 
+def param_counts(draft: torch.nn.Module, target: Target) -> dict:
+    """What the draft trains and what its forward reads frozen (its own frozen parameters and the
+    target's input embedding, which it embeds tokens with), the target's parameters, and the
+    trainable share of the target's: a head that trains the wrong thing shows here."""
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
+    frozen += target.input_embeddings().weight.numel()
+    total = sum(p.numel() for p in target.model.parameters())
+    return {"trainable": trainable, "frozen": frozen, "target": total,
+            "share_of_target": trainable / total if total else None}
+
+
+def params_line(p: dict) -> str:
+    share = f" ({p['share_of_target']:.1%} of the target's {p['target'] / 1e6:.2f}M)" if p["share_of_target"] else ""
+    return (f"{p['trainable'] / 1e6:.2f}M trainable params{share}, {p['frozen'] / 1e6:.2f}M frozen "
+            "(the target's embedding included)")
+
+
 def describe_run(run: TrainRun) -> None:
     tc, ctx, inputs = run.cfg.train, run.ctx, run.inputs
-    n_params = sum(p.numel() for p in run.draft.parameters() if p.requires_grad)
     parallel = (f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ "
                 f"sequences per rank" if ctx.active else "")
     m = run.unroll
-    run.say(f"training draft: {n_params / 1e6:.2f}M trainable params, {len(inputs.examples)} train / "
+    run.say(f"training draft: {params_line(param_counts(run.draft, run.target))}, {len(inputs.examples)} train / "
             f"{len(inputs.val_examples)} val sequences, {run.total_steps} steps of {tc.batch_size}, "
             f"TTT {tc.ttt_steps}, device {run.target.device}{parallel}")
     run.say(f"memory: loss_chunk_tokens {m.loss_chunk_tokens}, grad_checkpoint {m.grad_checkpoint}, "
@@ -816,10 +836,8 @@ def train_loop(run: TrainRun) -> float:
     """Steps to ``run.total_steps``, logging, validating and checkpointing on the way. Returns
     the loop's start time."""
     tc, ctx, device = run.cfg.train, run.ctx, run.target.device
-    progress = None
-    if sys.stderr.isatty() and ctx.is_main:
-        from tqdm import tqdm
-        progress = tqdm(total=run.total_steps, initial=run.step, desc="train", leave=False)
+    # Steps are its units; its lines are the log lines (StepWindow.log appends its timing).
+    progress = run.progress = Progress(run.total_steps, "train", enabled=ctx.is_main, initial=run.step)
     window = StepWindow(tc.ttt_steps, device)
     t_start = run.segment_start = time.perf_counter()
     run.segment_step = run.step
@@ -829,17 +847,17 @@ def train_loop(run: TrainRun) -> float:
         fault_point("train.step")
         if fit is not None and fit.due(run.step, run.batches.position(run.step)[1] == 0):
             run.total_steps = run.schedule.total = fit.refit(run.step)
-            if progress is not None:
-                progress.total = run.total_steps
+            progress.set_total(run.total_steps)
         window.add(counts, loss, tokens)  # stays on the device until the log line
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
         if run.step % tc.log_every == 0 or run.step == run.total_steps:
             window.log(run)
         if tc.val_every and run.step % tc.val_every == 0 and run.inputs.val_examples:
             run.validate(f"val @ {run.step}")
-        if run.smoke is not None and run.step % tc.smoke_every == 0:
-            window.t0 += smoke_check(run)  # the smoke bench's time is not training throughput
+        if run.smoke is not None and run.step % run.smoke_every == 0:
+            seconds = smoke_check(run)
+            window.t0 += seconds  # the smoke bench's time is not training throughput
+            pace_smoke(run, seconds)
         out_of_time = tc.max_minutes > 0 and time.perf_counter() - t_start > 60 * tc.max_minutes
         if tc.max_minutes > 0 and any_rank(out_of_time, ctx, device) and run.step < run.total_steps:
             run.say(f"stopping at step {run.step}/{run.total_steps}: train.max_minutes={tc.max_minutes} reached")
@@ -847,8 +865,7 @@ def train_loop(run: TrainRun) -> float:
         epoch_end = tc.ckpt_every_epoch and run.batches.position(run.step)[1] == 0
         if run.step % tc.ckpt_every == 0 or run.step == run.total_steps or epoch_end:
             run.checkpoint()
-    if progress is not None:
-        progress.close()
+    progress.close()
     return t_start
 
 
@@ -859,11 +876,16 @@ def start_smoke(run: TrainRun, bench: SmokeBench | None, resumed: bool) -> Smoke
     if bench is None:
         return None
     tc = run.cfg.train
+    run.smoke_every = tc.smoke_every
     monitor = SmokeMonitor(bench, ConvergenceDetector(tc.convergence_checks, tc.warmup_steps),
                            run.metrics_log.write if run.metrics_log else None)
     log = run.run_dir / "metrics.jsonl"
     if resumed and log.is_file():
-        monitor.replay(read_metrics(log), run.step)
+        records = read_metrics(log)
+        monitor.replay(records, run.step)
+        for r in records:  # the interval the interrupted run had come to, so it checks at the same steps
+            if r.get("split") == "smoke_interval" and r["step"] <= run.step:
+                run.smoke_every = r["every"]
     verdict = monitor.detector.verdict
     if verdict and tc.stop_on_convergence and run.step < run.total_steps:
         run.say(f"{verdict_line(verdict)}, before this resume: stopping at step {run.step}")
@@ -883,6 +905,35 @@ def smoke_check(run: TrainRun) -> float:
                 "(train.stop_on_convergence)")
         run.stop("converged")
     return time.perf_counter() - t0
+
+
+def pace_smoke(run: TrainRun, seconds: float) -> None:
+    """train.smoke_max_share: where a check of ``seconds`` costs more than that share of the
+    training time between checks, check every multiple of train.smoke_every that keeps within it
+    (the slowest rank's numbers, so every rank checks at the same steps), and log the numbers."""
+    tc = run.cfg.train
+    run.smoke_seconds += seconds
+    steps = run.step - run.segment_step
+    train_s = time.perf_counter() - run.segment_start - run.smoke_seconds
+    if tc.smoke_max_share <= 0 or steps <= 0 or train_s <= 0:
+        return
+    step_s, cap = train_s / steps, tc.smoke_max_share
+    need = seconds * (1 - cap) / (cap * step_s)  # steps between checks for c / (c + N s) <= cap
+    every = max(run.smoke_every, tc.smoke_every * math.ceil(need / tc.smoke_every))
+    if run.ctx.active:
+        t = torch.tensor([every], dtype=torch.int64, device=run.target.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        every = int(t.item())
+    if every == run.smoke_every:
+        return
+    share = seconds / (seconds + run.smoke_every * step_s)
+    run.say(f"smoke bench: a check took {seconds:.1f} s against {step_s:.3f} s a training step, {share:.0%} of the "
+            f"time at every {run.smoke_every} steps, over train.smoke_max_share={tc.smoke_max_share:g}: checking "
+            f"every {every} steps from here")
+    if run.metrics_log:
+        run.metrics_log.write({"split": "smoke_interval", "step": run.step, "every": every, "check_s": seconds,
+                               "step_s": step_s, "share": share, "max_share": tc.smoke_max_share})
+    run.smoke_every = every
 
 
 class StepWindow:
@@ -914,8 +965,9 @@ class StepWindow:
                  lr=run.scheduler.get_last_lr()[0], tok_s=tokens / (now - self.t0), window_tokens=tokens,
                  segment=run.segment_step, wall_s=now - run.segment_start, split="train")
         if run.metrics_log:
+            timing = f" | {run.progress.timing()}" if run.progress is not None else ""
             run.metrics_log.write(m, format_line(f"step {step}/{run.total_steps}", m)
-                                  + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s")
+                                  + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s{timing}")
         self.reset()
 
 
@@ -933,7 +985,8 @@ def finish_run(run: TrainRun, t_start: float) -> dict:
     # segments' times are in metrics.jsonl; `draftling report` lists them).
     result = {"steps": run.total_steps, "steps_ceiling": run.ceiling, "train_wall_s": time.perf_counter() - t_start,
               "segment_from_step": run.segment_step, "stop_reason": run.stop_reason, "world_size": ctx.world_size, "data": data_used(run),
-              "compute_dtype": run.unroll.autocast or str(run.param_dtype).replace("torch.", "")}
+              "compute_dtype": run.unroll.autocast or str(run.param_dtype).replace("torch.", ""),
+              "params": param_counts(run.draft, run.target)}
     if run.smoke is not None:
         result["convergence"] = run.smoke.detector.summary()
     if torch.cuda.is_available() and device.type == "cuda":
