@@ -72,7 +72,8 @@ def test_release_ships_the_selected_checkpoint(tmp_path, tiny_target):
           tmp_path / "vocab.safetensors")
     run = tmp_path / "run"
     picked = sorted(p.name for p in (run / "checkpoints").iterdir())[0]
-    report = {"protocol": {"max_prompt_tokens": 7900}, "selection": {"winner": picked, "reason": "fastest.", "candidates": [
+    report = {"protocol": {"max_prompt_tokens": 7900, "config": "tree-3-4-8", "concurrency": 8},
+              "manifest": {"machine": "nvidia-h200: one NVIDIA H200"}, "selection": {"winner": picked, "reason": "fastest.", "candidates": [
         {"checkpoint": picked, "val_loss": 1.5, "tau": 1.8, "tok_s": 12.0}]},
         "adaptation": {"workload": "airline", "prompts": 4, "base": {"tau": 1.2, "tok_s": 9.0},
                        "adapted": {"tau": 1.8, "tok_s": 12.0}}}
@@ -85,6 +86,7 @@ def test_release_ships_the_selected_checkpoint(tmp_path, tiny_target):
     assert not torch.equal(chosen.fc.weight, final.fc.weight)  # so the check above tells them apart
     card = (out / "README.md").read_text()
     assert f"`checkpoints/{picked}`" in card and "tau 1.20 -> 1.80" in card and "up to 7900 tokens" in card
+    assert "batched engine (nvidia-h200: one NVIDIA H200), tree-3-4-8, concurrency 8" in card
     out2 = release(ReleaseSpec(str(run), str(tmp_path / "rel2"), "sglang", "org/tiny-llama", checkpoint="final"),
                    tiny_target)
     torch.testing.assert_close(load_any_draft(out2, "cpu", torch.float32).fc.weight,

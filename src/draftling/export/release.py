@@ -174,8 +174,11 @@ def _selection_section(head: Path, selection: dict | None) -> str:
     if selection:
         sel = selection["selection"]
         tested = selection.get("protocol", {}).get("max_prompt_tokens")
+        proto, machine = selection.get("protocol", {}), (selection.get("manifest") or {}).get("machine", "?")
         lines += [f"`draftling select` chose it by served speed: {sel['reason']}"
                   + (f" Context length tested: prompts of up to {tested} tokens." if tested else ""), "",
+                  f"Speeds measured by draftling's batched engine ({machine}), {proto.get('config', '?')}, "
+                  f"concurrency {proto.get('concurrency', '?')}; not vLLM's or SGLang's.", "",
                   "| checkpoint | val loss | tau | tok/s |", "|---|---|---|---|"]
         lines += [f"| {c['checkpoint']} | {c['val_loss']:.4f} | {c['tau']:.2f} | {c['tok_s']:.1f} |"
                   for c in sel["candidates"]]
