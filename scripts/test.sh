@@ -6,7 +6,11 @@ bash scripts/setup.sh
 ${PYTHON:-python3} -m ruff check src tests scripts
 # One worker per core, a test module to a worker (its module fixtures built once): on a 2-core
 # EPYC without AVX512 the suite took 21.5 min in one process and 13.1 min in two (2026-12-03).
-${PYTHON:-python3} -m pytest -q -n auto --dist loadscope "$@"
-# Second step: the serving check through real vLLM (its CPU build), in a venv of its own;
-# about 5 min on 2 cores, install included. VLLM_TESTS=0 leaves it out.
-[ "${VLLM_TESTS:-1}" = 0 ] || bash scripts/test_vllm.sh
+rc=0
+${PYTHON:-python3} -m pytest -q -n auto --dist loadscope "$@" || rc=$?
+# Second step, run whatever the first gave: the serving check through real vLLM (its CPU
+# build), in a venv of its own; about 6 min on 2 cores, install included. VLLM_TESTS=0 leaves it out.
+if [ "${VLLM_TESTS:-1}" != 0 ]; then
+  bash scripts/test_vllm.sh || { s=$?; [ "$rc" != 0 ] || rc=$s; }  # the first failure's status
+fi
+exit $rc
