@@ -196,7 +196,7 @@ def v1_token_rows(tokenizer_path: str, per_workload: int) -> list[dict]:
     tok = load_target_tokenizer(tokenizer_path).tokenizer
     info, records = release.read_prompt_set("v1")
     prompts = tokenize_prompt_set(records, tok)
-    picked = release._first_per_workload(prompts, per_workload)
+    picked = release.first_per_workload(prompts, per_workload)
     return [{"id": p.id, "workload": p.workload, "input_ids": p.input_ids} for p in picked]
 
 

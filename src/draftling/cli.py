@@ -654,8 +654,9 @@ def add_serve_check_parser(sub) -> None:
                        "set greedily with chains of --draft-tokens drafts, and read vLLM's own spec-decode counters. "
                        "draftling's engine decodes the same token ids with the same chain. Prints both taus (bonus "
                        "token counted), per workload and per draft position, and their ratio, naming the engine, "
-                       "version and device of each. A ratio outside --band exits 2, naming what the engines may read "
-                       "differently (aux layer ids, norm placement, vocab map, RoPE). A GGUF target is written once "
+                       "version and device of each. A ratio outside --band, or a draft position whose acceptance rate parts by "
+                       "more than the band (+2 points), exits 2, naming what the engines may read differently (aux "
+                       "layer ids, norm placement, vocab map, RoPE). A GGUF target is written once "
                        "as a plain checkpoint vLLM reads (under --cache-dir), and named in the output.",
                        epilog=EPILOG_OVERRIDES)
     _common(p)
@@ -667,7 +668,8 @@ def add_serve_check_parser(sub) -> None:
                    "num_speculative_tokens (default 3: chain-3-1-4)")
     p.add_argument("--max-new-tokens", dest="check_new_tokens", type=int, default=64, metavar="N",
                    help="tokens per completion (default 64)")
-    p.add_argument("--band", type=float, default=0.10, help="allowed |tau_vllm / tau_draftling - 1| (default 0.10)")
+    p.add_argument("--band", type=float, default=0.10, help="allowed |tau_vllm / tau_draftling - 1|, and per draft position the "
+                   "acceptance rates' gap relative to draftling's, +0.02 (default 0.10)")
     p.add_argument("--vllm-dtype", default="float32", help="vLLM's dtype (default float32; draftling's engine "
                    "runs in --dtype)")
     p.add_argument("--cache-dir", help="where a GGUF target's plain checkpoint is kept (default $DRAFTLING_CACHE "

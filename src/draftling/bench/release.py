@@ -247,7 +247,7 @@ def _pad_id(target: Target, eos: list[int]) -> int:
     return int(pad)
 
 
-def _first_per_workload(prompts: list[BenchPrompt], k: int | None) -> list[BenchPrompt]:
+def first_per_workload(prompts: list[BenchPrompt], k: int | None) -> list[BenchPrompt]:
     if k is None:
         return list(prompts)
     return [p for w in _workloads(prompts) for p in [q for q in prompts if q.workload == w][:k]]
@@ -415,7 +415,7 @@ def _time_rounds(run: _Run) -> dict:
     splits = {c.name: None for c in run.configs}
     if not run.timed_rounds:
         return splits
-    prompts = _first_per_workload(run.prompts, ROUND_TIMING_PROMPTS)
+    prompts = first_per_workload(run.prompts, ROUND_TIMING_PROMPTS)
     for c in run.configs:
         run.spec(run.tensor(run.prompts[0]), c, timing=True)
         timings = [run.spec(run.tensor(p), c, timing=True)[1].timing for p in prompts]
@@ -428,7 +428,7 @@ def _time_hf_baselines(run: _Run, rows: list[dict], refs: dict) -> list[BenchPro
     """HF baselines on the first N prompts of each workload, into ``rows``; warm-up on the
     longest of them, so the static cache is allocated (and the compiled decode step traced) at
     its largest size. Returns the prompts they ran on."""
-    subset = _first_per_workload(run.prompts, run.opts.baseline_prompts_per_workload)
+    subset = first_per_workload(run.prompts, run.opts.baseline_prompts_per_workload)
     by_id, cap = {r["id"]: r for r in rows}, run.opts.max_new_tokens
     pad = _pad_id(run.target, run.eos)
     progress = Progress(len(subset) * len(run.opts.hf_runs), "baselines", emit=run.log, bar=False)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from draftling.bench.manifest import draft_label, manifest_fields
-from draftling.bench.release import _first_per_workload, load_prompt_set
+from draftling.bench.release import first_per_workload, load_prompt_set
 from draftling.bench.simple import build_engine, device_name
 from draftling.data.prompt_sets import BenchPrompt
 from draftling.errors import DraftlingError, one_line
@@ -94,15 +94,15 @@ def export_format(export: Path) -> str:
     return "speculators" if cfg.get("speculators_model_type") else "sglang"
 
 
-def draftling_decode(target: Target, export: Path, prompts: list[BenchPrompt], o: ServeCheckOptions):
+def draftling_decode(target: Target, export: Path, prompts: list[BenchPrompt], o: ServeCheckOptions,
+                     max_len: int, eos: list[int]):
     """Per workload Tally and each prompt's tokens, from draftling's engine (eager, batch 1)."""
     from draftling.engine.generate import speculative_generate
 
     k = o.draft_tokens
     draft = load_any_draft(export, target.device, next(target.model.parameters()).dtype)
-    max_len = max(len(p.input_ids) for p in prompts) + o.max_new_tokens + k + 8
     engine, runner = build_engine(target, draft, max_len)
-    tallies, tokens, eos = defaultdict(Tally), {}, target.stop_token_ids()
+    tallies, tokens = defaultdict(Tally), {}
     with Progress(len(prompts), "draftling engine") as bar:
         for i, p in enumerate(prompts):
             ids = torch.tensor([p.input_ids], device=target.device)
@@ -208,17 +208,18 @@ def diagnosis(rec: dict, export: Path) -> str:
 
 def serve_check(target: Target, export, o: ServeCheckOptions) -> dict:
     """The check (module doc): results with ``vllm_check`` records, written to ``o.out``; raises
-    DraftlingError naming the likely culprits when the overall taus part beyond the band."""
+    DraftlingError naming the likely culprits when the two engines part beyond the band."""
     export = Path(export)
     fmt = export_format(export)
     engine = require_vllm()
     target_dir = plain_checkpoint_dir(target.spec, o.cache_dir)
     print(f"serve-check: vLLM loads the target from {target_dir}", flush=True)
     info, prompts = load_prompt_set(o.prompts, target)
-    prompts = _first_per_workload(prompts, o.num_prompts)
+    prompts = first_per_workload(prompts, o.num_prompts)
     eos = target.stop_token_ids()
-    d_tallies, d_tokens = draftling_decode(target, export, prompts, o)
+    # Both engines get the same context: the longest prompt, its reply and a round's drafts.
     max_len = max(len(p.input_ids) for p in prompts) + o.max_new_tokens + o.draft_tokens + 8
+    d_tallies, d_tokens = draftling_decode(target, export, prompts, o, max_len, eos)
     llm = start_vllm(target_dir, export, o, max_len, engine)
     v_tallies, v_tokens = vllm_decode(llm, prompts, o, eos)
     rec = _record(target, export, fmt, o, dict(info, decoded=len(prompts)), engine)
