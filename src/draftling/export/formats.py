@@ -29,7 +29,7 @@ from transformers import LlamaConfig
 
 from draftling.draft.model import Eagle3Draft
 from draftling.draft.store import CONFIG_FILE, load_draft
-from draftling.errors import DraftlingError
+from draftling.errors import DraftlingError, one_line
 from draftling.export.conventions import (
     check_vocab_maps,
     from_engine_aux_layer_ids,
@@ -295,8 +295,7 @@ def _npy_map(f: Path, name: str, size: int) -> torch.Tensor:
     try:
         a = numpy.load(f, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:  # pickled objects are refused as ValueError
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DraftlingError(f"{f}: not a readable .npy array ({why})") from None
+        raise DraftlingError(f"{f}: not a readable .npy array ({one_line(e)})") from None
     if a.shape != (size,):
         raise DraftlingError(f"{f}: {name} has shape {a.shape}, expected ({size},) from config.json")
     integer = numpy.issubdtype(a.dtype, numpy.integer)

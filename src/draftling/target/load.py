@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import importlib.util
 import logging
 import os
@@ -22,7 +21,7 @@ import torch
 
 from draftling.errors import DraftlingError, TargetError, one_line
 from draftling.hardware import column_major_linear_is_faster, pin_column_major
-from draftling.io import atomic_dir
+from draftling.io import atomic_dir, hash_dataset_file
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
 from draftling.target.devmap import (
     Placement,
@@ -347,7 +346,7 @@ def plain_checkpoint_dir(spec: TargetSpec, cache_root: str | os.PathLike | None 
             raise TargetError(f"--target {spec.name}: give a local model directory or a GGUF file "
                               "(a hub id is loaded by the serving engine itself)")
         return Path(spec.path)
-    digest = hashlib.sha256(Path(spec.gguf_file).read_bytes()).hexdigest()[:16]
+    digest = hash_dataset_file(spec.gguf_file)[:16]  # the file's sha256, read in chunks
     root = Path(cache_root or os.environ.get("DRAFTLING_CACHE") or Path.home() / ".cache" / "draftling")
     out = root / "plain-targets" / f"{Path(spec.gguf_file).stem}-{digest}"
     if (out / "config.json").is_file():
