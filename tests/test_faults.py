@@ -28,10 +28,11 @@ from tests.test_data_resume import _files
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 QUICK = ["--config", "quickstart_cpu", "--device", "cpu"]
-# The regen dtype pinned: quickstart_cpu's bfloat16_if_fast is a timed probe, and the killed run and
-# the separate uninterrupted one could each decide otherwise on a busy machine (two xdist workers).
+# The regen dtype pinned to the target's own: quickstart_cpu's bfloat16_if_fast is a timed probe,
+# and the killed run and the separate uninterrupted one could each decide otherwise on a busy
+# machine (two xdist workers).
 DATA_OPTS = ["data.regen.max_new_tokens=12", "data.regen.batch_size=4", "data.val_fraction=0.2",
-             "data.min_tokens=4", "data.max_tokens=96", "data.regen.dtype=bfloat16"]
+             "data.min_tokens=4", "data.max_tokens=96", "data.regen.dtype=null"]
 TRAIN_OPTS = ["train.epochs=2", "train.ckpt_every=2", "train.log_every=1", "train.max_val_batches=2",
               "train.warmup_steps=2"]
 SEED = 21
