@@ -172,7 +172,7 @@ def test_every_shipped_profile_loads():
     assert gpu.data.prompt_cap("shared:math_gsm8k_train.jsonl") == 0
     assert gpu.train.stop_on_convergence and gpu.train.smoke_every == 400
     assert (gpu.train.batch_size, gpu.train.max_steps) == (64, 5600)
-    assert gpu.train.ckpt_every_epoch and gpu.train.smoke_max_share == 0  # the stop was measured at every 400
+    assert gpu.train.ckpt_every_epoch and gpu.train.smoke_max_share == 0.05  # the default pacing
     # The default GPU config: the smoke bench, its verdict and per-epoch candidates on, the stop opt-in,
     # checks over 5% of the training time made rarer.
     default = configs["default"].train

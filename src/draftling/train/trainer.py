@@ -624,6 +624,7 @@ class TrainRun:
     progress: Progress | None = None  # the loop's bar and its elapsed / time-left meter
     smoke_every: int = 0  # steps between smoke checks: train.smoke_every, or fewer checks (pace_smoke)
     smoke_seconds: float = 0.0  # this segment's time in smoke checks
+    smoke_checks: int = 0  # this segment's smoke checks so far
     stop_reason: str = "completed"  # or "max_minutes", "converged"
     # Segments: each process (the start, each resume) is one. Train records carry the step it
     # started from and the seconds since, which `draftling report` times segments by.
@@ -910,12 +911,15 @@ def smoke_check(run: TrainRun) -> float:
 def pace_smoke(run: TrainRun, seconds: float) -> None:
     """train.smoke_max_share: where a check of ``seconds`` costs more than that share of the
     training time between checks, check every multiple of train.smoke_every that keeps within it
-    (the slowest rank's numbers, so every rank checks at the same steps), and log the numbers."""
+    (the slowest rank's numbers, so every rank checks at the same steps), and log the numbers.
+    A segment's first check is not judged: it also pays one-off costs (compiling and capturing
+    the decode) that later checks do not."""
     tc = run.cfg.train
     run.smoke_seconds += seconds
+    run.smoke_checks += 1
     steps = run.step - run.segment_step
     train_s = time.perf_counter() - run.segment_start - run.smoke_seconds
-    if tc.smoke_max_share <= 0 or steps <= 0 or train_s <= 0:
+    if tc.smoke_max_share <= 0 or steps <= 0 or train_s <= 0 or run.smoke_checks == 1:
         return
     step_s, cap = train_s / steps, tc.smoke_max_share
     need = seconds * (1 - cap) / (cap * step_s)  # steps between checks for c / (c + N s) <= cap
