@@ -6,7 +6,7 @@ import torch
 
 from draftling.config import load_config
 from draftling.errors import ConfigError
-from draftling.recipes.budget import DATA_SHARE, MIN_TRAIN_STEPS, RESERVE_S, VAL_STEP_RATIO, plan_budget
+from draftling.recipes.budget import DATA_SHARE, MIN_TRAIN_STEPS, RESERVE_S, VAL_STEP_RATIO, plan_budget, plan_smoke
 
 
 def test_plan_sets_measured_costs_aside_and_splits_the_rest():
@@ -34,6 +34,30 @@ def test_a_budget_below_what_training_needs_is_refused_with_the_measured_step_ti
     enough = float(msg.rsplit("at least ", 1)[1].split()[0])
     plan = plan_budget(enough, elapsed_s=20, step_s=2.5, decode_token_s=0.05, bench_s=100, val_batches=20)
     assert plan.train_s >= MIN_TRAIN_STEPS * 2.5
+
+
+def test_smoke_checks_run_where_their_verdict_fits_the_training_share():
+    tc = load_config("quickstart_cpu").train  # convergence_checks 3, 32 tokens, 5% share
+    plan = plan_budget(13.5, elapsed_s=20, step_s=1.0, decode_token_s=0.04, bench_s=100, val_batches=20)
+    # 4 checks of 14 x 32 x 0.04 = 17.9 s: 72 s, 19% of 380 s of training: none, and why.
+    every, info = plan_smoke(plan, 380.0, tc, prompts=14)
+    assert every == 0 and info["checks_needed"] == 4 and info["check_s_estimate"] == pytest.approx(17.9)
+    assert info["share"] == pytest.approx(4 * 17.92 / 380, abs=1e-3)
+    assert "4 smoke checks of ~18 s each" in info["why"] and "over train.smoke_max_share=0.05" in info["why"]
+    # The minutes it names afford the checks: their training share holds 4 checks within 5%.
+    minutes = int(info["why"].rsplit("--minutes ", 1)[1].split()[0])
+    big = plan_budget(minutes, elapsed_s=20, step_s=1.0, decode_token_s=0.04, bench_s=100, val_batches=20)
+    every, info = plan_smoke(big, big.train_s, tc, prompts=14)
+    assert every == int(big.train_s) // 4 and info["share"] <= 0.05 and "why" not in info
+    # A step ceiling below the checks a verdict needs plans none; above, it spaces them.
+    assert plan_smoke(big, big.train_s, tc, prompts=14, ceiling=3)[0] == 0
+    every, info = plan_smoke(big, big.train_s, tc, prompts=14, ceiling=40)
+    assert every == 0 and info["train_s"] == 40.0  # 40 steps of 1 s: 72 s of checks is too much
+    assert "(40 steps, its ceiling)" in info["why"] and "more steps (train.max_steps" in info["why"]
+    assert plan_smoke(big, big.train_s, tc, prompts=14, ceiling=1450)[0] == 1450 // 4
+    # A share of 0 never plans checks.
+    tc.smoke_max_share = 0
+    assert plan_smoke(big, big.train_s, tc, prompts=14)[0] == 0
 
 
 def test_cli_refuses_a_negative_budget():

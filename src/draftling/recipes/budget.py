@@ -6,7 +6,8 @@ machine: one training step of the configured draft on random data (train/trainer
 ``estimate_bench_seconds``). The bench, the final validation and a small reserve are set
 aside; data and training split the rest. Regeneration then measures its own rate and stops at
 its share (data/regen.py ``regenerate_within``); training gets whatever is left when the data
-is done and fits its LR schedule to it (``train.fit_schedule``).
+is done and fits its LR schedule to it (``train.fit_schedule``). The smoke bench's convergence
+verdict runs where its checks fit ``train.smoke_max_share`` of that training (``plan_smoke``).
 """
 
 from __future__ import annotations
@@ -67,3 +68,37 @@ def plan_budget(minutes: float, elapsed_s: float, step_s: float, decode_token_s:
             f"the bench (~{bench_s:.0f} s), validation (~{val_s:.0f} s) and data, training would get "
             f"{max(train_s, 0):.0f} s; ask for at least {math.ceil(enough * 2) / 2:g} minutes")
     return BudgetPlan(total, elapsed_s, step_s, decode_token_s, bench_s, val_s, data_s, train_s)
+
+
+def plan_smoke(plan: BudgetPlan, train_s: float, tc, prompts: int, ceiling: int = 0) -> tuple[int, dict]:
+    """(train.smoke_every, what the summary says) for ``train_s`` seconds of training, or fewer
+    steps where the run's step ceiling (``ceiling`` > 0) ends it first.
+
+    A verdict needs ``tc.convergence_checks`` checks after an anchor check. One check is priced
+    from the decode probe as every one of the ``prompts`` smoke prompts decoding
+    ``tc.smoke_max_new_tokens`` tokens in turn; the check decodes them as one batch and is
+    faster, so the price errs towards fewer checks. Where the checks cost more than
+    ``tc.smoke_max_share`` of the training, there are none (0), and the reason names the numbers
+    and the ``--minutes`` that would afford them."""
+    checks = tc.convergence_checks + 1
+    check_s = prompts * tc.smoke_max_new_tokens * plan.decode_token_s
+    steps = int(train_s / plan.step_s)
+    capped = 0 < ceiling < steps  # the run ends at its step ceiling, before its time is spent
+    if capped:
+        steps, train_s = ceiling, ceiling * plan.step_s
+    need_s = checks * check_s
+    info = {"checks_needed": checks, "check_s_estimate": round(check_s, 1), "train_s": round(train_s, 1),
+            "share": round(need_s / train_s, 3), "max_share": tc.smoke_max_share}
+    if 0 < tc.smoke_max_share and need_s <= tc.smoke_max_share * train_s and steps >= checks:
+        return steps // checks, {**info, "smoke_every": steps // checks}
+    # Training's share of a larger budget grows with (1 - DATA_SHARE) of each added second.
+    fixed = plan.planned_at_s + plan.bench_s + plan.val_s + RESERVE_S
+    minutes = (fixed + need_s / max(tc.smoke_max_share, 1e-9) / (1 - DATA_SHARE)) / 60
+    more = ("more steps (train.max_steps, train.epochs) would afford it" if capped
+            else f"about --minutes {math.ceil(minutes)} would afford it")
+    info["why"] = (f"a convergence verdict needs {checks} smoke checks of ~{check_s:.0f} s each ({prompts} prompts x "
+                   f"{tc.smoke_max_new_tokens} tokens at {plan.decode_token_s * 1000:.0f} ms a token, measured here): "
+                   f"{need_s / train_s:.0%} of the {train_s:.0f} s of training"
+                   f"{f' ({steps} steps, its ceiling)' if capped else ''}, over train.smoke_max_share="
+                   f"{tc.smoke_max_share:g}; {more}")
+    return 0, info

@@ -6,6 +6,7 @@ profile, by default ``quickstart_cpu``) is smaller. The target is loaded once an
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from draftling.data.sources import check_prompt_files
 from draftling.draft.vocab import build_vocab_file
 from draftling.engine.batch import reply_engine_for
 from draftling.io import OUTPUT_MARKER, check_output_dir, write_json
-from draftling.recipes.budget import BudgetPlan, plan_budget
+from draftling.recipes.budget import BudgetPlan, plan_budget, plan_smoke
 
 
 def measure_and_plan(cfg, target, elapsed_s: float) -> BudgetPlan:
@@ -32,6 +33,31 @@ def measure_and_plan(cfg, target, elapsed_s: float) -> BudgetPlan:
           f"token {bench['per_token_s'] * 1000:.0f} ms; plan: data {plan.data_s:.0f} s, training "
           f"{plan.train_s:.0f} s, validation ~{plan.val_s:.0f} s, bench ~{plan.bench_s:.0f} s", flush=True)
     return plan
+
+
+def _plan_smoke(cfg, target, plan: BudgetPlan, train_s: float, sequences: int) -> dict | None:
+    """Turn the smoke bench on where its verdict fits the training share (recipes/budget.py
+    ``plan_smoke``), unless the config already sets ``train.smoke_every``; say which."""
+    from draftling.train.convergence import load_smoke_prompts
+
+    tc = cfg.train
+    if tc.smoke_every:
+        return None
+    prompts = load_smoke_prompts(tc.smoke_prompts, target.tokenizer, target.config.vocab_size)
+    ceiling = tc.max_steps or int(tc.epochs * math.ceil(sequences / tc.batch_size))
+    tc.smoke_every, smoke = plan_smoke(plan, train_s, tc, len(prompts), ceiling)
+    print(f"train: smoke checks every {tc.smoke_every} steps for a convergence verdict" if tc.smoke_every
+          else f"train: no smoke checks: {smoke['why']}", flush=True)
+    return smoke
+
+
+def _convergence(train_result: dict, cfg, smoke: dict | None) -> dict:
+    """The summary's convergence entry: the run's verdict, or why no check ran."""
+    plan = {"plan": {k: v for k, v in smoke.items() if k != "why"}} if smoke else {}
+    if train_result.get("convergence"):
+        return {**train_result["convergence"], **plan}
+    why = smoke["why"] if smoke and "why" in smoke else "train.smoke_every=0 (no budget: nothing priced the checks)"
+    return {"checked": False, "why": why, **plan}
 
 
 def _earlier_quickstart(out: Path) -> bool:
@@ -91,11 +117,13 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     stage("train")
     run_dir = out / "run"
+    smoke = None
     if plan:
         train_s = plan.train_seconds(time.perf_counter() - t0)
         cfg.train.max_minutes, cfg.train.fit_schedule = round(train_s / 60, 2), True
         print(f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
               f"fitted to it from the measured step time", flush=True)
+        smoke = _plan_smoke(cfg, target, plan, train_s, data_summary["train_sequences"])
     train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
                          data_dir / "vocab.safetensors", overwrite=True)  # the quickstart owns its --out
     done("train")
@@ -129,10 +157,8 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         # the ceiling on step-0 acceptance.
         "val_vocab_coverage": round(val.get("vocab_coverage", 0.0), 4),
         "train_steps": train_result["steps"],
-        # The smoke bench's convergence verdict where the profile had time for checks (train.smoke_every).
-        "convergence": train_result.get("convergence") or {
-            "checked": False, "why": "train.smoke_every=0: one smoke check decodes 14 prompts through the target, "
-                                     "minutes on a 2-core CPU, more than the budget's training share affords"},
+        # The smoke bench's convergence verdict where the budget had time for its checks.
+        "convergence": _convergence(train_result, cfg, smoke),
         "train_sequences": data_summary["train_sequences"],
         # Where the profile lets the CPU pick bf16 (data.regen.dtype, train.compute_dtype):
         # what it picked. The bench always runs the target in its own dtype.
