@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
 from draftling.config import RegenConfig
-from draftling.data.prompts import Conversation, prompt_messages
+from draftling.data.prompts import Conversation, prompt_messages, reply_record
 from draftling.data.regen import render_prompt_ids
 from draftling.errors import DraftlingError
 from draftling.progress import Progress
@@ -220,17 +220,9 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
                 warn_once("the server parsed tool calls out of the reply; serve without a tool-call "
                           "parser so they stay in the reply text as the target wrote them")
                 assistant["tool_calls"] = reply["tool_calls"]
-            record = {
-                "id": conv.id, "source": conv.source, "category": conv.category,
-                "messages": prompt_messages(conv) + [assistant],
-                **({"tools": conv.tools} if conv.tools else {}),
-                "provenance": {"server": server.base_url, "server_model": server.model,
-                               "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-                               "top_p": cfg.top_p, "seed": cfg.seed, "stopped": stopped,
-                               "reply_tokens": len(tokenizer(reply["content"],
-                                                             add_special_tokens=False)["input_ids"]),
-                               "prompt_tokens": n_prompt},
-            }
+            reply_tokens = len(tokenizer(reply["content"], add_special_tokens=False)["input_ids"])
+            record = reply_record(conv, assistant, {"server": server.base_url, "server_model": server.model}, cfg,
+                                  stopped, reply_tokens, n_prompt)
             if journal is not None:
                 journal.add([record])
             yield record

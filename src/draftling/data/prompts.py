@@ -208,3 +208,19 @@ def prompt_messages(conv: Conversation) -> list[dict]:
     """The messages up to and including the last user or tool turn (trailing assistant turns dropped)."""
     last = max((i for i, m in enumerate(conv.messages) if m["role"] in ("user", "tool")), default=-1)
     return [dict(m) for m in conv.messages[: last + 1]]
+
+
+def reply_record(conv: Conversation, assistant: dict, origin: dict, cfg, stopped: str, reply_tokens: int,
+                 prompt_tokens: int) -> dict:
+    """One line of replies.jsonl: the prompt's messages with the reply as the last turn, and its
+    provenance: ``origin`` (who wrote it: the local target or a server) first, then the
+    generation settings of ``cfg`` (a RegenConfig) and how the reply ended. The one schema
+    for every writer of replies."""
+    return {
+        "id": conv.id, "source": conv.source, "category": conv.category,
+        "messages": prompt_messages(conv) + [assistant],
+        **({"tools": conv.tools} if conv.tools else {}),
+        "provenance": {**origin, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+                       "top_p": cfg.top_p, "seed": cfg.seed, "stopped": stopped, "reply_tokens": reply_tokens,
+                       "prompt_tokens": prompt_tokens},
+    }

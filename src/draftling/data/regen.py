@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 
 from draftling.config import RegenConfig
-from draftling.data.prompts import Conversation, prompt_messages
+from draftling.data.prompts import Conversation, prompt_messages, reply_record
 from draftling.data.template import render
 from draftling.errors import ConfigError
 from draftling.faults import fault_point
@@ -280,16 +280,8 @@ class _BatchGenerator:
     def _record(self, conv: Conversation, ids: list[int], reply: list[int], stopped: str) -> dict:
         cfg = self.cfg
         text = self.target.tokenizer.decode(reply, skip_special_tokens=True)
-        return {
-            "id": conv.id, "source": conv.source, "category": conv.category,
-            "messages": prompt_messages(conv) + [{"role": "assistant", "content": text}],
-            **({"tools": conv.tools} if conv.tools else {}),
-            "provenance": {"target": self.target.spec.label, "dtype": str(self.model.dtype).removeprefix("torch."),
-                           "max_new_tokens": cfg.max_new_tokens,
-                           "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
-                           "stopped": stopped, "reply_tokens": len(reply),
-                           "prompt_tokens": len(ids)},
-        }
+        origin = {"target": self.target.spec.label, "dtype": str(self.model.dtype).removeprefix("torch.")}
+        return reply_record(conv, {"role": "assistant", "content": text}, origin, cfg, stopped, len(reply), len(ids))
 
 
 def regenerate_within(regen, convs: list[Conversation], batch_size: int, deadline: float, seed: int,
