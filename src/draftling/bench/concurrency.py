@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from draftling.dtypes import dtype_name
 from draftling.bench.manifest import device_slug, draft_label, machine_slug, run_folder_name, write_manifest, code_commit
 from draftling.bench.release import DEFAULT_CONFIGS, load_prompt_set
 from draftling.bench.simple import build_engine, parse_decode_config
@@ -184,7 +185,7 @@ def _assemble(target, draft_path, info, options, engine, rows) -> dict:
     plain1 = next((r for r in rows if r["concurrency"] == 1 and r["config"] == "plain"), None)
     return {"date": datetime.date.today().isoformat(), "gpu": device_slug(target.device),
             "target": target.spec.label, "draft": draft_label(draft_path),
-            "prompt_set": info["name"], "dtype": str(next(target.model.parameters()).dtype).replace("torch.", ""),
+            "prompt_set": info["name"], "dtype": dtype_name(next(target.model.parameters()).dtype),
             "max_new_tokens": options.max_new_tokens, "engine": dataclasses.asdict(engine),
             "batch1_plain_tok_s": plain1["aggregate_tok_s"] if plain1 else None,
             "concurrency_sweep": rows, **summarize(rows), "caveats": caveats(options)}

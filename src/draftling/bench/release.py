@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from draftling.dtypes import dtype_name
 from draftling import __version__
 from draftling.bench.manifest import code_commit, command_line, device_slug, draft_label, machine_slug, run_folder_name, tag_slug, write_manifest
 from draftling.bench.report import ROUND_PHASES, format_speedup_table, release_caveats, write_release_outputs
@@ -541,7 +542,7 @@ def _assemble(run: _Run, m: _Measured) -> dict:
         "target": run.target.spec.label,
         "draft": draft_label(run.draft_path),
         "prompt_set": run.info,
-        "dtype": str(run.dtype).replace("torch.", ""),
+        "dtype": dtype_name(run.dtype),
         "command": run.opts.command if run.opts.command is not None else command_line(),
         "baselines": base,
         "baseline_details": details,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from draftling.dtypes import dtype_name
 from draftling.bench.manifest import draft_label, manifest_fields
 from draftling.bench.release import first_per_workload, load_prompt_set
 from draftling.bench.simple import build_engine, device_name
@@ -243,7 +244,7 @@ def _record(target: Target, export: Path, fmt: str, o: ServeCheckOptions, info: 
     return {"head": draft_label(export), "format": fmt, "config": f"chain-{k}-1-{k + 1}",
             "target": target.spec.label, "vllm_version": engine["version"], "device": engine["device"],
             "draftling_device": device_name(target.device), "dtype_vllm": o.dtype,
-            "dtype_draftling": str(next(target.model.parameters()).dtype).replace("torch.", ""),
+            "dtype_draftling": dtype_name(next(target.model.parameters()).dtype),
             "prompts": {key: info[key] for key in ("name", "sha256", "num_prompts", "decoded")},
             "max_new_tokens": o.max_new_tokens, "band": o.band}
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draftling.dtypes import dtype_name
 from draftling.config import BenchConfig, RunConfig
 from draftling.data.prompts import load_conversations, prompt_messages
 from draftling.data.template import render
@@ -219,7 +220,7 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
     results = {
         "date": datetime.date.today().isoformat(),
         "device": device_name(device),
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": dtype_name(dtype),
         "target": target.spec.label,
         "draft": draft_label(draft_path),
         "prompts": str(prompts_path),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+from draftling.dtypes import dtype_name
 from draftling.config import RegenConfig, RunConfig
 from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.journal import ReplyJournal, journal_path
@@ -274,7 +275,7 @@ def _pinned_regen(dc, target, journal: ReplyJournal) -> _LocalRegen | None:
     data.regen.dtype fails here, before anything is written."""
     if not isinstance(target, Target) or dc.regen.server_url:
         return None
-    name = journal.pinned("regen_dtype", lambda: str(regen_dtype(target, dc.regen)).removeprefix("torch."))
+    name = journal.pinned("regen_dtype", lambda: dtype_name(regen_dtype(target, dc.regen)))
     regen_cfg = replace(dc.regen, dtype=name)
     _pin_cpu_layout(target, journal, {target.model.dtype, regen_dtype(target, regen_cfg)})
     return _LocalRegen(regen_cfg, regen_dtype(target, regen_cfg) == target.model.dtype)

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from draftling.dtypes import dtype_name
 from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages, reply_record
 from draftling.data.template import render
@@ -280,7 +281,7 @@ class _BatchGenerator:
     def _record(self, conv: Conversation, ids: list[int], reply: list[int], stopped: str) -> dict:
         cfg = self.cfg
         text = self.target.tokenizer.decode(reply, skip_special_tokens=True)
-        origin = {"target": self.target.spec.label, "dtype": str(self.model.dtype).removeprefix("torch.")}
+        origin = {"target": self.target.spec.label, "dtype": dtype_name(self.model.dtype)}
         return reply_record(conv, {"role": "assistant", "content": text}, origin, cfg, stopped, len(reply), len(ids))
 
 

