@@ -5,7 +5,7 @@ and from the lines above it, never from a line below (function-level imports inc
 no two modules import each other, directly or round a loop. tests/test_import_order.py reads
 this list and checks every module against it.
 
-    base     errors io config dtypes hardware progress faults dynamo network
+    base     errors io config dtypes timing hardware progress faults dynamo network
     target   target
     data     data
     draft    draft

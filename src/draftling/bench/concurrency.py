@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from draftling.timing import timed
 from draftling.dtypes import dtype_name
 from draftling.bench.manifest import device_slug, draft_label, machine_slug, run_folder_name, write_manifest, code_commit
 from draftling.bench.release import DEFAULT_CONFIGS, load_prompt_set
@@ -112,19 +112,10 @@ def _level(tgt, runner, ids, configs, max_new) -> list[dict]:
     return rows
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed_after_warmup(tgt, run, warm):
     """(run's result, its seconds), after ``warm`` (graph capture, allocator growth) untimed."""
     warm()
-    _sync(tgt.device)
-    t0 = time.perf_counter()
-    out = run()
-    _sync(tgt.device)
-    return out, time.perf_counter() - t0
+    return timed(run, tgt.device)
 
 
 def _step_ms(tgt, q: int, reps: int = 10) -> float:
@@ -138,12 +129,9 @@ def _step_ms(tgt, q: int, reps: int = 10) -> float:
     mask = tgt.cols[None, None] <= slots[:, :, None]
     times = []
     for i in range(reps + 3):
-        _sync(dev)
-        t0 = time.perf_counter()
-        tgt.fast(ids, slots, slots, mask)
-        _sync(dev)
+        _, seconds = timed(lambda: tgt.fast(ids, slots, slots, mask), dev)
         if i >= 3:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds)
     return statistics.median(times) * 1e3
 
 

@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from draftling.timing import timed
 from draftling.dtypes import dtype_name
 from draftling import __version__
 from draftling.bench.manifest import code_commit, command_line, device_slug, draft_label, machine_slug, run_folder_name, tag_slug, write_manifest
@@ -198,18 +199,10 @@ def check_results_free(stem: Path, overwrite: bool) -> None:
 
 class _Clock:
     def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.device, self.cuda = device, torch.device(device).type == "cuda"
 
     def timed(self, fn):
-        self.sync()
-        t0 = time.perf_counter()
-        out = fn()
-        self.sync()
-        return out, time.perf_counter() - t0
+        return timed(fn, self.device)
 
 
 def _step_time(engine_target, q: int, ctx: int, token: int, clock: _Clock, reps: int) -> float:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draftling.timing import timed
 from draftling.dtypes import dtype_name
 from draftling.config import BenchConfig, RunConfig
 from draftling.data.prompts import load_conversations, prompt_messages
@@ -123,14 +124,6 @@ def build_engine(target: Target, draft, max_seq_len: int, options: EngineOptions
     return engine_target, runner
 
 
-def _timed(fn):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
 
 
 class _Decoder:
@@ -250,14 +243,14 @@ def _time_prompts(dec: _Decoder, prompts: list, configs: list[DecodeConfig], qui
     tally = _Tally(configs)
     for i, (pid, ids) in enumerate(prompts):
         x = torch.tensor([ids], device=dec.device)
-        ref, t_plain = _timed(lambda: dec.plain(x, i=i))
+        ref, t_plain = timed(lambda: dec.plain(x, i=i), dec.device)
         ref = ref[0].tolist()
         tally.plain_tokens += len(ref)
         tally.plain_time += t_plain
         tally.natural_stops += int(len(ref) < dec.bc.max_new_tokens)
         row = {"id": pid, "prompt_tokens": len(ids), "plain_tokens": len(ref), "plain_s": t_plain}
         for c in configs:
-            (toks, stats), t_spec = _timed(lambda: dec.spec(x, c, i=i))
+            (toks, stats), t_spec = timed(lambda: dec.spec(x, c, i=i), dec.device)
             toks = toks[0].tolist()
             tally.add_spec(c.name, toks, stats, t_spec, toks == ref)
             row[c.name] = {"tau": stats.tau, "tokens": len(toks), "s": t_spec,
@@ -301,7 +294,8 @@ def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 
     engine = build_target(target.model, target.aux_layer_ids, prompt_tokens + tokens + 16)
     ids = torch.randint(0, target.config.vocab_size, (1, prompt_tokens), device=target.device)
     greedy_generate(engine, ids, 4)  # warm-up: allocator, lazy init
-    per_token = min(_timed(lambda: greedy_generate(engine, ids, tokens))[1] for _ in range(repeats)) / tokens
+    per_token = min(timed(lambda: greedy_generate(engine, ids, tokens), target.device)[1]
+                    for _ in range(repeats)) / tokens
     n_configs = len(bc.configs)
     decoded = (bc.num_prompts * bc.max_new_tokens + WARMUP_TOKENS) * (1 + SPEC_TIME_RATIO * n_configs)
     return {"per_token_s": round(per_token, 4), "seconds": round(decoded * per_token, 2)}

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from draftling.timing import sync
+
 
 class OffloadedAdamW:
     def __init__(self, params, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
@@ -43,8 +45,8 @@ class OffloadedAdamW:
         return self.optimizer.state
 
     def _wait(self) -> None:
-        if any(p.device.type == "cuda" for p in self.params):
-            torch.cuda.synchronize()
+        for device in {p.device for p in self.params if p.device.type == "cuda"}:
+            sync(device)
 
     @torch.no_grad()
     def sync_masters_from_params(self) -> None:
