@@ -30,7 +30,7 @@ SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama (untied head) and a word-level tokenizer with a chat template: the
-    device-map check's own --smoke target (scripts/gpu/device_map_check.py)."""
+    device-map check's own --smoke target (lab/gpu/device_map_check.py)."""
     with pytest.MonkeyPatch.context() as mp:
         script = load_script("device_map_check", mp)
     return script.tiny_target_dir(tmp_path_factory.mktemp("tiny-devmap"))

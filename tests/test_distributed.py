@@ -186,7 +186,7 @@ def test_train_fixed_cost_fits_the_line_through_each_codes_step_times(tmp_path):
 
     from tests.conftest import CHECKOUT
 
-    spec = importlib.util.spec_from_file_location("train_fixed_cost", CHECKOUT / "scripts/gpu/train_fixed_cost.py")
+    spec = importlib.util.spec_from_file_location("train_fixed_cost", CHECKOUT / "lab/gpu/train_fixed_cost.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     data = tmp_path / "data"

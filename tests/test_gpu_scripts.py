@@ -8,7 +8,7 @@ from tests.conftest import CHECKOUT
 
 
 def load_script(name, monkeypatch):
-    spec = importlib.util.spec_from_file_location(name, CHECKOUT / f"scripts/gpu/{name}.py")
+    spec = importlib.util.spec_from_file_location(name, CHECKOUT / f"lab/gpu/{name}.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, script)  # its dataclasses look themselves up there
     spec.loader.exec_module(script)

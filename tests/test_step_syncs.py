@@ -153,7 +153,7 @@ def test_the_fixed_cost_script_runs_its_smoke_on_the_cpu(tmp_path, one_thread, m
 
     from tests.conftest import CHECKOUT
 
-    spec = importlib.util.spec_from_file_location("step_fixed_cost", CHECKOUT / "scripts/gpu/step_fixed_cost.py")
+    spec = importlib.util.spec_from_file_location("step_fixed_cost", CHECKOUT / "lab/gpu/step_fixed_cost.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "step_fixed_cost", script)  # its dataclass looks itself up there
     spec.loader.exec_module(script)
@@ -175,7 +175,7 @@ def test_the_fixed_cost_script_fits_a_line_through_more_batch_sizes(tmp_path, on
 
     from tests.conftest import CHECKOUT
 
-    spec = importlib.util.spec_from_file_location("step_fixed_cost", CHECKOUT / "scripts/gpu/step_fixed_cost.py")
+    spec = importlib.util.spec_from_file_location("step_fixed_cost", CHECKOUT / "lab/gpu/step_fixed_cost.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "step_fixed_cost", script)
     spec.loader.exec_module(script)

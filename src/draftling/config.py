@@ -130,7 +130,7 @@ class RegenConfig:
     # Prefill long prompts in pieces of about this many tokens (rows x columns) per forward.
     # On the CPU a whole batch of long prompts at once is memory-bound in its elementwise ops:
     # a batch of 53 prompts (7121 tokens) took 63 s in one forward and 38 s in pieces of 4096,
-    # same replies (scripts/experiments/gguf_load_and_chunked_prefill.py). null = 4096 on the
+    # same replies (lab/experiments/gguf_load_and_chunked_prefill.py). null = 4096 on the
     # CPU and off elsewhere; 0 = off.
     prefill_chunk_tokens: int | None = None
     # dtype of the model that writes the TRAINING replies (and their kept states): null = the

@@ -10,7 +10,7 @@ With runs at 1 and 2 GPUs it adds the two-GPU keys (tok_s_1gpu, tok_s_2gpu, scal
 --fsdp adds the same 2-GPU run under train.parallel=fsdp, with its largest loss difference from
 the DDP run at the steps both logged; --split a one-process run whose teacher is spread over the
 GPUs (--device-map), against the 1-GPU run; --fixed-cost the step fit of
-scripts/gpu/train_fixed_cost.py.
+lab/gpu/train_fixed_cost.py.
 
 tokens/s is the mean over logged windows after the first (the first holds compile and
 warm-up), counting every sequence token (prompt and reply) of the global batch.
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--note", action="append", default=[], metavar="KEY=VALUE", help="extra fields")
     p.add_argument("--fsdp", type=Path, help="the 2-GPU run under train.parallel=fsdp")
     p.add_argument("--split", type=Path, help="a one-process run with the teacher spread over the GPUs")
-    p.add_argument("--fixed-cost", type=Path, help="fixed-cost.json of scripts/gpu/train_fixed_cost.py")
+    p.add_argument("--fixed-cost", type=Path, help="fixed-cost.json of lab/gpu/train_fixed_cost.py")
     args = p.parse_args(argv)
     runs = {}
     for item in args.run:
