@@ -39,27 +39,27 @@ R=/tmp/adapt
 start=$(date +%s)
 case $STAGE in
 data)
-  d data --config gpu_smollm2 --target $T --out $R/general $GEN
-  d vocab --data $R/general --config gpu_smollm2 --target $T
+  d data --config lab/configs/gpu_smollm2.yaml --target $T --out $R/general $GEN
+  d vocab --data $R/general --config lab/configs/gpu_smollm2.yaml --target $T
   python3 lab/gpu/heldout_tasks.py --prompts shared:agent_tau_airline.jsonl --target $T --out $R/heldout $HELD \
     | tee -a $log
-  d data --config gpu_smollm2 --target $T --prompts shared:agent_tau_airline.jsonl --exclude-ids $R/heldout/ids.txt \
+  d data --config lab/configs/gpu_smollm2.yaml --target $T --prompts shared:agent_tau_airline.jsonl --exclude-ids $R/heldout/ids.txt \
     --out $R/airline data.exclude=[] data.rollouts=true data.split_key=task data.val_fraction=0.1 $AIR
-  d vocab --data $R/airline --config gpu_smollm2 --target $T
+  d vocab --data $R/airline --config lab/configs/gpu_smollm2.yaml --target $T
   cp $R/general/summary.json $OUT/data/general_summary.json
   cp $R/airline/summary.json $OUT/data/airline_summary.json
   cp $R/heldout/heldout.json $R/heldout/ids.txt $OUT/data/ ;;
 base)
-  d train --config gpu_smollm2 --target $T --data $R/general --run-dir $R/base $BASE
+  d train --config lab/configs/gpu_smollm2.yaml --target $T --data $R/general --run-dir $R/base $BASE
   cp $R/base/train_result.json $R/base/metrics.jsonl $OUT/base/ ;;
 adapt)
-  d train --config gpu_smollm2 --target $T --data $R/airline --run-dir $R/adapted --init-from $R/base \
+  d train --config lab/configs/gpu_smollm2.yaml --target $T --data $R/airline --run-dir $R/adapted --init-from $R/base \
     train.ckpt_every_epoch=true $ADAPT
-  d select $R/adapted --config gpu_smollm2 --target $T --data $R/airline --prompts $R/heldout/prompts.jsonl \
+  d select $R/adapted --config lab/configs/gpu_smollm2.yaml --target $T --data $R/airline --prompts $R/heldout/prompts.jsonl \
     --base $R/base --concurrency 1 $SEL
   cp $R/adapted/selection/selection.json $R/adapted/selection/selection.md $R/adapted/metrics.jsonl $OUT/adapt/
   # The target is a GGUF path here: the export names the verifier by its hub id.
-  d release $R/adapted --config gpu_smollm2 --target $T --verifier-id HuggingFaceTB/SmolLM2-135M-Instruct --out $R/release
+  d release $R/adapted --config lab/configs/gpu_smollm2.yaml --target $T --verifier-id HuggingFaceTB/SmolLM2-135M-Instruct --out $R/release
   d check $R/release --target $T
   (cd $R/release && ls -l) > $OUT/adapt/release_files.txt
   cp $R/release/README.md $OUT/adapt/model_card.md

@@ -20,8 +20,8 @@ subset_data() {  # subset_data DIR LOGDIR [ARGS]: gpu_smollm2's prompts, 200 per
   # by the target, and the vocab, once; for ddp_scaling.sh and train_fixed_cost.sh (same data)
   local d=$1 log=$2; shift 2
   [ ! -f $d/vocab.safetensors ] || return 0
-  python3 -m draftling data --config gpu_smollm2 --target $T --out $d data.max_prompts_per_file=200 "$@" 2>&1 \
+  python3 -m draftling data --config lab/configs/gpu_smollm2.yaml --target $T --out $d data.max_prompts_per_file=200 "$@" 2>&1 \
     | grep --line-buffered -v "^regenerate: " | tee $log/data_log.txt
-  python3 -m draftling vocab --data $d --config gpu_smollm2 --target $T | tee -a $log/data_log.txt
+  python3 -m draftling vocab --data $d --config lab/configs/gpu_smollm2.yaml --target $T | tee -a $log/data_log.txt
   cp $d/summary.json $log/data_summary.json
 }

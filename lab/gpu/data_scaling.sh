@@ -49,11 +49,11 @@ for line in sys.stdin:
   fi
   # The journal is removed when the data is written: keep its settings for RESTORE.
   (until [ -f $J/journal.json ]; do sleep 2; done; cp $J/journal.json $OUT/journal.json) & watcher=$!
-  timeout $(( $(left) - 20 )) python3 -m draftling data --config gpu_smollm2 --target $T --out $D data.regen.samples_per_prompt=$N \
+  timeout $(( $(left) - 20 )) python3 -m draftling data --config lab/configs/gpu_smollm2.yaml --target $T --out $D data.regen.samples_per_prompt=$N \
     ${DEV:-} ${DATA_ARGS:-} 2>&1 | quiet | tee -a $log || true
   kill $watcher 2>/dev/null || true
   [ -f $D/summary.json ] || { echo "scaling: data not finished; call again" | tee -a $log; exit 0; }
-  d vocab --data $D --config gpu_smollm2 --target $T
+  d vocab --data $D --config lab/configs/gpu_smollm2.yaml --target $T
   cp $D/summary.json $OUT/data_summary.json
   gzip -c $D/replies.jsonl | split -b 15000000 - $OUT/replies.jsonl.gz.
 fi
@@ -61,7 +61,7 @@ fi
 if ! finished $run; then
   [ $(left) -gt 150 ] || { echo "scaling: too little time left to train; call again" | tee -a $log; exit 0; }
   minutes=$(train_minutes 100)
-  d train --config gpu_smollm2 --target $T --data $D --run-dir $run $([ -d $run ] && echo --resume) \
+  d train --config lab/configs/gpu_smollm2.yaml --target $T --data $D --run-dir $run $([ -d $run ] && echo --resume) \
     ${CURVE_ARGS-$OLD_RECIPE} train.data_fraction=$F train.max_steps=$STEPS train.max_minutes=$minutes train.smoke_every=400 \
     train.smoke_max_new_tokens=64 train.ckpt_every=400 ${DEV:-} ${SMOKE_ARGS:-} "$@"
   tar czf $OUT/train.tgz -C $run train_result.json metrics.jsonl config.yaml

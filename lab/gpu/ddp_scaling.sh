@@ -28,7 +28,7 @@ subset_data $D $OUT/ddp ${DEV:-} ${DATA_ARGS:-}
 train() {  # train NAME BATCH ARGS...: one run, its log and metrics copied to $OUT/ddp
   local name=$1 b=$2; shift 2; rm -rf $R/$name
   echo "ddp_scaling: $name from $(date -u +%T)"
-  python3 -m draftling train --config gpu_smollm2 --target $T --data $D --run-dir $R/$name \
+  python3 -m draftling train --config lab/configs/gpu_smollm2.yaml --target $T --data $D --run-dir $R/$name \
     train.batch_size=$b $KEYS ${DEV:-} "$@" > $OUT/ddp/train_$name.txt 2>&1 \
     || { echo "$name: exit $?"; tail -5 $OUT/ddp/train_$name.txt; return 1; }
   cp $R/$name/metrics.jsonl $OUT/ddp/metrics_$name.jsonl; cp $R/$name/train_result.json $OUT/ddp/result_$name.json
@@ -46,7 +46,7 @@ for B in ${BATCHES:-64 128}; do
   done
   first=$B
   [ ! -f "$FIXED_COST" ] || args+=(--fixed-cost $FIXED_COST)
-  python3 -m draftling.bench.ddp_scaling "${args[@]}" --out $OUT/ddp/ddp-scaling-b$B.json \
+  python3 lab/benches/ddp_scaling.py "${args[@]}" --out $OUT/ddp/ddp-scaling-b$B.json \
     --note teacher=SmolLM2-135M-Instruct.Q4_1.gguf --note global_batch=$B \
     --note command="BATCHES='${BATCHES:-64 128}' lab/gpu/ddp_scaling.sh (nvidia-h200-x2)" $([ "${SMOKE:-0}" = 1 ] && echo --gpu cpu)
 done

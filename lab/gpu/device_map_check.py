@@ -50,10 +50,14 @@ from pathlib import Path
 
 import torch
 
+_ROOT = str(Path(__file__).resolve().parents[2])  # this checkout, for lab.benches
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
 from draftling.bench.manifest import write_manifest
 from draftling.bench.release import load_prompt_set
 from draftling.bench.simple import device_name
-from draftling.bench.train_bench import _sync
+from lab.benches.train_bench import _sync
 from draftling.config import load_config
 from draftling.draft.vocab import build_vocab_file, load_vocab
 from draftling.io import write_json, write_jsonl
@@ -75,7 +79,7 @@ class Settings:
     val_rows: int = 8
     steps: int = 20
     warm_steps: int = 5  # left out of the tok/s median (compile, allocator)
-    profile: str | None = "gpu_smollm2"
+    profile: str | None = "lab/configs/gpu_smollm2.yaml"  # from the checkout
     overrides: tuple[str, ...] = ("train.batch_size=8", "train.warmup_steps=5", "train.max_val_batches=2")
 
 
@@ -287,7 +291,8 @@ def configs(args, s: Settings, target: str, map_path: Path, offload: Path | None
             "train.memory_policy=config", *s.overrides, *args.override]
     if offload is not None:
         base.append(f"offload_folder={offload}")
-    return load_config(s.profile, base), load_config(s.profile, [*base, f"device_map={map_path}"])
+    profile = str(Path(_ROOT) / s.profile) if s.profile else None
+    return load_config(profile, base), load_config(profile, [*base, f"device_map={map_path}"])
 
 
 def caveats(args, summary: dict) -> list[str]:

@@ -57,10 +57,14 @@ from pathlib import Path
 
 import torch
 
+_ROOT = str(Path(__file__).resolve().parents[2])  # this checkout, for lab.benches
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
 from draftling.bench import release
 from draftling.bench.manifest import write_manifest
 from draftling.bench.simple import device_name
-from draftling.bench.train_bench import synthetic_vocab
+from lab.benches.train_bench import synthetic_vocab
 from draftling.config import load_config
 from draftling.draft.store import save_draft
 from draftling.engine import EngineOptions
@@ -103,7 +107,7 @@ class Settings:
     max_new_tokens: int = 128
     baseline_prompts_per_workload: int = 1
     configs: tuple[str, ...] = release.DEFAULT_CONFIGS
-    draft_profile: str | None = "gpu_smollm2"  # the GPU recipe's draft settings
+    draft_profile: str | None = "lab/configs/gpu_smollm2.yaml"  # the GPU recipe's draft settings (checkout)
     draft_overrides: tuple[str, ...] = ()
     shapes: str = "real"  # "real": GEMMA3_270M / SMOLLM2_135M; "tiny": TINY (--smoke)
 
@@ -227,7 +231,7 @@ def write_prompts(args, s: Settings, vocab: int, out: Path) -> tuple[Path, str]:
 
 def untrained_draft(target, s: Settings, prompts: Path, folder: Path) -> Path:
     """A head built as the GPU recipe builds one, untrained (see the module doc), saved to ``folder``."""
-    cfg = load_config(s.draft_profile, list(s.draft_overrides))
+    cfg = load_config(str(Path(_ROOT) / s.draft_profile) if s.draft_profile else None, list(s.draft_overrides))
     rows = release.read_prompt_set(prompts)[1]
     batches = [torch.tensor([r["input_ids"]]) for r in rows]
     vocab = synthetic_vocab(target, batches, min(cfg.vocab.size, target.config.vocab_size), target.device)

@@ -28,16 +28,16 @@ sha=$(sha256sum $G | cut -c1-8)
 [ "$sha" = a5fd3b62 ] || { echo "Gemma GGUF checksum $sha != a5fd3b62" | tee -a $log; exit 3; }
 
 if [ ! -f $S/data/vocab.safetensors ]; then
-  d data --config gpu_smollm2 --target $G --out $S/data \
+  d data --config lab/configs/gpu_smollm2.yaml --target $G --out $S/data \
     data.max_prompts_per_file=${PER_FILE:-300} data.max_prompts_by_file={} $TPL ${DEV:-} ${DATA_ARGS:-}
   [ -f $S/data/summary.json ] || { echo "arch2: data not finished; call again" | tee -a $log; exit 0; }
-  d vocab --data $S/data --config gpu_smollm2 --target $G ${VOCAB_ARGS:-}
+  d vocab --data $S/data --config lab/configs/gpu_smollm2.yaml --target $G ${VOCAB_ARGS:-}
   cp $S/data/summary.json $OUT/data_summary.json
 fi
 
 if ! finished $run; then
   [ $(left) -gt 150 ] || { echo "arch2: too little time left to train; call again" | tee -a $log; exit 0; }
-  d train --config gpu_smollm2 --target $G --data $S/data --run-dir $run $([ -d $run ] && echo --resume) \
+  d train --config lab/configs/gpu_smollm2.yaml --target $G --data $S/data --run-dir $run $([ -d $run ] && echo --resume) \
     $OLD_RECIPE train.max_minutes=$(train_minutes 100) train.smoke_every=200 train.smoke_max_new_tokens=64 \
     train.ckpt_every=200 $TPL ${DEV:-} ${TRAIN_ARGS:-} "$@"
   tar czf $OUT/train.tgz -C $run train_result.json metrics.jsonl config.yaml

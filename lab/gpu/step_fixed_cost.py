@@ -5,7 +5,7 @@ step's host reads (issue 27): a two-point fit step_s = fixed + per_seq * n per m
     python lab/gpu/step_fixed_cost.py --smoke --out DIR         # the same on the CPU, tiny
 
 Each point is the trainer's own step (a run as ``trainer.build_run`` builds it, the machinery of
-bench/train_bench.py) with the online teacher, ``configs/gpu_smollm2.yaml``'s settings and
+lab/benches/train_bench.py) with the online teacher, ``lab/configs/gpu_smollm2.yaml``'s settings and
 synthetic sequences of chat-like lengths (each step a new length, as length-grouped batches of
 real data have), stepped back to back with one sync at the end. Per-step batch sizes (16 and 32
 sequences, or --batches), each in two modes (or --modes):
@@ -34,10 +34,15 @@ from pathlib import Path
 
 import torch
 
-from draftling.bench.ddp_scaling import line_fit
+_ROOT = str(Path(__file__).resolve().parents[2])  # this checkout, for lab.benches
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+GPU_RECIPE = "lab/configs/gpu_smollm2.yaml"  # the GPU recipe, from the checkout
+
+from lab.benches.ddp_scaling import line_fit
 from draftling.bench.manifest import write_manifest
 from draftling.bench.simple import device_name
-from draftling.bench.train_bench import _sync, synthetic_vocab
+from lab.benches.train_bench import _sync, synthetic_vocab
 from draftling.config import RunConfig, load_config
 from draftling.data.tokenized import TokenizedExample
 from draftling.dynamo import allow_recompiles
@@ -58,7 +63,7 @@ class Settings:
     prompt_share: float = 0.4  # leading tokens without a loss, as a chat prompt
     warmup: int = 8
     measured: int = 20
-    overrides: tuple[str, ...] = ()  # config overrides over gpu_smollm2
+    overrides: tuple[str, ...] = ()  # config overrides over lab/configs/gpu_smollm2.yaml
     after_pad: int | None = None  # None: auto
 
 
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True  # as trainer.train sets it
     allow_recompiles(64)  # each batch length is new: compiled graphs must stay compiled
     target, device = load(args)
-    cfg = load_config("gpu_smollm2", list(s.overrides))
+    cfg = load_config(str(Path(_ROOT) / GPU_RECIPE), list(s.overrides))
     probe = [torch.randint(2, target.config.vocab_size, (4, s.max_len), generator=torch.Generator().manual_seed(2))]
     vocab = synthetic_vocab(target, probe, cfg.vocab.size, device)
     started, points = time.perf_counter(), []
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "step-fixed-cost.json", results)
-    write_manifest(out, None, {"settings": dataclasses.asdict(s), "config": "gpu_smollm2",
+    write_manifest(out, None, {"settings": dataclasses.asdict(s), "config": GPU_RECIPE,
                                "target": args.target or "tiny random Llama (--smoke)"}, device, results["date"],
                    what="step-fixed-cost", files=["step-fixed-cost.json"])
     print("[step-fixed-cost] fixed cost per step: " + ", ".join(

@@ -7,7 +7,7 @@ GPUs), step_s = fixed + per_seq * n.
         --run after:32=DIR --run after:16=DIR --out OUT       # after train_fixed_cost.sh's runs
 
 Each DIR is a finished `draftling train` run. Its steady tok/s is the mean over logged windows after
-the first (draftling.bench.ddp_scaling.run_entry). A step of n sequences takes
+the first (lab/benches/ddp_scaling.py's run_entry). A step of n sequences takes
 n * L / tok_s seconds, L being the data's mean sequence length (train tokens / train sequences in
 D/summary.json), so both batch sizes are priced on the same sequences. A (code, batch) run more
 than once is a point per run; the fit is the least-squares line through them.
@@ -23,7 +23,11 @@ import json
 import sys
 from pathlib import Path
 
-from draftling.bench.ddp_scaling import line_fit, run_entry
+_ROOT = str(Path(__file__).resolve().parents[2])  # this checkout, for lab.benches
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from lab.benches.ddp_scaling import line_fit, run_entry
 from draftling.io import write_json
 
 CODES = ("before", "after")

@@ -25,10 +25,12 @@ for rep in $(seq ${REPEATS:-1}); do
   for b in ${FC_BATCHES:-32 16}; do
     for code in ${CODES:-after before}; do
       src=$PWD/src; [ $code = after ] || src=$OLD
+      # the old source ships the recipe as a built-in name; this checkout keeps it in lab/configs
+      cfg=lab/configs/gpu_smollm2.yaml; [ ! -f $src/draftling/configs/gpu_smollm2.yaml ] || cfg=gpu_smollm2
       bs=$b; [ "${SMOKE:-0}" = 0 ] || bs=$(( b / 8 ))
       name=$code-$bs-$rep; rm -rf $R/$name
       echo "train_fixed_cost: $name from $(date -u +%T)"
-      PYTHONPATH=/tmp/site:$src python3 -m draftling train --config gpu_smollm2 --target $T --data $D \
+      PYTHONPATH=/tmp/site:$src python3 -m draftling train --config $cfg --target $T --data $D \
         --run-dir $R/$name train.batch_size=$bs \
         $KEYS ${DEV:-} > $OUT/train_$name.txt 2>&1 || { echo "$name: exit $?"; tail -5 $OUT/train_$name.txt; exit 1; }
       cp $R/$name/metrics.jsonl $OUT/metrics_$name.jsonl; cp $R/$name/train_result.json $OUT/result_$name.json

@@ -14,14 +14,14 @@ source lab/gpu/common.sh
 mkdir -p $OUT/train
 start=$(date +%s)
 if [ ! -f /tmp/run/data/vocab.safetensors ]; then
-  python3 -m draftling data --config gpu_smollm2 --target $T --out /tmp/run/data ${DATA_ARGS:-} 2>&1 \
+  python3 -m draftling data --config lab/configs/gpu_smollm2.yaml --target $T --out /tmp/run/data ${DATA_ARGS:-} 2>&1 \
     | grep --line-buffered -v "^regenerate: " | tee $OUT/train/data_log.txt
-  python3 -m draftling vocab --data /tmp/run/data --config gpu_smollm2 --target $T | tee -a $OUT/train/data_log.txt
+  python3 -m draftling vocab --data /tmp/run/data --config lab/configs/gpu_smollm2.yaml --target $T | tee -a $OUT/train/data_log.txt
   cp /tmp/run/data/summary.json $OUT/train/data_summary.json
 fi
 echo "data and vocab: $(( $(date +%s) - start )) s"
 [ "${DATA_ONLY:-0}" = 1 ] && exit 0
-python3 -m draftling train --config gpu_smollm2 --target $T --data /tmp/run/data --run-dir /tmp/run/train "$@" 2>&1 \
+python3 -m draftling train --config lab/configs/gpu_smollm2.yaml --target $T --data /tmp/run/data --run-dir /tmp/run/train "$@" 2>&1 \
   | tee $OUT/train/log.txt
 echo "{\"wall_s\": $(( $(date +%s) - start ))}" > /tmp/run/train/wall.json
 python3 lab/gpu/draft_transport.py pack /tmp/run/train/draft $OUT/draft

@@ -1,4 +1,4 @@
-"""bench/train_bench.py end to end on a tiny shape on the CPU (peaks are null there)."""
+"""lab/benches/train_bench.py end to end on a tiny shape on the CPU (peaks are null there)."""
 
 import json
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from draftling.bench import train_bench
-from draftling.bench.train_bench import ABLATIONS, MemoryBench, Settings, all_on_config, guarded, run_bench
 from draftling.train.plan import DraftShape
+from lab.benches import train_bench
+from lab.benches.train_bench import ABLATIONS, MemoryBench, Settings, all_on_config, guarded, run_bench
 
 TINY = DraftShape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=300, draft_vocab=64)
 KEYS = ("date", "gpu", "torch", "peak_gib_36b_shape", "ablation", "seq_scaling", "tok_s_default", "tok_s_eager",

@@ -1,7 +1,7 @@
 """Training-step bench: peak GPU memory of a 36B-class draft under the memory options, with
 ablations and sequence scaling, and training throughput against a real small teacher.
 
-    python -m draftling.bench.train_bench --out FILE.json [--target GGUF_PATH] [--quick]
+    python3 lab/benches/train_bench.py --out FILE.json [--target GGUF_PATH] [--quick]
 
 Memory (teacher stubbed by random tensors): a draft of a 36B-class target's shape (hidden
 5120, intermediate 27648, 64 heads, 8 KV heads, head_dim 128, vocab 155136, draft vocab
@@ -39,9 +39,14 @@ import sys
 import time
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch._dynamo
+
+_SRC = str(Path(__file__).resolve().parents[2] / "src")  # draftling from this checkout, installed or not
+if _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
 
 from draftling.bench.manifest import manifest_fields
 from draftling.bench.simple import device_name

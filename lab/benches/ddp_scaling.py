@@ -3,7 +3,7 @@
 Reads the metrics.jsonl of finished `draftling train` runs (one per world size, same
 config and data) and writes a results JSON:
 
-    python -m draftling.bench.ddp_scaling --run 1=/tmp/r1 --run 2=/tmp/r2 --out results.json \
+    python3 lab/benches/ddp_scaling.py --run 1=/tmp/r1 --run 2=/tmp/r2 --out results.json \
         [--fsdp /tmp/r2-fsdp] [--split /tmp/r1-split] [--fixed-cost fixed-cost.json]
 
 With runs at 1 and 2 GPUs it adds the two-GPU keys (tok_s_1gpu, tok_s_2gpu, scaling_efficiency);
@@ -21,7 +21,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from pathlib import Path
+
+_SRC = str(Path(__file__).resolve().parents[2] / "src")  # draftling from this checkout, installed or not
+if _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
 
 from draftling.io import write_json
 

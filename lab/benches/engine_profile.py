@@ -1,6 +1,6 @@
 """Decode-engine variants on a randomly initialised model of the target's shape.
 
-    python -m draftling.bench.engine_profile --out engine-profile.json [--arch smollm2]
+    python3 lab/benches/engine_profile.py --out engine-profile.json [--arch smollm2]
 
 For each engine variant (layers compiled or not, SDPA or matmul attention, query padding
 or not; CUDA graphs on a GPU) it measures, on the same weights:
@@ -20,11 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+_SRC = str(Path(__file__).resolve().parents[2] / "src")  # draftling from this checkout, installed or not
+if _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
 
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.engine import (DraftRunner, EngineOptions, build_target, causal_mask, greedy_generate,

@@ -1,9 +1,12 @@
-"""The issue-26 device scripts run their --smoke mode on the CPU and write what they promise."""
+"""The lab's device scripts (lab/gpu) run their --smoke mode on the CPU and write what they promise."""
 
 import importlib.util
 import json
 import sys
 
+import pytest
+
+from draftling.train import trainer, ttt
 from tests.conftest import CHECKOUT
 
 
@@ -69,8 +72,33 @@ def test_the_second_arch_bench_leaves_out_a_failing_hf_baseline(tmp_path, one_th
         return hf_kwargs(name, *args)
 
     monkeypatch.setattr(release, "_hf_kwargs", broken_static)
+    timing = release._time_hf_baselines  # the script swaps in its tolerant timing for the run
     assert script.main(["--smoke", "--arch", "llama", "--out", str(tmp_path)]) == 0
     llama = json.loads((tmp_path / "second-arch-bench.json").read_text())["archs"]["llama"]
     assert llama["baselines_failed"] == {"hf_static": "RuntimeError: static cache unsupported here second line"}
     assert llama["hf_tok_s"]["hf_static"] is None and llama["hf_tok_s"]["hf_eager"] > 0
-    assert release._time_hf_baselines.__name__ == "_time_hf_baselines"  # put back
+    assert release._time_hf_baselines is timing  # and puts the original back
+
+
+def test_the_fixed_cost_script_runs_its_smoke_on_the_cpu(tmp_path, one_thread, monkeypatch):
+    script = load_script("step_fixed_cost", monkeypatch)
+    patched = (trainer.to_device, ttt.ttt_unroll)
+    assert script.main(["--smoke", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "step-fixed-cost.json").read_text())
+    assert {"date", "gpu", "fixed_cost_s_before", "fixed_cost_s_after", "points"} <= set(out)
+    assert [(p["mode"], p["batch"], p["pad_to_multiple"]) for p in out["points"]] == [
+        ("before", 2, 1), ("before", 4, 1), ("after", 2, 16), ("after", 4, 16)]
+    assert_manifest(tmp_path)
+    assert (trainer.to_device, ttt.ttt_unroll) == patched  # the old reads undone
+
+
+def test_the_fixed_cost_script_fits_a_line_through_more_batch_sizes(tmp_path, one_thread, monkeypatch):
+    """--batches 2,3,4 --modes after: three points of one mode, and the least-squares line
+    through them (here checked against the points it was fitted to)."""
+    script = load_script("step_fixed_cost", monkeypatch)
+    assert script.main(["--smoke", "--out", str(tmp_path), "--batches", "2,3,4", "--modes", "after"]) == 0
+    out = json.loads((tmp_path / "step-fixed-cost.json").read_text())
+    assert [(p["mode"], p["batch"]) for p in out["points"]] == [("after", 2), ("after", 3), ("after", 4)]
+    assert "fixed_cost_s_before" not in out
+    line = [{"mode": "after", "batch": n, "step_s": 0.5 + 0.25 * n} for n in (2, 3, 5)]
+    assert script.fit(line, "after") == pytest.approx((0.5, 0.25))
