@@ -449,7 +449,7 @@ class BenchConfig:
     prompt_set: str = "v1"  # a built-in set name (v1, ...) or a jsonl path
     baselines: list[str] = field(default_factory=lambda: list(RELEASE_BASELINES))  # engine_plain always runs
     baseline_prompts_per_workload: int | None = None  # the slow HF baselines on the first N of each; null = all
-    results_dir: str = "bench/results"  # each run writes a folder of its own in here
+    results_dir: str = "."  # each run writes a folder of its own in here; "." = the working directory
     tag: str | None = None  # suffix of the run's folder and file names
     engine_compile: bool | None = None  # compile the target's and draft's layers; null = auto: on with CUDA
     # Pad every target pass to this many queries, so plain and verify passes share kernels
