@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-${PYTHON:-python3} -m ruff check src tests scripts
+${PYTHON:-python3} -m ruff check src tests scripts lab
 # One worker per core, a test module to a worker (its module fixtures built once): on a 2-core
 # EPYC without AVX512 the suite took 21.5 min in one process and 13.1 min in two (2026-12-03).
 rc=0

@@ -3,7 +3,7 @@ exit 2, one error line naming the culprit (after any log records), no traceback,
 written or changed.
 
 The counts (tried, clear errors, tracebacks, silent passes) are printed and, with
-DRAFTLING_BAD_INPUTS_JSON=PATH, written there (scripts/experiments/bad_inputs_probe.sh)."""
+DRAFTLING_BAD_INPUTS_JSON=PATH, written there (lab/experiments/bad_inputs_probe.sh)."""
 
 import json
 import os

@@ -18,7 +18,7 @@ from draftling.target import load_target, load_target_from_config
 from draftling.target.devmap import Placement, dispatched_devices, resident_weight
 from draftling.train.teacher import teacher_forward
 from tests.conftest import TINY_VOCAB, random_batch, run_draftling, setup_data
-from tests.test_gpu_scripts import load_script
+from lab.tests.test_gpu_scripts import load_script
 
 LAYERS = 6
 # Layers 1, 2 and 4 and the (untied) output head live on disk: accelerate loads their weights
@@ -30,7 +30,7 @@ SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama (untied head) and a word-level tokenizer with a chat template: the
-    device-map check's own --smoke target (scripts/gpu/device_map_check.py)."""
+    device-map check's own --smoke target (lab/gpu/device_map_check.py)."""
     with pytest.MonkeyPatch.context() as mp:
         script = load_script("device_map_check", mp)
     return script.tiny_target_dir(tmp_path_factory.mktemp("tiny-devmap"))

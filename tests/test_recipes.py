@@ -186,17 +186,9 @@ def test_every_shipped_profile_loads():
 
     names = sorted(p.name[:-5] for p in (resources.files("draftling") / "configs").iterdir()
                    if p.name.endswith(".yaml"))
-    assert {"default", "gpu_smollm2", "quickstart_cpu"} <= set(names)
+    # Only what a user can run ships: the lab's GPU recipe (lab/configs) reads the development corpus.
+    assert set(names) == {"default", "quickstart_cpu"}
     configs = {n: load_config(n) for n in names}
-    gpu = configs["gpu_smollm2"]
-    assert gpu.draft.intermediate_size == 4096 and gpu.device == "cuda"
-    # The measured recipe (2026-12-03): every non-agent corpus file uncapped, trained until the
-    # smoke tau converges.
-    assert len(gpu.data.prompts) == 10 and not any("agent" in p for p in gpu.data.prompts)
-    assert gpu.data.prompt_cap("shared:math_gsm8k_train.jsonl") == 0
-    assert gpu.train.stop_on_convergence and gpu.train.smoke_every == 400
-    assert (gpu.train.batch_size, gpu.train.max_steps) == (64, 5600)
-    assert gpu.train.ckpt_every_epoch and gpu.train.smoke_max_share == 0.05  # the default pacing
     # The default GPU config: the smoke bench, its verdict and per-epoch candidates on, the stop opt-in,
     # checks over 5% of the training time made rarer.
     default = configs["default"].train

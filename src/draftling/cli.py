@@ -334,12 +334,13 @@ def add_bench_parser(sub) -> None:
                        "tau, speedup over plain at that level, the cost account, and the crossover where plain "
                        "wins; alone or before the release bench with --release"),
         r.add_argument("--results-dir", help="where each run's folder <date>-release-<commit>-<machine>[-<tag>] "
-                       "goes (default bench/results)"),
+                       "goes (default: the working directory)"),
         r.add_argument("--tag", help="suffix for the run's folder and file names"),
         r.add_argument("--overwrite", action="store_true", help="replace results of the same date, commit, "
                        "machine and tag (without it they are refused before the bench runs)"),
-        r.add_argument("--update-benchmarks-md", nargs="?", const="BENCHMARKS.md", metavar="FILE",
-                       help="rewrite the release-bench section of FILE (default BENCHMARKS.md)"),
+        r.add_argument("--update-benchmarks-md", metavar="FILE",
+                       help="rewrite the release-bench section of the markdown FILE (created if missing), "
+                       "e.g. a repository's BENCHMARKS.md"),
     ]
     p.set_defaults(simple_only=[(a.option_strings[0], a.dest) for a in simple],
                    release_only=[(a.option_strings[0], a.dest) for a in release])

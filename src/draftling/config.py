@@ -130,7 +130,7 @@ class RegenConfig:
     # Prefill long prompts in pieces of about this many tokens (rows x columns) per forward.
     # On the CPU a whole batch of long prompts at once is memory-bound in its elementwise ops:
     # a batch of 53 prompts (7121 tokens) took 63 s in one forward and 38 s in pieces of 4096,
-    # same replies (scripts/experiments/gguf_load_and_chunked_prefill.py). null = 4096 on the
+    # same replies (lab/experiments/gguf_load_and_chunked_prefill.py). null = 4096 on the
     # CPU and off elsewhere; 0 = off.
     prefill_chunk_tokens: int | None = None
     # dtype of the model that writes the TRAINING replies (and their kept states): null = the
@@ -449,7 +449,7 @@ class BenchConfig:
     prompt_set: str = "v1"  # a built-in set name (v1, ...) or a jsonl path
     baselines: list[str] = field(default_factory=lambda: list(RELEASE_BASELINES))  # engine_plain always runs
     baseline_prompts_per_workload: int | None = None  # the slow HF baselines on the first N of each; null = all
-    results_dir: str = "bench/results"  # each run writes a folder of its own in here
+    results_dir: str = "."  # each run writes a folder of its own in here; "." = the working directory
     tag: str | None = None  # suffix of the run's folder and file names
     engine_compile: bool | None = None  # compile the target's and draft's layers; null = auto: on with CUDA
     # Pad every target pass to this many queries, so plain and verify passes share kernels

@@ -52,7 +52,7 @@ class SweepOptions:
     per_slot: int = 2
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(cuda_graphs="auto", compile=False,
                                                                          query_pad=0, attention="auto"))
-    out_dir: str | Path = "bench/results"
+    out_dir: str | Path = "."
     command: str | None = None
 
     def __post_init__(self):

@@ -107,7 +107,7 @@ class ReleaseOptions:
     round_timing: bool | str = "auto"
     sampled_temperatures: tuple[float, ...] = RELEASE_SAMPLED_TEMPERATURES
     engine: EngineOptions = field(default_factory=EngineOptions.auto)
-    out_dir: str | Path = "bench/results"
+    out_dir: str | Path = "."
     tag: str | None = None
     command: str | None = None
     overwrite: bool = False

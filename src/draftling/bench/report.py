@@ -326,11 +326,12 @@ def _readable(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def update_benchmarks_md(results_json_path: str | Path, benchmarks_md: str | Path = "BENCHMARKS.md") -> Path:
-    """Rewrite the section between the release-bench markers of BENCHMARKS.md with the latest
+def update_benchmarks_md(results_json_path: str | Path, benchmarks_md: str | Path) -> Path:
+    """Rewrite the section between the release-bench markers of the markdown file ``benchmarks_md``
+    (e.g. a repository's BENCHMARKS.md) with the latest
     results (table, command, date, GPU, n, configs); everything else in the file is kept.
     Creates the file, or appends the section, when missing. The results link is relative to
-    the file: ``bench/results/<run folder>/<name>.json`` for a run in this checkout."""
+    the file, e.g. ``bench/results/<run folder>/<name>.json`` for this repository's BENCHMARKS.md."""
     results_json_path = Path(results_json_path)
     results = json.loads(results_json_path.read_text())
     md = Path(benchmarks_md)

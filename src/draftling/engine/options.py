@@ -16,7 +16,7 @@ ATTENTION_KINDS = ENGINE_ATTENTION
 AUTO = "auto"
 # "auto" attention on CUDA: "exact" for the speculative engine and its padded plain twin (the
 # identity reference); an unpadded plain reference takes the faster bf16 "matmul"
-# (bench/engine_profile.py measured both), so speedups are against the fastest plain engine.
+# (lab/benches/engine_profile.py measured both), so speedups are against the fastest plain engine.
 GPU_ATTENTION, GPU_UNPADDED_ATTENTION = "exact", "matmul"
 
 

@@ -150,7 +150,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         "val_sim_tau": round(val.get("sim_tau", 0.0), 4),
         # A chain-(train.ttt_steps) decode walked over every validation sequence under teacher
         # forcing: what benching them all would measure (1.4639 against the engine's 1.4639
-        # over 53 SmolLM2 sequences, scripts/experiments/chain_walk.py).
+        # over 53 SmolLM2 sequences, lab/experiments/chain_walk.py).
         "val_chain_tau": round(val.get("chain_tau", 0.0), 4),
         "val_acc": [round(a, 4) for a in val.get("acc", [])],
         # The share of validation reply positions whose target token the draft vocab holds:

@@ -428,7 +428,7 @@ def gguf_parsed_once(spec: TargetSpec):
     are memoized: the reader per path (it only reads its memory map), the name map per
     (arch, layers), and the metadata-only read (tokenizer and config both ask for it). Same
     results; the default target loaded in 9.3 s instead of 23.8 s on a 2-core CPU
-    (scripts/experiments/gguf_load_and_chunked_prefill.py). Without the ``gguf`` package
+    (lab/experiments/gguf_load_and_chunked_prefill.py). Without the ``gguf`` package
     this does nothing."""
     if spec.gguf_file is None:
         yield

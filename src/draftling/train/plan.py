@@ -30,7 +30,7 @@ Accounting notes, all from reading the code paths the trainer runs:
   (a GGUF file is dequantized to that dtype by transformers on load) or of its on-load
   quantization (~4.5 bits for 4-bit, ~8.5 for 8-bit; embedding and head stay unquantized).
 
-``bench/train_bench.py`` measures these numbers on a GPU and records the estimate's error
+``lab/benches/train_bench.py`` measures these numbers on a GPU and records the estimate's error
 beside each measurement.
 """
 
@@ -565,7 +565,7 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
 
     embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
     shape = DraftShape.from_config(target_config, cfg.vocab.size, cfg.draft.window)
-    if cfg.draft.intermediate_size:  # the draft's own MLP width (configs/gpu_smollm2.yaml: 4096)
+    if cfg.draft.intermediate_size:  # the draft's own MLP width (lab/configs/gpu_smollm2.yaml: 4096)
         shape = dataclasses.replace(shape, intermediate=cfg.draft.intermediate_size)
     quantization = getattr(cfg, "quantization", None)
     if cfg.device_map and split is None:
