@@ -8,7 +8,7 @@ import torch
 
 from draftling.bench import train_bench
 from draftling.bench.train_bench import ABLATIONS, MemoryBench, Settings, all_on_config, guarded, run_bench
-from draftling.train.plan import DraftShape
+from draftling.train.memory import DraftShape
 
 TINY = DraftShape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=300, draft_vocab=64)
 KEYS = ("date", "gpu", "torch", "peak_gib_36b_shape", "ablation", "seq_scaling", "tok_s_default", "tok_s_eager",
