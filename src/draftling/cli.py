@@ -220,7 +220,7 @@ def add_train_parser(sub) -> None:
 
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
-    """`draftling plan`: the memory estimate of train/memory_fit.py for a run, without weights."""
+    """`draftling plan`: the memory estimate of train/plan.py for a run, without weights."""
     p = sub.add_parser(
         "plan", help="will a training run fit on this GPU? (reads only the target's config)",
         description="Estimate the peak GPU memory of `draftling train` from the target's config and "

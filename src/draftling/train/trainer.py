@@ -51,7 +51,11 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TrainRun:
-    """One run's live state, built by ``build_run`` and advanced by ``train_step``."""
+    """One run's live state. Set up by ``build_run`` (and ``restore`` on a resume), then driven by
+    ``loop``: ``train_step`` per step, ``validate``, the smoke checks (``start_smoke``,
+    ``smoke_check``, ``pace_smoke``) and ``checkpoint`` on the way; ``finish`` writes the head
+    and train_result.json."""
+
     cfg: RunConfig
     target: Target
     ctx: DistContext
@@ -142,7 +146,7 @@ class TrainRun:
             for group in self.scheduled.param_groups:
                 group["initial_lr"], group["lr"] = tc.lr, tc.lr * self.schedule(self.step)
         self.say(f"resumed from {ckpt} at step {self.step}"
-                + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else ""))
+                 + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else ""))
 
     def describe(self) -> None:
         tc, ctx, inputs = self.cfg.train, self.ctx, self.inputs
@@ -150,14 +154,14 @@ class TrainRun:
                     f"sequences per rank" if ctx.active else "")
         m = self.unroll
         self.say(f"training draft: {params_line(param_counts(self.draft, self.target))}, {len(inputs.examples)} train / "
-                f"{len(inputs.val_examples)} val sequences, {self.total_steps} steps of {tc.batch_size}, "
-                f"TTT {tc.ttt_steps}, device {self.target.device}{parallel}")
+                 f"{len(inputs.val_examples)} val sequences, {self.total_steps} steps of {tc.batch_size}, "
+                 f"TTT {tc.ttt_steps}, device {self.target.device}{parallel}")
         self.say(f"memory: loss_chunk_tokens {m.loss_chunk_tokens}, grad_checkpoint {m.grad_checkpoint}, "
-                f"attention {m.attention}, optimizer_offload {self.offload}, draft_dtype "
-                f"{str(self.param_dtype).replace('torch.', '')}, embedding_on_host {tc.embedding_on_host}, compile "
-                f"{m.compile} (layer {m.compile_layer}, teacher "
-                f"{compile_teacher(tc, self.target.device, self.target.model)}), autocast {m.autocast or 'off'}, "
-                f"pad_to_multiple {pad_multiple(tc, m.attention)}")
+                 f"attention {m.attention}, optimizer_offload {self.offload}, draft_dtype "
+                 f"{str(self.param_dtype).replace('torch.', '')}, embedding_on_host {tc.embedding_on_host}, compile "
+                 f"{m.compile} (layer {m.compile_layer}, teacher "
+                 f"{compile_teacher(tc, self.target.device, self.target.model)}), autocast {m.autocast or 'off'}, "
+                 f"pad_to_multiple {pad_multiple(tc, m.attention)}")
 
     def loop(self) -> float:
         """Steps to ``self.total_steps``, logging, validating and checkpointing on the way. Returns
@@ -223,11 +227,11 @@ class TrainRun:
         train.stop_on_convergence a convergence ends the run here. Returns the seconds it took."""
         t0 = time.perf_counter()
         verdict = self.smoke.check(host_draft(self.objective, self.draft.config), self.step,
-                                  self.step / self.batches.batches_per_epoch, self.batches.position(self.step - 1)[0])
+                                   self.step / self.batches.batches_per_epoch, self.batches.position(self.step - 1)[0])
         converged = any_rank(verdict is not None, self.ctx, self.target.device)
         if converged and self.cfg.train.stop_on_convergence and self.step < self.total_steps:
             self.say(f"stopping at step {self.step}/{self.total_steps}: the smoke tau converged "
-                    "(train.stop_on_convergence)")
+                     "(train.stop_on_convergence)")
             self.stop("converged")
         return time.perf_counter() - t0
 
@@ -255,11 +259,11 @@ class TrainRun:
             return
         share = seconds / (seconds + self.smoke_every * step_s)
         self.say(f"smoke bench: a check took {seconds:.1f} s against {step_s:.3f} s a training step, {share:.0%} of the "
-                f"time at every {self.smoke_every} steps, over train.smoke_max_share={tc.smoke_max_share:g}: checking "
-                f"every {every} steps from here")
+                 f"time at every {self.smoke_every} steps, over train.smoke_max_share={tc.smoke_max_share:g}: checking "
+                 f"every {every} steps from here")
         if self.metrics_log:
             self.metrics_log.write({"split": "smoke_interval", "step": self.step, "every": every, "check_s": seconds,
-                                   "step_s": step_s, "share": share, "max_share": tc.smoke_max_share})
+                                    "step_s": step_s, "share": share, "max_share": tc.smoke_max_share})
         self.smoke_every = every
 
     def data_used(self) -> dict:
