@@ -23,7 +23,7 @@ from draftling.engine.batch import batch_generate
 from draftling.errors import ConfigError
 from draftling.export.formats import export_sglang, export_speculators, load_any_draft
 from draftling.train.teacher import TeacherBatch
-from draftling.train.trainer import build_draft
+from draftling.train.draft_setup import build_draft
 from draftling.train.ttt import TTTAttention, flex_usable, shift_left, ttt_attention, ttt_unroll
 from draftling.train.warmstart import keep_window
 from tests.conftest import tiny_llama

@@ -52,7 +52,7 @@ def test_offline_training_matches_online(tmp_path, tiny_target, monkeypatch):
     def no_teacher(*a, **k):
         raise AssertionError("the offline run must not run the teacher")
 
-    monkeypatch.setattr("draftling.train.trainer.teacher_forward", no_teacher)
+    monkeypatch.setattr("draftling.train.batches.teacher_forward", no_teacher)
     train(cfg, tiny_target, tmp_path / "offline", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
           tmp_path / "vocab.safetensors", teacher_source=teacher_for(tmp_path, cache))
     on, off = losses(tmp_path / "online"), losses(tmp_path / "offline")

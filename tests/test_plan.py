@@ -1,4 +1,4 @@
-"""train/plan.py: the memory estimator's terms against the code they model, and `draftling plan`."""
+"""train/memory.py and memory_fit.py: the memory estimator's terms against the code they model, and `draftling plan`."""
 
 import argparse
 import dataclasses
@@ -10,8 +10,9 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralF
 
 from draftling.cli import add_plan_parser, cmd_plan
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
-from draftling.train.plan import (GIB, DraftShape, MemoryOptions, estimate_train_memory, parse_size,
-                                  target_param_counts, teacher_weight_bytes)
+from draftling.config import parse_size
+from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
+from draftling.train.memory_fit import target_param_counts, teacher_weight_bytes
 from draftling.train.teacher import TeacherBatch
 from draftling.train.ttt import ttt_unroll
 
@@ -321,7 +322,7 @@ def test_a_window_bounds_the_sdpa_attention_estimate_and_the_draft_width_counts(
     assert band[32768] < full[32768] / 10  # the [T, T] probabilities are gone
     assert 3 < band[32768] / band[8192] < 5  # linear in the length, as the banded attention is
     from draftling.config import load_config
-    from draftling.train.plan import plan_run
+    from draftling.train.memory_fit import plan_run
 
     cfg = load_config(None, ["draft.intermediate_size=4096", "draft.window=512", "vocab.size=1000"])
     target = LlamaConfig(vocab_size=4000, hidden_size=512, intermediate_size=1536, num_attention_heads=8,

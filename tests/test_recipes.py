@@ -69,7 +69,7 @@ def test_cli_refuses_a_negative_budget():
 
 def test_fitted_schedule_ends_inside_the_budget_and_respects_the_ceiling():
     from draftling.train.distributed import current
-    from draftling.train.trainer import FitToTime, fitted_total
+    from draftling.train.schedules import FitToTime, fitted_total
 
     assert fitted_total(10, cap=1000, seconds_left=50, step_s=0.5) == 110
     assert fitted_total(10, cap=60, seconds_left=50, step_s=0.5) == 60  # epochs stay the ceiling
@@ -157,7 +157,7 @@ def test_regenerate_starts_no_batch_past_its_deadline(tiny_target_dir):
 
 
 def test_step_probe_times_a_real_step_and_leaves_the_rng_alone(tiny_target):
-    from draftling.train.trainer import measure_step_seconds
+    from draftling.train.probe import measure_step_seconds
 
     cfg = load_config(None, ["train.batch_size=2", "train.ttt_steps=2", "vocab.size=64",
                              "data.keep_teacher_states=true"])

@@ -13,10 +13,14 @@ from draftling.config import RunConfig, TrainConfig, load_config
 from draftling.data.tokenized import TokenizedExample
 from draftling.draft.vocab import build_vocab
 from draftling.train import teacher as teacher_mod
-from draftling.train import trainer, ttt
+from draftling.train import batches as batches_mod
+from draftling.train import ttt
 from draftling.train.distributed import DistContext
 from draftling.train.teacher import TeacherCache
-from draftling.train.trainer import RunInputs, StepWindow, build_run, evaluate
+from draftling.train.batches import evaluate
+from draftling.train.inputs import RunInputs
+from draftling.train.metrics import StepWindow
+from draftling.train.trainer import build_run
 from draftling.train.ttt import StepCounts, step_row_bounds
 from tests.host_reads import HostReads
 from tests.test_train import run, setup_data
@@ -79,7 +83,7 @@ def test_flex_block_masks_are_built_once_per_padded_length(tiny_target, one_thre
 
 def test_row_bounds_from_the_host_give_the_exact_counts_and_gradients(tiny_target, one_thread):
     run_ = tiny_run(tiny_target, examples([17, 24, 30, 30]))
-    batch = trainer.load_batch(run_.source, [0, 1, 2, 3], run_.draft.t2d)
+    batch = batches_mod.load_batch(run_.source, [0, 1, 2, 3], run_.draft.t2d)
     b = batch.tensors
     valid = ttt.step_valid_counts(b["loss_mask"], b["attention_mask"], batch.teacher.in_draft, 3).tolist()
     assert all(n > v for n, v in zip(batch.row_bounds, valid))  # spare rows in every step's chunks
@@ -116,7 +120,7 @@ def test_training_steps_read_nothing_back_until_the_log_line(tiny_target, one_th
         run_.train_step()
     reads = HostReads(ignore=[s["step"] for s in run_.optimizer.state.values()])  # AdamW's host counters
     # Collating reads host lists by design; transformers' padding-mask check reads (left alone).
-    monkeypatch.setattr(trainer, "host_batch", paused(reads, trainer.host_batch))
+    monkeypatch.setattr(batches_mod, "host_batch", paused(reads, batches_mod.host_batch))
     monkeypatch.setattr(teacher_mod, "aux_hidden_states", paused(reads, teacher_mod.aux_hidden_states))
     window, steps, records = StepWindow(3, torch.device("cpu")), [], []
     run_.metrics_log = SimpleNamespace(write=lambda record, line=None: records.append(record))

@@ -266,8 +266,8 @@ def test_auto_defaults_resolve_per_device():
 def test_memory_policy_trades_recompute_for_speed_only_when_the_plan_says_it_fits(monkeypatch):
     from transformers import LlamaConfig
 
-    from draftling.train.plan import DraftShape
-    from draftling.train.trainer import resolve_memory_policy
+    from draftling.train.memory import DraftShape
+    from draftling.train.draft_setup import resolve_memory_policy
 
     target_config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                                 num_key_value_heads=3, vocab_size=49152)
@@ -439,7 +439,7 @@ def test_auto_draft_dtype_is_bf16_only_with_offload_and_keeps_rotary_fp32(tiny_t
     from draftling.config import TrainConfig
     from draftling.draft.model import Eagle3Draft, draft_config_from_target
     from draftling.train.settings import draft_param_dtype
-    from draftling.train.trainer import place_draft
+    from draftling.train.draft_setup import place_draft
 
     assert draft_param_dtype(TrainConfig(), "cpu") == torch.float32
     assert draft_param_dtype(TrainConfig(optimizer_offload=True), "cpu") == torch.bfloat16

@@ -7,11 +7,11 @@ Memory (teacher stubbed by random tensors): a draft of a 36B-class target's shap
 5120, intermediate 27648, 64 heads, 8 KV heads, head_dim 128, vocab 155136, draft vocab
 32000) is built and placed exactly as ``trainer.train`` does it (``build_draft`` on the
 host, ``place_draft``, ``distributed.wrap``, ``build_optimizer``), and the trainer's own step
-runs (``trainer.train_step``: the teacher's outputs, here served by a stub source, the TTT
+runs (``batches.train_step``: the teacher's outputs, here served by a stub source, the TTT
 unroll, backward, grad clip, optimizer step). The peak is
 ``torch.cuda.max_memory_allocated`` over the whole run (placement and steps). Then each
 feature is turned off in turn, and the all-on run is repeated at other sequence lengths;
-each run also carries ``train.plan``'s estimate for it.
+each run also carries ``train.memory``'s estimate for it.
 
 Throughput: the real teacher (``--target``, loaded in bf16 on the GPU), synthetic batches of
 random token ids, the trainer's CUDA defaults against the eager SDPA path (attention sdpa,
@@ -57,12 +57,14 @@ from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
 from draftling.train.distributed import DistContext, TTTObjective, shard, wrap
 from draftling.train.optim import build_optimizer
-from draftling.train.plan import GIB, DraftShape, MemoryOptions, estimate_train_memory
+from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.teacher import TeacherBatch, TeacherSource, teacher_forward
 from draftling.train.settings import (compile_teacher, draft_param_dtype, memory_options, optimizer_offload,
                                       unroll_options)
-from draftling.train.trainer import (BatchSource, RunInputs, TrainRun, build_draft, build_run, place_draft,
-                                     train_step)
+from draftling.train.batches import BatchSource, train_step
+from draftling.train.draft_setup import build_draft, place_draft
+from draftling.train.inputs import RunInputs
+from draftling.train.trainer import TrainRun, build_run
 
 SHAPE_36B = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128,
                        vocab=155136, draft_vocab=32000)
@@ -231,7 +233,7 @@ def stub_batch(shape: DraftShape, batch: int, seq: int, device: torch.device, au
 
 
 class StubTeacher:
-    """A TeacherSource (as trainer.BatchSource takes one) that serves the one stub batch."""
+    """A TeacherSource (as batches.BatchSource takes one) that serves the one stub batch."""
 
     cacheable = False
 
@@ -284,7 +286,7 @@ class MemoryBench:
             f"in {time.perf_counter() - t0:.1f}s")
 
     def options(self, tc: TrainConfig, *, build_on_device: bool = False, fsdp: bool = False) -> MemoryOptions:
-        """The run's features as train.plan sees them, resolved the way the trainer resolves them."""
+        """The run's features as train.memory sees them, resolved the way the trainer resolves them."""
         dtype = draft_param_dtype(tc, self.device, self.num_params)
         mem = memory_options(tc, self.device, param_dtype=dtype)
         return MemoryOptions.from_unroll_options(
@@ -621,7 +623,7 @@ def caveats(results: dict, settings: Settings) -> list[str]:
         "teacher logits keep the teacher's dtype), CPUOffloadPolicy (plain AdamW steps the host shards)",
         "throughput: synthetic batches of random token ids; the draft vocab holds the teacher's argmax "
         "tokens on them, so nearly every position carries a loss (see valid_fraction_step0)",
-        "every run times the trainer's own step (trainer.train_step): the teacher phase includes collating "
+        "every run times the trainer's own step (batches.train_step): the teacher phase includes collating "
         "the batch and moving it to the device; memory runs step a constant LR schedule, throughput runs "
         "the trainer's warmup/cosine one",
     ]

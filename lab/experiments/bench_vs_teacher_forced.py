@@ -17,7 +17,7 @@ from draftling.io import write_json
 from draftling.target import load_target
 from draftling.train.dataset import collate
 from draftling.train.teacher import teacher_forward
-from draftling.train.trainer import evaluate
+from draftling.train.batches import evaluate
 
 
 def main(run: Path, out: Path) -> dict:

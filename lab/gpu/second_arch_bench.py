@@ -72,7 +72,7 @@ from draftling.engine import general_target
 from draftling.errors import one_line
 from draftling.io import write_json, write_jsonl
 from draftling.target.load import wrap_target
-from draftling.train.trainer import build_draft
+from draftling.train.draft_setup import build_draft
 
 ARCHS = ("gemma3", "llama", "llama-general")
 # gemma-3-270m (its config.json): the rope thetas (10k sliding, 1M full) are Gemma3TextConfig's defaults.

@@ -48,7 +48,9 @@ from draftling.data.tokenized import TokenizedExample
 from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
 from draftling.train import teacher as teacher_mod
+from draftling.train import batches as batches_mod
 from draftling.train import trainer, ttt
+from draftling.train.inputs import RunInputs
 from draftling.train.distributed import DistContext
 
 MODES = ("before", "after")
@@ -94,9 +96,9 @@ def make_examples(s: Settings, lengths: list[list[int]], vocab_size: int) -> lis
 @contextlib.contextmanager
 def old_reads():
     """The host reads of the step as it was before, each where it was (see the module doc)."""
-    saved = (trainer.to_device, teacher_mod.draft_token_ids, trainer.host_batch, ttt._StepLoss.chunked,
+    saved = (batches_mod.to_device, teacher_mod.draft_token_ids, batches_mod.host_batch, ttt._StepLoss.chunked,
              ttt.ttt_unroll)
-    chunked, unroll, host_batch = ttt._StepLoss.chunked, ttt.ttt_unroll, trainer.host_batch
+    chunked, unroll, host_batch = ttt._StepLoss.chunked, ttt.ttt_unroll, batches_mod.host_batch
 
     def chunked_with_read(self, j, hidden):
         out = chunked(self, j, hidden)
@@ -109,14 +111,14 @@ def old_reads():
         int(args[5].sum())  # and the tokens from the attention mask
         return loss, counts
 
-    trainer.to_device = lambda tensor, dev: tensor.to(dev)  # a pageable copy waits for the queue
+    batches_mod.to_device = lambda tensor, dev: tensor.to(dev)  # a pageable copy waits for the queue
     teacher_mod.draft_token_ids = lambda t2d: t2d.nonzero().squeeze(1)  # was weight[t2d]
-    trainer.host_batch = lambda *a: (host_batch(*a)[0], None)  # no bounds: the unroll reads its row counts
+    batches_mod.host_batch = lambda *a: (host_batch(*a)[0], None)  # no bounds: the unroll reads its row counts
     ttt._StepLoss.chunked, ttt.ttt_unroll = chunked_with_read, unroll_with_reads
     try:
         yield
     finally:
-        (trainer.to_device, teacher_mod.draft_token_ids, trainer.host_batch, ttt._StepLoss.chunked,
+        (batches_mod.to_device, teacher_mod.draft_token_ids, batches_mod.host_batch, ttt._StepLoss.chunked,
          ttt.ttt_unroll) = saved
 
 
@@ -124,7 +126,7 @@ def build(target, vocab, cfg: RunConfig, examples, batch: int, pad: int | None):
     tc = dataclasses.replace(cfg.train, batch_size=batch, pad_to_multiple=pad, group_by_length=False,
                              max_steps=0, teacher_cache_gb=0.0, max_minutes=0.0)
     cfg = dataclasses.replace(cfg, train=tc)
-    inputs = trainer.RunInputs(examples, [], vocab, None, None)
+    inputs = RunInputs(examples, [], vocab, None, None)
     torch.manual_seed(0)
     return trainer.build_run(cfg, target, inputs, None, None, DistContext(), say=lambda line: None)
 
@@ -149,7 +151,7 @@ def time_point(target, vocab, cfg: RunConfig, s: Settings, mode: str, batch: int
         _sync(device)
         step_s = (time.perf_counter() - t0) / s.measured
     tokens = sum(sum(step) for step in lengths[s.warmup:]) / s.measured
-    pad = trainer.batch_multiple(run.source)
+    pad = batches_mod.batch_multiple(run.source)
     out = {"mode": mode, "batch": batch, "step_s": round(step_s, 5), "tok_s": round(tokens / step_s, 1),
            "tokens_per_step": round(tokens, 1), "measured_steps": s.measured, "warmup_steps": s.warmup,
            "pad_to_multiple": pad, "attention": run.unroll.attention, "block_masks_built": len(ttt._BLOCK_MASKS)}

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from draftling.train import trainer, ttt
+from draftling.train import batches, ttt
 from tests.conftest import CHECKOUT
 
 
@@ -82,14 +82,14 @@ def test_the_second_arch_bench_leaves_out_a_failing_hf_baseline(tmp_path, one_th
 
 def test_the_fixed_cost_script_runs_its_smoke_on_the_cpu(tmp_path, one_thread, monkeypatch):
     script = load_script("step_fixed_cost", monkeypatch)
-    patched = (trainer.to_device, ttt.ttt_unroll)
+    patched = (batches.to_device, ttt.ttt_unroll)
     assert script.main(["--smoke", "--out", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "step-fixed-cost.json").read_text())
     assert {"date", "gpu", "fixed_cost_s_before", "fixed_cost_s_after", "points"} <= set(out)
     assert [(p["mode"], p["batch"], p["pad_to_multiple"]) for p in out["points"]] == [
         ("before", 2, 1), ("before", 4, 1), ("after", 2, 16), ("after", 4, 16)]
     assert_manifest(tmp_path)
-    assert (trainer.to_device, ttt.ttt_unroll) == patched  # the old reads undone
+    assert (batches.to_device, ttt.ttt_unroll) == patched  # the old reads undone
 
 
 def test_the_fixed_cost_script_fits_a_line_through_more_batch_sizes(tmp_path, one_thread, monkeypatch):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from draftling.train.plan import DraftShape
+from draftling.train.memory import DraftShape
 from lab.benches import train_bench
 from lab.benches.train_bench import ABLATIONS, MemoryBench, Settings, all_on_config, guarded, run_bench
 

@@ -496,7 +496,8 @@ def cmd_train(args) -> int | None:
     check_data_files(data)
     init = _init_draft(cfg.draft)  # a bad --init-from fails before the target loads
     from draftling.target import load_target_from_config, resolve_device
-    from draftling.train.trainer import check_run_dir, train
+    from draftling.train.rundir import check_run_dir
+    from draftling.train.trainer import train
 
     check_run_dir(Path(args.run_dir), args.resume, args.overwrite)  # before the target loads
     vocab_path = args.vocab or data / "vocab.safetensors"
@@ -545,7 +546,9 @@ def _init_draft(dc):
 def cmd_plan(args) -> int:
     """`draftling plan`: prints the table and verdict; returns 0 if it fits, 1 if not."""
     from draftling.target.load import load_target_config
-    from draftling.train.plan import format_plan, largest_fitting_batch, parse_size, plan_run
+    from draftling.cli_plan import format_plan
+    from draftling.config import parse_size
+    from draftling.train.memory_fit import largest_fitting_batch, plan_run
 
     cfg = run_config(args, ("target", "dtype", "device_map"))
     try:

@@ -363,7 +363,7 @@ class TrainConfig:
     # (bf16 params, as with optimizer offload, already compute in bf16), float32 elsewhere;
     # "bfloat16_if_fast" = bfloat16 where this device multiplies bf16 faster (see hardware.py).
     compute_dtype: str = "auto"
-    # "auto": on CUDA, when train/plan.py estimates the draft's peak without recomputation
+    # "auto": on CUDA, when train/memory.py estimates the draft's peak without recomputation
     # (grad_checkpoint off unless set) and with loss chunks of 16384 rows under half the free
     # device memory, train that way (faster: a small draft is bound by host overhead, and each
     # recompute and each chunk adds to it); otherwise, and on CPU, as configured. "config":

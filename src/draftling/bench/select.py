@@ -32,7 +32,7 @@ from draftling.io import write_json, write_text
 from draftling.progress import Progress
 from draftling.target import Target
 from draftling.train.checkpoint import list_checkpoints
-from draftling.train.trainer import evaluate
+from draftling.train.batches import evaluate
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The quickstart's time budget: how its stages share ``--minutes`` on the running machine.
 
 Nothing here comes from a table of machines. After the target loads, two probes time this
-machine: one training step of the configured draft on random data (train/trainer.py
+machine: one training step of the configured draft on random data (train/probe.py
 ``measure_step_seconds``) and a plain decode on the bench's engine (bench/simple.py
 ``estimate_bench_seconds``). The bench, the final validation and a small reserve are set
 aside; data and training split the rest. Regeneration then measures its own rate and stops at

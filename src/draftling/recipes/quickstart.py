@@ -22,7 +22,7 @@ from draftling.recipes.budget import BudgetPlan, plan_budget, plan_smoke
 def measure_and_plan(cfg, target, elapsed_s: float) -> BudgetPlan:
     """Time this machine (one training step, a plain decode) and split ``cfg.wall_minutes``."""
     from draftling.bench.simple import estimate_bench_seconds
-    from draftling.train.trainer import measure_step_seconds
+    from draftling.train.probe import measure_step_seconds
 
     # A typical training row: about two thirds of the sequence cap (prompt plus reply).
     step_s = measure_step_seconds(cfg, target, seq_len=max(16, 2 * cfg.data.max_tokens // 3))

@@ -1,5 +1,5 @@
 """The one home of training's resolved settings: a TrainConfig's "auto" and null values
-turned into what this device runs with. The trainer, `plan` (train/plan.py) and the training
+turned into what this device runs with. The trainer, `plan` (train/memory_fit.py) and the training
 bench all read them from here; the config has already checked every name (config.py).
 
 ``plan`` calls the same functions with a device size given instead of queried.
@@ -17,7 +17,7 @@ from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.target.quant import has_plain_weights
 from draftling.train.ttt import FLEX_BLOCK_SIZE, UnrollOptions, flex_usable
 
-# train.memory_policy=auto: when the draft's estimated peak (train/plan.py) without activation
+# train.memory_policy=auto: when the draft's estimated peak (train/memory.py) without activation
 # recomputation and with large loss chunks stays under this share of the device's free
 # memory, train that way: each recompute and each chunk costs host time, and a small draft
 # beside a small teacher is bound by the host, not by the device.
@@ -117,3 +117,14 @@ def draft_param_dtype(tc: TrainConfig, device, n_params: int | None = None,
     if tc.draft_dtype == "auto":
         return torch.bfloat16 if optimizer_offload(tc, device, n_params, device_bytes) else torch.float32
     return DRAFT_DTYPES[tc.draft_dtype]
+
+
+def recorded_compute_dtype(unroll: UnrollOptions, param_dtype: torch.dtype | None = None) -> str:
+    """The compute dtype a run records, from the unroll options it resolved. Without
+    ``param_dtype``: train.compute_dtype as resolved (autocast's dtype, "float32" for none), which
+    a checkpoint's meta.json keeps so that a resume trains as the run did. With it: the dtype the
+    draft computes in, the params' own where no autocast runs (train_result.json's; a bf16 draft
+    without autocast computes in bfloat16 while its resolved setting reads "float32")."""
+    if unroll.autocast:
+        return unroll.autocast
+    return "float32" if param_dtype is None else str(param_dtype).replace("torch.", "")

@@ -184,7 +184,7 @@ class KeptStatesTeacher:
 
     def for_split(self, split: str, data_hash: str | None = None) -> TeacherSource | None:
         """None: states are kept per jsonl file, and the trainer finds another split's beside
-        its own file (trainer.kept_states_teacher)."""
+        its own file (inputs.kept_states_teacher)."""
         return None
 
     def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:

@@ -9,9 +9,9 @@ of a step (draft placement, teacher forward, the loss backward of the last TTT s
 backward, the optimizer step) and reports the components at the peak phase, in bytes. Each
 component has its own function giving its bytes in every phase; the estimate adds them up.
 
-``draftling plan`` (``add_plan_parser`` / ``cmd_plan``) reads only the target's config, adds
-the teacher's weights (param count from the config x bytes per param) and prints whether a
-run fits on a GPU of a given size, without loading any weights.
+The teacher's side (its weights, its forward, a device map's split) and a run config resolved
+into a step (``plan_run``, ``largest_fitting_batch``) are in memory_fit.py; ``draftling plan``
+prints them (cli_plan.py), without loading any weights.
 
 Accounting notes, all from reading the code paths the trainer runs:
 
@@ -26,9 +26,6 @@ Accounting notes, all from reading the code paths the trainer runs:
 - The optimizer's fp32 masters and moments are on the host with offload (16 bytes/param of
   pinned + pageable host RAM); otherwise AdamW keeps two moments in the param dtype on the
   device and its foreach step allocates one more param-sized buffer.
-- The teacher's weights: param count from its config x bytes per param of the run's dtype
-  (a GGUF file is dequantized to that dtype by transformers on load) or of its on-load
-  quantization (~4.5 bits for 4-bit, ~8.5 for 8-bit; embedding and head stay unquantized).
 
 ``lab/benches/train_bench.py`` measures these numbers on a GPU and records the estimate's error
 beside each measurement.
@@ -37,20 +34,10 @@ beside each measurement.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
-
-from draftling.config import parse_size
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-# Bits per quantized weight including scales (e.g. nf4 with blockwise absmax ~ 4.5).
-QUANT_BITS = {"bnb-4bit": 4.5, "quanto-int4": 4.5, "bnb-8bit": 8.5, "quanto-int8": 8.5,
-              "torchao-int8": 8.5}
-# What max_memory_allocated does not see but the device still needs: the CUDA context and
-# the caching allocator's fragmentation.
-RESERVE_FIXED_BYTES = int(0.5 * GIB)
-RESERVE_SHARE = 0.05
 # Bytes per (row x draft-vocab entry) of one loss chunk at its widest: eager, four fp32
 # [C, V_draft] tensors (logits, log-softmax, teacher softmax, product); compiled, the head's
 # logits and their gradient in the draft dtype plus one fp32 buffer (EXTRA).
@@ -135,7 +122,7 @@ class MemoryOptions:
     def from_unroll_options(cls, mem: dict, *, optimizer_offload: bool, draft_dtype, embed_dtype,
                             embedding_on_host: bool, fsdp: bool = False,
                             build_on_cpu: bool = True) -> "MemoryOptions":
-        """From ``trainer.memory_options``'s dict plus the choices made outside the unroll;
+        """From ``settings.memory_options``'s dict plus the choices made outside the unroll;
         dtypes may be torch dtypes or their names."""
         def name(dtype) -> str:
             return str(dtype).replace("torch.", "")
@@ -404,293 +391,10 @@ def _attention_saved(z: _Sizes, j: int) -> float:
     return out + T / z.batch  # the [T, T] bool causal mask, per token
 
 
-# --- the teacher -----------------------------------------------------------------------------
-
-def _first(config, *names, default=None):
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def target_param_counts(config) -> dict[str, int]:
-    """Params of an HF causal LM from its config: embedding, output head (0 when tied) and
-    the decoder layers (dense or mixture-of-experts MLPs, biases where the config has them)."""
-    c = getattr(config, "text_config", None) or config
-    h, layers, v = c.hidden_size, c.num_hidden_layers, c.vocab_size
-    nh = c.num_attention_heads
-    nkv = _first(c, "num_key_value_heads", default=nh)
-    d = _first(c, "head_dim", default=h // nh)
-    model_type = getattr(c, "model_type", "")
-    attn = 2 * h * nh * d + 2 * h * nkv * d
-    if getattr(c, "attention_bias", False):  # Llama-style: on all four projections
-        attn += nh * d + 2 * nkv * d + h
-    elif model_type in ("qwen2", "qwen2_moe"):  # q/k/v biases, not configurable
-        attn += nh * d + 2 * nkv * d
-    if model_type.startswith("qwen3"):  # per-head RMSNorm of q and k
-        attn += 2 * d
-    dense_mlp = 3 * h * c.intermediate_size + (2 * c.intermediate_size + h if getattr(c, "mlp_bias", False) else 0)
-    experts = _first(c, "num_local_experts", "num_experts", "n_routed_experts")
-    if experts:
-        moe_i = _first(c, "moe_intermediate_size", default=c.intermediate_size)
-        shared = _first(c, "n_shared_experts", default=0) * 3 * h * moe_i
-        shared += 3 * h * _first(c, "shared_expert_intermediate_size", default=0)
-        moe_mlp = experts * 3 * h * moe_i + h * experts + shared
-        n_dense = min(layers, _first(c, "first_k_dense_replace", default=0))
-        mlp = n_dense * dense_mlp + (layers - n_dense) * moe_mlp
-    else:
-        mlp = layers * dense_mlp
-    tied = getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))
-    return {"embedding": v * h, "lm_head": 0 if tied else v * h,
-            "layers": layers * (attn + 2 * h) + mlp, "final_norm": h}
-
-
-def teacher_weight_bytes(config, dtype: str, quantization: str | None = None,
-                         bits: float | None = None) -> int:
-    """Device bytes of the teacher's weights. A GGUF target is dequantized by transformers on
-    load, so it takes ``dtype`` bytes per param like any other. ``quantization`` (the run's
-    on-load quantization) or ``bits`` set the bits of the decoder weights; the embedding and
-    output head stay in ``dtype`` (the quantizers skip them)."""
-    counts = target_param_counts(config)
-    dense = _dtype_bytes(dtype)
-    bits = _decoder_bits(quantization, bits)
-    if bits is None:
-        return sum(counts.values()) * dense
-    kept = counts["embedding"] + counts["lm_head"] + counts["final_norm"]
-    return int(counts["layers"] * bits / 8 + kept * dense)
-
-
-def _decoder_bits(quantization: str | None, bits: float | None) -> float | None:
-    """Bits per decoder weight: ``bits``, else the on-load quantization's, else None (the dtype's)."""
-    if bits is None and quantization:
-        bits = QUANT_BITS.get(quantization)
-        if bits is None:
-            raise ValueError(f"quantization {quantization!r}: no bits-per-weight estimate; pass bits")
-    return bits
-
-
-@dataclass(frozen=True)
-class TeacherSplit:
-    """Where a device map puts the teacher's weights (``device_map``, target/devmap.py)."""
-
-    source: str  # the run config's device_map
-    by_device: dict  # {GPU index, "cpu" or "disk": bytes}
-    training_device: int  # the GPU the draft trains on
-    # The largest module's weights that stream through the training device per call: accelerate
-    # offloads a GPU map's "cpu" and "disk" modules and runs them there, one module at a time.
-    streamed: int
-
-    @property
-    def on_training_device(self) -> int:
-        return self.by_device.get(self.training_device, 0)
-
-
-def teacher_split(cfg, target_config, gpu_bytes: int, bits: float | None = None) -> TeacherSplit:
-    """The teacher's bytes per device under ``cfg.device_map``: a FILE as it is; auto and balanced
-    as accelerate infers them, over ``cfg.max_memory`` or (unset) 90% of one GPU of ``gpu_bytes``
-    (what transformers leaves itself on a lone GPU) and then host RAM. Params by the dtype, decoder
-    weights by the quantization's bits as ``teacher_weight_bytes`` counts them."""
-    from draftling.config import device_map_value, device_name, max_memory_bytes
-    from draftling.target.aux import decoder_layers
-    from draftling.target.devmap import empty_model, expand_device_map, infer_device_map
-    from draftling.target.load import DTYPES
-
-    dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
-    gpu = device_name(cfg.device, "device") if str(cfg.device).startswith("cuda") else 0
-    model = empty_model(target_config, DTYPES[dtype])
-    device_map = device_map_value(cfg.device_map)
-    if isinstance(device_map, str):
-        budget = max_memory_bytes(cfg.max_memory) or {gpu: int(0.9 * gpu_bytes), "cpu": 2**60}
-        # accelerate warns of each GPU in the budget this machine lacks: planning, that is expected.
-        quiet = logging.getLogger("accelerate.utils.modeling")
-        level, _ = quiet.level, quiet.setLevel(logging.ERROR)
-        try:
-            device_map = infer_device_map(model, device_map, budget)
-        finally:
-            quiet.setLevel(level)
-    placed = expand_device_map(model, device_map, cfg.device_map)
-    layers = {id(p) for p in decoder_layers(model).parameters()}
-    bits = _decoder_bits(getattr(cfg, "quantization", None), bits)
-    by_device: dict = {}
-    by_module: dict = {}
-    for name, p in model.named_parameters():
-        size = int(p.numel() * (bits / 8 if bits is not None and id(p) in layers else _dtype_bytes(dtype)))
-        by_device[placed[name]] = by_device.get(placed[name], 0) + size
-        if placed[name] in ("cpu", "disk"):
-            by_module[name.rpartition(".")[0]] = by_module.get(name.rpartition(".")[0], 0) + size
-    runs_on_gpu = any(isinstance(d, int) for d in by_device)  # else accelerate runs it on the CPU
-    return TeacherSplit(cfg.device_map, by_device, gpu, max(by_module.values(), default=0) if runs_on_gpu else 0)
-
-
-def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype: str,
-                          chunk_tokens: int = 2048) -> int:
-    """Working memory of ``teacher_forward`` (no grad, no KV cache): one decoder layer's
-    temporaries, or the output head's chunk of full-vocab logits and the draft-vocab rows."""
-    c = getattr(config, "text_config", None) or config
-    e = _dtype_bytes(dtype)
-    tok = batch * seq
-    nh = c.num_attention_heads
-    d = _first(c, "head_dim", default=c.hidden_size // nh)
-    nkv = _first(c, "num_key_value_heads", default=nh)
-    inter = _first(c, "moe_intermediate_size", default=c.intermediate_size) \
-        if _first(c, "num_local_experts", "num_experts", "n_routed_experts") else c.intermediate_size
-    layer = tok * e * (3 * c.hidden_size + 2 * nh * d + 2 * nkv * d + 3 * inter)
-    head = min(chunk_tokens, tok) * (c.vocab_size * e + 8) + draft_vocab * c.hidden_size * e
-    assemble = tok * draft_vocab * 2 * e  # chunks, then their concatenation
-    aux_capture = 3 * tok * c.hidden_size * e
-    return int(max(layer, head, assemble) + aux_capture)
-
-
-# --- resolving a run config ------------------------------------------------------------------
-
-def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> MemoryOptions:
-    """The trainer's choices for one CUDA process (train/settings.py), with the device's size
-    given instead of queried."""
-    from draftling.train.settings import draft_param_dtype, memory_options, optimizer_offload
-
-    offload = optimizer_offload(tc, "cuda", n_params, device_bytes=gpu_bytes)
-    dtype = draft_param_dtype(tc, "cuda", n_params, device_bytes=gpu_bytes)
-    mem = memory_options(tc, "cuda", param_dtype=dtype)
-    draft_dtype = str(dtype).removeprefix("torch.")
-    return MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=draft_dtype,
-                                             embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
-
-
-def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offline: bool = False,
-             teacher_bits: float | None = None, split: TeacherSplit | None = None) -> dict:
-    """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``. With
-    ``cfg.device_map`` only the teacher's share on that GPU counts (``split``: computed if None)."""
-    from draftling.train.settings import FAST_MEMORY_SHARE, fast_train_config
-
-    embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
-    shape = DraftShape.from_config(target_config, cfg.vocab.size, cfg.draft.window)
-    if cfg.draft.intermediate_size:  # the draft's own MLP width (lab/configs/gpu_smollm2.yaml: 4096)
-        shape = dataclasses.replace(shape, intermediate=cfg.draft.intermediate_size)
-    quantization = getattr(cfg, "quantization", None)
-    if cfg.device_map and split is None:
-        split = teacher_split(cfg, target_config, gpu_bytes, teacher_bits)
-    weights = split.on_training_device if split else teacher_weight_bytes(target_config, embed_dtype,
-                                                                          quantization, teacher_bits)
-    tc, policy, options = cfg.train, "as configured", None
-    if tc.memory_policy == "auto":
-        # The trainer's rule (trainer.resolve_memory_policy), with the memory free after
-        # loading the teacher taken as the GPU's size less the teacher's weights.
-        fast = fast_train_config(tc)
-        fast_options = resolve_options(fast, gpu_bytes, shape.num_params(), embed_dtype)
-        need = estimate_train_memory(shape, batch, seq, tc.ttt_steps, fast_options)["total"]
-        if need <= FAST_MEMORY_SHARE * (gpu_bytes - weights - RESERVE_FIXED_BYTES):
-            tc, policy, options = fast, "fast (memory_policy auto: it fits without recompute)", fast_options
-    options = options or resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
-    forward = 0 if offline else teacher_forward_bytes(target_config, batch, seq, shape.draft_vocab, embed_dtype)
-    forward += split.streamed if split and not offline else 0
-    est = estimate_train_memory(shape, batch, seq, cfg.train.ttt_steps, options,
-                                teacher_weight_bytes=weights, teacher_forward_bytes=forward,
-                                embedding_in_teacher=True)
-    reserve = RESERVE_FIXED_BYTES + int(RESERVE_SHARE * est["total"])
-    return {"shape": shape, "options": options, "estimate": est, "reserve": reserve,
-            "gpu_bytes": gpu_bytes, "headroom": gpu_bytes - est["total"] - reserve,
-            "fits": est["total"] + reserve <= gpu_bytes, "batch": batch, "seq": seq,
-            "teacher_params": sum(target_param_counts(target_config).values()), "policy": policy,
-            "quantization": quantization, "teacher_dtype": embed_dtype, "split": split}
-
-
-def largest_fitting_batch(cfg, target_config, gpu_bytes: int, seq: int, offline: bool = False,
-                          teacher_bits: float | None = None, limit: int = 4096) -> int:
-    """The largest batch size that fits at this sequence length (0 if none)."""
-    split = teacher_split(cfg, target_config, gpu_bytes, teacher_bits) if cfg.device_map else None
-
-    def fits(b: int) -> bool:
-        return plan_run(cfg, target_config, gpu_bytes, seq, b, offline=offline, teacher_bits=teacher_bits,
-                        split=split)["fits"]
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:  # fits(lo) and not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-# --- the CLI ---------------------------------------------------------------------------------
-
-def _gib(x: float) -> str:
-    return f"{x / GIB:8.2f}"
-
-
-def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> str:
-    est, opts, shape = plan["estimate"], plan["options"], plan["shape"]
-    on = {True: "on", False: "off"}
-    q = plan["quantization"] or plan["teacher_dtype"]
-    lines = [
-        f"target {target_name}: {plan['teacher_params'] / 1e6:.1f}M params ({q}), hidden {shape.hidden}, "
-        f"vocab {shape.vocab}",
-        f"draft: {est['num_params'] / 1e6:.1f}M params ({opts.draft_dtype}), draft vocab {shape.draft_vocab}; "
-        f"batch {plan['batch']} x seq {plan['seq']}",
-        f"options: optimizer_offload {on[opts.optimizer_offload]}, grad_checkpoint {on[opts.grad_checkpoint]}, "
-        f"attention {opts.attention}, loss_chunk_tokens {opts.loss_chunk_tokens}, compile {on[opts.compile]}, "
-        f"embedding_on_host {on[opts.embedding_on_host]}; memory policy: {plan['policy']}",
-        "",
-        f"  {'GiB':>43}",
-    ]
-    rows = [("teacher weights", est["teacher_weights"]), ("draft params", est["draft_params"]),
-            ("draft grads", est["draft_grads"]), ("optimizer state (device)", est["optimizer_state"]),
-            ("embedding (device, beyond the teacher)", est["embedding"]),
-            ("teacher outputs", est["teacher_outputs"]), ("activations", est["activations"]),
-            ("transient", est["transient"])]
-    for name, value in rows:
-        lines.append(f"  {name:<38}{_gib(value)}")
-    lines += [f"  {'total (peak: ' + est['peak_phase'].replace('_', ' ') + ')':<38}{_gib(est['total'])}",
-              f"  {'reserve (CUDA context, fragmentation)':<38}{_gib(plan['reserve'])}",
-              f"  {'GPU memory':<38}{_gib(plan['gpu_bytes'])}",
-              f"  {'headroom':<38}{_gib(plan['headroom'])}"]
-    lines.append("  phases (GiB): " + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in est["phases"].items()))
-    lines.append(f"  activations saved for backward over all TTT steps: {est['activations_saved'] / GIB:.2f} GiB")
-    host = est["host"]["optimizer"] + est["host"]["embedding"]
-    if host:
-        lines.append(f"  (host RAM for offloaded state: {host / GIB:.2f} GiB)")
-    if plan["split"]:
-        lines.append(split_line(plan["split"]))
-    lines.append("")
-    need = (est["total"] + plan["reserve"]) / GIB
-    if plan["fits"]:
-        lines.append(f"fits: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
-                     f"({plan['headroom'] / GIB:.2f} GiB headroom)")
-    else:
-        lines.append(f"does NOT fit: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
-                     f"(short by {-plan['headroom'] / GIB:.2f} GiB)")
-    split = plan["split"]
-    if split and split.source in ("auto", "balanced") and not plan["fits"] and split.on_training_device > -plan["headroom"]:
-        cap = (split.on_training_device + plan["headroom"]) / GIB
-        lines.append(f"to fit, keep at most ~{cap:.1f} GiB of the teacher on cuda:{split.training_device}: "
-                     f"max_memory={{{split.training_device}: {cap:.1f}GiB, cpu: ...}}")
-    if max_batch == 0:
-        lines.append(f"no batch size fits at seq {plan['seq']}")
-    elif max_batch is not None:
-        lines.append(f"largest batch size that fits at seq {plan['seq']}: {max_batch}")
-    return "\n".join(lines)
-
-
-def split_line(split: TeacherSplit) -> str:
-    """The teacher's share per device, and what streams through the training GPU."""
-    def name(device) -> str:
-        return f"cuda:{device}" if isinstance(device, int) else device
-
-    parts = ", ".join(f"{name(d)} {b / GIB:.2f}" for d, b in sorted(split.by_device.items(), key=lambda x: str(x[0])))
-    line = f"  teacher weights by device_map {split.source} (GiB): {parts}; cuda:{split.training_device} holds its share"
-    if split.streamed:
-        line += f", and streams offloaded modules through, up to {split.streamed / GIB:.2f} GiB at a time (transient)"
-    return line
-
-
 def options_dict(options: MemoryOptions) -> dict:
     return dataclasses.asdict(options)
 
 
-__all__ = ["DraftShape", "MemoryOptions", "TrainStep", "estimate_train_memory", "estimate_step_memory",
-           "teacher_weight_bytes", "teacher_split", "TeacherSplit", "target_param_counts", "teacher_forward_bytes",
-           "parse_size", "plan_run", "format_plan", "largest_fitting_batch"]
+
+__all__ = ["DraftShape", "MemoryOptions", "TrainStep", "estimate_train_memory", "estimate_step_memory", "GIB",
+           "DTYPE_BYTES"]
