@@ -215,7 +215,7 @@ def test_a_tied_head_mapped_to_disk_apart_from_its_embedding_is_refused_before_l
 def test_plan_counts_only_the_training_gpus_share_of_a_split_teacher(tiny_dir, tmp_path):
     from transformers import AutoConfig
 
-    from draftling.cli_plan import format_plan
+    from draftling.cli.plan_text import format_plan
     from draftling.train.memory import GIB
     from draftling.train.memory_fit import plan_run, teacher_weight_bytes
 

@@ -14,7 +14,7 @@ this list and checks every module against it.
     export   export
     bench    bench
     recipes  recipes
-    cli      cli cli_plan __main__
+    cli      cli __main__
 
 Each name is a module or subpackage of draftling (the package itself is base). A stage's
 on-disk formats are read where they are written: tokenized data in data/tokenized.py, the

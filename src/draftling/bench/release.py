@@ -55,7 +55,7 @@ from draftling.target import Target
 BASELINES = RELEASE_BASELINES
 DEFAULT_CONFIGS = ("chain-3-1-4", "tree-3-4-8", "tree-5-8-16")
 DEFAULT_MAX_NEW_TOKENS = 256
-# What `bench --release` sets over a profile's simple-bench values (cli.py passes these to
+# What `bench --release` sets over a profile's simple-bench values (cli/bench.py passes these to
 # load_config as the command's fixed choices; flags and KEY=VALUE overrides still win).
 PROTOCOL_KEYS = {"bench.configs": list(DEFAULT_CONFIGS), "bench.max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 PROMPT_LOOKUP_TOKENS = 10

@@ -11,7 +11,7 @@ component has its own function giving its bytes in every phase; the estimate add
 
 The teacher's side (its weights, its forward, a device map's split) and a run config resolved
 into a step (``plan_run``, ``largest_fitting_batch``) are in memory_fit.py; ``draftling plan``
-prints them (cli_plan.py), without loading any weights.
+prints them (cli/plan_text.py), without loading any weights.
 
 Accounting notes, all from reading the code paths the trainer runs:
 

@@ -1,7 +1,7 @@
 """Whether a training run fits one GPU: the teacher's memory from its config alone (its weights,
 a device map's split of them, its forward's working memory) beside the draft's step
 (memory.py), with the run config resolved as the trainer resolves it on CUDA. ``plan_run`` is
-what ``draftling plan`` prints (cli_plan.py); ``fast_settings_fit`` is train.memory_policy=auto's
+what ``draftling plan`` prints (cli/plan_text.py); ``fast_settings_fit`` is train.memory_policy=auto's
 rule, which the trainer applies with the memory it finds free.
 
 The teacher's weights: param count from its config x bytes per param of the run's dtype (a GGUF
