@@ -24,9 +24,7 @@ from draftling.target.aux import aux_hidden_states
 from draftling.target.load import wrap_target
 from tests.conftest import TINY_VOCAB, setup_data
 from tests.host_reads import HostReads
-from tests.test_engine import AUX, TREES, oracle_draft, random_draft
-from tests.test_export import run_draft
-from tests.test_train import run as train_run
+from tests.helpers import AUX, TREES, oracle_draft, random_draft, run_draft, train_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

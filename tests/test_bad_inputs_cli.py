@@ -15,8 +15,8 @@ import pytest
 
 from draftling.cli import main
 from tests.conftest import run_draftling, smollm2_gguf
-from tests.test_bad_values import CASES as VALUE_CASES
-from tests.test_cli import write_prompts
+from tests.helpers import BAD_VALUE_CASES as VALUE_CASES
+from tests.helpers import write_prompts
 
 TOO_LONG = '{"id": "a", "messages": [{"role": "user", "content": "' + "word " * 3000 + '"}]}\n'
 

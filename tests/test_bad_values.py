@@ -7,25 +7,7 @@ import pytest
 
 from draftling.cli import main
 from tests.conftest import run_draftling
-
-TRAIN = ["train", "--data", "no-data", "--run-dir", "run"]
-CASES = [
-    (["data", "--out", "d", "data.regen.max_new_tokens=-1"], "data.regen.max_new_tokens=-1"),
-    (["data", "--out", "d", "data.regen.batch_size=0"], "data.regen.batch_size=0"),
-    (["data", "--out", "d", "data.max_prompts_per_file=-3"], "data.max_prompts_per_file=-3"),
-    (["data", "--out", "d", "data.min_tokens=50", "data.max_tokens=20"], "data.min_tokens=50"),
-    (TRAIN + ["train.ckpt_every=0"], "train.ckpt_every=0"),
-    (TRAIN + ["train.log_every=0"], "train.log_every=0"),
-    (TRAIN + ["train.ttt_steps=0"], "train.ttt_steps=0"),
-    (TRAIN + ["train.lr=-1"], "train.lr=-1"),
-    (TRAIN + ["train.epochs=-2"], "train.epochs=-2"),
-    (TRAIN + ["train.keep_checkpoints=-1"], "train.keep_checkpoints=-1"),
-    (["vocab", "--data", "no-data", "--size", "0"], "vocab.size=0"),
-    (["bench", "--prompts", "p.jsonl", "--draft", "d", "--num-prompts", "0"], "bench.num_prompts=0"),
-    (["bench", "--prompts", "p.jsonl", "--draft", "d", "--num-prompts", "-3"], "bench.num_prompts=-3"),
-    (["bench", "--prompts", "p.jsonl", "--draft", "d", "bench.num_prompts=0"], "bench.num_prompts=0"),
-    (["quickstart", "--out", "q", "wall_minutes=-5"], "wall_minutes=-5"),
-]
+from tests.helpers import BAD_VALUE_CASES as CASES
 
 
 @pytest.mark.parametrize("argv,culprit", CASES, ids=[c[1] for c in CASES])

@@ -10,31 +10,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftling.engine import CachedTarget, DraftRunner, greedy_generate, process_logits
+from draftling.engine import process_logits
 from draftling.engine.batch import batch_generate
-from tests.test_engine import AUX, TREES, V, _chi2_p_value, oracle_draft, perm_target, random_draft, tiny
+from tests.helpers import LENGTHS, SLOTS, TREES, oracle_draft, perm_target, random_draft, tiny
+from tests.helpers import batch_engines as engines
+from tests.helpers import batch_prompts as prompts
+from tests.helpers import chi2_p_value as _chi2_p_value
+from tests.helpers import decode_alone as alone
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LENGTHS = [3, 11, 7, 20, 5, 9, 14]
-SLOTS = 3
-
-
-def prompts(lengths=LENGTHS, vocab=V):
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
-
-
-def engines(model, draft=None, slots=SLOTS, size=160):
-    target = CachedTarget.from_hf(model, AUX, size, batch_size=slots)
-    runner = None if draft is None else DraftRunner(draft, model.get_input_embeddings(), size, batch_size=slots)
-    return target, runner
-
-
-def alone(model, ps, budgets, eos=None):
-    """Each request decoded alone by the batch-1 engine."""
-    target = CachedTarget.from_hf(model, AUX, 160)
-    return [greedy_generate(target, p[None], m, eos_ids=eos)[0].tolist() for p, m in zip(ps, budgets)]
 
 
 def test_batched_plain_greedy_equals_alone():
@@ -123,9 +108,9 @@ def test_concurrency_sweep_contract(tmp_path):
     """The sweep's results contract, on a tiny target: every level and config, greedy
     identity with plain decoding at each level, and the summary's best config per level."""
     from draftling.bench.concurrency import SweepOptions, run_concurrency_sweep, summarize
-    from tests.test_bench_release import tiny_draft_dir, tiny_target, token_prompt_set
+    from tests.helpers import tiny_bench_target, tiny_draft_dir, token_prompt_set
 
-    target = tiny_target()
+    target = tiny_bench_target()
     draft = tiny_draft_dir(target, tmp_path / "draft")
     ps = token_prompt_set(tmp_path / "set.jsonl")
     opts = SweepOptions(levels=(1, 3), configs=("chain-3-1-4", "tree-3-4-8"), prompt_set=str(ps),
@@ -162,9 +147,9 @@ def test_regeneration_through_the_engine_equals_hf_greedy(tmp_path):
     from draftling.data.regen import regenerate
     from draftling.engine.batch import reply_engine_for
     from draftling.errors import ConfigError
-    from tests.test_bench_release import tiny_target
+    from tests.helpers import tiny_bench_target
 
-    target = tiny_target()
+    target = tiny_bench_target()
     target.tokenizer = _ToyTokenizer()
     convs = [Conversation(id=f"c{i}", source="t", category="chat", messages=[{"role": "user", "content": "x" * n}])
              for i, n in enumerate((3, 9, 5, 14, 7, 11, 4))]
@@ -190,9 +175,9 @@ def test_sampled_regeneration_through_the_engine_is_seeded_and_processed():
     from draftling.data.prompts import Conversation
     from draftling.data.regen import regenerate
     from draftling.engine.batch import reply_engine_for
-    from tests.test_bench_release import tiny_target
+    from tests.helpers import tiny_bench_target
 
-    target = tiny_target()
+    target = tiny_bench_target()
     target.tokenizer = _ToyTokenizer()
     convs = [Conversation(id=f"c{i}", source="t", category="chat", messages=[{"role": "user", "content": "x" * n}])
              for i, n in enumerate((3, 9, 5, 14, 7, 11, 4))]

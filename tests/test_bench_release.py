@@ -8,19 +8,13 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.bench import release
 from draftling.data import prompt_sets
-from draftling.draft.model import Eagle3Draft, draft_config_from_target
-from draftling.draft.store import save_draft
 from draftling.errors import ConfigError, DataError
-from draftling.target.load import wrap_target
+from tests.helpers import WORKLOADS, tiny_bench_target, tiny_draft_dir, token_prompt_set
+from tests.helpers import ToyChatTokenizer as _ToyTokenizer
 
-AUX = [1, 2, 3]
-V, H = 300, 64
-WORKLOADS = ("prose", "code", "math")
 SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
 V1_WORKLOADS = ("prose", "code", "repetitive", "chat", "math", "summarize", "tool")
 
@@ -28,44 +22,10 @@ V1_WORKLOADS = ("prose", "code", "repetitive", "chat", "math", "summarize", "too
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
-    tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=2, get_vocab=lambda: {})
-    return wrap_target(model, tok, name="tiny-llama", aux_layer_ids=AUX)
-
-
-def tiny_draft_dir(target, path: Path, draft_vocab=64, seed=0) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config_from_target(target.config, draft_vocab, AUX)).eval()
-    ids = torch.randperm(V, generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(draft_vocab), t2d)  # target_id = draft_id + d2t[draft_id]
-    path.mkdir(parents=True)
-    save_draft(draft, path)
-    return path
-
-
-def token_prompt_set(path: Path, per_workload=2, seed=0) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    with open(path, "w") as f:
-        for w in WORKLOADS:
-            for i in range(per_workload):
-                n = int(torch.randint(4, 16, (1,), generator=g))
-                ids = torch.randint(3, V, (n,), generator=g).tolist()
-                f.write(json.dumps({"id": f"{w}-{i}", "workload": w, "input_ids": ids}) + "\n")
-    return path
-
-
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("release")
-    target = tiny_target()
+    target = tiny_bench_target()
     draft = tiny_draft_dir(target, tmp / "draft")
     ps = token_prompt_set(tmp / "set.jsonl")
     out = tmp / "results"
@@ -251,7 +211,7 @@ def test_prompt_set_sources(tmp_path):
     p = tmp_path / "mine.jsonl"
     p.write_text(json.dumps({"id": "a", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}) + "\n"
                  + json.dumps({"id": "b", "input_ids": [9, 10], "workload": "code"}) + "\n")
-    info, prompts = release.load_prompt_set(p, tiny_target())
+    info, prompts = release.load_prompt_set(p, tiny_bench_target())
     assert [(q.id, q.workload, q.input_ids) for q in prompts] == [("a", "default", [5, 6]),
                                                                   ("b", "code", [9, 10])]
     assert info["workloads"] == {"default": 1, "code": 1} and not info["builtin"]
@@ -359,27 +319,13 @@ def test_cli_release(bench_run, tmp_path, monkeypatch, capsys):
     assert "unknown baselines" in capsys.readouterr().err
 
 
-class _ToyTokenizer:
-    """Chat template stand-in: renders 'role: content' lines and ignores tools."""
-
-    chat_template = "toy"
-    name_or_path = "toy"
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, tools=None):
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return text + ("assistant:" if add_generation_prompt else "")
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [3 + ord(c) % (V - 3) for c in text]}
-
-
 def test_message_records_and_dropped_tools(tmp_path):
     p = tmp_path / "msgs.jsonl"
     p.write_text(json.dumps({"id": "t1", "source": "s", "workload": "tool", "tools": [{"name": "f"}],
                              "messages": [{"role": "user", "content": "call f"}]}) + "\n"
                  + json.dumps({"id": "c1", "messages": [{"role": "user", "content": "hi"},
                                                         {"role": "assistant", "content": "dropped"}]}) + "\n")
-    target = tiny_target()
+    target = tiny_bench_target()
     target.tokenizer = _ToyTokenizer()
     info, prompts = release.load_prompt_set(p, target)
     assert [q.workload for q in prompts] == ["tool", "default"]

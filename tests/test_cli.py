@@ -2,21 +2,13 @@
 tokenizer and chat template, plus the one-line errors for bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from draftling.cli import main
 from tests.conftest import run_draftling
-
-def write_prompts(path: Path, n: int = 12) -> Path:
-    rows = [{"id": f"p{i}", "source": "test", "category": "chat",
-             "messages": [{"role": "user", "content": f"Tell me fact number {i} about the sea."}]}
-            for i in range(n)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
+from tests.helpers import write_prompts
 
 def test_every_subcommand_has_help():
     for cmd in ("data", "vocab", "train", "plan", "extract", "bench", "export", "quickstart"):

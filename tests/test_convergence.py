@@ -113,7 +113,7 @@ def test_the_batched_smoke_bench_measures_each_prompt_as_batch_1_decodes_it():
     from draftling.data.prompt_sets import BenchPrompt
     from draftling.engine import DraftRunner, build_target, speculative_generate
     from draftling.train import convergence
-    from tests.test_engine import AUX, V, oracle_draft, perm_target
+    from tests.helpers import AUX, V, oracle_draft, perm_target
 
     model = perm_target()
     tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1, get_vocab=lambda: {})
@@ -135,7 +135,8 @@ def test_the_batched_smoke_bench_measures_each_prompt_as_batch_1_decodes_it():
 
 
 def test_smoke_prompts_read_as_the_release_bench_reads_prompt_sets(tmp_path):
-    from tests.test_bench_release import V, _ToyTokenizer
+    from tests.helpers import V
+    from tests.helpers import ToyChatTokenizer as _ToyTokenizer
 
     # The shipped set by either syntax, through the chat template, its sha256 checked on the way.
     prompts = load_smoke_prompts("set:smoke-v1", _ToyTokenizer(), V)

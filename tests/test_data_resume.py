@@ -11,29 +11,14 @@ from draftling.cli import main
 from draftling.data.journal import ReplyJournal, journal_path
 from draftling.data.runs import check_one_run
 from draftling.errors import DataError
-from tests.test_cli import write_prompts
+from tests.helpers import read_files as _files
+from tests.helpers import write_prompts
 
 
 def _data(target, prompts, out, *extra):
     return main(["data", "--target", str(target), "--device", "cpu", "--prompts", str(prompts), "--out", str(out),
                  "data.regen.max_new_tokens=6", "data.regen.batch_size=4", "data.val_fraction=0.25",
                  "data.min_tokens=4", *extra])
-
-
-def _files(d):
-    """Every file's bytes; a safetensors file's tensors and metadata (safetensors writes its
-    metadata keys in hash-map order, so its bytes vary from run to run)."""
-    from safetensors import safe_open
-
-    out = {}
-    for p in sorted(d.iterdir()):
-        if p.suffix == ".safetensors":
-            with safe_open(str(p), "pt") as f:
-                out[p.name] = (f.metadata(), {k: f.get_tensor(k).view(-1).view(torch.uint8).tolist()
-                                              for k in sorted(f.keys())})
-        else:
-            out[p.name] = p.read_bytes()
-    return out
 
 
 def _disk_full_at_batch(monkeypatch, batch: int = 3):

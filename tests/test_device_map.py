@@ -18,7 +18,7 @@ from draftling.target import load_target, load_target_from_config
 from draftling.target.devmap import Placement, dispatched_devices, resident_weight
 from draftling.train.teacher import teacher_forward
 from tests.conftest import TINY_VOCAB, random_batch, run_draftling, setup_data
-from lab.tests.test_gpu_scripts import load_script
+from tests.helpers import load_script
 
 LAYERS = 6
 # Layers 1, 2 and 4 and the (untied) output head live on disk: accelerate loads their weights

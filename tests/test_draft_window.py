@@ -27,9 +27,11 @@ from draftling.train.draft_setup import build_draft
 from draftling.train.ttt import TTTAttention, flex_usable, shift_left, ttt_attention, ttt_unroll
 from draftling.train.warmstart import keep_window
 from tests.conftest import tiny_llama
-from tests.test_batch_engine import alone, engines, prompts
-from tests.test_engine import TREES, V, prompt, random_draft, runners, tiny
-from tests.test_ttt import make_draft
+from tests.helpers import TREES, V, prompt, random_draft, runners, tiny
+from tests.helpers import batch_engines as engines
+from tests.helpers import batch_prompts as prompts
+from tests.helpers import decode_alone as alone
+from tests.helpers import spaced_vocab_draft as make_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -22,7 +22,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.engine import (
     CachedTarget,
     DraftRunner,
@@ -34,97 +33,12 @@ from draftling.engine import (
     speculative_generate,
 )
 from draftling.engine import generate as gen_mod
+from tests.helpers import AUX, H, TREES, oracle_draft, perm_target, prompt, random_draft, runners, tiny
+from tests.helpers import chi2_p_value as _chi2_p_value
 
-AUX = [1, 2, 3]
-V, H = 300, 64
-TREES = [(3, 1, 4), (3, 4, 8), (5, 8, 16)]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny(cls, cfg_cls, seed=0, **kw):
-    fields = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False)
-    fields.update(kw)
-    torch.manual_seed(seed)
-    return cls(cfg_cls(**fields)).eval()
-
-
-def random_draft(model, draft_vocab=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config_from_target(model.config, draft_vocab, AUX)).eval()
-    vocab = model.config.vocab_size
-    ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(draft_vocab), t2d)  # target_id = draft_id + d2t[draft_id]
-    return draft
-
-
-def perm_target(beta=0.95, perturb=30.0, seed=0):
-    """A target that mostly walks two fixed token maps: logits(x) peak at nxt[x] (weight 1)
-    and nxt2[x] (weight beta); scaled-up layers add context so it sometimes picks the
-    second one, or neither."""
-    g = torch.Generator().manual_seed(seed)
-    model = tiny(LlamaForCausalLM, LlamaConfig, seed=seed, num_key_value_heads=4)
-    cycle = torch.randperm(V, generator=g)
-    nxt = torch.empty(V, dtype=torch.long)
-    nxt[cycle] = cycle.roll(-1)  # one 300-cycle: the walk does not repeat soon
-    nxt2 = torch.randperm(V, generator=g)
-    with torch.no_grad():
-        e = torch.randn(V, H, generator=g)
-        en = e / e.pow(2).mean(-1, keepdim=True).sqrt()
-        model.model.embed_tokens.weight.copy_(e)
-        head = torch.zeros(V, H).index_copy(0, nxt, en) + beta * torch.zeros(V, H).index_copy(0, nxt2, en)
-        model.lm_head.weight.copy_(head)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(perturb)
-            layer.mlp.down_proj.weight.mul_(perturb)
-    return model
-
-
-def oracle_draft(model, gamma=4.0, draft_vocab=None, seed=0, shuffled=True, **overrides):
-    """A draft that predicts the target's layer-free logits for its input token.
-
-    fc = 0, so step 0 has h = 0. q = k = gamma*(ie + hn) makes each query attend (almost)
-    only to itself; v = ie - hn and o = I give out = h + ie - h/rms(h) = ie whenever h is the
-    previous step's output (rms 1). So every step outputs input_layernorm(embed(token)), and
-    the head (the target's rows, in a shuffled draft vocab) ranks tokens as the target's
-    embedding-only path does. Needs num_key_value_heads == num_attention_heads.
-    ``shuffled=False`` orders the draft vocab by target id, as the teacher's t2d slice does.
-    ``overrides``: draft config fields (heads for a target whose shape the draft cannot copy)."""
-    vocab, hidden = model.config.vocab_size, model.config.hidden_size
-    draft_vocab = draft_vocab or vocab
-    draft = Eagle3Draft(draft_config_from_target(model.config, draft_vocab, AUX, **overrides)).eval()
-    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 1))[:draft_vocab]
-    if not shuffled:
-        ids = ids.sort().values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(draft_vocab), t2d)
-    eye = torch.eye(hidden)
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        attn = draft.midlayer.self_attn
-        attn.q_proj.weight.copy_(gamma * torch.cat([eye, eye], 1))
-        attn.k_proj.weight.copy_(gamma * torch.cat([eye, eye], 1))
-        attn.v_proj.weight.copy_(torch.cat([eye, -eye], 1))
-        attn.o_proj.weight.copy_(eye)
-        draft.midlayer.mlp.down_proj.weight.zero_()
-        draft.lm_head.weight.copy_(model.lm_head.weight[ids])
-    return draft
-
-
-def runners(model, draft, size=160):
-    target = CachedTarget.from_hf(model, AUX, size)
-    return target, DraftRunner(draft, model.get_input_embeddings(), size)
-
-
-def prompt(n=7, seed=1, vocab=V):
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 def assert_caches_consistent(model, target, draft_runner, input_ids, out, stats):
@@ -516,24 +430,6 @@ def test_greedy_run_ahead_equals_step_by_step_hf():
 
 
 # ---------------------------------------------------------------- lossless sampling
-
-def _chi2_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square against exact probabilities; cells expected < 5 pooled."""
-    n = counts.sum()
-    exp = probs.double() * n
-    small = exp < 5
-    obs = torch.cat([counts[~small].double(), counts[small].sum().double()[None]])
-    exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
-    try:
-        from scipy.stats import chi2
-        return float(chi2.sf(stat, dof))
-    except ImportError:  # Wilson-Hilferty: chi2/dof is ~ normal after a cube root
-        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-        return 0.5 * math.erfc(z / math.sqrt(2))
-
 
 def _sample_counts(target, dr, ids, n, vocab, seed, **kw):
     g = torch.Generator().manual_seed(seed)

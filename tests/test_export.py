@@ -6,12 +6,11 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.cli import main
-from draftling.draft.model import Eagle3Draft, draft_config_from_target, repeat_kv
+from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.draft.store import load_draft, save_draft
 from draftling.errors import DraftlingError
 from draftling.export import (
@@ -27,11 +26,10 @@ from draftling.export import (
 from draftling.export import formats
 from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft, verifier_architectures, verifier_hub_id
 from draftling.export.formats import load_any_draft
-from draftling.target.aux import aux_hidden_states
 from draftling.target.load import DEFAULT_TARGET, Target, TargetSpec, wrap_target
+from tests.helpers import DEFAULT_IDS, DRAFT_VOCAB, VOCAB, run_draft, tiny_export_llama
+from tests.helpers import random_export_draft as make_draft
 
-VOCAB, DRAFT_VOCAB, LAYERS = 300, 64, 6
-DEFAULT_IDS = [2, 3, 3]          # [2, L//2, L-3] for L = 6
 LAYER_NAMES = [
     "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -41,44 +39,7 @@ LAYER_NAMES = [
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, intermediate_size=128,
-                      max_position_embeddings=4096, rope_theta=500000.0)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def make_draft(target, aux_ids=DEFAULT_IDS, seed=1, **overrides):
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config_from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
-                                                 aux_layer_ids=aux_ids, **overrides))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.normal_(0, 0.2)  # norms too, so a swapped/missing tensor changes the logits
-    ids = torch.randperm(VOCAB)[:DRAFT_VOCAB].sort().values
-    d2t = ids - torch.arange(DRAFT_VOCAB)
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(d2t, t2d)
-    return draft.eval()
-
-
-def causal_attend(q, k, v):
-    n_rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
-
-
-@torch.no_grad()
-def run_draft(draft, target, input_ids):
-    _, aux = aux_hidden_states(target, draft.config.eagle_aux_hidden_state_layer_ids,
-                               input_ids=input_ids)
-    embeds = target.get_input_embeddings()(input_ids)
-    pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
-    h = draft.fuse(aux)
-    h = draft.step(embeds, h, pos, causal_attend)
-    logits0 = draft.compute_logits(h)
-    h = draft.step(embeds, h, pos + 1, causal_attend)  # a second step feeds its own state back
-    return torch.cat([logits0, draft.compute_logits(h)], dim=-1)
+    return tiny_export_llama()
 
 
 def read_export(path):

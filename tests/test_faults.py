@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import CHECKOUT, smollm2_gguf
-from tests.test_cli import write_prompts
-from tests.test_data_resume import _files
+from tests.helpers import read_files as _files
+from tests.helpers import write_prompts
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 QUICK = ["--config", "quickstart_cpu", "--device", "cpu"]

@@ -14,7 +14,7 @@ from draftling.draft.vocab import load_vocab
 from draftling.target import load_target
 from draftling.train.dataset import collate
 from draftling.train.teacher import KeptStatesTeacher, teacher_forward
-from tests.test_cli import write_prompts
+from tests.helpers import write_prompts
 
 NEW_TOKENS = 10
 

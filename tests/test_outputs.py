@@ -8,14 +8,15 @@ from draftling.draft.store import save_draft
 from draftling.errors import DraftlingError
 from draftling.export.cli import export_draft
 from draftling.io import OUTPUT_MARKER, atomic_dir, write_json
-from tests.test_export import make_draft, target  # noqa: F401  (the fixture)
+from tests.helpers import random_export_draft as make_draft
+from tests.helpers import tiny_export_llama
 
 
 @pytest.fixture
-def draft_dir(tmp_path, target):  # noqa: F811
+def draft_dir(tmp_path):
     path = tmp_path / "draft"
     path.mkdir()
-    save_draft(make_draft(target), path)
+    save_draft(make_draft(tiny_export_llama()), path)
     return path
 
 
@@ -88,7 +89,7 @@ def _data(tiny_target_dir, prompts, out):
 
 def test_a_failed_data_rerun_leaves_the_earlier_data_whole(tmp_path, tiny_target_dir, monkeypatch, capsys):
     from draftling.data import prepare
-    from tests.test_cli import write_prompts
+    from tests.helpers import write_prompts
 
     prompts, out = write_prompts(tmp_path / "p.jsonl"), tmp_path / "data"
     assert _data(tiny_target_dir, prompts, out) == 0
@@ -114,7 +115,7 @@ def test_a_failed_data_rerun_leaves_the_earlier_data_whole(tmp_path, tiny_target
 
 
 def test_data_refuses_a_directory_that_is_not_its_own(tmp_path, tiny_target_dir, capsys):
-    from tests.test_cli import write_prompts
+    from tests.helpers import write_prompts
 
     out = tmp_path / "mine"
     out.mkdir()

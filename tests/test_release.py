@@ -11,7 +11,7 @@ from draftling.errors import DraftlingError
 from draftling.export.formats import load_any_draft
 from draftling.export.release import ReleaseSpec, push, release
 from tests.conftest import setup_data
-from tests.test_train import cfg_for
+from tests.helpers import cfg_for
 from draftling.train.trainer import train
 
 

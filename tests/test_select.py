@@ -8,7 +8,7 @@ from draftling.bench import select
 from draftling.bench.select import SelectOptions, select_checkpoint
 from draftling.io import write_jsonl
 from tests.conftest import random_batch, setup_data
-from tests.test_train import cfg_for
+from tests.helpers import cfg_for
 from draftling.train.trainer import train
 
 

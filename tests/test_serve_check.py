@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from draftling.bench.serve_check import Tally, compare, diagnosis
 from draftling.cli import main
 from tests.conftest import run_draftling, smollm2_gguf
-from tests.test_cli import write_prompts
+from tests.helpers import write_prompts
 
 AUX = [2, 4, 7]  # not the defaults [2, 4, 5]: the export then writes the ids, in each engine's numbering
 

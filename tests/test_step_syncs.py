@@ -23,7 +23,8 @@ from draftling.train.metrics import StepWindow
 from draftling.train.trainer import build_run
 from draftling.train.ttt import StepCounts, step_row_bounds
 from tests.host_reads import HostReads
-from tests.test_train import run, setup_data
+from tests.conftest import setup_data
+from tests.helpers import train_run as run
 
 
 def examples(lengths, seed=0):

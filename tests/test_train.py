@@ -6,24 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftling.config import load_config
 from draftling.errors import ConfigError
 from draftling.io import write_jsonl
 from draftling.train.checkpoint import list_checkpoints, load_train_state
 from draftling.train.trainer import train
 from tests.conftest import random_batch, setup_data
-
-
-def cfg_for(steps, **extra):
-    over = [f"train.max_steps={steps}", "train.batch_size=4", "train.ttt_steps=3", "train.log_every=1",
-            "train.ckpt_every=2", "train.warmup_steps=2", "train.lr=1e-3", "train.keep_checkpoints=10"]
-    over += [f"{k}={v}" for k, v in extra.items()]
-    return load_config(None, over)
-
-
-def run(tmp_path, target, run_name, steps, resume=False, **extra):
-    return train(cfg_for(steps, **extra), target, tmp_path / run_name, tmp_path / "train.jsonl",
-                 tmp_path / "val.jsonl", tmp_path / "vocab.safetensors", resume=resume)
+from tests.helpers import cfg_for
+from tests.helpers import train_run as run
 
 
 @pytest.mark.parametrize("offload,cache_gb", [(False, 0), (True, 0), (False, 1)],

@@ -16,8 +16,9 @@ from draftling.train.settings import memory_options, optimizer_offload
 from draftling.train.ttt import (TTTAttention, flex_usable, shift_left, ttt_attention, ttt_mask_mod,
                                  ttt_unroll)
 from tests.conftest import tiny_llama
-from tests.test_train import run, setup_data
-from tests.test_ttt import make_draft
+from tests.conftest import setup_data
+from tests.helpers import spaced_vocab_draft as make_draft
+from tests.helpers import train_run as run
 
 
 def setup_unroll(b=3, t=16, seed=3, vocab=64):

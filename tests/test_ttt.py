@@ -5,21 +5,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from draftling.draft.model import Eagle3Draft, draft_config_from_target, repeat_kv
+from draftling.draft.model import repeat_kv
 from draftling.train.teacher import teacher_forward
 from draftling.train.ttt import StepCounts, TTTAttention, shift_left, ttt_unroll
 from tests.conftest import tiny_llama
-
-
-def make_draft(target_model, vocab=64, seed=1):
-    torch.manual_seed(seed)
-    cfg = draft_config_from_target(target_model.config, vocab, [2, 3, 4])
-    draft = Eagle3Draft(cfg)
-    ids = torch.arange(0, 2 * vocab, 2)  # every other target id
-    t2d = torch.zeros(target_model.config.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(vocab), t2d)
-    return draft
+from tests.helpers import spaced_vocab_draft as make_draft
 
 
 def test_shift_left():

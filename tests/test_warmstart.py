@@ -18,7 +18,7 @@ from draftling.train.trainer import train
 from draftling.data.tokenized import load_tokenized
 from draftling.train.warmstart import InitDraft, coverage, warm_start
 from tests.conftest import random_batch, setup_data
-from tests.test_train import cfg_for
+from tests.helpers import cfg_for
 
 
 def base_run(tmp_path, target):

@@ -1,21 +1,11 @@
 """The lab's device scripts (lab/gpu) run their --smoke mode on the CPU and write what they promise."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
 from draftling.train import batches, ttt
-from tests.conftest import CHECKOUT
-
-
-def load_script(name, monkeypatch):
-    spec = importlib.util.spec_from_file_location(name, CHECKOUT / f"lab/gpu/{name}.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, script)  # its dataclasses look themselves up there
-    spec.loader.exec_module(script)
-    return script
+from tests.helpers import load_script
 
 
 def assert_manifest(folder):
