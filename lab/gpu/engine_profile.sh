@@ -5,4 +5,4 @@
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 python3 lab/benches/engine_profile.py --out $OUT/engine-profile.json "$@" 2>&1 | tee $OUT/engine_profile_log.txt
-python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "cuda or bf16" 2>&1 | tee $OUT/engine_cuda_tests.txt
+python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine.py -k "cuda or bf16" 2>&1 | tee $OUT/engine_cuda_tests.txt

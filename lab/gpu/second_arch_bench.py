@@ -25,7 +25,7 @@ show a high tau that says nothing about a real Gemma. With tau near 1, a config'
 floor cost of a round (draft steps + one verify pass), and the cost account's verify/plain step
 ratio says what a real head would pay. The bf16 identity of speculative vs plain still checks
 every verify pass's numerics. Accepted-path KV moves are rarely exercised here; the CPU tests
-cover them (tests/test_architectures.py, oracle draft).
+cover them (tests/engine/test_architectures.py, oracle draft).
 
 Prompts: v1 rendered with the SmolLM2 chat template and tokenizer (--tokenizer, the GGUF at $T),
 the first 2 of each workload (--prompts-per-workload), written as pre-tokenized rows (the ids are used as-is:

@@ -2,7 +2,7 @@
 
 The Gemma 3 270M release bench (2026-12-03) found chain output identical to plain on 56/56
 prompts and tree output on 0/56. On the CPU, eager, fp32 and bf16, padded or not, trees equal
-plain. This decodes with an imperfect oracle draft (tests/test_engine.py's ``oracle_draft`` on a
+plain. This decodes with an imperfect oracle draft (tests/helpers.py's ``oracle_draft`` on a
 target whose embeddings are scaled up: partial acceptance, branches beside the first) under each
 engine mode, and records per mode and tree whether the tokens equal plain's and where they first
 differ. Writes OUT/tree-identity.json.
@@ -39,7 +39,7 @@ def load(path: str, dtype, device, scale: float):
 
 
 def oracle_runner(model, size: int, **engine) -> DraftRunner:
-    """tests/test_engine.py's oracle draft for ``model`` (4 heads: Gemma's own shape cannot be
+    """tests/helpers.py's oracle draft for ``model`` (4 heads: Gemma's own shape cannot be
     copied), as a runner with the engine options ``engine``."""
     hidden = model.config.hidden_size
     draft = oracle_draft(model, num_key_value_heads=4, num_attention_heads=4, head_dim=hidden // 4)

@@ -11,7 +11,7 @@ from draftling.data.prompts import (
 )
 from draftling.errors import DataError
 
-SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
+SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "prompts"
 
 
 def write_lines(path, rows):

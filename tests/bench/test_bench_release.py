@@ -15,7 +15,7 @@ from draftling.errors import ConfigError, DataError
 from tests.helpers import WORKLOADS, tiny_bench_target, tiny_draft_dir, token_prompt_set
 from tests.helpers import ToyChatTokenizer as _ToyTokenizer
 
-SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
+SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "prompts"
 V1_WORKLOADS = ("prose", "code", "repetitive", "chat", "math", "summarize", "tool")
 
 
