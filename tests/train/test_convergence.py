@@ -156,7 +156,8 @@ def test_smoke_prompts_read_as_the_release_bench_reads_prompt_sets(tmp_path):
 # ----------------------------------------------------------------------------- through the train loop
 
 @pytest.fixture
-def target(one_thread):
+def smoke_target(one_thread):
+    """conftest's tiny_target, its stub tokenizer with a get_vocab for the smoke bench."""
     tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1, get_vocab=lambda: {})
     return wrap_target(tiny_llama(), tokenizer, name="tiny-llama")
 
@@ -194,16 +195,16 @@ def plateau(monkeypatch):
     monkeypatch.setattr(SmokeBench, "measure", lambda self, draft: {f"p{k}": 1.5 + 0.1 * k for k in range(4)})
 
 
-def test_a_draft_that_accepts_nothing_never_converges(data, target):
+def test_a_draft_that_accepts_nothing_never_converges(data, smoke_target):
     """The tiny draft at lr 1e-12: a flat smoke tau at the floor, chance matches only."""
-    result = run(data, target, "r", config(data, steps=10))
+    result = run(data, smoke_target, "r", config(data, steps=10))
     assert all(r["mean_tau"] < 1.1 and r["delta"] in (None, 0.0) for r in records(data / "r", "smoke"))
     assert result["steps"] == 10 and result["stop_reason"] == "completed"
     assert result["convergence"] == {"converged": False, "checks_run": 5, "checks": 3}
 
 
-def test_a_flat_smoke_tau_stops_the_run_with_the_head_and_the_verdict(data, target, plateau, capsys):
-    result = run(data, target, "r", config(data))
+def test_a_flat_smoke_tau_stops_the_run_with_the_head_and_the_verdict(data, smoke_target, plateau, capsys):
+    result = run(data, smoke_target, "r", config(data))
     # Checks at 2, 4, 6, 8: the anchor is step 2 (warmup ends there), three flat checks later.
     assert result["steps"] == 8 and result["stop_reason"] == "converged"
     assert result["convergence"]["step"] == 8 and result["convergence"]["since_step"] == 2
@@ -216,8 +217,8 @@ def test_a_flat_smoke_tau_stops_the_run_with_the_head_and_the_verdict(data, targ
     assert [r["step"] for r in records(data / "r", "convergence")] == [8]
 
 
-def test_without_the_stop_flag_a_run_only_logs_the_verdict(data, target, plateau):
-    result = run(data, target, "r", config(data, steps=10, stop_on_convergence="false"))
+def test_without_the_stop_flag_a_run_only_logs_the_verdict(data, smoke_target, plateau):
+    result = run(data, smoke_target, "r", config(data, steps=10, stop_on_convergence="false"))
     assert result["steps"] == 10 and result["stop_reason"] == "completed" and result["convergence"]["step"] == 8
 
 
@@ -231,17 +232,17 @@ def scripted(monkeypatch, means):
     monkeypatch.setattr(SmokeBench, "measure", measure)
 
 
-def test_a_rise_then_a_plateau_stops_where_the_plateau_has_lasted_m_checks(data, target, monkeypatch):
+def test_a_rise_then_a_plateau_stops_where_the_plateau_has_lasted_m_checks(data, smoke_target, monkeypatch):
     scripted(monkeypatch, [1.2, 1.5, 1.8, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0])
-    result = run(data, target, "r", config(data))
+    result = run(data, smoke_target, "r", config(data))
     assert result["steps"] == 14 and result["convergence"]["since_step"] == 8
     scripted(monkeypatch, [1.2 + 0.1 * i for i in range(10)])
-    result = run(data, target, "rising", config(data))
+    result = run(data, smoke_target, "rising", config(data))
     assert result["steps"] == 20 and result["stop_reason"] == "completed"
     assert result["convergence"] == {"converged": False, "checks_run": 10, "checks": 3}
 
 
-def test_a_smoke_bench_over_its_share_of_training_time_checks_less_often(data, target, plateau, monkeypatch, capsys):
+def test_a_smoke_bench_over_its_share_of_training_time_checks_less_often(data, smoke_target, plateau, monkeypatch, capsys):
     import time
 
     measure = SmokeBench.measure
@@ -251,7 +252,7 @@ def test_a_smoke_bench_over_its_share_of_training_time_checks_less_often(data, t
         return measure(self, draft)
 
     monkeypatch.setattr(SmokeBench, "measure", slow)
-    result = run(data, target, "r", config(data, steps=10, smoke_max_share=0.05, stop_on_convergence="false"))
+    result = run(data, smoke_target, "r", config(data, steps=10, smoke_max_share=0.05, stop_on_convergence="false"))
     # The first check (at 2) is not judged: it pays one-off compile costs. The second sets the pace.
     assert result["steps"] == 10 and [r["step"] for r in records(data / "r", "smoke")] == [2, 4]
     (paced,) = records(data / "r", "smoke_interval")
@@ -261,25 +262,25 @@ def test_a_smoke_bench_over_its_share_of_training_time_checks_less_often(data, t
     assert f"over train.smoke_max_share=0.05: checking every {paced['every']} steps from here" in line
 
 
-def test_smoke_checks_do_not_change_training(data, target):
+def test_smoke_checks_do_not_change_training(data, smoke_target):
     # A real learning rate: the weights move, and must move the same with and without the checks.
-    run(data, target, "with", config(data, steps=6, lr=1e-3, stop_on_convergence="false"))
-    run(data, target, "without", config(data, steps=6, lr=1e-3, smoke_every=0, stop_on_convergence="false"))
+    run(data, smoke_target, "with", config(data, steps=6, lr=1e-3, stop_on_convergence="false"))
+    run(data, smoke_target, "without", config(data, steps=6, lr=1e-3, smoke_every=0, stop_on_convergence="false"))
     a = load_file(str(data / "with" / "draft" / "draft.safetensors"))
     b = load_file(str(data / "without" / "draft" / "draft.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert records(data / "with", "smoke") and not records(data / "without", "smoke")
 
 
-def test_a_resumed_run_converges_where_the_uninterrupted_one_did(data, target, plateau):
-    run(data, target, "full", config(data))
-    run(data, target, "cut", config(data))
+def test_a_resumed_run_converges_where_the_uninterrupted_one_did(data, smoke_target, plateau):
+    run(data, smoke_target, "full", config(data))
+    run(data, smoke_target, "cut", config(data))
     for ckpt in list_checkpoints(data / "cut"):  # a kill after step 5: checkpoints 2 and 4 remain
         if int(ckpt.name.split("_")[1]) > 4:
             shutil.rmtree(ckpt)
     shutil.rmtree(data / "cut" / "draft")
     (data / "cut" / "train_result.json").unlink()
-    result = run(data, target, "cut", config(data), resume=True)
+    result = run(data, smoke_target, "cut", config(data), resume=True)
     # Losing the checks of steps 2 and 4 would put the anchor at 6 and the verdict at 12.
     assert result["steps"] == 8 and result["convergence"]["since_step"] == 2
     assert result["segment_from_step"] == 4  # its wall time is the resumed segment's
@@ -289,16 +290,16 @@ def test_a_resumed_run_converges_where_the_uninterrupted_one_did(data, target, p
     b = load_file(str(data / "cut" / "draft" / "draft.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     # Resuming the finished run again: it had converged at its checkpoint, so it stops there.
-    assert run(data, target, "cut", config(data), resume=True)["steps"] == 8
+    assert run(data, smoke_target, "cut", config(data), resume=True)["steps"] == 8
     assert [r["step"] for r in records(data / "cut", "convergence")] == [8]  # replayed, not logged again
     assert [r["segment"] for r in records(data / "cut", "train")] == [0] * 4 + [4] * 4  # then a stop at once
 
 
-def test_report_writes_markdown_and_plots_with_the_verdict_and_segments(data, target, plateau, capsys):
-    run(data, target, "r", config(data))
+def test_report_writes_markdown_and_plots_with_the_verdict_and_segments(data, smoke_target, plateau, capsys):
+    run(data, smoke_target, "r", config(data))
     for ckpt in list_checkpoints(data / "r")[2:]:
         shutil.rmtree(ckpt)
-    run(data, target, "r", config(data), resume=True)
+    run(data, smoke_target, "r", config(data), resume=True)
     assert cli.main(["report", str(data / "r")]) == 0
     md = (data / "r" / "report" / "report.md").read_text()
     assert "converged at 67% of epoch 3 (step 8)" in md and "Stopped after 8 steps: converged" in md
@@ -321,7 +322,7 @@ def test_report_on_a_bad_run_dir_is_one_line_naming_it(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
 
 
-def test_smoke_settings_are_checked_when_the_config_loads(data, target):
+def test_smoke_settings_are_checked_when_the_config_loads(data, smoke_target):
     with pytest.raises(ConfigError, match="stop_on_convergence needs the smoke bench"):
         load_config(None, ["train.stop_on_convergence=true"])
     with pytest.raises(ConfigError, match="smoke_every"):
@@ -337,5 +338,5 @@ def test_smoke_settings_are_checked_when_the_config_loads(data, target):
     with pytest.raises(ConfigError, match="at least 2"):
         load_smoke_prompts(str(data / "one.jsonl"), None, TINY_VOCAB)
     with pytest.raises(ConfigError, match="no such prompt file"):
-        run(data, target, "r", config(data, smoke_prompts=str(data / "missing.jsonl")))
+        run(data, smoke_target, "r", config(data, smoke_prompts=str(data / "missing.jsonl")))
     assert not (data / "r").exists()  # refused before the run directory was touched

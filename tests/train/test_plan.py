@@ -242,14 +242,15 @@ def _plan(argv):
 
 
 @pytest.fixture
-def tiny_target_dir(tmp_path):
+def llama_config_dir(tmp_path):
+    """A Llama config.json alone (no weights, no tokenizer): all `draftling plan` reads."""
     LlamaConfig(vocab_size=3000, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(tmp_path)
     return str(tmp_path)
 
 
-def test_plan_cli_fits_and_exits_zero(tiny_target_dir, capsys):
-    rc = _plan(["--target", tiny_target_dir, "--gpu-mem", "4GiB", "--seq", "128", "--batch-size", "2",
+def test_plan_cli_fits_and_exits_zero(llama_config_dir, capsys):
+    rc = _plan(["--target", llama_config_dir, "--gpu-mem", "4GiB", "--seq", "128", "--batch-size", "2",
                 "vocab.size=512", "dtype=bfloat16"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -260,16 +261,16 @@ def test_plan_cli_fits_and_exits_zero(tiny_target_dir, capsys):
     assert "largest batch size that fits at seq 128:" in out
 
 
-def test_plan_cli_does_not_fit_and_exits_one(tiny_target_dir, capsys):
-    rc = _plan(["--target", tiny_target_dir, "--gpu-mem", "600MiB", "--seq", "2048", "--batch-size", "64",
+def test_plan_cli_does_not_fit_and_exits_one(llama_config_dir, capsys):
+    rc = _plan(["--target", llama_config_dir, "--gpu-mem", "600MiB", "--seq", "2048", "--batch-size", "64",
                 "vocab.size=512", "dtype=bfloat16"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "does NOT fit" in out and "short by" in out
 
 
-def test_plan_cli_options_follow_overrides(tiny_target_dir, capsys):
-    base = ["--target", tiny_target_dir, "--gpu-mem", "80GiB", "--seq", "256", "--batch-size", "2", "vocab.size=512"]
+def test_plan_cli_options_follow_overrides(llama_config_dir, capsys):
+    base = ["--target", llama_config_dir, "--gpu-mem", "80GiB", "--seq", "256", "--batch-size", "2", "vocab.size=512"]
     _plan(base + ["train.optimizer_offload=true"])
     on = capsys.readouterr().out
     _plan(base + ["train.optimizer_offload=false", "train.grad_checkpoint=false", "train.attention=sdpa"])
@@ -279,11 +280,11 @@ def test_plan_cli_options_follow_overrides(tiny_target_dir, capsys):
     assert "(float32)" in off
 
 
-def test_plan_follows_the_auto_memory_policy(tiny_target_dir, capsys):
+def test_plan_follows_the_auto_memory_policy(llama_config_dir, capsys):
     """memory_policy=auto trains without recompute when that fits; the plan estimates what the
     trainer will run, not the configured fallback."""
     def base(mem):
-        return ["--target", tiny_target_dir, "--seq", "256", "--batch-size", "2", "--gpu-mem", mem,
+        return ["--target", llama_config_dir, "--seq", "256", "--batch-size", "2", "--gpu-mem", mem,
                 "vocab.size=512"]
 
     _plan(base("80GiB"))
@@ -298,19 +299,19 @@ def test_plan_follows_the_auto_memory_policy(tiny_target_dir, capsys):
     assert "grad_checkpoint on" in tight and "memory policy: as configured" in tight
 
 
-def test_plan_cli_rejects_a_bad_size(tiny_target_dir):
+def test_plan_cli_rejects_a_bad_size(llama_config_dir):
     from draftling.errors import ConfigError
 
     with pytest.raises(ConfigError, match="gpu-mem"):
-        _plan(["--target", tiny_target_dir, "--gpu-mem", "huge"])
+        _plan(["--target", llama_config_dir, "--gpu-mem", "huge"])
 
 
-def test_plan_is_wired_into_the_cli(tiny_target_dir, capsys):
+def test_plan_is_wired_into_the_cli(llama_config_dir, capsys):
     from draftling import cli
 
     if "plan" not in cli.COMMANDS:
         pytest.skip("`plan` is not wired into draftling.cli yet")
-    rc = cli.main(["plan", "--target", tiny_target_dir, "--gpu-mem", "600MiB", "--seq", "2048",
+    rc = cli.main(["plan", "--target", llama_config_dir, "--gpu-mem", "600MiB", "--seq", "2048",
                    "--batch-size", "64", "vocab.size=512"])
     assert rc == 1 and "does NOT fit" in capsys.readouterr().out
 
