@@ -12,11 +12,12 @@ SPLIT_KEYS = ("auto", "id", "task", "source")  # data.split_key (see data/split.
 
 @dataclass
 class RegenConfig:
-    max_new_tokens: int = key(512, bounds=AT_LEAST_ONE)
+    max_new_tokens: int = key(512, bounds=AT_LEAST_ONE, help="Most new tokens per regenerated reply.")
     temperature: float = key(0.0, bounds=NON_NEGATIVE, help="0 = greedy")
-    top_p: float = key(1.0, bounds=("a number in (0, 1]", lambda v: 0 < v <= 1))
-    batch_size: int = key(16, bounds=AT_LEAST_ONE)
-    seed: int = key(0)
+    top_p: float = key(1.0, bounds=("a number in (0, 1]", lambda v: 0 < v <= 1), help=(
+        "Nucleus sampling mass of the replies (1 = off)."))
+    batch_size: int = key(16, bounds=AT_LEAST_ONE, help="Prompts regenerated at once.")
+    seed: int = key(0, help="Seed of sampled replies (sampled reply k of a prompt: seed + k).")
     prefill_chunk_tokens: int | None = key(None, bounds=NON_NEGATIVE, help=(
         "Prefill long prompts in pieces of about this many tokens (rows x columns) per forward. On the CPU a whole "
         "batch of long prompts at once is memory-bound in its elementwise ops: a batch of 53 prompts (7121 tokens) "
@@ -33,7 +34,7 @@ class RegenConfig:
     server_model: str | None = key(None, flag="--server-model", help="null = the one model the server lists")
     concurrency: int = key(16, bounds=AT_LEAST_ONE, help="requests in flight; the server batches them")
     api_key_env: str = key("OPENAI_API_KEY", help="env var holding the key (the key is never written)")
-    request_timeout_s: float = key(600.0, bounds=POSITIVE)
+    request_timeout_s: float = key(600.0, bounds=POSITIVE, help="Seconds before a server request is given up.")
     max_retries: int = key(5, bounds=NON_NEGATIVE, help="on connection errors, HTTP 429 and 5xx")
     engine: str = key("auto", choices=("auto", "on", "off"), help=(
         "Write replies (greedy or sampled) with the batched plain engine (engine/batch.py) instead of HF generate: "
@@ -45,7 +46,8 @@ class RegenConfig:
         "`sample_temperature` (top_p as set; seed + k), its temperature in the reply's provenance; more of the "
         "target's own distribution per prompt. Validation keeps one. The sampled passes take the same writer as the "
         "first (data.regen.engine)."))
-    sample_temperature: float = key(0.8, bounds=POSITIVE)
+    sample_temperature: float = key(0.8, bounds=POSITIVE, help=(
+        "Temperature of the further replies samples_per_prompt adds."))
 
     def __post_init__(self):
         validate("data.regen", self)
@@ -78,16 +80,17 @@ class DataConfig:
         "With rollouts: at most this many of a conversation's assistant turns (0 = all), a seeded sample of those "
         "whose prefix fits data.max_tokens - data.regen.max_new_tokens; prefixes grow with the turn, so all turns of"
         " a long trajectory cost quadratically in its length."))
-    val_fraction: float = key(0.05, bounds=("a number in [0, 1)", lambda v: 0 <= v < 1))
+    val_fraction: float = key(0.05, bounds=("a number in [0, 1)", lambda v: 0 <= v < 1), help=(
+        "Share of the conversations held out for validation (split by split_key)."))
     split_key: str = key("auto", choices=SPLIT_KEYS, help=(
         "\"id\": each conversation is its own task; \"task\": a record's `task` field, or NAME-TASK for ids NAME-"
         "TASK-TRIAL (tau-bench's trials of one task stay on one side); \"source\": per file; \"auto\": task when any"
         " record carries a task identity, else id (data/split.py resolve_split_key; the data summary names the key "
         "chosen and why)."))
-    drop_tool_calls: bool = key(False)
+    drop_tool_calls: bool = key(False, help="Drop conversations that carry tool calls.")
     min_tokens: int = key(8, bounds=NON_NEGATIVE, help="drop conversations shorter than this (in target tokens)")
     max_tokens: int = key(2048, bounds=AT_LEAST_ONE, help="truncate longer ones")
-    seed: int = key(0)
+    seed: int = key(0, help="Seed of the prompt sampling and the train/val split.")
     regen: RegenConfig = key(factory=RegenConfig)
     keep_teacher_states: bool = key(False, help=(
         "Keep the target's aux and final states from local regeneration (data/states.py), so training skips its "
@@ -112,7 +115,8 @@ class DataConfig:
 
 @dataclass
 class VocabConfig:
-    size: int = key(32000, bounds=AT_LEAST_ONE, flag="--size")
+    size: int = key(32000, bounds=AT_LEAST_ONE, flag="--size", help=(
+        "Draft vocab size: the N most frequent loss-masked tokens."))
     prompt_weight: float = key(0.0, bounds=NON_NEGATIVE, flag="--prompt-weight", help=(
         "Rank tokens by their share of the reply tokens plus this weight times their share of the prompt text in the"
         " prompt files (every prompt but validation's; counted by `data`). 0 = replies only. A few hundred replies "
@@ -134,7 +138,8 @@ class DraftConfig:
         "Start from this head instead of a new one (`train --init-from DIR`: a draftling run, draft or checkpoint, "
         "an SGLang/EAGLE export or a speculators export). It keeps its own vocab map unless rebuild_vocab "
         "(train/warmstart.py)."))
-    rebuild_vocab: bool = key(False, flag="--rebuild-vocab")
+    rebuild_vocab: bool = key(False, flag="--rebuild-vocab", help=(
+        "With init_from: use the data's vocab map instead of the head's own."))
     window: int = key(0, bounds=("an integer >= 0 (0 = full attention)",
                                  lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0), help=(
         "Sliding-window attention: each draft query sees the context keys of its last `window` positions (its own "

@@ -11,20 +11,21 @@ from draftling.errors import ConfigError
 
 @dataclass
 class TrainConfig:
-    ttt_steps: int = key(7, bounds=AT_LEAST_ONE)
+    ttt_steps: int = key(7, bounds=AT_LEAST_ONE, help="TTT unroll steps per position.")
     step_weight_decay: float = key(0.8, bounds=POSITIVE, help="loss weight of TTT step j is decay**j")
-    epochs: float = key(1.0, bounds=POSITIVE)
+    epochs: float = key(1.0, bounds=POSITIVE, help="Passes over the training data.")
     max_steps: int = key(0, bounds=("an integer >= 0 (0 = from epochs)", lambda v: v >= 0), help=(
         "0 = derived from epochs"))
     batch_size: int = key(8, bounds=AT_LEAST_ONE, help="sequences per optimizer step")
-    lr: float = key(1e-4, bounds=POSITIVE)
-    min_lr_ratio: float = key(0.1, bounds=FRACTION)
-    warmup_steps: int = key(50, bounds=NON_NEGATIVE)
-    betas: tuple[float, float] = key((0.9, 0.95))
-    weight_decay: float = key(0.0, bounds=NON_NEGATIVE)
-    grad_clip: float = key(0.5, bounds=POSITIVE)
-    log_every: int = key(10, bounds=AT_LEAST_ONE, resume="free")
-    ckpt_every: int = key(200, bounds=AT_LEAST_ONE, resume="free")
+    lr: float = key(1e-4, bounds=POSITIVE, help="Peak learning rate (AdamW).")
+    min_lr_ratio: float = key(0.1, bounds=FRACTION, help="The cosine schedule's floor, as a share of lr.")
+    warmup_steps: int = key(50, bounds=NON_NEGATIVE, help="Linear warmup steps.")
+    betas: tuple[float, float] = key((0.9, 0.95), help="AdamW betas, two numbers in [0, 1).")
+    weight_decay: float = key(0.0, bounds=NON_NEGATIVE, help="AdamW weight decay.")
+    grad_clip: float = key(0.5, bounds=POSITIVE, help="Gradient norm clip.")
+    log_every: int = key(10, bounds=AT_LEAST_ONE, resume="free", help=(
+        "Steps between step lines in the log and metrics.jsonl."))
+    ckpt_every: int = key(200, bounds=AT_LEAST_ONE, resume="free", help="Steps between checkpoints.")
     keep_checkpoints: int = key(2, bounds=("an integer >= 0 (0 = keep all)", lambda v: v >= 0), resume="free", help=(
         "the newest N complete checkpoints are kept; 0 = keep all"))
     ckpt_every_epoch: bool = key(False, resume="free", help=(
@@ -33,7 +34,7 @@ class TrainConfig:
     keep_every_steps: int = key(0, bounds=NON_NEGATIVE, resume="free", help=(
         "Also keep, as candidates for `draftling select`, every checkpoint whose step is a multiple of this (0 = "
         "none; a multiple of ckpt_every, or it never coincides with one)."))
-    seed: int = key(0)
+    seed: int = key(0, help="Seed of the draft's init and the batch order.")
     val_every: int = key(0, bounds=("an integer >= 0 (0 = only at the end)", lambda v: v >= 0), resume="free", help=(
         "0 = only at the end"))
     loss_on_prompt: bool = key(False, help=(
@@ -50,7 +51,7 @@ class TrainConfig:
         "With max_minutes: fit the LR schedule's length to that budget from the step time measured while training "
         "(after 10 steps and at each epoch start), so the decay completes inside it instead of being cut off. The "
         "steps derived from epochs (or max_steps) stay the ceiling."))
-    max_val_batches: int = key(16, bounds=AT_LEAST_ONE, resume="free")
+    max_val_batches: int = key(16, bounds=AT_LEAST_ONE, resume="free", help="Most validation batches per evaluation.")
     data_fraction: float = key(1.0, bounds=("a number in (0, 1]", lambda v: 0 < v <= 1), help=(
         "Train on a seeded share of the training sequences (validation unchanged), for data-scaling curves: the "
         "shares are nested (a 25% run's sequences are all in the 50% run's), so points of one curve differ in amount"
