@@ -1,6 +1,7 @@
 """Run-directory ownership and the resume policy: a directory holding an earlier run is refused
 unless resumed or overwritten, and a resume may change only the config keys ``RESUME_FREE_KEYS``
-lists, or those named with ``--allow-change``."""
+lists (read from each key's declared resume policy, draftling.config), or those named with
+``--allow-change``."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
-from draftling.config import RunConfig
+from draftling.config import RESUME_FREE_KEYS, RunConfig
 from draftling.errors import ConfigError
 from draftling.io import remove_path
 from draftling.train.checkpoint import remove_stale_temporaries
 from draftling.train.distributed import DistContext, barrier
 
+__all__ = ["RESUME_FREE_KEYS", "RunDirClaim", "check_run_dir", "claim_run_dir", "resume_free", "resume_config_changes"]
 
-# Keys a resume may change freely: they steer logging, checkpoints, time and validation, not
-# the weights a step computes.
-RESUME_FREE_KEYS = ("train.max_minutes", "train.fit_schedule", "train.log_every", "train.ckpt_every",
-                    "train.stop_on_convergence", "train.keep_checkpoints", "train.val_every", "train.max_val_batches", "wall_minutes",
-                    "device", "data.", "bench.", "extract.")
+
+def resume_free(key: str) -> bool:
+    """Whether a resume may change the flattened config key ``key``: a key RESUME_FREE_KEYS
+    names (or an entry of a mapping it names, e.g. max_memory.0), or any key of a section it
+    names ("data.")."""
+    return any(key == free or key.startswith(free if free.endswith(".") else free + ".")
+               for free in RESUME_FREE_KEYS)
 
 
 def resume_config_changes(run_dir: Path, cfg: RunConfig, allow_change) -> dict:
@@ -32,7 +36,7 @@ def resume_config_changes(run_dir: Path, cfg: RunConfig, allow_change) -> dict:
         return {}
     old, new = _flatten(to_dict(load_config(saved))), _flatten(to_dict(cfg))
     differ = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-              if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE_KEYS)}
+              if old.get(k) != new.get(k) and not resume_free(k)}
     refused = [k for k in differ if k not in set(allow_change)]
     if refused:
         listed = "; ".join(f"{k}: {differ[k][0]!r} -> {differ[k][1]!r}" for k in refused)

@@ -1,6 +1,6 @@
 """The one home of training's resolved settings: a TrainConfig's "auto" and null values
 turned into what this device runs with. The trainer, `plan` (train/memory_fit.py) and the training
-bench all read them from here; the config has already checked every name (config.py).
+bench all read them from here; the config has already checked every name (draftling.config).
 
 ``plan`` calls the same functions with a device size given instead of queried.
 """
