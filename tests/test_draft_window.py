@@ -24,7 +24,8 @@ from draftling.errors import ConfigError
 from draftling.export.formats import export_sglang, export_speculators, load_any_draft
 from draftling.train.teacher import TeacherBatch
 from draftling.train.draft_setup import build_draft
-from draftling.train.ttt import TTTAttention, flex_usable, shift_left, ttt_attention, ttt_unroll
+from draftling.train.attention import TTTAttention, flex_usable, ttt_attention
+from draftling.train.ttt import shift_left, ttt_unroll
 from draftling.train.warmstart import keep_window
 from tests.conftest import tiny_llama
 from tests.test_batch_engine import alone, engines, prompts
