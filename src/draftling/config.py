@@ -428,6 +428,8 @@ class TrainConfig:
 # is checked when it loads; bench/release.py and engine/options.py take them from here.
 RELEASE_BASELINES = ("engine_plain", "hf_static", "hf_prompt_lookup", "hf_eager")
 RELEASE_SAMPLED_TEMPERATURES = (0.7, 1.0)  # how chat is served: the sampled figures beside the greedy ones
+RELEASE_CONFIGS = ("chain-3-1-4", "tree-3-4-8", "tree-5-8-16")  # the release protocol's decode configs
+CONCURRENCY_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # the concurrency sweep's levels unless given
 ENGINE_ATTENTION = ("sdpa", "matmul", "exact")
 BENCH_CHOICES = {"attention": ("auto", *ENGINE_ATTENTION)}
 
