@@ -62,8 +62,7 @@ if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
 from draftling.bench import release, release_options
-from draftling.bench.manifest import write_manifest
-from draftling.bench.simple import device_name
+from draftling.bench.manifest import device_name, write_manifest
 from lab.benches.train_bench import synthetic_vocab
 from draftling.config import RELEASE_CONFIGS, load_config
 from draftling.draft.store import save_draft

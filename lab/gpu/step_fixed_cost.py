@@ -40,8 +40,7 @@ if _ROOT not in sys.path:
 GPU_RECIPE = "lab/configs/gpu_smollm2.yaml"  # the GPU recipe, from the checkout
 
 from lab.benches.ddp_scaling import line_fit
-from draftling.bench.manifest import write_manifest
-from draftling.bench.simple import device_name
+from draftling.bench.manifest import device_name, write_manifest
 from lab.benches.train_bench import _sync, synthetic_vocab
 from draftling.config import RunConfig, load_config
 from draftling.data.tokenized import TokenizedExample
