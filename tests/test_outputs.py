@@ -139,7 +139,7 @@ def test_quickstart_and_extract_refuse_a_directory_they_did_not_write(tmp_path, 
 
 
 def test_release_results_of_the_same_day_machine_and_tag_are_not_replaced(tmp_path):
-    from draftling.bench.release import check_results_free
+    from draftling.bench.release_options import check_results_free
     from draftling.errors import ConfigError
 
     stem = tmp_path / "2026-12-02-cpu-x"

@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         runs[int(world)] = Path(path)
     gpu = args.gpu
     if gpu is None:
-        import torch
+        from draftling.bench.manifest import first_gpu_name
 
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        gpu = first_gpu_name()
     extra = dict(n.split("=", 1) for n in args.note)
     for path in filter(None, (args.fsdp, args.split, args.fixed_cost)):
         if not path.exists():

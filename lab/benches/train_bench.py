@@ -48,8 +48,7 @@ _SRC = str(Path(__file__).resolve().parents[2] / "src")  # draftling from this c
 if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
 
-from draftling.bench.manifest import manifest_fields
-from draftling.bench.simple import device_name
+from draftling.bench.manifest import device_name, manifest_fields
 from draftling.config import RunConfig, TrainConfig
 from draftling.data.tokenized import TokenizedExample
 from draftling.draft.vocab import build_vocab
@@ -57,8 +56,9 @@ from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
 from draftling.train.distributed import DistContext, TTTObjective, shard, wrap
 from draftling.train.optim import build_optimizer
+from draftling.train.probe import RandomStates
 from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
-from draftling.train.teacher import TeacherBatch, TeacherSource, teacher_forward
+from draftling.train.teacher import TeacherBatch, teacher_forward
 from draftling.train.settings import (compile_teacher, draft_param_dtype, memory_options, optimizer_offload,
                                       unroll_options)
 from draftling.train.batches import BatchSource, train_step
@@ -232,19 +232,15 @@ def stub_batch(shape: DraftShape, batch: int, seq: int, device: torch.device, au
     return teacher, ids
 
 
-class StubTeacher:
-    """A TeacherSource (as batches.BatchSource takes one) that serves the one stub batch."""
-
-    cacheable = False
+class StubTeacher(RandomStates):
+    """The product's random teacher (train/probe.py) without its output head, which the stub
+    target lacks: it serves the one stub batch (stub_batch's random logits) for every batch."""
 
     def __init__(self, batch: TeacherBatch):
         self.batch = batch
 
     def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
         return self.batch
-
-    def for_split(self, split: str, data_hash: str | None = None) -> TeacherSource | None:
-        return None
 
 
 def token_examples(ids: torch.Tensor, source: str) -> list[TokenizedExample]:

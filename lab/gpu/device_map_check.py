@@ -54,9 +54,8 @@ _ROOT = str(Path(__file__).resolve().parents[2])  # this checkout, for lab.bench
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
-from draftling.bench.manifest import write_manifest
+from draftling.bench.manifest import device_name, write_manifest
 from draftling.bench.release import load_prompt_set
-from draftling.bench.simple import device_name
 from lab.benches.train_bench import _sync
 from draftling.config import load_config
 from draftling.draft.vocab import build_vocab_file, load_vocab

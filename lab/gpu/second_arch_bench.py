@@ -61,11 +61,10 @@ _ROOT = str(Path(__file__).resolve().parents[2])  # this checkout, for lab.bench
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
-from draftling.bench import release
-from draftling.bench.manifest import write_manifest
-from draftling.bench.simple import device_name
+from draftling.bench import release, release_options
+from draftling.bench.manifest import device_name, write_manifest
 from lab.benches.train_bench import synthetic_vocab
-from draftling.config import load_config
+from draftling.config import RELEASE_CONFIGS, load_config
 from draftling.draft.store import save_draft
 from draftling.engine import EngineOptions
 from draftling.engine import general_target
@@ -106,7 +105,7 @@ class Settings:
     prompts_per_workload: int = 2
     max_new_tokens: int = 128
     baseline_prompts_per_workload: int = 1
-    configs: tuple[str, ...] = release.DEFAULT_CONFIGS
+    configs: tuple[str, ...] = RELEASE_CONFIGS
     draft_profile: str | None = "lab/configs/gpu_smollm2.yaml"  # the GPU recipe's draft settings (checkout)
     draft_overrides: tuple[str, ...] = ()
     shapes: str = "real"  # "real": GEMMA3_270M / SMOLLM2_135M; "tiny": TINY (--smoke)
@@ -328,8 +327,8 @@ def tolerant_baselines():
 
 def bench_one(arch: str, target, draft: Path, prompts: Path, s: Settings, out: Path) -> dict:
     """The release bench of one arch, with what its engines ran as."""
-    baselines = ("engine_plain",) if arch == "llama-general" else release.BASELINES  # HF ran under "llama"
-    opts = release.ReleaseOptions(
+    baselines = ("engine_plain",) if arch == "llama-general" else release_options.BASELINES  # HF ran under "llama"
+    opts = release_options.ReleaseOptions(
         prompt_set=prompts, configs=s.configs, max_new_tokens=s.max_new_tokens, baselines=baselines,
         baseline_prompts_per_workload=s.baseline_prompts_per_workload, round_timing=False,
         sampled_temperatures=(), engine=EngineOptions.auto(), out_dir=out / "release", tag=arch, overwrite=True)

@@ -40,8 +40,7 @@ if _ROOT not in sys.path:
 GPU_RECIPE = "lab/configs/gpu_smollm2.yaml"  # the GPU recipe, from the checkout
 
 from lab.benches.ddp_scaling import line_fit
-from draftling.bench.manifest import write_manifest
-from draftling.bench.simple import device_name
+from draftling.bench.manifest import device_name, write_manifest
 from lab.benches.train_bench import _sync, synthetic_vocab
 from draftling.config import RunConfig, load_config
 from draftling.data.tokenized import TokenizedExample
@@ -49,7 +48,7 @@ from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
 from draftling.train import teacher as teacher_mod
 from draftling.train import batches as batches_mod
-from draftling.train import trainer, ttt
+from draftling.train import attention, trainer, ttt
 from draftling.train.inputs import RunInputs
 from draftling.train.distributed import DistContext
 
@@ -138,7 +137,7 @@ def time_point(target, vocab, cfg: RunConfig, s: Settings, mode: str, batch: int
     examples = make_examples(s, lengths, target.config.vocab_size)
     run = build(target, vocab, cfg, examples, batch, 1 if mode == "before" else s.after_pad)
     keys = [list(range(i * batch, (i + 1) * batch)) for i in range(len(lengths))]
-    ttt._BLOCK_MASKS.clear()  # each point starts as a run does: no masks yet
+    attention._BLOCK_MASKS.clear()  # each point starts as a run does: no masks yet
     with old_reads() if mode == "before" else contextlib.nullcontext():
         for k in keys[:s.warmup]:
             run.train_step(k)
@@ -154,7 +153,7 @@ def time_point(target, vocab, cfg: RunConfig, s: Settings, mode: str, batch: int
     pad = batches_mod.batch_multiple(run.source)
     out = {"mode": mode, "batch": batch, "step_s": round(step_s, 5), "tok_s": round(tokens / step_s, 1),
            "tokens_per_step": round(tokens, 1), "measured_steps": s.measured, "warmup_steps": s.warmup,
-           "pad_to_multiple": pad, "attention": run.unroll.attention, "block_masks_built": len(ttt._BLOCK_MASKS)}
+           "pad_to_multiple": pad, "attention": run.unroll.attention, "block_masks_built": len(attention._BLOCK_MASKS)}
     print(f"[step-fixed-cost] {mode} batch {batch}: {step_s:.4f} s/step, {out['tok_s']:.0f} tok/s, pad {pad}",
           flush=True)
     del run

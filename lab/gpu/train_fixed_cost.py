@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [parse_run(item) for item in args.run]
     gpu = args.gpu
     if gpu is None:
-        import torch
+        from draftling.bench.manifest import first_gpu_name
 
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        gpu = first_gpu_name()
     seq_tokens = mean_seq_tokens(args.data)
     result = summarize([point(c, b, d, seq_tokens) for c, b, d in runs], seq_tokens, gpu)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,10 @@ this list and checks every module against it.
 
 Each name is a module or subpackage of draftling (the package itself is base). A stage's
 on-disk formats are read where they are written: tokenized data in data/tokenized.py, the
-draft format in draft/store.py, the serving formats (and load_any_draft, which reads either
-kind) in export/formats.py. engine (decoding) and train do not import each other; engine
-sits lower because it needs only target and draft. export sits below bench because bench
-reads exported drafts.
+draft format in draft/store.py, the SGLang serving format (and load_any_draft, which reads
+either kind) in export/formats.py; the vLLM speculators format is only written. engine
+(decoding) and train do not import each other; engine sits lower because it needs only
+target and draft. export sits below bench because bench reads exported drafts.
 """
 
 __version__ = "0.1.0"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from draftling.bench import release
+from draftling.bench import release, release_options
+from draftling.config import RELEASE_CONFIGS
 from draftling.data import prompt_sets
 from draftling.errors import ConfigError, DataError
 from tests.helpers import WORKLOADS, tiny_bench_target, tiny_draft_dir, token_prompt_set
@@ -32,7 +33,7 @@ def bench_run(tmp_path_factory):
     results = release.run_release_bench(
         target, draft, prompt_set=ps, max_new_tokens=12, baselines=("engine_plain", "hf_eager"),
         baseline_prompts_per_workload=1, out_dir=out, tag="test", command="pytest", quiet=True)
-    stem = release.release_stem(out, results["date"], results["gpu"], "test")
+    stem = release_options.release_stem(out, results["date"], results["gpu"], "test")
     return types.SimpleNamespace(results=results, stem=stem, target=target, draft=draft, ps=ps, tmp=tmp)
 
 
@@ -51,7 +52,7 @@ def test_json_contract(bench_run):
             assert all(1.0 <= v["tau"] <= 5.0 and v["tok_s"] > 0 for v in c["per_workload"].values())
     assert bench_run.stem.name == f"{r['date']}-cpu-test"
     assert r["gpu"] == "cpu" and r["dtype"] == "float32" and r["command"] == "pytest"
-    assert set(r["baselines"]) == set(release.BASELINES) == set(r["baseline_details"])
+    assert set(r["baselines"]) == set(release_options.BASELINES) == set(r["baseline_details"])
     assert r["baselines"]["engine_plain"] > 0 and r["baselines"]["hf_eager"] > 0
     for skipped in ("hf_static", "hf_prompt_lookup"):
         assert r["baselines"][skipped] is None and r["baseline_details"][skipped] is None
@@ -63,7 +64,7 @@ def test_json_contract(bench_run):
     # fp32 on CPU: HF's own greedy decode and the engine agree token for token.
     assert d["hf_eager"]["identical_to_engine_plain"] == 1.0
 
-    assert [c["name"] for c in r["configs"]] == list(release.DEFAULT_CONFIGS)
+    assert [c["name"] for c in r["configs"]] == list(RELEASE_CONFIGS)
     keys = {"name", "steps", "topk", "draft_tokens", "per_workload", "mean_speedup", "mean_tau",
             "identical_fraction", "accept_rate_by_depth", "cost", "round_split_ms"}
     for c in r["configs"]:
@@ -90,7 +91,7 @@ def test_markdown_and_plots(bench_run):
     rows = [l for l in md.splitlines() if l.startswith("| ")]
     for w in WORKLOADS:
         row = next(l for l in rows if l.startswith(f"| {w} |"))
-        assert row.count("x (") == len(release.DEFAULT_CONFIGS)
+        assert row.count("x (") == len(RELEASE_CONFIGS)
     assert any(l.startswith("| **mean** |") for l in rows)
     for section in ("## Baselines", "## Acceptance rate by depth", "## Cost account", "## Caveats"):
         assert section in md
@@ -148,9 +149,9 @@ def test_release_options_are_config_keys_checked_on_load():
 
     bench = load_config(None, ["bench.query_pad=8", "bench.engine_compile=off", "bench.baselines=[hf_eager]",
                                "bench.sampled_temperatures=[]"]).bench
-    opts = release.ReleaseOptions.from_config(bench, overwrite=True)
+    opts = release_options.ReleaseOptions.from_config(bench, overwrite=True)
     assert opts.sampled_temperatures == ()
-    assert release.ReleaseOptions.from_config(load_config(None, []).bench).sampled_temperatures == (0.7, 1.0)
+    assert release_options.ReleaseOptions.from_config(load_config(None, []).bench).sampled_temperatures == (0.7, 1.0)
     assert opts.engine.query_pad == 8 and opts.engine.compile is False and opts.engine.attention == "auto"
     assert opts.baselines == ("hf_eager",) and opts.hf_runs == ["hf_eager"] and opts.overwrite
     for bad, match in (("bench.attention=fast", "bench.attention='fast'"), ("bench.engine_compile=maybe", "expected true/false"),
@@ -166,9 +167,9 @@ def test_all_four_baselines(bench_run, tmp_path):
         configs=["chain-2-1-3", "tree-2-2-4"],
         max_new_tokens=6, baseline_prompts_per_workload=1, out_dir=tmp_path, command="x", quiet=True,
         round_timing=True, sampled_temperatures=())
-    assert all(r["baselines"][b] > 0 for b in release.BASELINES)
+    assert all(r["baselines"][b] > 0 for b in release_options.BASELINES)
     assert r["sampled"] == {}  # greedy only: no sampled decodes ran
-    for b in release.BASELINES[1:]:
+    for b in release_options.BASELINES[1:]:
         assert r["baseline_details"][b]["identical_to_engine_plain"] == 1.0
     assert not any("not run" in c for c in r["caveats"])
     # The per-round phase split (wall-clock marks on CPU), pooled over 2 prompts per workload.

@@ -21,10 +21,12 @@ from draftling.draft.store import load_draft, save_draft
 from draftling.engine import causal_mask, draft_runner, greedy_generate, speculative_generate
 from draftling.engine.batch import batch_generate
 from draftling.errors import ConfigError
-from draftling.export.formats import export_sglang, export_speculators, load_any_draft
+from draftling.export.formats import export_sglang, load_any_draft
+from draftling.export.speculators import export_speculators
 from draftling.train.teacher import TeacherBatch
 from draftling.train.draft_setup import build_draft
-from draftling.train.ttt import TTTAttention, flex_usable, shift_left, ttt_attention, ttt_unroll
+from draftling.train.attention import TTTAttention, flex_usable, ttt_attention
+from draftling.train.ttt import shift_left, ttt_unroll
 from draftling.train.warmstart import keep_window
 from tests.conftest import tiny_llama
 from tests.helpers import TREES, V, prompt, random_draft, runners, tiny

@@ -14,14 +14,15 @@ from draftling.data.tokenized import TokenizedExample
 from draftling.draft.vocab import build_vocab
 from draftling.train import teacher as teacher_mod
 from draftling.train import batches as batches_mod
-from draftling.train import ttt
+from draftling.train import attention, ttt
 from draftling.train.distributed import DistContext
 from draftling.train.teacher import TeacherCache
 from draftling.train.batches import evaluate
 from draftling.train.inputs import RunInputs
 from draftling.train.metrics import StepWindow
 from draftling.train.trainer import build_run
-from draftling.train.ttt import StepCounts, step_row_bounds
+from draftling.train.step_counts import StepCounts
+from draftling.train.ttt import step_row_bounds
 from tests.host_reads import HostReads
 from tests.conftest import setup_data
 from tests.helpers import train_run as run
@@ -72,9 +73,9 @@ def test_flex_block_masks_are_built_once_per_padded_length(tiny_target, one_thre
     for pad in (1, None):  # None: auto, flex's block size
         cfg = load_config(None, ["train.attention=flex", "train.ttt_steps=3", "train.batch_size=2"]
                           + ([f"train.pad_to_multiple={pad}"] if pad else []))
-        ttt._BLOCK_MASKS.clear()
+        attention._BLOCK_MASKS.clear()
         results[pad] = evaluate(run_.draft, tiny_target, rows, cfg, torch.device("cpu"), max_batches=3)
-        results[pad]["masks"] = sorted(key[:2] for key in ttt._BLOCK_MASKS)
+        results[pad]["masks"] = sorted(key[:2] for key in attention._BLOCK_MASKS)
     assert results[1]["masks"] == sorted((t, j) for t in (23, 31, 50) for j in (1, 2, 3))
     assert results[None]["masks"] == [(128, 1), (128, 2), (128, 3)]  # one length for all three batches
     for key in ("acc", "cond_acc", "tokens", "chain_tau"):

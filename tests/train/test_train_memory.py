@@ -13,8 +13,8 @@ from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import OffloadedAdamW, build_optimizer
 from draftling.train.teacher import teacher_forward
 from draftling.train.settings import memory_options, optimizer_offload
-from draftling.train.ttt import (TTTAttention, flex_usable, shift_left, ttt_attention, ttt_mask_mod,
-                                 ttt_unroll)
+from draftling.train.attention import TTTAttention, flex_usable, ttt_attention, ttt_mask_mod
+from draftling.train.ttt import shift_left, ttt_unroll
 from tests.conftest import tiny_llama
 from tests.conftest import setup_data
 from tests.helpers import spaced_vocab_draft as make_draft

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from draftling.draft.store import load_draft
 from draftling.draft.vocab import build_vocab_file, load_vocab
 from draftling.errors import ConfigError
-from draftling.export.formats import export_sglang, export_speculators, load_any_draft
+from draftling.export.formats import export_sglang, load_any_draft
+from draftling.export.speculators import export_speculators
 from draftling.io import write_jsonl
 from draftling.train.trainer import train
 from draftling.data.tokenized import load_tokenized

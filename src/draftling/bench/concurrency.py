@@ -23,17 +23,18 @@ import torch
 from draftling.timing import timed
 from draftling.dtypes import dtype_name
 from draftling.bench.manifest import device_slug, draft_label, machine_slug, run_folder_name, write_manifest, code_commit
-from draftling.bench.release import DEFAULT_CONFIGS, load_prompt_set
+from draftling.bench.release import load_prompt_set
 from draftling.bench.simple import build_engine, parse_decode_config
 from draftling.engine import EngineOptions
 from draftling.engine.batch import batch_generate
+from draftling.config import CONCURRENCY_LEVELS, RELEASE_CONFIGS, BenchConfig
 from draftling.errors import ConfigError
 from draftling.export.formats import load_any_draft
 from draftling.io import write_json
 from draftling.progress import Progress
 from draftling.target import Target
 
-LEVELS = (1, 2, 4, 8, 16, 32, 64)
+_DEFAULTS = BenchConfig()  # the bench section's defaults: prompt set, new tokens, results folder
 RESULT = "concurrency.json"
 
 
@@ -44,15 +45,15 @@ class SweepOptions:
     run. ``engine``: graphs on CUDA but no compile (each batch size is a new set of shapes,
     and compiling them all would cost minutes), unpadded: every config's own verify size."""
 
-    levels: tuple[int, ...] = LEVELS
-    configs: tuple[str, ...] = DEFAULT_CONFIGS
-    prompt_set: str = "v1"
-    max_new_tokens: int = 256
+    levels: tuple[int, ...] = CONCURRENCY_LEVELS
+    configs: tuple[str, ...] = RELEASE_CONFIGS
+    prompt_set: str = _DEFAULTS.prompt_set
+    max_new_tokens: int = _DEFAULTS.max_new_tokens
     min_requests: int = 16
     per_slot: int = 2
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(cuda_graphs="auto", compile=False,
                                                                          query_pad=0, attention="auto"))
-    out_dir: str | Path = "."
+    out_dir: str | Path = _DEFAULTS.results_dir
     command: str | None = None
 
     def __post_init__(self):

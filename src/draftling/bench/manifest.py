@@ -80,12 +80,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+# A results file's ``gpu`` (and the simple bench's ``device``) comes from one of these three.
+
+def device_name(device) -> str:
+    """The GPU's full name ("NVIDIA H200"), or "cpu (<processor>, <n> threads)": the simple bench's
+    ``device`` and the lab benches' ``gpu``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
 def device_slug(device) -> str:
-    """"cpu", or the GPU's name as a slug ("nvidia-h200"): the release files' ``gpu``."""
+    """"cpu", or the GPU's name as a slug ("nvidia-h200"): the release and concurrency files' ``gpu``."""
     device = torch.device(device)
     if device.type != "cuda":
         return "cpu"
-    return slug(torch.cuda.get_device_name(device))
+    return slug(device_name(device))
+
+
+def first_gpu_name() -> str:
+    """The full name of cuda:0, or "cpu" without a GPU: the ``gpu`` of results summarised from
+    finished runs (lab/benches/ddp_scaling.py, lab/gpu/train_fixed_cost.py)."""
+    return device_name("cuda:0") if torch.cuda.is_available() else "cpu"
 
 
 def machine_slug(gpu: str) -> str:
@@ -107,7 +124,7 @@ def machine_line(device) -> str:
 
     device = torch.device(device)
     gpu = device_slug(device)
-    what = torch.cuda.get_device_name(device) if gpu != "cpu" else f"{cpu_model()}, {os.cpu_count()} cores"
+    what = device_name(device) if gpu != "cpu" else f"{cpu_model()}, {os.cpu_count()} cores"
     return f"{machine_slug(gpu)}: {what}; torch {torch.__version__}, transformers {transformers.__version__}"
 
 

@@ -1,7 +1,7 @@
 """The release bench: a fixed, versioned prompt set, per-workload tau and speedup for several
 decode configs, four baselines in the same run, a cost account, and a results contract. This
-module runs it (timing, orchestration; prompt sets are read in data/prompt_sets.py);
-bench/report.py writes what it found.
+module runs it (timing, orchestration; prompt sets are read in data/prompt_sets.py, its options
+and output stem are in bench/release_options.py); bench/report.py writes what it found.
 
 Protocol: batch 1, greedy, one warm-up generation per engine/config/baseline excluded from the
 timings (CUDA graphs are captured and HF's static-cache compile happens there), completions of up
@@ -39,25 +39,19 @@ import torch
 from draftling.timing import timed
 from draftling.dtypes import dtype_name
 from draftling import __version__
-from draftling.bench.manifest import code_commit, command_line, device_slug, draft_label, machine_slug, run_folder_name, tag_slug, write_manifest
+from draftling.bench.manifest import command_line, device_slug, draft_label, write_manifest
 from draftling.bench.report import ROUND_PHASES, format_speedup_table, release_caveats, write_release_outputs
 from draftling.bench.report import MARK_END, MARK_START, update_benchmarks_md  # noqa: F401 (release.X for callers)
-from draftling.bench.simple import DecodeConfig, build_engine, parse_decode_config
-from draftling.config import RELEASE_BASELINES, RELEASE_SAMPLED_TEMPERATURES, BenchConfig
+from draftling.bench.release_options import BASELINES, ReleaseOptions, check_results_free, release_stem
+from draftling.bench.simple import DecodeConfig, build_engine
 from draftling.data.prompt_sets import BenchPrompt, read_prompt_set, tokenize_prompt_set
-from draftling.engine import (CachedTarget, DraftRunner, EngineOptions, build_target, causal_mask, greedy_generate,
+from draftling.engine import (CachedTarget, DraftRunner, build_target, causal_mask, greedy_generate,
                               speculative_generate)
-from draftling.errors import ConfigError, DataError
+from draftling.errors import DataError
 from draftling.export.formats import load_any_draft
 from draftling.progress import Progress
 from draftling.target import Target
 
-BASELINES = RELEASE_BASELINES
-DEFAULT_CONFIGS = ("chain-3-1-4", "tree-3-4-8", "tree-5-8-16")
-DEFAULT_MAX_NEW_TOKENS = 256
-# What `bench --release` sets over a profile's simple-bench values (cli/bench.py passes these to
-# load_config as the command's fixed choices; flags and KEY=VALUE overrides still win).
-PROTOCOL_KEYS = {"bench.configs": list(DEFAULT_CONFIGS), "bench.max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
 RESULT_KEYS = ("date", "gpu", "engine", "target", "draft", "prompt_set", "dtype", "command", "baselines",
@@ -80,119 +74,6 @@ def load_prompt_set(prompt_set: str | Path, target: Target) -> tuple[dict, list[
 def _workloads(prompts) -> list[str]:
     return list(dict.fromkeys(p.workload for p in prompts))  # file order
 
-
-# ----------------------------------------------------------------------------- options
-
-@dataclass(frozen=True)
-class ReleaseOptions:
-    """What a release run measures and where it writes, checked when built.
-
-    ``baselines``: any of BASELINES; engine_plain always runs (speedups need it), the others
-    left out are null in the results, with a caveat. ``baseline_prompts_per_workload``: the
-    HF baselines on the first N prompts of each workload only (they are slow); None = all.
-    ``round_timing``: also measure the per-round phase split (``round_split_ms``) on the first
-    ROUND_TIMING_PROMPTS prompts of each workload; "auto" = on CUDA. ``engine``: "auto" = the
-    GPU settings on CUDA, plain eager on CPU; padding on (auto: to the largest config's draft
-    tokens on CUDA) makes plain and verify passes share kernels, so a token's logits do not
-    depend on the tree beside it, and plain decoding then also runs unpadded (auto: with the
-    faster "matmul" attention on CUDA); speedups are against the faster of the two.
-    ``command``: recorded in the results; None = this process's argv. Results of the same
-    date, commit, machine and tag are refused before any work unless ``overwrite``."""
-
-    prompt_set: str | Path = "v1"
-    configs: tuple[str, ...] = DEFAULT_CONFIGS
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    baselines: tuple[str, ...] = BASELINES
-    baseline_prompts_per_workload: int | None = None
-    round_timing: bool | str = "auto"
-    sampled_temperatures: tuple[float, ...] = RELEASE_SAMPLED_TEMPERATURES
-    engine: EngineOptions = field(default_factory=EngineOptions.auto)
-    out_dir: str | Path = "."
-    tag: str | None = None
-    command: str | None = None
-    overwrite: bool = False
-    quiet: bool = False
-
-    def __post_init__(self):
-        object.__setattr__(self, "configs", _names(self.configs))
-        object.__setattr__(self, "baselines", _names(self.baselines))
-        if self.round_timing is None:
-            object.__setattr__(self, "round_timing", "auto")
-        unknown = [b for b in self.baselines if b not in BASELINES]
-        if unknown:
-            raise ConfigError(f"unknown baselines {unknown}; expected some of {', '.join(BASELINES)}")
-        if not self.configs:
-            raise ConfigError("the release bench needs at least one decode config")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.baseline_prompts_per_workload is not None and self.baseline_prompts_per_workload < 1:
-            raise ConfigError("baseline_prompts_per_workload must be >= 1 (or None for all)")
-        self.decode_configs  # a bad config name fails here, before any work
-
-    @property
-    def decode_configs(self) -> list[DecodeConfig]:
-        return [parse_decode_config(c) for c in self.configs]
-
-    @property
-    def hf_runs(self) -> list[str]:
-        return [b for b in BASELINES if b in self.baselines and b != "engine_plain"]
-
-    @classmethod
-    def of(cls, options: ReleaseOptions | None = None, **fields) -> ReleaseOptions:
-        """``options`` (default: the protocol) with ``fields`` replaced, EngineOptions' own
-        (cuda_graphs, compile, query_pad, attention) going into ``engine``: where
-        run_release_bench's keyword form becomes options."""
-        options = options or cls()
-        engine = {k: fields.pop(k) for k in _ENGINE_FIELDS if k in fields}
-        if engine:
-            fields["engine"] = EngineOptions.of(fields.get("engine", options.engine), **engine)
-        return dataclasses.replace(options, **fields)
-
-    @classmethod
-    def from_config(cls, bench: BenchConfig, **fields) -> ReleaseOptions:
-        """The options of a run config's bench section (null = "auto"), with ``fields``."""
-        engine = EngineOptions(cuda_graphs="auto", compile=bench.engine_compile, query_pad=bench.query_pad,
-                               attention=bench.attention)
-        return cls(prompt_set=bench.prompt_set, configs=bench.configs, max_new_tokens=bench.max_new_tokens,
-                   baselines=bench.baselines, baseline_prompts_per_workload=bench.baseline_prompts_per_workload,
-                   round_timing=bench.round_timing, sampled_temperatures=tuple(bench.sampled_temperatures),
-                   engine=engine, out_dir=bench.results_dir, tag=bench.tag, **fields)
-
-    def record(self, engine: dict, round_timing: bool) -> dict:
-        """These options resolved, as JSON values for a manifest (which has the command)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("command", "quiet")}
-        return {**out, "prompt_set": str(self.prompt_set), "configs": list(self.configs),
-                "baselines": list(self.baselines), "round_timing": round_timing, "engine": engine,
-                "out_dir": str(self.out_dir)}
-
-
-_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions))
-
-
-def _names(value) -> tuple[str, ...]:
-    """Names from a comma string or a list (whose items may hold commas too)."""
-    items = [value] if isinstance(value, str) else list(value)
-    return tuple(n.strip() for item in items for n in str(item).split(",") if n.strip())
-
-
-# ----------------------------------------------------------------------------- the run's folder
-
-def release_stem(out_dir: str | Path, date: str, gpu: str, tag: str | None = None,
-                 commit: str | None = None) -> Path:
-    """``<out_dir>/<date>-release-<commit>-<machine>[-<tag>]/<date>-<gpu>[-<tag>]``: the common
-    stem of a run's output files, inside the run's folder (bench/manifest.py). ``commit``
-    defaults to the running code's; the machine is ``gpu`` on a GPU, else this host's CPU."""
-    folder = run_folder_name(date, "release", commit or code_commit(), machine_slug(gpu), tag)
-    return Path(out_dir) / folder / (f"{date}-{gpu}-{tag_slug(tag)}" if tag else f"{date}-{gpu}")
-
-
-def check_results_free(stem: Path, overwrite: bool) -> None:
-    for d in (stem.parent.parent, stem.parent):
-        if d.exists() and not d.is_dir():
-            raise ConfigError(f"--results-dir {d}: is a file, not a directory")
-    if stem.with_name(stem.name + ".json").exists() and not overwrite:
-        raise ConfigError(f"{stem}.json: results of this date, machine and tag exist; pass --tag NAME to keep "
-                          "both, or --overwrite to replace them")
 
 
 # ----------------------------------------------------------------------------- measuring

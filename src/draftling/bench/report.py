@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from draftling.bench.simple import device_name
+from draftling.bench.manifest import device_name
 from draftling.config import RELEASE_BASELINES as BASELINES
 from draftling.engine.spec_round import RoundTimer
 from draftling.io import atomic_path, write_json

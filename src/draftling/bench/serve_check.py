@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from draftling.dtypes import dtype_name
-from draftling.bench.manifest import draft_label, manifest_fields
+from draftling.bench.manifest import device_name, draft_label, manifest_fields
 from draftling.bench.release import first_per_workload, load_prompt_set
-from draftling.bench.simple import build_engine, device_name
+from draftling.bench.simple import build_engine
 from draftling.data.prompt_sets import BenchPrompt
 from draftling.errors import DraftlingError, one_line
 from draftling.export.formats import CONFIG_NAME, load_any_draft

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import platform
 import re
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import torch
 
 from draftling.timing import timed
 from draftling.dtypes import dtype_name
+from draftling.bench.manifest import device_name
 from draftling.config import BenchConfig, RunConfig
 from draftling.data.prompts import load_conversations, prompt_messages
 from draftling.data.template import render
@@ -299,13 +299,6 @@ def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 
     n_configs = len(bc.configs)
     decoded = (bc.num_prompts * bc.max_new_tokens + WARMUP_TOKENS) * (1 + SPEC_TIME_RATIO * n_configs)
     return {"per_token_s": round(per_token, 4), "seconds": round(decoded * per_token, 2)}
-
-
-def device_name(device) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def caveats(results: dict, natural_stops: int) -> list[str]:

@@ -107,7 +107,7 @@ def run(args) -> None:
 
 def _release_bench(args) -> None:
     """`bench --release`: its options are config keys (bench.*), its outputs a run folder."""
-    from draftling.bench import release
+    from draftling.bench import release, release_options
     from draftling.bench.report import update_benchmarks_md
     from draftling.target import load_target_from_config
 
@@ -119,7 +119,7 @@ def _release_bench(args) -> None:
     if args.prompts and args.prompt_set:
         raise DraftlingError("bench --release/--concurrency: give --prompt-set or --prompts, not both")
     args.prompt_set = args.prompt_set or args.prompts  # here --prompts names the prompt set
-    protocol = tuple(f"{key}={json.dumps(value)}" for key, value in release.PROTOCOL_KEYS.items())
+    protocol = tuple(f"{key}={json.dumps(value)}" for key, value in release_options.PROTOCOL_KEYS.items())
     cfg = run_config(args, (*TARGET_FLAGS, *RELEASE_FLAGS), base=protocol)
     results_dir = Path(cfg.bench.results_dir)
     if results_dir.exists() and not results_dir.is_dir():  # found before the target loads
@@ -131,8 +131,8 @@ def _release_bench(args) -> None:
         run_concurrency_sweep(target, args.draft, SweepOptions.from_config(cfg.bench))
     if not args.release:
         return
-    options = release.ReleaseOptions.from_config(cfg.bench, overwrite=args.overwrite)
+    options = release_options.ReleaseOptions.from_config(cfg.bench, overwrite=args.overwrite)
     results = release.run_release_bench(target, args.draft, options)
     if args.update_benchmarks_md:
-        stem = release.release_stem(results_dir, results["date"], results["gpu"], cfg.bench.tag)
+        stem = release_options.release_stem(results_dir, results["date"], results["gpu"], cfg.bench.tag)
         print(f"updated {update_benchmarks_md(f'{stem}.json', args.update_benchmarks_md)}")

@@ -20,7 +20,7 @@ from draftling.config.fields import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSIT
 from draftling.config.loader import (apply_overrides, builtin_config, from_dict, load_config, save_config, to_dict,
                                      yaml_load)
 from draftling.config.run import (BENCH_CHOICES, ENGINE_ATTENTION, EXTRACT_CHOICES, RELEASE_BASELINES,
-                                  RELEASE_SAMPLED_TEMPERATURES, BenchConfig, ExtractConfig, RunConfig)
+                                  RELEASE_SAMPLED_TEMPERATURES, RELEASE_CONFIGS, CONCURRENCY_LEVELS, BenchConfig, ExtractConfig, RunConfig)
 from draftling.config.table import key_table_markdown
 from draftling.config.train import TRAIN_CHOICES, TrainConfig
 
@@ -31,7 +31,7 @@ RESUME_FREE_KEYS = resume_free_keys(RunConfig)
 
 __all__ = [
     "AT_LEAST_ONE", "BENCH_CHOICES", "DEVICE_MAP_MODES", "ENGINE_ATTENTION", "EXTRACT_CHOICES", "FRACTION",
-    "NON_NEGATIVE", "POSITIVE", "RELEASE_BASELINES", "RELEASE_SAMPLED_TEMPERATURES", "RESUME_FREE_KEYS",
+    "NON_NEGATIVE", "POSITIVE", "RELEASE_BASELINES", "RELEASE_SAMPLED_TEMPERATURES", "RELEASE_CONFIGS", "CONCURRENCY_LEVELS", "RESUME_FREE_KEYS",
     "SPLIT_KEYS", "TRAIN_CHOICES", "BenchConfig", "DataConfig", "DraftConfig", "ExtractConfig", "RegenConfig",
     "RunConfig", "TrainConfig", "VocabConfig", "apply_overrides", "builtin_config", "check_bounds", "check_choices",
     "device_map_value", "device_name", "from_dict", "key", "key_table_markdown", "load_config", "max_memory_bytes",

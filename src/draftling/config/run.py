@@ -18,6 +18,8 @@ from draftling.errors import ConfigError
 # is checked when it loads; bench/release.py and engine/options.py take them from here.
 RELEASE_BASELINES = ("engine_plain", "hf_static", "hf_prompt_lookup", "hf_eager")
 RELEASE_SAMPLED_TEMPERATURES = (0.7, 1.0)  # how chat is served: the sampled figures beside the greedy ones
+RELEASE_CONFIGS = ("chain-3-1-4", "tree-3-4-8", "tree-5-8-16")  # the release protocol's decode configs
+CONCURRENCY_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # the concurrency sweep's levels unless given
 ENGINE_ATTENTION = ("sdpa", "matmul", "exact")
 
 
@@ -34,7 +36,7 @@ class BenchConfig:
     top_p: float = key(1.0, flag="--top-p", help="nucleus sampling mass (1 = off)")
     seed: int = key(0, help="sampling: prompt i uses seed + i, the same for plain and every config")
     # --- The release bench (`bench --release`, bench/release.py); the simple bench ignores these.
-    # Its protocol sets configs and max_new_tokens itself (the three DEFAULT_CONFIGS, 256 new
+    # Its protocol sets configs and max_new_tokens itself (the three RELEASE_CONFIGS, 256 new
     # tokens) over whatever a profile gives the simple bench; flags and overrides still win.
     prompt_set: str = key("v1", flag="--prompt-set", help="a built-in set name (v1, ...) or a jsonl path")
     baselines: list[str] = key(factory=lambda: list(RELEASE_BASELINES), flag="--baselines", help=(

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Iterable
 
 from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages, reply_record
@@ -173,23 +173,7 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
     if max_prompt_tokens:
         prompts = [(c, n) for c, n in prompts if n <= max_prompt_tokens]
     bar = Progress(len(prompts), f"regenerate via {server.base_url}", enabled=progress)
-    log_every = max(1, len(prompts) // 20)
-    done = [0]
-    lock = threading.Lock()  # done-callbacks run on the worker threads
-
-    def tick(_future: Future) -> None:
-        with lock:
-            done[0] += 1
-            logged = done[0] % log_every == 0 or done[0] == len(prompts)
-            bar.update(1, f"regenerate: {done[0]}/{len(prompts)} prompts" if logged else None)
-
-    warned: set[str] = set()
-
-    def warn_once(why: str) -> None:
-        if why not in warned:
-            warned.add(why)
-            log.warning("%s: %s", server.base_url, why)
-
+    tick, warn_once = _ticker(bar, len(prompts)), _warner(server.base_url)
     pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="regen")
     try:
         futures = []
@@ -206,23 +190,7 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
             if fut is None:
                 yield journal.get(conv.id)
                 continue
-            reply = fut.result()
-            stopped = FINISH_REASONS.get(reply["finish_reason"], str(reply["finish_reason"]))
-            if stopped not in ("eos", "length"):
-                warn_once(f"finish_reason {reply['finish_reason']!r} recorded as is in provenance.stopped")
-            if reply.get("split_reasoning"):
-                # The local target's reply would hold the thinking text; this one does not.
-                warn_once("the server split off the reasoning; serve without a reasoning parser "
-                          "so replies keep their thinking text")
-            assistant = {"role": "assistant", "content": reply["content"]}
-            if "tool_calls" in reply:
-                # Kept in OpenAI form, which the local chat template renders (or not) its own way.
-                warn_once("the server parsed tool calls out of the reply; serve without a tool-call "
-                          "parser so they stay in the reply text as the target wrote them")
-                assistant["tool_calls"] = reply["tool_calls"]
-            reply_tokens = len(tokenizer(reply["content"], add_special_tokens=False)["input_ids"])
-            record = reply_record(conv, assistant, {"server": server.base_url, "server_model": server.model}, cfg,
-                                  stopped, reply_tokens, n_prompt)
+            record = _server_record(tokenizer, server, cfg, conv, n_prompt, fut.result(), warn_once)
             if journal is not None:
                 journal.add([record])
             yield record
@@ -230,3 +198,49 @@ def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig
         # On an error, drop the requests not yet sent and do not wait for those in flight.
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()
+
+
+def _ticker(bar: Progress, total: int) -> Callable[[Future], None]:
+    """A request's done-callback: advances ``bar``, with a line every twentieth of ``total``."""
+    log_every = max(1, total // 20)
+    done = [0]
+    lock = threading.Lock()  # done-callbacks run on the worker threads
+
+    def tick(_future: Future) -> None:
+        with lock:
+            done[0] += 1
+            logged = done[0] % log_every == 0 or done[0] == total
+            bar.update(1, f"regenerate: {done[0]}/{total} prompts" if logged else None)
+    return tick
+
+
+def _warner(base_url: str) -> Callable[[str], None]:
+    """``warn_once(why)``: logs each distinct warning about the server once."""
+    warned: set[str] = set()
+
+    def warn_once(why: str) -> None:
+        if why not in warned:
+            warned.add(why)
+            log.warning("%s: %s", base_url, why)
+    return warn_once
+
+
+def _server_record(tokenizer, server: ChatServer, cfg: RegenConfig, conv: Conversation, n_prompt: int,
+                   reply: dict, warn_once: Callable[[str], None]) -> dict:
+    """The data record of one server reply, warning (once each) where it lost what the target wrote."""
+    stopped = FINISH_REASONS.get(reply["finish_reason"], str(reply["finish_reason"]))
+    if stopped not in ("eos", "length"):
+        warn_once(f"finish_reason {reply['finish_reason']!r} recorded as is in provenance.stopped")
+    if reply.get("split_reasoning"):
+        # The local target's reply would hold the thinking text; this one does not.
+        warn_once("the server split off the reasoning; serve without a reasoning parser "
+                  "so replies keep their thinking text")
+    assistant = {"role": "assistant", "content": reply["content"]}
+    if "tool_calls" in reply:
+        # Kept in OpenAI form, which the local chat template renders (or not) its own way.
+        warn_once("the server parsed tool calls out of the reply; serve without a tool-call "
+                  "parser so they stay in the reply text as the target wrote them")
+        assistant["tool_calls"] = reply["tool_calls"]
+    reply_tokens = len(tokenizer(reply["content"], add_special_tokens=False)["input_ids"])
+    return reply_record(conv, assistant, {"server": server.base_url, "server_model": server.model}, cfg,
+                        stopped, reply_tokens, n_prompt)

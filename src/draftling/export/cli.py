@@ -10,7 +10,8 @@ from pathlib import Path
 from draftling.draft.store import load_draft
 from draftling.errors import DraftlingError
 from draftling.export.conventions import is_default_aux_layer_ids
-from draftling.export.formats import export_sglang, export_speculators
+from draftling.export.formats import export_sglang
+from draftling.export.speculators import export_speculators
 from draftling.io import check_output_dir, write_json
 from draftling.target.fingerprint import fingerprint
 from draftling.target.load import DEFAULT_TARGET, TargetSpec, default_target_gguf, resolve_target

@@ -3,7 +3,8 @@
 - :func:`export_sglang`: the SGLang / EAGLE layout (``LlamaForCausalLMEagle3``), a Llama
   config.json plus one model.safetensors with ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
   ``d2t``, ``t2d`` (and ``embed_tokens`` only on request).
-- :func:`export_speculators`: the vLLM "speculators" layout (``Eagle3Speculator``).
+- :func:`export_speculators` (export/speculators.py): the vLLM "speculators" layout
+  (``Eagle3Speculator``), from the checks, tensors, layer config and writer here.
 - :func:`load_sglang_export`: rebuild an :class:`Eagle3Draft` from an SGLang-layout dir (its
   vocab maps from the weights, or from ``d2t.npy`` / ``t2d.npy`` beside them).
 - :func:`load_any_draft`: a draftling draft or an SGLang export, whichever the dir holds.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,23 +43,6 @@ from draftling.target.aux import default_aux_layer_ids
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
-
-# Our decoder layer keeps the UN-normed h on the residual and feeds hidden_norm(h) only
-# into the attention input (draft/model.py, Eagle3DecoderLayer.forward). In speculators'
-# terms that is norm_before_residual = False. Confirmed in:
-# - vllm-project/speculators src/speculators/models/eagle3/model_definitions.py
-#   (Eagle3FirstLayerMixin.forward): ``residual = hidden`` is taken before
-#   ``hidden = self.hidden_norm(hidden)``, and only ``if self.norm_before_residual:
-#   residual = hidden`` swaps in the normed one; config default False
-#   (src/speculators/models/eagle3/config.py).
-# - vllm-project/vllm vllm/model_executor/models/llama_eagle3.py: ``norm_before_residual``
-#   picks ``_norm_before_residual`` (residual = hidden_norm(h)) over
-#   ``_norm_after_residual`` (residual = h, then hidden_norm) -- ours is the latter.
-# - vllm/transformers_utils/configs/speculators/algos.py (update_eagle3) reads
-#   ``config_dict.get("norm_before_residual", True)``: an absent key means True there, the
-#   opposite of our layer, so the key is always written explicitly.
-NORM_BEFORE_RESIDUAL = False
 
 # Keys of a transformers config dict that mean nothing to a serving engine.
 _CONFIG_NOISE = (
@@ -74,7 +57,7 @@ _EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state
 
 # ----------------------------------------------------------------------------------- utils
 
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """``"keep"``/None -> None (keep each tensor's dtype); names like "bfloat16" -> dtype."""
     if dtype is None or dtype == "keep":
         return None
@@ -104,7 +87,7 @@ def _rope_fields(config) -> dict[str, Any]:
     return out
 
 
-def _llama_layer_fields(draft: Eagle3Draft, target_config=None) -> dict[str, Any]:
+def llama_layer_fields(draft: Eagle3Draft, target_config=None) -> dict[str, Any]:
     """The plain Llama config of the draft's decoder layer (no EAGLE-3 keys)."""
     cfg = draft.config.to_dict()
     for k in _CONFIG_NOISE + _EAGLE_KEYS:
@@ -129,7 +112,7 @@ def _max_positions(draft: Eagle3Draft, target_config=None) -> int:
     return out
 
 
-def _check_draft(draft: Eagle3Draft, target_config, include_embedding: bool,
+def check_draft(draft: Eagle3Draft, target_config, include_embedding: bool,
                  embedding: torch.Tensor | None) -> None:
     cfg = draft.config
     check_vocab_maps(draft.d2t, draft.t2d, int(cfg.draft_vocab_size), int(cfg.vocab_size))
@@ -157,7 +140,7 @@ def _check_draft(draft: Eagle3Draft, target_config, include_embedding: bool,
                              "pass include_embedding=True")
 
 
-def _tensors(draft: Eagle3Draft, dtype: torch.dtype | None, *, layer_prefix: str,
+def draft_tensors(draft: Eagle3Draft, dtype: torch.dtype | None, *, layer_prefix: str,
              include_embedding: bool, embedding: torch.Tensor | None,
              include_vocab_maps: bool = True) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
@@ -180,12 +163,12 @@ def _tensors(draft: Eagle3Draft, dtype: torch.dtype | None, *, layer_prefix: str
     return out
 
 
-def _weights_dtype(tensors: dict[str, torch.Tensor]) -> str:
+def weights_dtype_name(tensors: dict[str, torch.Tensor]) -> str:
     floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
     return dtype_name(floats.pop()) if len(floats) == 1 else "float32"
 
 
-def _write(out_dir, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+def write_export(out_dir, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
     """Into a directory the caller has cleared with ``io.check_output_dir(out_dir, "export", ...)``."""
     out_dir = Path(out_dir)
     with atomic_output_dir(out_dir, "export") as tmp:
@@ -211,7 +194,7 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
     ``target_config``: optional target HF config; checks vocab/hidden sizes and the
     default-layer claim exactly, and raises max_position_embeddings to the target's.
     """
-    _check_draft(draft, target_config, include_embedding, embedding)
+    check_draft(draft, target_config, include_embedding, embedding)
     ids = [int(i) for i in draft.config.eagle_aux_hidden_state_layer_ids]
     num_layers = int(target_config.num_hidden_layers) if target_config is not None else None
     if trained_on_default_layers and not is_default_aux_layer_ids(ids, num_layers):
@@ -219,11 +202,11 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
         raise DraftlingError(
             f"trained_on_default_layers=True but the head's aux layer ids are {ids}, not the "
             f"default {want}; omitting them would make engines feed the wrong layers")
-    dt = _resolve_dtype(dtype)
-    tensors = _tensors(draft, dt, layer_prefix="midlayer.", include_embedding=include_embedding,
+    dt = resolve_dtype(dtype)
+    tensors = draft_tensors(draft, dt, layer_prefix="midlayer.", include_embedding=include_embedding,
                        embedding=embedding)
 
-    cfg = _llama_layer_fields(draft, target_config)
+    cfg = llama_layer_fields(draft, target_config)
     cfg["architectures"] = [SGLANG_ARCHITECTURE]
     cfg["draft_vocab_size"] = int(draft.config.draft_vocab_size)
     cfg["target_hidden_size"] = int(getattr(draft.config, "target_hidden_size", draft.config.hidden_size))
@@ -232,12 +215,12 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
         eagle_config["eagle_aux_hidden_state_layer_ids"] = to_engine_aux_layer_ids(ids, "sglang")
         cfg["eagle_aux_hidden_state_layer_ids"] = to_engine_aux_layer_ids(ids, "vllm")
     cfg["eagle_config"] = eagle_config
-    cfg["torch_dtype"] = _weights_dtype(tensors)
+    cfg["torch_dtype"] = weights_dtype_name(tensors)
     # draftling's own record (engines ignore unknown keys): lets load_sglang_export rebuild
     # the head even when the ids were omitted for the engines.
     cfg["draftling"] = {"aux_layer_ids": ids, "aux_layer_ids_convention": "hf_output_hidden_states",
                         "trained_on_default_layers": bool(trained_on_default_layers)}
-    return _write(out_dir, cfg, tensors)
+    return write_export(out_dir, cfg, tensors)
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -360,7 +343,7 @@ def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None =
         raise DraftlingError(f"{path}: weight shapes do not match config.json ({e})") from None
 
     floats = {t.dtype for t in sd.values() if t.is_floating_point()}
-    dt = _resolve_dtype(dtype) if dtype is not None else (floats.pop() if len(floats) == 1 else None)
+    dt = resolve_dtype(dtype) if dtype is not None else (floats.pop() if len(floats) == 1 else None)
     if dt is not None:
         for module in (draft.fc, draft.midlayer, draft.norm, draft.lm_head):
             module.to(dt)
@@ -442,69 +425,3 @@ def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft:
     if (path / CONFIG_NAME).is_file():
         return load_sglang_export(path).to(device=device, dtype=dtype).eval()
     raise DraftlingError(f"{path}: not a draft directory (no {CONFIG_FILE} or {CONFIG_NAME})")
-
-
-# ----------------------------------------------------------------------------- speculators
-
-@dataclass(frozen=True)
-class ExportWeights:
-    """What model.safetensors holds beside the head's own tensors, and in which dtype."""
-
-    include_embedding: bool = False
-    embedding: torch.Tensor | None = None  # the target's, needed with include_embedding
-    dtype: torch.dtype | str = torch.bfloat16  # floating tensors cast to it ("keep" keeps them)
-
-
-def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
-                       verifier_name_or_path: str, verifier_architectures: list[str],
-                       speculative_tokens: int = 3, target_config=None, **weights) -> Path:
-    """Write ``draft`` in the vLLM "speculators" layout (``Eagle3Speculator``).
-
-    Tensor names follow speculators' Eagle3 model and its EAGLE-3 converter
-    (``midlayer.`` -> ``layers.0.``; ``fc.``, ``norm.``, ``lm_head.``, ``d2t``, ``t2d``,
-    ``embed_tokens.`` kept). Aux-layer ids are always written, in vLLM numbering.
-    ``norm_before_residual`` is written explicitly (False; see NORM_BEFORE_RESIDUAL).
-    ``weights``: ExportWeights' fields by name (include_embedding, embedding, dtype), as
-    export_sglang takes them.
-    """
-    w = ExportWeights(**weights)
-    if not verifier_name_or_path:
-        raise DraftlingError("export_speculators needs verifier_name_or_path (the target model)")
-    if (not isinstance(verifier_architectures, (list, tuple)) or not verifier_architectures
-            or not all(isinstance(a, str) and a for a in verifier_architectures)):
-        raise DraftlingError(f"verifier_architectures must be a non-empty list of names, "
-                             f"got {verifier_architectures!r}")
-    if int(speculative_tokens) < 1:
-        raise DraftlingError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
-    _check_draft(draft, target_config, w.include_embedding, w.embedding)
-    ids = [int(i) for i in draft.config.eagle_aux_hidden_state_layer_ids]
-    dt = _resolve_dtype(w.dtype)
-    full_vocab = int(draft.config.draft_vocab_size) == int(draft.config.vocab_size)
-    # speculators registers d2t/t2d only when draft_vocab_size != the verifier's vocab.
-    tensors = _tensors(draft, dt, layer_prefix="layers.0.", include_embedding=w.include_embedding,
-                       embedding=w.embedding, include_vocab_maps=not full_vocab)
-
-    weights_dtype = _weights_dtype(tensors)
-    layer_cfg = _llama_layer_fields(draft, target_config)
-    # vLLM builds the draft's HF config from this nested one: without a dtype there it is
-    # left to the engine's default. Both spellings: transformers 5 reads ``dtype``, 4 ``torch_dtype``.
-    layer_cfg["dtype"] = layer_cfg["torch_dtype"] = weights_dtype
-    cfg: dict[str, Any] = {
-        "architectures": [SPECULATORS_ARCHITECTURE],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": layer_cfg,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": int(speculative_tokens)}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier_name_or_path),
-                         "architectures": [str(a) for a in verifier_architectures]},
-        },
-        "draft_vocab_size": int(draft.config.draft_vocab_size),
-        "norm_before_residual": NORM_BEFORE_RESIDUAL,
-        "target_hidden_size": int(getattr(draft.config, "target_hidden_size", draft.config.hidden_size)),
-        "eagle_aux_hidden_state_layer_ids": to_engine_aux_layer_ids(ids, "speculators"),
-        "torch_dtype": weights_dtype,
-    }
-    return _write(out_dir, cfg, tensors)

@@ -65,14 +65,9 @@ def _earlier_quickstart(out: Path) -> bool:
     return (out / "config.yaml").is_file() and (out / "data").is_dir() and not (out / OUTPUT_MARKER).exists()
 
 
-def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[str] | None = None) -> dict:
-    from draftling.bench.simple import run_bench
-    from draftling.export.cli import export_draft
-    from draftling.target import load_target_from_config
-    from draftling.train.trainer import train
-
-    t0 = time.perf_counter()
-    out = Path(out)
+def _start(out: Path, config: str, overrides: list[str] | None):
+    """The run's config, with its prompt files and ``out`` checked before any work; ``out`` is
+    then marked as the quickstart's."""
     cfg = load_config(config, overrides)
     check_prompt_files(cfg)  # before any output or the minutes of loading and regenerating
     # The quickstart owns its --out: it replaces its own earlier run there, nothing else.
@@ -82,6 +77,35 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     check_data_dir(out / "data")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / OUTPUT_MARKER, {"kind": "quickstart"})
+    return cfg
+
+
+def _train(cfg, target, plan: BudgetPlan | None, t0: float, run_dir: Path, data_dir: Path,
+           sequences: int) -> tuple[dict, dict | None]:
+    """The training stage: with a budget, its share of the minutes left and the smoke checks
+    that fit it. Returns the training result and the smoke plan (None without one)."""
+    from draftling.train.trainer import train
+
+    smoke = None
+    if plan:
+        train_s = plan.train_seconds(time.perf_counter() - t0)
+        cfg.train.max_minutes, cfg.train.fit_schedule = round(train_s / 60, 2), True
+        print(f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
+              f"fitted to it from the measured step time", flush=True)
+        smoke = _plan_smoke(cfg, target, plan, train_s, sequences)
+    train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
+                         data_dir / "vocab.safetensors", overwrite=True)  # the quickstart owns its --out
+    return train_result, smoke
+
+
+def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[str] | None = None) -> dict:
+    from draftling.bench.simple import run_bench
+    from draftling.export.cli import export_draft
+    from draftling.target import load_target_from_config
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    cfg = _start(out, config, overrides)
     timings = {}
 
     def stage(name):
@@ -104,7 +128,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     save_config(cfg, out / "config.yaml")
 
     stage("data")
-    data_dir = out / "data"
+    data_dir, run_dir = out / "data", out / "run"
     data_summary = prepare_data(cfg, target, data_dir, regen_seconds=plan.data_s if plan else None,
                                 replies=reply_engine_for(cfg.data, target))
     done("data")
@@ -116,16 +140,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     done("vocab")
 
     stage("train")
-    run_dir = out / "run"
-    smoke = None
-    if plan:
-        train_s = plan.train_seconds(time.perf_counter() - t0)
-        cfg.train.max_minutes, cfg.train.fit_schedule = round(train_s / 60, 2), True
-        print(f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
-              f"fitted to it from the measured step time", flush=True)
-        smoke = _plan_smoke(cfg, target, plan, train_s, data_summary["train_sequences"])
-    train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
-                         data_dir / "vocab.safetensors", overwrite=True)  # the quickstart owns its --out
+    train_result, smoke = _train(cfg, target, plan, t0, run_dir, data_dir, data_summary["train_sequences"])
     done("train")
 
     stage("bench")
@@ -138,9 +153,18 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     export_dir = export_draft(run_dir / "draft", out / "export-sglang", "sglang", target=target, overwrite=True)
     done("export")
 
+    summary = _summary(cfg, config, bench, train_result, data_summary, smoke, plan, export_dir, timings, t0)
+    write_json(out / "summary.json", summary)
+    print("\n" + "\n".join(f"{k:<20} {v}" for k, v in summary.items() if k not in ("caveats",)))
+    return summary
+
+
+def _summary(cfg, config: str, bench: dict, train_result: dict, data_summary: dict, smoke: dict | None,
+             plan: BudgetPlan | None, export_dir: Path, timings: dict, t0: float) -> dict:
+    """summary.json: the chain-3 bench figures, validation, training, the budget and the stages."""
     chain3 = next((c for c in bench["configs"] if (c["steps"], c["topk"]) == (3, 1)), bench["configs"][0])
     val = train_result.get("val", {})
-    summary = {
+    return {
         "tau_chain3": round(chain3["tau"], 4),
         "identical_to_greedy": chain3["identical_to_greedy"],
         "speedup_chain3": round(chain3["speedup"], 4),
@@ -176,6 +200,3 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
         "config": config,
         "caveats": bench["caveats"],
     }
-    write_json(out / "summary.json", summary)
-    print("\n" + "\n".join(f"{k:<20} {v}" for k, v in summary.items() if k not in ("caveats",)))
-    return summary

@@ -17,7 +17,8 @@ from draftling.train.distributed import DistContext, TTTObjective, all_reduce_su
 from draftling.train.host_embed import HostEmbedding
 from draftling.train.teacher import TeacherBatch, TeacherCache, TeacherSource, teacher_forward
 from draftling.train.settings import compile_teacher, memory_options, pad_multiple, unroll_options
-from draftling.train.ttt import StepCounts, UnrollOptions, step_row_bounds, step_valid_counts
+from draftling.train.step_counts import StepCounts
+from draftling.train.ttt import UnrollOptions, step_row_bounds, step_valid_counts
 from draftling.train.metrics import read_counts
 
 _HOST_EMBEDDINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -63,7 +63,7 @@ class DraftShape:
     vocab: int  # the TARGET vocab (the embedding table)
     draft_vocab: int
     target_hidden: int | None = None  # the aux states' width; the draft's hidden by default
-    window: int = 0  # draft.window: the sdpa TTT attention then runs banded (train/ttt.py)
+    window: int = 0  # draft.window: the sdpa TTT attention then runs banded (train/attention.py)
 
     @classmethod
     def from_config(cls, config, draft_vocab: int, window: int = 0) -> "DraftShape":
@@ -368,7 +368,7 @@ def _layer_saved(z: _Sizes, j: int) -> float:
 
 def _score_columns(z: _Sizes) -> int:
     """Step-0 score columns per query with sdpa: the sequence, or with a window the two query
-    blocks of train/ttt.banded_ttt_attention."""
+    blocks of train/attention.banded_ttt_attention."""
     return 2 * min(max(z.s.window, 64), z.T) if z.s.window else z.T
 
 

@@ -11,7 +11,7 @@ import torch
 
 from draftling.io import atomic_path, read_metrics
 from draftling.train.distributed import DistContext, all_reduce_sum
-from draftling.train.ttt import StepCounts
+from draftling.train.step_counts import StepCounts
 
 
 class MetricsLog:

@@ -16,9 +16,9 @@ from draftling.train.batches import BatchSource, train_step
 from draftling.train.draft_setup import prepare_draft
 
 
-class _RandomStates:
+class RandomStates:
     """A teacher source of random aux and final states: what kept states cost (the target's
-    output head only), for timing."""
+    output head only), for timing. Uncached, and the same source for every split."""
 
     cacheable = False
 
@@ -57,7 +57,7 @@ def measure_step_seconds(cfg: RunConfig, target: Target, seq_len: int, repeats: 
     scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda _: 1.0)
     examples = [TokenizedExample(str(i), "probe", torch.randint(0, vocab.size, (seq_len,)).tolist(),
                                  [1] * seq_len) for i in range(tc.batch_size)]
-    teacher = _RandomStates(target, vocab.t2d.to(device)) if cfg.data.keep_teacher_states else None
+    teacher = RandomStates(target, vocab.t2d.to(device)) if cfg.data.keep_teacher_states else None
     source = BatchSource(cfg, target, examples, device, current(), teacher)
     keys = list(range(tc.batch_size))
     times = []

@@ -15,7 +15,8 @@ from draftling.config import TrainConfig
 from draftling.dtypes import DTYPES
 from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.target.quant import has_plain_weights
-from draftling.train.ttt import FLEX_BLOCK_SIZE, UnrollOptions, flex_usable
+from draftling.train.attention import FLEX_BLOCK_SIZE, flex_usable
+from draftling.train.ttt import UnrollOptions
 
 # train.memory_policy=auto: when the draft's estimated peak (train/memory.py) without activation
 # recomputation and with large loss chunks stays under this share of the device's free
