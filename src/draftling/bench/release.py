@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ from draftling.errors import ConfigError, DataError
 from draftling.export.formats import load_any_draft
 from draftling.progress import Progress
 from draftling.target import Target
+
+logger = logging.getLogger(__name__)
 
 BASELINES = RELEASE_BASELINES
 DEFAULT_CONFIGS = ("chain-3-1-4", "tree-3-4-8", "tree-5-8-16")
@@ -320,7 +323,7 @@ def run_release_bench(target: Target, draft_path, options: ReleaseOptions | None
 
     def log(msg):
         if not opts.quiet:
-            print(f"[release-bench {time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+            logger.info(f"[release-bench {time.perf_counter() - t_start:7.1f}s] {msg}")
 
     run = _start(target, draft_path, opts, date, log)
     _warm_up(run)

@@ -4,6 +4,7 @@ the window of training steps each log line sums (``StepWindow``), read from the 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import torch
 from draftling.io import atomic_path, read_metrics
 from draftling.train.distributed import DistContext, all_reduce_sum
 from draftling.train.ttt import StepCounts
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -47,7 +50,7 @@ class MetricsLog:
             for j, a in enumerate(record.get("acc", [])):
                 self.tb.add_scalar(f"{prefix}/acc_step{j}", a, record["step"])
         if line:
-            print(line, flush=True)
+            log.info(line)
 
     def close(self) -> None:
         self.file.close()

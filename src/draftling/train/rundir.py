@@ -5,6 +5,7 @@ lists, or those named with ``--allow-change``."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -13,6 +14,8 @@ from draftling.errors import ConfigError
 from draftling.io import remove_path
 from draftling.train.checkpoint import remove_stale_temporaries
 from draftling.train.distributed import DistContext, barrier
+
+log = logging.getLogger(__name__)
 
 
 # Keys a resume may change freely: they steer logging, checkpoints, time and validation, not
@@ -79,8 +82,8 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext
     if ctx.is_main:
         stale = remove_stale_temporaries(run_dir)
         if stale:
-            print(f"removed {len(stale)} temporaries that interrupted writes left in {run_dir}: "
-                  f"{', '.join(sorted(stale)[:4])}{' ...' if len(stale) > 4 else ''}", flush=True)
+            log.info(f"removed {len(stale)} temporaries that interrupted writes left in {run_dir}: "
+                     f"{', '.join(sorted(stale)[:4])}{' ...' if len(stale) > 4 else ''}")
     barrier(ctx)
 
 

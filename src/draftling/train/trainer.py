@@ -371,10 +371,7 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         raise ConfigError(f"train.batch_size={tc.batch_size} is the global batch; it must be at least "
                           f"the world size ({ctx.world_size})")
 
-    def say(line: str) -> None:
-        if ctx.is_main:
-            print(line, flush=True)
-
+    say = log.info  # info lines: rank 0 only, by logs.RankZeroFilter (warnings come from every rank)
     if cfg.draft.init_from and init is None:
         raise ConfigError(f"draft.init_from={cfg.draft.init_from}: load that draft and pass it as init= "
                           "(the `train` command does)")
