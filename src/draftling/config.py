@@ -393,8 +393,14 @@ class TrainConfig:
     smoke_rows: int = 16
     convergence_checks: int = 3
     stop_on_convergence: bool = False
+    # Experiment trackers that get every metrics record besides metrics.jsonl and TensorBoard:
+    # any of wandb, mlflow (their library must be installed); empty = the env var
+    # DRAFTLING_TRACKERS (comma-separated), else none. See trackers.py.
+    trackers: list[str] = field(default_factory=list)
 
     def __post_init__(self):
+        if not isinstance(self.trackers, list) or not all(t in ("wandb", "mlflow") for t in self.trackers):
+            raise ConfigError(f"train.trackers={self.trackers!r}: expected a list of wandb, mlflow (e.g. [wandb])")
         check_bounds("train", self, {
             "smoke_every": ("an integer >= 0 (0 = off)", lambda v: v >= 0),
             "smoke_max_new_tokens": AT_LEAST_ONE, "smoke_rows": AT_LEAST_ONE, "convergence_checks": AT_LEAST_ONE,

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 # Keys a resume may change freely: they steer logging, checkpoints, time and validation, not
 # the weights a step computes.
 RESUME_FREE_KEYS = ("train.max_minutes", "train.fit_schedule", "train.log_every", "train.ckpt_every",
-                    "train.stop_on_convergence", "train.keep_checkpoints", "train.val_every", "train.max_val_batches", "wall_minutes",
+                    "train.stop_on_convergence", "train.trackers", "train.keep_checkpoints", "train.val_every", "train.max_val_batches", "wall_minutes",
                     "device", "data.", "bench.", "extract.")
 
 
