@@ -79,7 +79,7 @@ def run(args) -> int | None:
 
     check_run_dir(Path(args.run_dir), args.resume, args.overwrite)  # before the target loads
     vocab_path = args.vocab or data / "vocab.safetensors"
-    ctx, device = init_distributed(resolve_device(cfg.device))
+    _, device = init_distributed(resolve_device(cfg.device))
     cfg = dataclasses.replace(cfg, device=device)
     target = load_target_from_config(cfg)
     source = None
@@ -91,8 +91,7 @@ def run(args) -> int | None:
         source = OfflineTeacher(args.offline, "train", vocab_hash=vocab.data_hash,
                                 data_hash=hash_dataset_file(data / "train.jsonl"))
         source.check_target(target)
-        if ctx.is_main:
-            log.info(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)")
+        log.info(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)")  # rank 0: logs.py
     train(cfg, target, args.run_dir, data / "train.jsonl", data / "val.jsonl", vocab_path,
           resume=args.resume, teacher_source=source, init=init, overwrite=args.overwrite,
           allow_change=args.allow_change)
