@@ -5,7 +5,7 @@ and from the lines above it, never from a line below (function-level imports inc
 no two modules import each other, directly or round a loop. tests/test_import_order.py reads
 this list and checks every module against it.
 
-    base     errors io config dtypes timing hardware progress faults dynamo network
+    base     errors logs trackers io config dtypes timing hardware progress faults dynamo network
     target   target
     data     data
     draft    draft
@@ -25,3 +25,7 @@ target and draft. export sits below bench because bench reads exported drafts.
 """
 
 __version__ = "0.1.0"
+
+from draftling.logs import install_default as _install_logging  # noqa: E402
+
+_install_logging()  # status lines to stdout, warnings to stderr, as logs.py says

@@ -1,13 +1,16 @@
 """Progress for the long stages: a tqdm bar on a terminal; without one (a log file, CI, a
-device run) the bar would print nothing useful, so the stage's own status lines go to stdout,
-each with the elapsed time and the time left at the measured rate.
+device run) the bar would print nothing useful, so the stage's own status lines go to the log
+(stdout by default, logs.py), each with the elapsed time and the time left at the measured rate.
 ``quiet_libraries`` keeps the libraries' own bars and chatter out of that log."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
+
+log = logging.getLogger(__name__)
 
 
 def quiet_libraries() -> None:
@@ -26,14 +29,14 @@ def quiet_libraries() -> None:
 class Progress:
     """``update(n, line)`` advances the bar on a terminal (tqdm draws elapsed and time left), or
     prints ``line`` (when given) with ``timing()`` appended without one. ``enabled=False`` keeps
-    it silent either way. ``emit``: where lines go (default print); ``bar=False``: lines even on a
+    it silent either way. ``emit``: where lines go (default: this module's logger, at info); ``bar=False``: lines even on a
     terminal (a stage whose lines are its record); ``initial``: units already done (a resumed
     run), which the rate does not count."""
 
     def __init__(self, total: int, desc: str, enabled: bool = True, initial: int = 0, emit=None,
                  bar: bool = True):
         self.enabled, self.total, self.done = enabled, total, initial
-        self.emit = emit or (lambda line: print(line, flush=True))
+        self.emit = emit or log.info
         self.t0, self.base = time.perf_counter(), initial  # the rate counts units done since t0
         self.bar = None
         if enabled and bar and sys.stderr.isatty():

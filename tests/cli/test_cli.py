@@ -123,7 +123,7 @@ def test_missing_prompt_file_is_reported_before_anything_is_written(tmp_path, ti
     err = [l for l in r.stderr.splitlines() if l.startswith("draftling: error:")]
     assert len(err) == 1 and "missing.jsonl" in err[0] and "no such prompt file" in err[0], r.stderr
     assert not out.exists()
-    assert "loading target" not in r.stderr  # checked before the target loads
+    assert "loading target" not in r.stdout + r.stderr  # checked before the target loads (info lines: stdout)
 
 
 def test_target_without_chat_template(tmp_path, tiny_target_dir):

@@ -129,6 +129,7 @@ def test_two_ranks_match_one_process(tmp_path, tiny_target_dir, dp_data, single_
     run = tmp_path / mode
     out = torchrun_train(common(tiny_target_dir, dp_data, run) + [f"train.parallel={mode}"])
     assert f"2 ranks ({mode})" in out
+    assert out.count("training draft:") == 1  # info lines from rank 0 only (logs.RankZeroFilter)
     assert_same_run(single_run, run)
     # Written once: one metrics file, checkpoints in the single-process layout.
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]

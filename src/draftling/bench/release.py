@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ from draftling.errors import DataError
 from draftling.export.formats import load_any_draft
 from draftling.progress import Progress
 from draftling.target import Target
+
+logger = logging.getLogger(__name__)
 
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
@@ -201,7 +204,7 @@ def run_release_bench(target: Target, draft_path, options: ReleaseOptions | None
 
     def log(msg):
         if not opts.quiet:
-            print(f"[release-bench {time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+            logger.info(f"[release-bench {time.perf_counter() - t_start:7.1f}s] {msg}")
 
     run = _start(target, draft_path, opts, date, log)
     _warm_up(run)

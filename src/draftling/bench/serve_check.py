@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from draftling.io import write_json
 from draftling.progress import Progress
 from draftling.target import Target
 from draftling.target.load import plain_checkpoint_dir
+
+log = logging.getLogger(__name__)
 
 # Acceptance-rate points a draft position may differ by beyond the band: where the engines'
 # greedy outputs part after a near tie, their drafts differ too.
@@ -214,7 +217,7 @@ def serve_check(target: Target, export, o: ServeCheckOptions) -> dict:
     fmt = export_format(export)
     engine = require_vllm()
     target_dir = plain_checkpoint_dir(target.spec, o.cache_dir)
-    print(f"serve-check: vLLM loads the target from {target_dir}", flush=True)
+    log.info(f"serve-check: vLLM loads the target from {target_dir}")
     info, prompts = load_prompt_set(o.prompts, target)
     prompts = first_per_workload(prompts, o.num_prompts)
     eos = target.stop_token_ids()

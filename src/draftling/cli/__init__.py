@@ -18,6 +18,7 @@ from draftling.cli import (bench, check, data, export, extract, plan, quickstart
                            serve_check, train, vocab)
 from draftling.cli.common import run_command, run_config
 from draftling.cli.plan import cmd_plan
+from draftling.logs import setup_logging
 from draftling.progress import quiet_libraries
 
 __all__ = ["COMMANDS", "add_plan_parser", "build_parser", "cmd_plan", "main", "run_config"]
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Hugging Face causal LM. Stages: data -> vocab -> train -> bench -> export.",
         epilog="Run `draftling quickstart` to do everything on the embedded default target.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--log-file", metavar="PATH", default=None,
+                        help="also write every log line of this process, with time and level, to PATH "
+                             "(or set DRAFTLING_LOG_FILE); under torchrun each rank's lines are marked")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in MODULES.values():
         module.add_parser(sub)
@@ -55,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides or []) + extra
     args.argv = argv
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO, log_file=args.log_file)
     quiet_libraries()
     return run_command(COMMANDS[args.command], args)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 from draftling.cli.common import (BENCH_FLAGS, EPILOG_OVERRIDES, RELEASE_FLAGS, TARGET_FLAGS, add_common,
                                   run_config)
 from draftling.errors import DraftlingError
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
@@ -135,4 +138,4 @@ def _release_bench(args) -> None:
     results = release.run_release_bench(target, args.draft, options)
     if args.update_benchmarks_md:
         stem = release_options.release_stem(results_dir, results["date"], results["gpu"], cfg.bench.tag)
-        print(f"updated {update_benchmarks_md(f'{stem}.json', args.update_benchmarks_md)}")
+        log.info(f"updated {update_benchmarks_md(f'{stem}.json', args.update_benchmarks_md)}")

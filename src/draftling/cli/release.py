@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from draftling.cli.common import EPILOG_OVERRIDES, add_common, run_config
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
@@ -44,6 +47,6 @@ def run(args) -> None:
     spec = ReleaseSpec(args.run_dir, args.out, args.format, target_id, args.push, args.bench, args.overwrite,
                        args.checkpoint, args.serve_check, args.weight_fingerprint)
     out = release(spec, load_target_from_config(cfg))
-    print(f"released {args.run_dir} to {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.name[0] != '.'))}")
+    log.info(f"released {args.run_dir} to {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.name[0] != '.'))}")
     if args.push:
-        print(f"pushed to {push(out, args.push)}")
+        log.info(f"pushed to {push(out, args.push)}")

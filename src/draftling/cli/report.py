@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger(__name__)
+
 
 def add_parser(sub) -> None:
     """`draftling report`: a training run's report, from its files."""
@@ -20,4 +24,4 @@ def run(args) -> None:
     from draftling.train.report import write_report
 
     out = write_report(args.run_dir, args.out)
-    print(f"wrote {out / 'report.md'}")
+    log.info(f"wrote {out / 'report.md'}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 from draftling.cli.common import (EPILOG_OVERRIDES, TARGET_FLAGS, add_common, add_device_map_flag, check_data_files,
                                   run_config)
 from draftling.errors import DraftlingError
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
@@ -76,7 +79,7 @@ def run(args) -> int | None:
 
     check_run_dir(Path(args.run_dir), args.resume, args.overwrite)  # before the target loads
     vocab_path = args.vocab or data / "vocab.safetensors"
-    ctx, device = init_distributed(resolve_device(cfg.device))
+    _, device = init_distributed(resolve_device(cfg.device))
     cfg = dataclasses.replace(cfg, device=device)
     target = load_target_from_config(cfg)
     source = None
@@ -88,8 +91,7 @@ def run(args) -> int | None:
         source = OfflineTeacher(args.offline, "train", vocab_hash=vocab.data_hash,
                                 data_hash=hash_dataset_file(data / "train.jsonl"))
         source.check_target(target)
-        if ctx.is_main:
-            print(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)", flush=True)
+        log.info(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)")  # rank 0: logs.py
     train(cfg, target, args.run_dir, data / "train.jsonl", data / "val.jsonl", vocab_path,
           resume=args.resume, teacher_source=source, init=init, overwrite=args.overwrite,
           allow_change=args.allow_change)
@@ -111,7 +113,7 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
             rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "draftling", *rest]
-    print("launching: " + " ".join(cmd), flush=True)
+    log.info("launching: " + " ".join(cmd))
     return subprocess.call(cmd, env={**os.environ, **NO_MULTICAST_ENV})
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from draftling.cli.common import check_data_files, run_config
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
@@ -34,5 +37,5 @@ def run(args) -> None:
     out = Path(args.out) if args.out else data / "vocab.safetensors"
     vocab = build_vocab_file(data / "train.jsonl", load_target_config(cfg.target).vocab_size, cfg.vocab.size,
                              out, prompt_weight=cfg.vocab.prompt_weight)
-    print(f"vocab: {vocab.size} draft tokens ({vocab.num_distinct} distinct in data), "
-          f"coverage {vocab.coverage:.1%} of loss tokens -> {out}")
+    log.info(f"vocab: {vocab.size} draft tokens ({vocab.num_distinct} distinct in data), "
+             f"coverage {vocab.coverage:.1%} of loss tokens -> {out}")

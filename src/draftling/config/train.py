@@ -136,6 +136,11 @@ class TrainConfig:
         "Checks in a row whose mean tau stays inside its noise band before the run logs \"converged\"."))
     stop_on_convergence: bool = key(False, resume="free", flag="--stop-on-convergence", help=(
         "Also stop (head written) once converged; needs smoke_every > 0."))
+    # Experiment trackers that get every metrics record besides metrics.jsonl and TensorBoard
+    # (their library must be installed); empty = the env var DRAFTLING_TRACKERS, else none.
+    trackers: list[str] = key(factory=list, resume="free", bounds=(
+        "a list of wandb, mlflow (e.g. [wandb])", lambda v: isinstance(v, list) and all(t in ("wandb", "mlflow") for t in v)),
+        help="Trackers that get every metrics record (wandb, mlflow); empty: DRAFTLING_TRACKERS, else none.")
 
     def __post_init__(self):
         check_bounds("train", self, bounds_of(TrainConfig, SMOKE_KEYS))

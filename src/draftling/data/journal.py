@@ -14,6 +14,7 @@ data directory is swapped in.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import torch
 
 from draftling.faults import fault_point
 from draftling.io import remove_path, umask_mode, write_json
+
+log = logging.getLogger(__name__)
 
 FORMAT = "draftling-reply-journal-1"
 
@@ -35,12 +38,12 @@ class ReplyJournal:
         settings = json.loads(json.dumps({"format": FORMAT, **settings}))  # as it reads back
         self.settings, self._pinned = settings, {}
         if self.path.is_dir() and self._settings() != settings:
-            print(f"data: {self.path} was written with other settings; starting over", flush=True)
+            log.info(f"data: {self.path} was written with other settings; starting over")
             remove_path(self.path)
             self._pinned = {}
         self._load()
         if self.records:
-            print(f"data: resuming with {len(self.records)} replies from {self.path}", flush=True)
+            log.info(f"data: resuming with {len(self.records)} replies from {self.path}")
 
     def _settings(self) -> dict | None:
         try:

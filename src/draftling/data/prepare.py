@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass, replace
@@ -36,6 +37,8 @@ from draftling.errors import DataError
 from draftling.io import OUTPUT_MARKER, atomic_dir, output_dir_in_use, write_json, write_jsonl
 from draftling.target import Target
 from draftling.target.load import TargetTokenizer, pin_cpu_layout
+
+log = logging.getLogger(__name__)
 
 
 def _user_texts(conv: Conversation) -> set[str]:
@@ -113,8 +116,8 @@ def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: lis
                              split_key: str, path: Path, run: str | None = None) -> None:
     counts, kept = pool_prompt_counts(tokenizer, pool, val_convs, split_key)
     write_prompt_counts(path, counts, kept, len(pool) - kept, run)
-    print(f"data: counted {int(counts.sum())} prompt tokens in {kept} conversations for the draft "
-          f"vocab ({len(pool) - kept} of validation's tasks left out)", flush=True)
+    log.info(f"data: counted {int(counts.sum())} prompt tokens in {kept} conversations for the draft "
+             f"vocab ({len(pool) - kept} of validation's tasks left out)")
 
 
 def journal_settings(cfg: RunConfig, target, budgeted: bool) -> dict:
@@ -195,8 +198,8 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     pool: list[Conversation] = []
     convs, excluded = load_prompt_files(cfg, pool)
     if dc.exclude or dc.exclude_ids:
-        print(f"data: excluded {excluded} conversations that share an id or a user turn with "
-              f"{', '.join(dc.exclude + dc.exclude_ids)}", flush=True)
+        log.info(f"data: excluded {excluded} conversations that share an id or a user turn with "
+                 f"{', '.join(dc.exclude + dc.exclude_ids)}")
     journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
     local = _pinned_regen(dc, target, journal)
     split_key, why = resolve_split_key(convs, dc.split_key)
@@ -205,12 +208,11 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     if dc.rollouts:  # after the split: every turn of a conversation stays on its task's side
         turns = {"prompt_limit": max_prompt_tokens(dc)}
         train_convs, val_convs = (rollout_prompts(target.tokenizer, side, dc, turns) for side in (train_convs, val_convs))
-        print(f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate "
-              f"({turns['over_limit']} of {turns['turns']} over the {turns['prompt_limit']}-token prompt limit"
-              f"{', ' + str(turns['sampled_out']) + ' left out by data.rollout_max_turns' if turns['sampled_out'] else ''})",
-              flush=True)
-    print(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
-          f"{len(val_convs)} val (split by {split_key}: {why})", flush=True)
+        log.info(f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate "
+                 f"({turns['over_limit']} of {turns['turns']} over the {turns['prompt_limit']}-token prompt limit"
+                 f"{', ' + str(turns['sampled_out']) + ' left out by data.rollout_max_turns' if turns['sampled_out'] else ''})")
+    log.info(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
+             f"{len(val_convs)} val (split by {split_key}: {why})")
     if local is not None and replies is not None:
         local = replace(local, replies=replies)
     regenerated = _regenerate(dc, target, journal, local, (train_convs, val_convs), regen_seconds)
@@ -227,9 +229,9 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
         write_json(tmp / "summary.json", summary)
         write_json(tmp / OUTPUT_MARKER, {"kind": "data", "run": run})
     journal.remove()
-    print(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
-          f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
-          f"{len(replies)} replies hit the {dc.regen.max_new_tokens}-token cap", flush=True)
+    log.info(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
+             f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
+             f"{len(replies)} replies hit the {dc.regen.max_new_tokens}-token cap")
     return summary
 
 
@@ -298,10 +300,10 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
         from draftling.data.openai_client import ChatServer, regenerate_via_server
 
         out.server = server = ChatServer.from_config(dc.regen)
-        print(f"data: replies from {server.base_url} ({server.model})", flush=True)
+        log.info(f"data: replies from {server.base_url} ({server.model})")
         if dc.keep_teacher_states:
-            print("data: data.keep_teacher_states is ignored: a server's replies come without the "
-                  "target's states, so training will run the target", flush=True)
+            log.info("data: data.keep_teacher_states is ignored: a server's replies come without the "
+                     "target's states, so training will run the target")
         def via_server(convs, cfg):
             return regenerate_via_server(target.tokenizer, convs, cfg, max_prompt_tokens=max_prompt,
                                          server=server, journal=journal)
@@ -368,8 +370,8 @@ def write_splits(target, dc, out_dir: Path, replies: list[Reply], run: str | Non
         if kept and rows[split]:
             size = write_states(states_path(out_dir, split), out_dir / f"{split}.jsonl", row_states,
                                 target.spec.name, target.aux_layer_ids)
-            print(f"data: kept the target's states for {split} ({size / 2**20:.0f} MiB): training "
-                  "will not run the target over these tokens again", flush=True)
+            log.info(f"data: kept the target's states for {split} ({size / 2**20:.0f} MiB): training "
+                     "will not run the target over these tokens again")
     return rows
 
 

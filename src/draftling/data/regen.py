@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from draftling.target.aux import recording_aux_states
 from draftling.target.devmap import dispatched_devices
 from draftling.target.load import set_cpu_linear_layout
 from draftling.target.quant import has_plain_weights
+
+log = logging.getLogger(__name__)
 
 
 # With an engine's replies, a regeneration batch holds this many times data.regen.batch_size
@@ -162,7 +165,7 @@ def _regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run
             continue
         slowest = pace.get("slowest_batch_s")
         if run.deadline is not None and slowest is not None and time.perf_counter() + slowest > run.deadline:
-            print(f"\nregenerate: stopped at its time budget after {done} of {len(prompts)} prompts", flush=True)
+            log.info(f"\nregenerate: stopped at its time budget after {done} of {len(prompts)} prompts")
             break
         t_batch = time.perf_counter()
         records, reply_tokens = batches.records(chunk, start)
@@ -189,9 +192,9 @@ def _prompts(tokenizer, convs: list[Conversation], run: RegenRun) -> list[tuple[
     if limit:
         long = [c.id for c, ids in prompts if len(ids) > limit]
         if long:
-            print(f"regenerate: skipping {len(long)} prompts over the {limit}-token prompt limit "
-                  f"(data.max_tokens - data.regen.max_new_tokens): {', '.join(long[:5])}"
-                  f"{' ...' if len(long) > 5 else ''}", flush=True)
+            log.info(f"regenerate: skipping {len(long)} prompts over the {limit}-token prompt limit "
+                     f"(data.max_tokens - data.regen.max_new_tokens): {', '.join(long[:5])}"
+                     f"{' ...' if len(long) > 5 else ''}")
         if run.pace is not None:
             run.pace["skipped_long"] = run.pace.get("skipped_long", 0) + len(long)
         prompts = [(c, ids) for c, ids in prompts if len(ids) <= limit]
@@ -306,9 +309,8 @@ def regenerate_within(regen, convs: list[Conversation], batch_size: int, deadlin
     stopped = done + skipped < len(convs)
     report.update(available=len(convs), regenerated=done, skipped_long=skipped, seconds=round(seconds, 1),
                   rate_prompts_s=round(done / max(seconds, 1e-9), 3), stopped_by_budget=stopped)
-    print(f"regenerate: {done} of {len(convs)} training prompts in {seconds:.0f} s "
-          f"({done / max(seconds, 1e-9):.2f} prompts/s){'; the rest did not fit the budget' if stopped else ''}",
-          flush=True)
+    log.info(f"regenerate: {done} of {len(convs)} training prompts in {seconds:.0f} s "
+             f"({done / max(seconds, 1e-9):.2f} prompts/s){'; the rest did not fit the budget' if stopped else ''}")
 
 
 def _cut_at_eos(row: list[int], eos_ids: list[int]) -> tuple[list[int], str]:

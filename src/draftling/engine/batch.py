@@ -13,6 +13,7 @@ sampling reads each step (plain) or each round's trees (speculative) back to the
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from draftling.engine.target_model import SUPPORTED_MODEL_TYPES, CachedTarget
 from draftling.errors import ConfigError
 from draftling.target.aux import decoder_layers, default_aux_layer_ids
 from draftling.target.devmap import dispatched_devices
+
+log = logging.getLogger(__name__)
 
 # Attention-score elements one eager prefill may hold (rows x heads x T x T; 4 GiB in fp32).
 PREFILL_SCORES = 2**30
@@ -293,8 +296,7 @@ def reply_engine_for(dc, target):
         if mode == "on":
             raise ConfigError(f"data.regen.engine=on: {spread}, and the batched engine runs a target on one "
                               "device; use data.regen.engine=auto (HF generate)")
-        print(f"regenerate: {spread}, so replies come from HF generate (the batched engine needs one device)",
-              flush=True)
+        log.info(f"regenerate: {spread}, so replies come from HF generate (the batched engine needs one device)")
         return None
     why = "kept teacher states (data.keep_teacher_states)" if dc.keep_teacher_states else None
     if mode == "on" and why:

@@ -206,4 +206,4 @@ def export_from_cli(args, cfg) -> None:
         target = load_target_from_config(cfg)
     out = export_draft(args.draft, args.out, args.format, args.with_embedding, target, args.export_dtype,
                        args.overwrite, verifier_id=verifier_id, weight_fingerprint=args.weight_fingerprint)
-    print(f"exported {args.format} format to {out}")
+    log.info(f"exported {args.format} format to {out}")

@@ -6,6 +6,7 @@ profile, by default ``quickstart_cpu``) is smaller. The target is loaded once an
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from draftling.engine.batch import reply_engine_for
 from draftling.io import OUTPUT_MARKER, check_output_dir, write_json
 from draftling.recipes.budget import BudgetPlan, plan_budget, plan_smoke
 
+log = logging.getLogger(__name__)
+
 
 def measure_and_plan(cfg, target, elapsed_s: float) -> BudgetPlan:
     """Time this machine (one training step, a plain decode) and split ``cfg.wall_minutes``."""
@@ -29,9 +32,9 @@ def measure_and_plan(cfg, target, elapsed_s: float) -> BudgetPlan:
     bench = estimate_bench_seconds(cfg, target)
     plan = plan_budget(cfg.wall_minutes, elapsed_s, step_s, bench["per_token_s"], bench["seconds"],
                        cfg.train.max_val_batches)
-    print(f"budget: {cfg.wall_minutes:g} minutes; measured here: a training step {step_s:.2f} s, a decode "
-          f"token {bench['per_token_s'] * 1000:.0f} ms; plan: data {plan.data_s:.0f} s, training "
-          f"{plan.train_s:.0f} s, validation ~{plan.val_s:.0f} s, bench ~{plan.bench_s:.0f} s", flush=True)
+    log.info(f"budget: {cfg.wall_minutes:g} minutes; measured here: a training step {step_s:.2f} s, a decode "
+             f"token {bench['per_token_s'] * 1000:.0f} ms; plan: data {plan.data_s:.0f} s, training "
+             f"{plan.train_s:.0f} s, validation ~{plan.val_s:.0f} s, bench ~{plan.bench_s:.0f} s")
     return plan
 
 
@@ -46,8 +49,8 @@ def _plan_smoke(cfg, target, plan: BudgetPlan, train_s: float, sequences: int) -
     prompts = load_smoke_prompts(tc.smoke_prompts, target.tokenizer, target.config.vocab_size)
     ceiling = tc.max_steps or int(tc.epochs * math.ceil(sequences / tc.batch_size))
     tc.smoke_every, smoke = plan_smoke(plan, train_s, tc, len(prompts), ceiling)
-    print(f"train: smoke checks every {tc.smoke_every} steps for a convergence verdict" if tc.smoke_every
-          else f"train: no smoke checks: {smoke['why']}", flush=True)
+    log.info(f"train: smoke checks every {tc.smoke_every} steps for a convergence verdict" if tc.smoke_every
+             else f"train: no smoke checks: {smoke['why']}")
     return smoke
 
 
@@ -90,8 +93,8 @@ def _train(cfg, target, plan: BudgetPlan | None, t0: float, run_dir: Path, data_
     if plan:
         train_s = plan.train_seconds(time.perf_counter() - t0)
         cfg.train.max_minutes, cfg.train.fit_schedule = round(train_s / 60, 2), True
-        print(f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
-              f"fitted to it from the measured step time", flush=True)
+        log.info(f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
+                 f"fitted to it from the measured step time")
         smoke = _plan_smoke(cfg, target, plan, train_s, sequences)
     train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
                          data_dir / "vocab.safetensors", overwrite=True)  # the quickstart owns its --out
@@ -109,7 +112,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     timings = {}
 
     def stage(name):
-        print(f"\n== {name} ==", flush=True)
+        log.info(f"\n== {name} ==")
         timings[name] = time.perf_counter()
 
     def done(name):
@@ -117,7 +120,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     stage("load target")
     target = load_target_from_config(cfg)
-    print(f"target: {target.describe()}", flush=True)
+    log.info(f"target: {target.describe()}")
     done("load target")
 
     plan = None
@@ -136,7 +139,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     stage("vocab")
     vocab = build_vocab_file(data_dir / "train.jsonl", target.config.vocab_size, cfg.vocab.size,
                              data_dir / "vocab.safetensors", prompt_weight=cfg.vocab.prompt_weight)
-    print(f"vocab: {vocab.size} tokens, coverage {vocab.coverage:.1%} of loss tokens", flush=True)
+    log.info(f"vocab: {vocab.size} tokens, coverage {vocab.coverage:.1%} of loss tokens")
     done("vocab")
 
     stage("train")

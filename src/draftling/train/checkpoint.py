@@ -4,6 +4,7 @@ scheduler, step, data position and every RNG state (a weights_only-loadable dict
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -15,6 +16,8 @@ import torch
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.faults import fault_point
 from draftling.io import atomic_dir, hash_dataset_file, remove_path, write_json
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -105,9 +108,10 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path, warn=print) -> Path | None:
+def latest_checkpoint(run_dir: Path, warn=None) -> Path | None:
     """The newest checkpoint whose files match its manifest; a damaged one is skipped with a
-    warning (``warn``) that names it and what is wrong."""
+    warning (``warn``, default this module's logger at info) that names it and what is wrong."""
+    warn = warn or log.info
     for ckpt in reversed(list_checkpoints(run_dir)):
         problem = checkpoint_problem(ckpt)
         if problem is None:

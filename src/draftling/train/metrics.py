@@ -1,9 +1,11 @@
-"""The metrics log: ``metrics.jsonl`` (plus TensorBoard when installed) and the progress lines, and
+"""The metrics log: ``metrics.jsonl`` (plus TensorBoard when installed, and the experiment trackers
+a run asks for, trackers.py) and the progress lines, and
 the window of training steps each log line sums (``StepWindow``), read from the device once per line."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -13,13 +15,16 @@ from draftling.io import atomic_path, read_metrics
 from draftling.train.distributed import DistContext, all_reduce_sum
 from draftling.train.step_counts import StepCounts
 
+log = logging.getLogger(__name__)
+
 
 class MetricsLog:
-    """JSONL metrics plus a plain progress line on stdout (works without a TTY), and
-    TensorBoard when it is installed. Every record is flushed as it is written."""
+    """JSONL metrics plus a plain progress line in the log (stdout; works without a TTY),
+    TensorBoard when it is installed, and each of ``trackers`` (trackers.Tracker: ``log(record,
+    step)``, ``close()``), which get every record as written. Every record is flushed as it is written."""
 
-    def __init__(self, path: Path, resume_step: int | None):
-        self.path = path
+    def __init__(self, path: Path, resume_step: int | None, trackers: list | tuple = ()):
+        self.path, self.trackers = path, list(trackers)
         if resume_step is not None and path.exists():
             # Drop records the interrupted run wrote after the checkpoint we resume from.
             # The final validation comes after the last checkpoint: a resume writes it again.
@@ -46,13 +51,17 @@ class MetricsLog:
                     self.tb.add_scalar(f"{prefix}/{key}", record[key], record["step"])
             for j, a in enumerate(record.get("acc", [])):
                 self.tb.add_scalar(f"{prefix}/acc_step{j}", a, record["step"])
+        for tracker in self.trackers:
+            tracker.log(record, record.get("step", 0))
         if line:
-            print(line, flush=True)
+            log.info(line)
 
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def format_line(prefix: str, m: dict) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import struct
@@ -51,6 +52,8 @@ from draftling.target.load import pin_cpu_layout
 from draftling.train.dataset import collate
 from draftling.train.settings import compile_teacher as resolve_compile_teacher
 from draftling.train.teacher import TeacherBatch, teacher_forward
+
+log = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -236,7 +239,7 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
     [shard ids]}, "estimate_bytes", "bytes"}.
     """
     options = dataclasses.replace(options or ExtractOptions(), **option_fields)
-    echo = echo or (lambda msg: print(msg, flush=True))
+    echo = echo or log.info
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     check_cache_dir(out_dir)
     vocab_path = Path(vocab_path) if vocab_path else data_dir / "vocab.safetensors"

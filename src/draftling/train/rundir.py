@@ -6,6 +6,7 @@ lists (read from each key's declared resume policy, draftling.config), or those 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -14,6 +15,8 @@ from draftling.errors import ConfigError
 from draftling.io import remove_path
 from draftling.train.checkpoint import remove_stale_temporaries
 from draftling.train.distributed import DistContext, barrier
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RESUME_FREE_KEYS", "RunDirClaim", "check_run_dir", "claim_run_dir", "resume_free", "resume_config_changes"]
 
@@ -83,8 +86,8 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext
     if ctx.is_main:
         stale = remove_stale_temporaries(run_dir)
         if stale:
-            print(f"removed {len(stale)} temporaries that interrupted writes left in {run_dir}: "
-                  f"{', '.join(sorted(stale)[:4])}{' ...' if len(stale) > 4 else ''}", flush=True)
+            log.info(f"removed {len(stale)} temporaries that interrupted writes left in {run_dir}: "
+                     f"{', '.join(sorted(stale)[:4])}{' ...' if len(stale) > 4 else ''}")
     barrier(ctx)
 
 

@@ -28,6 +28,7 @@ from draftling.faults import fault_point
 from draftling.io import atomic_dir, read_metrics, write_json
 from draftling.progress import Progress
 from draftling.target import Target
+from draftling.trackers import open_trackers, tracker_names
 from draftling.train.batches import BatchSource, evaluate, train_step
 from draftling.train.checkpoint import (KeepPolicy, latest_checkpoint, load_train_state, save_checkpoint,
                                         set_rng_state)
@@ -371,13 +372,11 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
         raise ConfigError(f"train.batch_size={tc.batch_size} is the global batch; it must be at least "
                           f"the world size ({ctx.world_size})")
 
-    def say(line: str) -> None:
-        if ctx.is_main:
-            print(line, flush=True)
-
+    say = log.info  # info lines: rank 0 only, by logs.RankZeroFilter (warnings come from every rank)
     if cfg.draft.init_from and init is None:
         raise ConfigError(f"draft.init_from={cfg.draft.init_from}: load that draft and pass it as init= "
                           "(the `train` command does)")
+    trackers = tracker_names(tc.trackers)  # an unknown or uninstalled one fails before any work
     inputs = load_run_inputs(target, train_path, val_path, vocab_path, teacher_source, say, init)
     smoke_bench = SmokeBench.load(tc, target) if tc.smoke_every else None  # a bad set fails here
     claim_run_dir(run_dir, resume, claim.overwrite, ctx)
@@ -390,7 +389,8 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     run = build_run(cfg, target, inputs, run_dir, ckpt, ctx, say)
     if ckpt is not None:
         run.restore(ckpt, changes)
-    run.metrics_log = (MetricsLog(run_dir / "metrics.jsonl", run.step if ckpt is not None else None)
+    run.metrics_log = (MetricsLog(run_dir / "metrics.jsonl", run.step if ckpt is not None else None,
+                                  open_trackers(trackers, str(run_dir), dataclasses.asdict(cfg)))
                        if ctx.is_main else None)
     if run.metrics_log and changes and ckpt is not None:
         run.metrics_log.write({"step": run.step, "split": "config_change",
