@@ -40,7 +40,7 @@ def check_file(f: Path) -> list[str]:
     if set(r["baselines"]) != BASELINES:
         problems.append(f"{where}: baselines {sorted(r['baselines'])}, not {sorted(BASELINES)}")
     names = [c.get("name") for c in r["configs"]]
-    if not CONFIGS <= set(names):
+    if not set(names) >= CONFIGS:
         problems.append(f"{where}: configs {names} lack {sorted(CONFIGS - set(names))}")
     for c in r["configs"]:
         missing = CONFIG_KEYS - set(c)
@@ -51,7 +51,7 @@ def check_file(f: Path) -> list[str]:
         if c["name"] != name:
             problems.append(f"{where}: config {c['name']} has the shape of {name}")
         for workload, v in c["per_workload"].items():
-            if not WORKLOAD_KEYS <= set(v):
+            if not set(v) >= WORKLOAD_KEYS:
                 problems.append(f"{where}: {c['name']} {workload} misses keys {sorted(WORKLOAD_KEYS - set(v))}")
             elif v["tau"] < 1.0:
                 problems.append(f"{where}: {c['name']} {workload} tau {v['tau']} below 1.0")

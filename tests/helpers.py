@@ -25,7 +25,6 @@ from draftling.target.load import wrap_target
 from draftling.train.trainer import train
 from tests.conftest import CHECKOUT
 
-
 # ----------------------------------------------------------------- decode engine (tests/engine)
 
 AUX = [1, 2, 3]

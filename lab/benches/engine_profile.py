@@ -32,8 +32,14 @@ if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
 
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
-from draftling.engine import (DraftRunner, EngineOptions, build_target, causal_mask, greedy_generate,
-                              speculative_generate)
+from draftling.engine import (
+    DraftRunner,
+    EngineOptions,
+    build_target,
+    causal_mask,
+    greedy_generate,
+    speculative_generate,
+)
 from draftling.io import write_json
 
 # SmolLM2-135M-Instruct's shape (its config.json).

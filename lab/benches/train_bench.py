@@ -54,16 +54,21 @@ from draftling.data.tokenized import TokenizedExample
 from draftling.draft.vocab import build_vocab
 from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
-from draftling.train.distributed import DistContext, TTTObjective, shard, wrap
-from draftling.train.optim import build_optimizer
-from draftling.train.probe import RandomStates
-from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
-from draftling.train.teacher import TeacherBatch, teacher_forward
-from draftling.train.settings import (compile_teacher, draft_param_dtype, memory_options, optimizer_offload,
-                                      unroll_options)
 from draftling.train.batches import BatchSource, train_step
+from draftling.train.distributed import DistContext, TTTObjective, shard, wrap
 from draftling.train.draft_setup import build_draft, place_draft
 from draftling.train.inputs import RunInputs
+from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
+from draftling.train.optim import build_optimizer
+from draftling.train.probe import RandomStates
+from draftling.train.settings import (
+    compile_teacher,
+    draft_param_dtype,
+    memory_options,
+    optimizer_offload,
+    unroll_options,
+)
+from draftling.train.teacher import TeacherBatch, teacher_forward
 from draftling.train.trainer import TrainRun, build_run
 
 SHAPE_36B = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128,
@@ -194,7 +199,7 @@ class StubTarget:
     def input_embeddings(self) -> torch.nn.Embedding:
         return self.embedding
 
-    def with_embedding_on(self, device) -> "StubTarget":
+    def with_embedding_on(self, device) -> StubTarget:
         """The same target with its embedding table resident on the device."""
         weight = self.embedding.weight.detach().to(device)
         emb = torch.nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)

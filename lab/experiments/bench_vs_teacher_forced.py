@@ -15,9 +15,9 @@ from draftling.data.tokenized import load_tokenized
 from draftling.draft.store import load_draft
 from draftling.io import write_json
 from draftling.target import load_target
+from draftling.train.batches import evaluate
 from draftling.train.dataset import collate
 from draftling.train.teacher import teacher_forward
-from draftling.train.batches import evaluate
 
 
 def main(run: Path, out: Path) -> dict:

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from draftling.config import load_config
+from draftling.data.tokenized import load_tokenized
 from draftling.draft.store import load_draft
 from draftling.io import write_json
 from draftling.target import load_target
 from draftling.train.teacher import teacher_forward
 from draftling.train.ttt import ttt_unroll
-from draftling.data.tokenized import load_tokenized
 
 
 def main() -> None:

@@ -43,10 +43,11 @@ def main(out_path: str) -> None:
     print(result, flush=True)
 
     import torch
+
     from draftling.config import load_config
-    from draftling.data.sources import find_shared_prompts
     from draftling.data.prompts import load_conversations
     from draftling.data.regen import regenerate
+    from draftling.data.sources import find_shared_prompts
     from draftling.target import load_target
 
     cfg = load_config("quickstart_cpu", [])

@@ -4,12 +4,15 @@ the quickstart profile's generation settings.
     python lab/experiments/regen_batch_speed.py 64 128
 """
 
-import sys, time
+import sys
+import time
+
 from draftling.config import load_config
-from draftling.target import load_target
 from draftling.data.prompts import load_conversations
 from draftling.data.regen import regenerate
 from draftling.data.sources import find_shared_prompts
+from draftling.target import load_target
+
 cfg = load_config("quickstart_cpu", [])
 t = load_target(cfg.target, dtype=cfg.dtype, device="cpu", aux_layer_ids=cfg.aux_layer_ids)
 convs = load_conversations(find_shared_prompts() / "sharegpt.jsonl")[:128]

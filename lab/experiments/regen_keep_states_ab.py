@@ -7,9 +7,9 @@ import time
 import torch
 
 from draftling.config import RegenConfig
-from draftling.data.sources import resolve_prompt_path
 from draftling.data.prompts import load_conversations
 from draftling.data.regen import regenerate
+from draftling.data.sources import resolve_prompt_path
 from draftling.target import load_target
 
 target = load_target(None)

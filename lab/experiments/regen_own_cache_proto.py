@@ -6,13 +6,18 @@ came out identical. A measurement aid, not a pipeline stage.
 
     python lab/experiments/regen_own_cache_proto.py 32
 """
-import sys, time, torch
+import sys
+import time
+
+import torch
+
 from draftling.config import load_config
-from draftling.data.sources import find_shared_prompts
-from draftling.target import load_target
 from draftling.data.prompts import load_conversations
 from draftling.data.regen import regenerate, render_prompt_ids
+from draftling.data.sources import find_shared_prompts
 from draftling.engine.target_model import attention_inputs, attention_outputs
+from draftling.target import load_target
+
 torch.set_num_threads(2)
 cfg = load_config("quickstart_cpu", [])
 t = load_target(cfg.target, dtype="float32", device="cpu", aux_layer_ids=cfg.aux_layer_ids)
@@ -84,7 +89,7 @@ hf = {r["id"]: r for r in rows}
 # order: prompts sorted by len; map back via ids
 same = 0
 ids_sorted = sorted([(len(render_prompt_ids(tok, c)), k, c.id) for k, c in enumerate(convs) if len(render_prompt_ids(tok, c)) <= 288])
-for (l, k, cid), o in zip(ids_sorted, outs):
+for (_len, _k, cid), o in zip(ids_sorted, outs):
     cut = o
     for j, x in enumerate(o):
         if x in eos: cut = o[:j]; break

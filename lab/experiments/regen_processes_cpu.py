@@ -18,8 +18,8 @@ import time
 
 def load(n):
     from draftling.config import load_config
-    from draftling.data.sources import find_shared_prompts
     from draftling.data.prompts import load_conversations
+    from draftling.data.sources import find_shared_prompts
 
     cfg = load_config("quickstart_cpu", [])
     root = find_shared_prompts()

@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 
 from draftling.config import load_config
+from draftling.data.tokenized import load_tokenized
 from draftling.draft.vocab import load_vocab
 from draftling.target import load_target
-from draftling.data.tokenized import load_tokenized
 
 BINS = ((0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01))
 

@@ -17,9 +17,9 @@ import torch
 
 from draftling.config import load_config
 from draftling.data.prepare import load_prompt_files, pool_prompt_counts
+from draftling.data.tokenized import load_tokenized
 from draftling.draft.vocab import build_vocab, prompt_weighted_rank, token_counts
 from draftling.target.load import load_target_config, load_target_tokenizer
-from draftling.data.tokenized import load_tokenized
 
 SIZES = (2048, 4096, 8192)
 WEIGHTS = (0.0, 0.1, 1.0, 3.0)

@@ -56,15 +56,15 @@ if _ROOT not in sys.path:
 
 from draftling.bench.manifest import device_name, write_manifest
 from draftling.bench.release import load_prompt_set
-from lab.benches.train_bench import _sync
 from draftling.config import load_config
 from draftling.draft.vocab import build_vocab_file, load_vocab
 from draftling.io import write_json, write_jsonl
 from draftling.target import load_target_from_config
-from draftling.target.load import load_target_config
 from draftling.target.devmap import dispatched_devices, execution_device
+from draftling.target.load import load_target_config
 from draftling.train.teacher import teacher_forward
 from draftling.train.trainer import train
+from lab.benches.train_bench import _sync
 
 TOL = {"forward_rel": 1e-3, "argmax_agreement_min": 0.999, "loss_abs_floor": 1e-3, "weights_rel_floor": 1e-3}
 NOISE_FACTOR = 2.0

@@ -63,15 +63,14 @@ if _ROOT not in sys.path:
 
 from draftling.bench import release, release_options
 from draftling.bench.manifest import device_name, write_manifest
-from lab.benches.train_bench import synthetic_vocab
 from draftling.config import RELEASE_CONFIGS, load_config
 from draftling.draft.store import save_draft
-from draftling.engine import EngineOptions
-from draftling.engine import general_target
+from draftling.engine import EngineOptions, general_target
 from draftling.errors import one_line
 from draftling.io import write_json, write_jsonl
 from draftling.target.load import wrap_target
 from draftling.train.draft_setup import build_draft
+from lab.benches.train_bench import synthetic_vocab
 
 ARCHS = ("gemma3", "llama", "llama-general")
 # gemma-3-270m (its config.json): the rope thetas (10k sliding, 1M full) are Gemma3TextConfig's defaults.

@@ -39,18 +39,18 @@ if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 GPU_RECIPE = "lab/configs/gpu_smollm2.yaml"  # the GPU recipe, from the checkout
 
-from lab.benches.ddp_scaling import line_fit
 from draftling.bench.manifest import device_name, write_manifest
-from lab.benches.train_bench import _sync, synthetic_vocab
 from draftling.config import RunConfig, load_config
 from draftling.data.tokenized import TokenizedExample
 from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
-from draftling.train import teacher as teacher_mod
-from draftling.train import batches as batches_mod
 from draftling.train import attention, trainer, ttt
-from draftling.train.inputs import RunInputs
+from draftling.train import batches as batches_mod
+from draftling.train import teacher as teacher_mod
 from draftling.train.distributed import DistContext
+from draftling.train.inputs import RunInputs
+from lab.benches.ddp_scaling import line_fit
+from lab.benches.train_bench import _sync, synthetic_vocab
 
 MODES = ("before", "after")
 

@@ -27,8 +27,8 @@ _ROOT = str(Path(__file__).resolve().parents[2])  # this checkout, for lab.bench
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
-from lab.benches.ddp_scaling import line_fit, run_entry
 from draftling.io import write_json
+from lab.benches.ddp_scaling import line_fit, run_entry
 
 CODES = ("before", "after")
 

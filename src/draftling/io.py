@@ -8,8 +8,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from draftling.errors import DraftlingError
 
@@ -186,11 +187,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 def write_jsonl(path: str | os.PathLike, rows) -> int:
     n = 0
-    with atomic_path(path) as tmp:
-        with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                n += 1
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
     return n
 
 

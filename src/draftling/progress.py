@@ -74,7 +74,7 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

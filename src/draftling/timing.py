@@ -4,7 +4,8 @@ for the device (CUDA queues work and returns at once; the CPU runs it before ret
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from draftling.errors import ConfigError
 

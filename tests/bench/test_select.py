@@ -7,9 +7,9 @@ import torch
 from draftling.bench import select
 from draftling.bench.select import SelectOptions, select_checkpoint
 from draftling.io import write_jsonl
+from draftling.train.trainer import train
 from tests.conftest import random_batch, setup_data
 from tests.helpers import cfg_for
-from draftling.train.trainer import train
 
 
 def prompt_set(path):

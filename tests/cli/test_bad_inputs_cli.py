@@ -23,9 +23,10 @@ TOO_LONG = '{"id": "a", "messages": [{"role": "user", "content": "' + "word " * 
 
 def _fixtures(root: Path, target: Path) -> dict:
     """Inputs, good and bad, under ``root`` (which the cases must leave as it is)."""
+    from transformers import AutoConfig
+
     from draftling.draft.model import Eagle3Draft, draft_config_from_target
     from draftling.draft.store import save_draft
-    from transformers import AutoConfig
 
     root.mkdir()
     f = {"T": target, "P": write_prompts(root / "prompts.jsonl", n=12)}

@@ -64,10 +64,10 @@ def test_cuda_on_a_machine_without_it_is_named(tmp_path, monkeypatch, capsys):
 def test_bad_pipeline_files_are_one_line_errors(tmp_path, monkeypatch, capsys):
     import json
 
+    from draftling.data.tokenized import load_tokenized
     from draftling.draft.store import load_draft
     from draftling.draft.vocab import load_vocab
     from draftling.errors import DraftlingError
-    from draftling.data.tokenized import load_tokenized
 
     (tmp_path / "vocab.safetensors").write_bytes(b"garbage" * 10)
     with pytest.raises(DraftlingError, match="vocab.safetensors: not a vocab file"):

@@ -10,6 +10,7 @@ from draftling.cli import main
 from tests.conftest import run_draftling
 from tests.helpers import write_prompts
 
+
 def test_every_subcommand_has_help():
     for cmd in ("data", "vocab", "train", "plan", "extract", "bench", "export", "quickstart"):
         r = run_draftling(cmd, "--help")

@@ -149,8 +149,8 @@ def test_shared_prompt_files_load(name):
 
 def test_exclude_drops_bench_prompts_by_id_and_user_turn(tmp_path):
     from draftling.config import RunConfig
-    from draftling.data.sources import resolve_prompt_path
     from draftling.data.prepare import load_prompt_files
+    from draftling.data.sources import resolve_prompt_path
 
     def conv(i, text, history=None):
         msgs = ([{"role": "user", "content": history}, {"role": "assistant", "content": "ok"}]

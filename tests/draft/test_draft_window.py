@@ -23,9 +23,9 @@ from draftling.engine.batch import batch_generate
 from draftling.errors import ConfigError
 from draftling.export.formats import export_sglang, load_any_draft
 from draftling.export.speculators import export_speculators
-from draftling.train.teacher import TeacherBatch
-from draftling.train.draft_setup import build_draft
 from draftling.train.attention import TTTAttention, flex_usable, ttt_attention
+from draftling.train.draft_setup import build_draft
+from draftling.train.teacher import TeacherBatch
 from draftling.train.ttt import shift_left, ttt_unroll
 from draftling.train.warmstart import keep_window
 from tests.conftest import tiny_llama

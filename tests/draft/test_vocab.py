@@ -1,8 +1,15 @@
 import pytest
 import torch
 
-from draftling.draft.vocab import (DraftVocab, build_vocab, build_vocab_file, check_vocab, load_vocab,
-                                   save_vocab, token_counts)
+from draftling.draft.vocab import (
+    DraftVocab,
+    build_vocab,
+    build_vocab_file,
+    check_vocab,
+    load_vocab,
+    save_vocab,
+    token_counts,
+)
 from draftling.errors import DataError
 from draftling.io import write_jsonl
 

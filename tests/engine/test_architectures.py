@@ -23,8 +23,8 @@ from draftling.export import export_sglang, load_sglang_export
 from draftling.target.aux import aux_hidden_states
 from draftling.target.load import wrap_target
 from tests.conftest import TINY_VOCAB, setup_data
-from tests.host_reads import HostReads
 from tests.helpers import AUX, TREES, oracle_draft, random_draft, run_draft, train_run
+from tests.host_reads import HostReads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

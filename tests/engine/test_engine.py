@@ -33,10 +33,8 @@ from draftling.engine import (
     speculative_generate,
 )
 from draftling.engine import generate as gen_mod
-from tests.helpers import AUX, H, TREES, oracle_draft, perm_target, prompt, random_draft, runners, tiny
+from tests.helpers import AUX, TREES, H, oracle_draft, perm_target, prompt, random_draft, runners, tiny
 from tests.helpers import chi2_p_value as _chi2_p_value
-
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,12 +18,12 @@ from draftling.export import (
     check_vocab_maps,
     export_sglang,
     export_speculators,
+    formats,
     from_engine_aux_layer_ids,
     is_default_aux_layer_ids,
     load_sglang_export,
     to_engine_aux_layer_ids,
 )
-from draftling.export import formats
 from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft, verifier_architectures, verifier_hub_id
 from draftling.export.formats import load_any_draft
 from draftling.target.load import DEFAULT_TARGET, Target, TargetSpec, wrap_target

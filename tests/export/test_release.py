@@ -10,9 +10,9 @@ from draftling.draft.store import load_draft
 from draftling.errors import DraftlingError
 from draftling.export.formats import load_any_draft
 from draftling.export.release import ReleaseSpec, push, release
+from draftling.train.trainer import train
 from tests.conftest import setup_data
 from tests.helpers import cfg_for
-from draftling.train.trainer import train
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])

@@ -17,11 +17,17 @@ from safetensors.torch import load_file
 from draftling import cli
 from draftling.config import load_config
 from draftling.errors import ConfigError, DataError
+from draftling.io import read_metrics
 from draftling.target.load import wrap_target
 from draftling.train.checkpoint import list_checkpoints
-from draftling.io import read_metrics
-from draftling.train.convergence import (ConvergenceDetector, SmokeBench, SmokeCheck, epoch_phrase,
-                                         load_smoke_prompts, paired_change)
+from draftling.train.convergence import (
+    ConvergenceDetector,
+    SmokeBench,
+    SmokeCheck,
+    epoch_phrase,
+    load_smoke_prompts,
+    paired_change,
+)
 from draftling.train.trainer import train
 from tests.conftest import TINY_VOCAB, setup_data, tiny_llama
 
@@ -135,8 +141,8 @@ def test_the_batched_smoke_bench_measures_each_prompt_as_batch_1_decodes_it():
 
 
 def test_smoke_prompts_read_as_the_release_bench_reads_prompt_sets(tmp_path):
-    from tests.helpers import V
     from tests.helpers import ToyChatTokenizer as _ToyTokenizer
+    from tests.helpers import V
 
     # The shipped set by either syntax, through the chat template, its sha256 checked on the way.
     prompts = load_smoke_prompts("set:smoke-v1", _ToyTokenizer(), V)

@@ -29,8 +29,8 @@ def test_rank_share_is_strided_and_never_empty():
 
 
 def test_global_denominators_make_half_batch_grads_average_to_full_batch_grads(tiny_target):
-    from draftling.draft.model import Eagle3Draft, draft_config_from_target
     from draftling.data.tokenized import TokenizedExample
+    from draftling.draft.model import Eagle3Draft, draft_config_from_target
     from draftling.train.dataset import collate
     from draftling.train.teacher import teacher_forward
 

@@ -5,12 +5,20 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from draftling.cli import add_plan_parser, cmd_plan
-from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.config import parse_size
+from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.memory_fit import target_param_counts, teacher_weight_bytes
 from draftling.train.teacher import TeacherBatch

@@ -12,20 +12,20 @@ from safetensors.torch import load_file
 from draftling.config import RunConfig, TrainConfig, load_config
 from draftling.data.tokenized import TokenizedExample
 from draftling.draft.vocab import build_vocab
-from draftling.train import teacher as teacher_mod
-from draftling.train import batches as batches_mod
 from draftling.train import attention, ttt
-from draftling.train.distributed import DistContext
-from draftling.train.teacher import TeacherCache
+from draftling.train import batches as batches_mod
+from draftling.train import teacher as teacher_mod
 from draftling.train.batches import evaluate
+from draftling.train.distributed import DistContext
 from draftling.train.inputs import RunInputs
 from draftling.train.metrics import StepWindow
-from draftling.train.trainer import build_run
 from draftling.train.step_counts import StepCounts
+from draftling.train.teacher import TeacherCache
+from draftling.train.trainer import build_run
 from draftling.train.ttt import step_row_bounds
-from tests.host_reads import HostReads
 from tests.conftest import setup_data
 from tests.helpers import train_run as run
+from tests.host_reads import HostReads
 
 
 def examples(lengths, seed=0):

@@ -9,14 +9,13 @@ from safetensors.torch import load_file
 from draftling.config import load_config
 from draftling.draft.model import repeat_kv
 from draftling.errors import ConfigError
+from draftling.train.attention import TTTAttention, flex_usable, ttt_attention, ttt_mask_mod
 from draftling.train.host_embed import HostEmbedding
 from draftling.train.optim import OffloadedAdamW, build_optimizer
-from draftling.train.teacher import teacher_forward
 from draftling.train.settings import memory_options, optimizer_offload
-from draftling.train.attention import TTTAttention, flex_usable, ttt_attention, ttt_mask_mod
+from draftling.train.teacher import teacher_forward
 from draftling.train.ttt import shift_left, ttt_unroll
-from tests.conftest import tiny_llama
-from tests.conftest import setup_data
+from tests.conftest import setup_data, tiny_llama
 from tests.helpers import spaced_vocab_draft as make_draft
 from tests.helpers import train_run as run
 
@@ -267,8 +266,8 @@ def test_auto_defaults_resolve_per_device():
 def test_memory_policy_trades_recompute_for_speed_only_when_the_plan_says_it_fits(monkeypatch):
     from transformers import LlamaConfig
 
-    from draftling.train.memory import DraftShape
     from draftling.train.draft_setup import resolve_memory_policy
+    from draftling.train.memory import DraftShape
 
     target_config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                                 num_key_value_heads=3, vocab_size=49152)
@@ -439,8 +438,8 @@ def test_train_with_all_memory_options_matches_plain(tmp_path, tiny_target, caps
 def test_auto_draft_dtype_is_bf16_only_with_offload_and_keeps_rotary_fp32(tiny_target):
     from draftling.config import TrainConfig
     from draftling.draft.model import Eagle3Draft, draft_config_from_target
-    from draftling.train.settings import draft_param_dtype
     from draftling.train.draft_setup import place_draft
+    from draftling.train.settings import draft_param_dtype
 
     assert draft_param_dtype(TrainConfig(), "cpu") == torch.float32
     assert draft_param_dtype(TrainConfig(optimizer_offload=True), "cpu") == torch.bfloat16

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftling.data.tokenized import load_tokenized
 from draftling.draft.store import load_draft
 from draftling.draft.vocab import build_vocab_file, load_vocab
 from draftling.errors import ConfigError
@@ -16,7 +17,6 @@ from draftling.export.formats import export_sglang, load_any_draft
 from draftling.export.speculators import export_speculators
 from draftling.io import write_jsonl
 from draftling.train.trainer import train
-from draftling.data.tokenized import load_tokenized
 from draftling.train.warmstart import InitDraft, coverage, warm_start
 from tests.conftest import random_batch, setup_data
 from tests.helpers import cfg_for

@@ -20,19 +20,26 @@ from pathlib import Path
 
 import torch
 
-from draftling.timing import timed
-from draftling.dtypes import dtype_name
-from draftling.bench.manifest import device_slug, draft_label, machine_slug, run_folder_name, write_manifest, code_commit
+from draftling.bench.manifest import (
+    code_commit,
+    device_slug,
+    draft_label,
+    machine_slug,
+    run_folder_name,
+    write_manifest,
+)
 from draftling.bench.release import load_prompt_set
 from draftling.bench.simple import build_engine, parse_decode_config
+from draftling.config import CONCURRENCY_LEVELS, RELEASE_CONFIGS, BenchConfig
+from draftling.dtypes import dtype_name
 from draftling.engine import EngineOptions
 from draftling.engine.batch import batch_generate
-from draftling.config import CONCURRENCY_LEVELS, RELEASE_CONFIGS, BenchConfig
 from draftling.errors import ConfigError
 from draftling.export.formats import load_any_draft
 from draftling.io import write_json
 from draftling.progress import Progress
 from draftling.target import Target
+from draftling.timing import timed
 
 _DEFAULTS = BenchConfig()  # the bench section's defaults: prompt set, new tokens, results folder
 RESULT = "concurrency.json"
@@ -63,7 +70,7 @@ class SweepOptions:
             parse_decode_config(c)
 
     @classmethod
-    def from_config(cls, bench, command: str | None = None) -> "SweepOptions":
+    def from_config(cls, bench, command: str | None = None) -> SweepOptions:
         """The sweep of a run config's bench section (bench.concurrency and the release keys)."""
         return cls(levels=tuple(bench.concurrency), configs=tuple(bench.configs), prompt_set=str(bench.prompt_set),
                    max_new_tokens=bench.max_new_tokens, out_dir=bench.results_dir, command=command)

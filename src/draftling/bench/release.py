@@ -31,27 +31,33 @@ import datetime
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from draftling.timing import timed
-from draftling.dtypes import dtype_name
 from draftling import __version__
 from draftling.bench.manifest import command_line, device_slug, draft_label, write_manifest
-from draftling.bench.report import ROUND_PHASES, format_speedup_table, release_caveats, write_release_outputs
-from draftling.bench.report import MARK_END, MARK_START, update_benchmarks_md  # noqa: F401 (release.X for callers)
 from draftling.bench.release_options import BASELINES, ReleaseOptions, check_results_free, release_stem
+from draftling.bench.report import (  # noqa: F401 (release.X for callers)
+    MARK_END,
+    MARK_START,
+    ROUND_PHASES,
+    format_speedup_table,
+    release_caveats,
+    update_benchmarks_md,
+    write_release_outputs,
+)
 from draftling.bench.simple import DecodeConfig, build_engine
 from draftling.data.prompt_sets import BenchPrompt, read_prompt_set, tokenize_prompt_set
-from draftling.engine import (CachedTarget, DraftRunner, build_target, causal_mask, greedy_generate,
-                              speculative_generate)
+from draftling.dtypes import dtype_name
+from draftling.engine import CachedTarget, DraftRunner, build_target, causal_mask, greedy_generate, speculative_generate
 from draftling.errors import DataError
 from draftling.export.formats import load_any_draft
 from draftling.progress import Progress
 from draftling.target import Target
+from draftling.timing import timed
 
 logger = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ class ReleaseOptions:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.baseline_prompts_per_workload is not None and self.baseline_prompts_per_workload < 1:
             raise ConfigError("baseline_prompts_per_workload must be >= 1 (or None for all)")
-        self.decode_configs  # a bad config name fails here, before any work
+        _ = self.decode_configs  # a bad config name fails here, before any work
 
     @property
     def decode_configs(self) -> list[DecodeConfig]:

@@ -31,8 +31,8 @@ from draftling.export.formats import load_any_draft
 from draftling.io import write_json, write_text
 from draftling.progress import Progress
 from draftling.target import Target
-from draftling.train.checkpoint import list_checkpoints
 from draftling.train.batches import evaluate
+from draftling.train.checkpoint import list_checkpoints
 
 
 @dataclass(frozen=True)

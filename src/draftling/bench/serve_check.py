@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from draftling.dtypes import dtype_name
 from draftling.bench.manifest import device_name, draft_label, manifest_fields
 from draftling.bench.release import first_per_workload, load_prompt_set
 from draftling.bench.simple import build_engine
 from draftling.data.prompt_sets import BenchPrompt
+from draftling.dtypes import dtype_name
 from draftling.errors import DraftlingError, one_line
 from draftling.export.formats import CONFIG_NAME, load_any_draft
 from draftling.io import write_json

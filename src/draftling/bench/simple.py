@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from draftling.timing import timed
-from draftling.dtypes import dtype_name
 from draftling.bench.manifest import device_name
 from draftling.config import BenchConfig, RunConfig
 from draftling.data.prompts import load_conversations, prompt_messages
 from draftling.data.template import render
+from draftling.dtypes import dtype_name
 from draftling.errors import ConfigError, DataError
 from draftling.io import write_json
 from draftling.progress import Progress
 from draftling.target import Target
+from draftling.timing import timed
 
 if TYPE_CHECKING:
     from draftling.engine import EngineOptions
@@ -287,8 +287,8 @@ def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 
     random ``prompt_tokens``-token prompt on the same engine (the fastest of ``repeats``, so a
     transient load does not count): per-token seconds times what the bench will decode
     (warm-up included)."""
-    from draftling.engine.generate import greedy_generate
     from draftling.engine.general_target import build_target
+    from draftling.engine.generate import greedy_generate
 
     bc = cfg.bench
     engine = build_target(target.model, target.aux_layer_ids, prompt_tokens + tokens + 16)

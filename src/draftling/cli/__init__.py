@@ -14,8 +14,21 @@ import argparse
 import logging
 import sys
 
-from draftling.cli import (bench, check, data, export, extract, plan, quickstart, release, report, select,
-                           serve_check, train, vocab)
+from draftling.cli import (
+    bench,
+    check,
+    data,
+    export,
+    extract,
+    plan,
+    quickstart,
+    release,
+    report,
+    select,
+    serve_check,
+    train,
+    vocab,
+)
 from draftling.cli.common import run_command, run_config
 from draftling.cli.plan import cmd_plan
 from draftling.logs import setup_logging

@@ -7,8 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from draftling.cli.common import (BENCH_FLAGS, EPILOG_OVERRIDES, RELEASE_FLAGS, TARGET_FLAGS, add_common,
-                                  run_config)
+from draftling.cli.common import BENCH_FLAGS, EPILOG_OVERRIDES, RELEASE_FLAGS, TARGET_FLAGS, add_common, run_config
 from draftling.errors import DraftlingError
 
 log = logging.getLogger(__name__)

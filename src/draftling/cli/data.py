@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftling.cli.common import (DATA_FLAGS, EPILOG_OVERRIDES, TARGET_FLAGS, add_common, add_device_map_flag,
-                                  run_config)
+from draftling.cli.common import DATA_FLAGS, EPILOG_OVERRIDES, TARGET_FLAGS, add_common, add_device_map_flag, run_config
 
 
 def add_parser(sub) -> None:

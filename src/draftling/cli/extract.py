@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftling.cli.common import (EPILOG_OVERRIDES, EXTRACT_FLAGS, TARGET_FLAGS, add_common, add_device_map_flag,
-                                  check_data_files, run_config)
+from draftling.cli.common import (
+    EPILOG_OVERRIDES,
+    EXTRACT_FLAGS,
+    TARGET_FLAGS,
+    add_common,
+    add_device_map_flag,
+    check_data_files,
+    run_config,
+)
 
 
 def add_parser(sub) -> None:

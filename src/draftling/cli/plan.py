@@ -43,9 +43,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_plan(args) -> int:
     """`draftling plan`: prints the table and verdict; returns 0 if it fits, 1 if not."""
-    from draftling.target.load import load_target_config
     from draftling.cli.plan_text import format_plan
     from draftling.config import parse_size
+    from draftling.target.load import load_target_config
     from draftling.train.memory_fit import largest_fitting_batch, plan_run
 
     cfg = run_config(args, ("target", "dtype", "device_map"))

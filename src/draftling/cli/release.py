@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+
 from draftling.cli.common import EPILOG_OVERRIDES, add_common, run_config
 
 log = logging.getLogger(__name__)

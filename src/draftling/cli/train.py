@@ -8,8 +8,14 @@ import os
 import sys
 from pathlib import Path
 
-from draftling.cli.common import (EPILOG_OVERRIDES, TARGET_FLAGS, add_common, add_device_map_flag, check_data_files,
-                                  run_config)
+from draftling.cli.common import (
+    EPILOG_OVERRIDES,
+    TARGET_FLAGS,
+    add_common,
+    add_device_map_flag,
+    check_data_files,
+    run_config,
+)
 from draftling.errors import DraftlingError
 
 log = logging.getLogger(__name__)

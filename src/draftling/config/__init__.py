@@ -13,14 +13,38 @@ Sections: config/data.py (data, data.regen, vocab, draft), config/train.py, conf
 from __future__ import annotations
 
 from draftling.config.data import SPLIT_KEYS, DataConfig, DraftConfig, RegenConfig, VocabConfig
-from draftling.config.devices import (DEVICE_MAP_MODES, device_map_value, device_name, max_memory_bytes,
-                                      parse_size)
-from draftling.config.fields import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, check_bounds, check_choices,
-                                     key, resume_free_keys)
-from draftling.config.loader import (apply_overrides, builtin_config, from_dict, load_config, save_config, to_dict,
-                                     yaml_load)
-from draftling.config.run import (BENCH_CHOICES, ENGINE_ATTENTION, EXTRACT_CHOICES, RELEASE_BASELINES,
-                                  RELEASE_SAMPLED_TEMPERATURES, RELEASE_CONFIGS, CONCURRENCY_LEVELS, BenchConfig, ExtractConfig, RunConfig)
+from draftling.config.devices import DEVICE_MAP_MODES, device_map_value, device_name, max_memory_bytes, parse_size
+from draftling.config.fields import (
+                                      AT_LEAST_ONE,
+                                      FRACTION,
+                                      NON_NEGATIVE,
+                                      POSITIVE,
+                                      check_bounds,
+                                      check_choices,
+                                      key,
+                                      resume_free_keys,
+)
+from draftling.config.loader import (
+                                      apply_overrides,
+                                      builtin_config,
+                                      from_dict,
+                                      load_config,
+                                      save_config,
+                                      to_dict,
+                                      yaml_load,
+)
+from draftling.config.run import (
+                                      BENCH_CHOICES,
+                                      CONCURRENCY_LEVELS,
+                                      ENGINE_ATTENTION,
+                                      EXTRACT_CHOICES,
+                                      RELEASE_BASELINES,
+                                      RELEASE_CONFIGS,
+                                      RELEASE_SAMPLED_TEMPERATURES,
+                                      BenchConfig,
+                                      ExtractConfig,
+                                      RunConfig,
+)
 from draftling.config.table import key_table_markdown
 from draftling.config.train import TRAIN_CHOICES, TrainConfig
 

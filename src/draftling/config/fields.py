@@ -10,7 +10,8 @@ string key whose help says "null = ..." takes null for its unset value (the targ
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from draftling.errors import ConfigError
 

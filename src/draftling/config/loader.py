@@ -16,7 +16,6 @@ import yaml
 from draftling.config.run import RunConfig
 from draftling.errors import ConfigError
 
-
 _BOOL_WORDS = {"on": True, "yes": True, "off": False, "no": False}
 
 
@@ -57,9 +56,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if tp is int and float(value) != int(value):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return tp(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if tp is str and not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
     return value
 
 

@@ -10,7 +10,6 @@ from draftling.config.fields import AT_LEAST_ONE, bounds_of, check_bounds, check
 from draftling.config.train import TrainConfig
 from draftling.errors import ConfigError
 
-
 # The release bench's baselines and the decode engine's attention kinds (sdpa: SDPA with a
 # boolean mask; matmul: two matmuls and a softmax in the model's dtype; exact: the same with
 # float64 sums, whose logits do not depend on where in the cache a token's context sits, which

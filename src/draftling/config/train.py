@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftling.config.fields import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, bounds_of, check_bounds,
-                                         check_choices, choices_of, key)
+from draftling.config.fields import (
+    AT_LEAST_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    bounds_of,
+    check_bounds,
+    check_choices,
+    choices_of,
+    key,
+)
 from draftling.errors import ConfigError
 
 

@@ -17,8 +17,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable
 
 from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages, reply_record
@@ -62,7 +62,7 @@ class ChatServer:
         self.model = model or self._only_served_model()
 
     @classmethod
-    def from_config(cls, cfg: RegenConfig) -> "ChatServer":
+    def from_config(cls, cfg: RegenConfig) -> ChatServer:
         if not cfg.server_url:
             raise ServerError("no server: set data.regen.server_url or pass --server URL")
         return cls(cfg.server_url, cfg.server_model, api_key=os.environ.get(cfg.api_key_env) or None,

@@ -21,18 +21,18 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from draftling.dtypes import dtype_name
 from draftling.config import RegenConfig, RunConfig
-from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.journal import ReplyJournal, journal_path
+from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
 from draftling.data.prompts import Conversation, has_tool_calls, is_rollout_turn, rollout_turns
-from draftling.data.sources import load_prompt_spec, read_id_file
 from draftling.data.regen import RegenRun, regen_dtype, regenerate, regenerate_within, render_prompt_ids
 from draftling.data.runs import RUN_KEY, run_id
+from draftling.data.sources import load_prompt_spec, read_id_file
 from draftling.data.split import resolve_split_key, split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
+from draftling.dtypes import dtype_name
 from draftling.errors import DataError
 from draftling.io import OUTPUT_MARKER, atomic_dir, output_dir_in_use, write_json, write_jsonl
 from draftling.target import Target
@@ -157,7 +157,7 @@ class Reply:
     states: tuple | None = None
 
     @classmethod
-    def of(cls, record: dict, split: str) -> "Reply":
+    def of(cls, record: dict, split: str) -> Reply:
         """From a record as regenerate() (or the journal) yields it: states under "_states"."""
         record = dict(record)
         states = record.pop("_states", None)

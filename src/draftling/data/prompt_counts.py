@@ -9,8 +9,8 @@ costs seconds. Validation's prompts are left out, so the vocab never sees its te
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

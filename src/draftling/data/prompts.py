@@ -9,12 +9,11 @@ of the call (tau-bench: `[{"arguments": "<json string>", "name": ...}]`, glaive:
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from draftling.errors import DataError
 

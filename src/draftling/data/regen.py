@@ -9,15 +9,15 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 
-from draftling.dtypes import dtype_name
 from draftling.config import RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages, reply_record
 from draftling.data.template import render
+from draftling.dtypes import dtype_name
 from draftling.errors import ConfigError
 from draftling.faults import fault_point
 from draftling.hardware import resolve_fast_dtype

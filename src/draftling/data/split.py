@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from draftling.config import SPLIT_KEYS as KEYS
 from draftling.errors import DataError
@@ -66,7 +66,7 @@ def task_of(conv, key: str = "id") -> str:
 
 
 def _unit_hash(seed: int, value: str) -> float:
-    digest = hashlib.sha256(f"{seed}\0{value}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\0{value}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 

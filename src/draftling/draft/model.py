@@ -17,8 +17,7 @@ unroll, the engine's KV cache and tree masks without knowing about any of them.
 from __future__ import annotations
 
 import copy
-
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -21,6 +21,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from draftling.engine.draft_runner import DraftRunner
+from draftling.engine.general_target import build_target
 from draftling.engine.generate import (
     RUN_AHEAD,
     RUN_AHEAD_ROUNDS,
@@ -32,7 +33,6 @@ from draftling.engine.generate import (
     accept_tree,
     process_logits,
 )
-from draftling.engine.general_target import build_target
 from draftling.engine.spec_round import SpecRound
 from draftling.engine.target_model import SUPPORTED_MODEL_TYPES, CachedTarget
 from draftling.errors import ConfigError

@@ -181,7 +181,7 @@ def _accept_sample(logits, toks, children, temperature, top_k, top_p, generator)
         cur = path[-1]
 
 
-def accept_tree(packed: list, logits: torch.Tensor, o: "SpecOptions") -> tuple[list[int], list[int]]:
+def accept_tree(packed: list, logits: torch.Tensor, o: SpecOptions) -> tuple[list[int], list[int]]:
     """Host-side acceptance of one row's verified tree: ``packed`` = (tokens, parents, target
     argmax) as lists, ``logits`` [q,V]. Returns (path: node indices from the root, new: the
     accepted drafts then the bonus token)."""

@@ -89,7 +89,7 @@ class SpecRound:
 
     @classmethod
     def cached(cls, target: CachedTarget, draft: DraftRunner, steps: int, topk: int,
-               num_draft_tokens: int) -> "SpecRound":
+               num_draft_tokens: int) -> SpecRound:
         """This engine's round for the config, made once: later generations replay its graphs."""
         key = (target, steps, topk, num_draft_tokens)
         if key not in draft.rounds:
@@ -241,7 +241,7 @@ class SpecRound:
         self.ctrl_host.numpy()[:m] = values
         return self.ctrl[:m].copy_(self.ctrl_host[:m], non_blocking=True)
 
-    def propose(self, n, root, r_hidden, r_logits, timer: "RoundTimer | None" = None):
+    def propose(self, n, root, r_hidden, r_logits, timer: RoundTimer | None = None):
         """Draft the tree and verify it: (packed, aux, logits) as in ``verify``."""
         if timer is None:
             return self.fused(n, root, r_hidden, r_logits)

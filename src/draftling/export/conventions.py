@@ -7,7 +7,6 @@ the off-by-one that silently collapses acceptance has exactly one place to be wr
 
 from __future__ import annotations
 
-
 from draftling.draft.vocab import check_vocab_maps  # noqa: F401  (re-exported: one implementation)
 from draftling.errors import DraftlingError
 from draftling.target.aux import default_aux_layer_ids

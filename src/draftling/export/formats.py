@@ -27,9 +27,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from draftling.dtypes import dtype_name
 from draftling.draft.model import Eagle3Draft
 from draftling.draft.store import CONFIG_FILE, load_draft
+from draftling.dtypes import dtype_name
 from draftling.errors import DraftlingError, one_line
 from draftling.export.conventions import (
     check_vocab_maps,

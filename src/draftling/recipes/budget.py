@@ -89,7 +89,7 @@ def plan_smoke(plan: BudgetPlan, train_s: float, tc, prompts: int, ceiling: int 
     need_s = checks * check_s
     info = {"checks_needed": checks, "check_s_estimate": round(check_s, 1), "train_s": round(train_s, 1),
             "share": round(need_s / train_s, 3), "max_share": tc.smoke_max_share}
-    if 0 < tc.smoke_max_share and need_s <= tc.smoke_max_share * train_s and steps >= checks:
+    if tc.smoke_max_share > 0 and need_s <= tc.smoke_max_share * train_s and steps >= checks:
         return steps // checks, {**info, "smoke_every": steps // checks}
     # Training's share of a larger budget grows with (1 - DATA_SHARE) of each added second.
     fixed = plan.planned_at_s + plan.bench_s + plan.val_s + RESERVE_S

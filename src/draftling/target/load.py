@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from draftling.errors import DraftlingError, TargetError, one_line
 from draftling.dtypes import DTYPES, dtype_name
+from draftling.errors import DraftlingError, TargetError, one_line
 from draftling.hardware import column_major_linear_is_faster, pin_column_major
 from draftling.io import atomic_dir, hash_dataset_file
 from draftling.target.aux import default_aux_layer_ids, validate_aux_layer_ids

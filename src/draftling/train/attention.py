@@ -12,7 +12,7 @@ Backends: "sdpa" (explicit scores; works everywhere, with backward on CPU) or "f
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

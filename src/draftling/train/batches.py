@@ -15,13 +15,13 @@ from draftling.target import Target
 from draftling.train.dataset import collate, to_device
 from draftling.train.distributed import DistContext, TTTObjective, all_reduce_sum, current, rank_share, unwrap
 from draftling.train.host_embed import HostEmbedding
-from draftling.train.teacher import TeacherBatch, TeacherCache, TeacherSource, teacher_forward
+from draftling.train.metrics import read_counts
 from draftling.train.settings import compile_teacher, memory_options, pad_multiple, unroll_options
 from draftling.train.step_counts import StepCounts
+from draftling.train.teacher import TeacherBatch, TeacherCache, TeacherSource, teacher_forward
 from draftling.train.ttt import UnrollOptions, step_row_bounds, step_valid_counts
-from draftling.train.metrics import read_counts
 
-_HOST_EMBEDDINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_HOST_EMBEDDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def draft_embedding(cfg: RunConfig, target: Target, device):

@@ -8,13 +8,20 @@ import torch
 
 from draftling.config import RunConfig, TrainConfig
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
-from draftling.train.warmstart import WarmStart, keep_window
 from draftling.errors import ConfigError
 from draftling.target import Target
 from draftling.train.distributed import full_model_state, is_sharded, unwrap
 from draftling.train.memory import DraftShape, MemoryOptions
 from draftling.train.memory_fit import fast_settings_fit
-from draftling.train.settings import FAST_MEMORY_SHARE, draft_param_dtype, memory_options, optimizer_offload, pad_multiple
+from draftling.train.settings import (
+    FAST_MEMORY_SHARE,
+    draft_param_dtype,
+    memory_options,
+    optimizer_offload,
+    pad_multiple,
+)
+from draftling.train.warmstart import WarmStart, keep_window
+
 
 def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = None) -> Eagle3Draft:
     if warm is not None:  # --init-from: the head's working copy, its maps already set

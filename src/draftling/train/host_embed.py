@@ -27,7 +27,7 @@ class HostEmbedding:
         self.pinned = pin
 
     @classmethod
-    def from_module(cls, module: torch.nn.Module, device) -> "HostEmbedding":
+    def from_module(cls, module: torch.nn.Module, device) -> HostEmbedding:
         return cls(module.weight, device)
 
     def for_batch(self, input_ids: torch.Tensor, fill_id: int = 0):

@@ -11,11 +11,11 @@ import torch
 from draftling.data.runs import check_one_run
 from draftling.data.states import StoredStates, states_path
 from draftling.data.tokenized import load_tokenized
-from draftling.train.warmstart import InitDraft, WarmStart, warm_start
 from draftling.draft.vocab import hash_dataset_file, load_vocab
 from draftling.errors import ConfigError
 from draftling.target import Target
 from draftling.train.teacher import KeptStatesTeacher, TeacherSource
+from draftling.train.warmstart import InitDraft, WarmStart, warm_start
 
 
 def kept_states_teacher(target: Target, jsonl_path, t2d, say) -> KeptStatesTeacher | None:

@@ -66,7 +66,7 @@ class DraftShape:
     window: int = 0  # draft.window: the sdpa TTT attention then runs banded (train/attention.py)
 
     @classmethod
-    def from_config(cls, config, draft_vocab: int, window: int = 0) -> "DraftShape":
+    def from_config(cls, config, draft_vocab: int, window: int = 0) -> DraftShape:
         """From a draft's config, or from a target's (the draft's default shape)."""
         config = getattr(config, "text_config", None) or config
         heads = config.num_attention_heads
@@ -121,7 +121,7 @@ class MemoryOptions:
     @classmethod
     def from_unroll_options(cls, mem: dict, *, optimizer_offload: bool, draft_dtype, embed_dtype,
                             embedding_on_host: bool, fsdp: bool = False,
-                            build_on_cpu: bool = True) -> "MemoryOptions":
+                            build_on_cpu: bool = True) -> MemoryOptions:
         """From ``settings.memory_options``'s dict plus the choices made outside the unroll;
         dtypes may be torch dtypes or their names."""
         def name(dtype) -> str:

@@ -33,9 +33,9 @@ import math
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -221,7 +221,7 @@ class _Shard:
     offsets: list[int]
 
     @classmethod
-    def of(cls, rows: list, k: int, shard_size: int) -> "_Shard":
+    def of(cls, rows: list, k: int, shard_size: int) -> _Shard:
         ids = list(range(k * shard_size, min((k + 1) * shard_size, len(rows))))
         lens = [len(rows[i].input_ids) for i in ids]
         offsets = [0]
@@ -442,7 +442,7 @@ class OfflineTeacher:
     def __repr__(self) -> str:
         return f"OfflineTeacher({str(self.dir)!r}, split={self.split!r})"
 
-    def for_split(self, split: str, data_hash: str | None = None) -> "OfflineTeacher | None":
+    def for_split(self, split: str, data_hash: str | None = None) -> OfflineTeacher | None:
         """The same cache's other split (e.g. val), or None when it was not extracted."""
         if split not in self.manifest.get("splits", {}):
             return None

@@ -9,11 +9,11 @@ import torch
 
 from draftling.config import RunConfig
 from draftling.target import Target
+from draftling.train.batches import BatchSource, train_step
 from draftling.train.distributed import current, wrap
+from draftling.train.draft_setup import prepare_draft
 from draftling.train.optim import build_optimizer
 from draftling.train.teacher import TeacherBatch, TeacherSource
-from draftling.train.batches import BatchSource, train_step
-from draftling.train.draft_setup import prepare_draft
 
 
 class RandomStates:
@@ -28,7 +28,7 @@ class RandomStates:
     def for_split(self, split: str, data_hash: str | None = None) -> TeacherSource | None:
         return None
 
-    def get(self, keys: list[int], lengths: list[int], device) -> "TeacherBatch":
+    def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
         from draftling.train.teacher import head_outputs
 
         h, dtype = self.target.config.hidden_size, self.target.input_embeddings().weight.dtype
@@ -44,8 +44,8 @@ def measure_step_seconds(cfg: RunConfig, target: Target, seq_len: int, repeats: 
     the whole target. One warm-up step is not counted, and the fastest of ``repeats`` steps is
     the answer (a transient load on the machine must not make the budget refuse a run); the
     draft is thrown away and the RNG state restored."""
-    from draftling.draft.vocab import build_vocab
     from draftling.data.tokenized import TokenizedExample
+    from draftling.draft.vocab import build_vocab
 
     rng = torch.get_rng_state()
     device, tc = target.device, cfg.train

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from draftling.config import RESUME_FREE_KEYS, RunConfig
 from draftling.errors import ConfigError

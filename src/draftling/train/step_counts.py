@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ class StepCounts:
         loss_sum, *counts = self.sums.tolist()
         return [loss_sum, *([int(x) for x in row] for row in counts)]
 
-    def add(self, other: "StepCounts") -> None:
+    def add(self, other: StepCounts) -> None:
         self.sums = self.sums + other.sums
         for name in self.WALK_FIELDS:
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -28,7 +28,7 @@ class TeacherBatch:
     target_argmax: torch.Tensor  # [B, T] argmax over the FULL target vocab
     in_draft: torch.Tensor  # [B, T] bool: that argmax is in the draft vocab
 
-    def padded(self, length: int) -> "TeacherBatch":
+    def padded(self, length: int) -> TeacherBatch:
         """Right-padded with zeros to ``length`` positions, for a batch padded past its longest
         row (train.pad_to_multiple): no loss ever reads a padded position."""
         extra = length - self.aux.shape[1]

@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 
 from draftling.config import RunConfig, TrainConfig, save_config
 from draftling.draft.model import Eagle3Draft, draft_window
-from draftling.train.warmstart import InitDraft
 from draftling.draft.store import WEIGHTS_FILE, save_draft
 from draftling.dynamo import allow_recompiles
 from draftling.errors import ConfigError
@@ -30,12 +29,20 @@ from draftling.progress import Progress
 from draftling.target import Target
 from draftling.trackers import open_trackers, tracker_names
 from draftling.train.batches import BatchSource, evaluate, train_step
-from draftling.train.checkpoint import (KeepPolicy, latest_checkpoint, load_train_state, save_checkpoint,
-                                        set_rng_state)
+from draftling.train.checkpoint import KeepPolicy, latest_checkpoint, load_train_state, save_checkpoint, set_rng_state
 from draftling.train.convergence import ConvergenceDetector, SmokeBench, SmokeMonitor, verdict_line
 from draftling.train.dataset import EpochBatches
-from draftling.train.distributed import (DistContext, TTTObjective, any_rank, barrier, current, full_optimizer_state,
-                                         is_sharded, load_optimizer_state, wrap)
+from draftling.train.distributed import (
+    DistContext,
+    TTTObjective,
+    any_rank,
+    barrier,
+    current,
+    full_optimizer_state,
+    is_sharded,
+    load_optimizer_state,
+    wrap,
+)
 from draftling.train.draft_setup import host_draft, param_counts, params_line, prepare_draft, resolve_memory_policy
 from draftling.train.inputs import RunInputs, load_run_inputs
 from draftling.train.memory import DraftShape
@@ -46,6 +53,7 @@ from draftling.train.schedules import CosineSchedule, FitToTime
 from draftling.train.settings import compile_teacher, pad_multiple, recorded_compute_dtype, unroll_options
 from draftling.train.teacher import TeacherCache, TeacherSource
 from draftling.train.ttt import UnrollOptions
+from draftling.train.warmstart import InitDraft
 
 log = logging.getLogger(__name__)
 
