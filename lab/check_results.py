@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if problems:
         return 1
-    print(f"{len(files)} committed release results keep the contract" if files
-          else "no committed GPU results (not a full checkout)")
+    print(
+        f"{len(files)} committed release results keep the contract"
+        if files
+        else "no committed GPU results (not a full checkout)"
+    )
     return 0
 
 

@@ -30,10 +30,13 @@ DEFAULT_OUT_DIR = REPO / "src" / "draftling" / "bench" / "prompt_sets"
 _LIST_START = re.compile(
     r"^\s*(list|enumerate|(make|create|generate|produce|brainstorm|write|give|compile|provide|"
     r"construct|prepare)\s+(me\s+)?(a|an)?\s*((numbered|bulleted|detailed|short)\s+)?(list|table))\b",
-    re.I)
+    re.I,
+)
 _LIST_ANY = re.compile(
     r"\b(step[- ]by[- ]step|(in|as)\s+a\s+((numbered|bulleted|markdown)\s+)?table|"
-    r"as\s+a\s+((numbered|bulleted)\s+)?list|in\s+a\s+(numbered|bulleted)\s+list)\b", re.I)
+    r"as\s+a\s+((numbered|bulleted)\s+)?list|in\s+a\s+(numbered|bulleted)\s+list)\b",
+    re.I,
+)
 _WRITING = re.compile(r"^\s*(write|describe|explain|compose)\b", re.I)
 # ShareGPT first turns of a conversation ("<id>" or "<id>_0"); later "_N" pieces start mid-dialogue.
 _SHAREGPT_FIRST = re.compile(r"^sharegpt-[^_]+(_0)?$")
@@ -64,16 +67,32 @@ def is_repetitive(rec: dict) -> bool:
 
 # workload -> (source file, filter). Order matters: earlier workloads take ids first.
 WORKLOADS = {
-    "prose": ("instruct.jsonl", lambda r: r.get("category") == "instruct" and _single_user(r)
-              and _WRITING.match(_last_user(r)) and not is_repetitive(r)
-              and 20 <= _chars(r) <= 1000),
+    "prose": (
+        "instruct.jsonl",
+        lambda r: (
+            r.get("category") == "instruct"
+            and _single_user(r)
+            and _WRITING.match(_last_user(r))
+            and not is_repetitive(r)
+            and 20 <= _chars(r) <= 1000
+        ),
+    ),
     "code": ("code_mbpp.jsonl", lambda r: _single_user(r) and _chars(r) <= MAX_CHARS),
-    "repetitive": (("instruct.jsonl", "sharegpt.jsonl"),
-                   lambda r: _single_user(r) and is_repetitive(r)
-                   and (r["source"] != "sharegpt" or _SHAREGPT_FIRST.match(r["id"]))
-                   and 20 <= _chars(r) <= 1000),
-    "chat": ("sharegpt.jsonl", lambda r: _single_user(r) and _SHAREGPT_FIRST.match(r["id"])
-             and not is_repetitive(r) and 20 <= _chars(r) <= 2000),
+    "repetitive": (
+        ("instruct.jsonl", "sharegpt.jsonl"),
+        lambda r: (
+            _single_user(r)
+            and is_repetitive(r)
+            and (r["source"] != "sharegpt" or _SHAREGPT_FIRST.match(r["id"]))
+            and 20 <= _chars(r) <= 1000
+        ),
+    ),
+    "chat": (
+        "sharegpt.jsonl",
+        lambda r: (
+            _single_user(r) and _SHAREGPT_FIRST.match(r["id"]) and not is_repetitive(r) and 20 <= _chars(r) <= 2000
+        ),
+    ),
     "math": ("math_gsm8k_train.jsonl", lambda r: _single_user(r) and _chars(r) <= MAX_CHARS),
     "summarize": ("summarize.jsonl", lambda r: _chars(r) <= MAX_CHARS),
     "tool": ("tool_use.jsonl", lambda r: bool(r.get("tools")) and _chars(r) <= MAX_CHARS),
@@ -115,8 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--version", default="v1", help="set name; also the ordering seed")
     ap.add_argument("--per-workload", type=int, default=8)
     ap.add_argument("--out", type=Path, help="output file (default prompt_sets/<version>.jsonl)")
-    ap.add_argument("--check", action="store_true",
-                    help="do not write: regenerate and compare with the existing file")
+    ap.add_argument("--check", action="store_true", help="do not write: regenerate and compare with the existing file")
     args = ap.parse_args(argv)
     out = args.out or DEFAULT_OUT_DIR / f"{args.version}.jsonl"
     rows = build(args.shared, args.version, args.per_workload)
@@ -126,8 +144,7 @@ def main(argv=None) -> int:
         print(f"{out}: {'matches' if same else 'DIFFERS from'} the rule's output")
         return 0 if same else 1
     if out.exists():
-        print(f"{out} exists; prompt sets are never edited in place (make a new version)",
-              file=sys.stderr)
+        print(f"{out} exists; prompt sets are never edited in place (make a new version)", file=sys.stderr)
         return 1
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")

@@ -52,8 +52,9 @@ def main() -> None:
     bench_texts = set().union(*map(user_texts, load_conversations(prompt_sets_dir() / "v1.jsonl")))
     out_dir = starter_dir()
     for name, (file, sources, cap) in PLAN.items():
-        convs = [c for c in load_conversations(shared / file)
-                 if c.source in sources and not (user_texts(c) & bench_texts)]
+        convs = [
+            c for c in load_conversations(shared / file) if c.source in sources and not (user_texts(c) & bench_texts)
+        ]
         if cap and len(convs) > cap:
             convs = sorted(random.Random(SEED).sample(convs, cap), key=lambda c: convs.index(c))
         text = "".join(json.dumps(record(c), ensure_ascii=False) + "\n" for c in convs)

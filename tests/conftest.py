@@ -18,17 +18,24 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 def run_draftling(*args, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     """``python -m draftling ARGS`` on this checkout's sources, whichever checkout pip last
     installed in editable mode; ``env_extra`` adds to the environment."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT / "src"), str(CHECKOUT)]),
-           **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "draftling", *map(str, args)], capture_output=True,
-                          text=True, env=env, **kwargs)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT / "src"), str(CHECKOUT)]), **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "draftling", *map(str, args)], capture_output=True, text=True, env=env, **kwargs
+    )
 
 
 def tiny_llama(layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -86,7 +93,7 @@ def setup_data(tmp_path, n: int = 16) -> None:
 
     rows = random_batch(n=n, t=20)
     write_jsonl(tmp_path / "train.jsonl", rows[: n - 4])
-    write_jsonl(tmp_path / "val.jsonl", rows[n - 4:])
+    write_jsonl(tmp_path / "val.jsonl", rows[n - 4 :])
     build_vocab_file(tmp_path / "train.jsonl", TINY_VOCAB, 64, tmp_path / "vocab.safetensors")
 
 
@@ -113,9 +120,18 @@ def tiny_target_dir(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
     tok.save_pretrained(out)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out

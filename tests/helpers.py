@@ -33,9 +33,16 @@ TREES = [(3, 1, 4), (3, 4, 8), (5, 8, 16)]
 
 
 def tiny(cls, cfg_cls, seed=0, **kw):
-    fields = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False)
+    fields = dict(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     fields.update(kw)
     torch.manual_seed(seed)
     return cls(cfg_cls(**fields)).eval()
@@ -128,6 +135,7 @@ def chi2_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
     try:
         from scipy.stats import chi2
+
         return float(chi2.sf(stat, dof))
     except ImportError:  # Wilson-Hilferty: chi2/dof is ~ normal after a cube root
         z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
@@ -164,9 +172,19 @@ WORKLOADS = ("prose", "code", "math")
 
 def tiny_bench_target():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg).eval()
     tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=2, get_vocab=lambda: {})
     return wrap_target(model, tok, name="tiny-llama", aux_layer_ids=AUX)
@@ -212,6 +230,7 @@ class ToyChatTokenizer:
 
 # ----------------------------------------------------------------------- training (tests/train)
 
+
 def spaced_vocab_draft(target_model, vocab=64, seed=1):
     torch.manual_seed(seed)
     cfg = draft_config_from_target(target_model.config, vocab, [2, 3, 4])
@@ -224,36 +243,59 @@ def spaced_vocab_draft(target_model, vocab=64, seed=1):
 
 
 def cfg_for(steps, **extra):
-    over = [f"train.max_steps={steps}", "train.batch_size=4", "train.ttt_steps=3", "train.log_every=1",
-            "train.ckpt_every=2", "train.warmup_steps=2", "train.lr=1e-3", "train.keep_checkpoints=10"]
+    over = [
+        f"train.max_steps={steps}",
+        "train.batch_size=4",
+        "train.ttt_steps=3",
+        "train.log_every=1",
+        "train.ckpt_every=2",
+        "train.warmup_steps=2",
+        "train.lr=1e-3",
+        "train.keep_checkpoints=10",
+    ]
     over += [f"{k}={v}" for k, v in extra.items()]
     return load_config(None, over)
 
 
 def train_run(tmp_path, target, run_name, steps, resume=False, **extra):
-    return train(cfg_for(steps, **extra), target, tmp_path / run_name, tmp_path / "train.jsonl",
-                 tmp_path / "val.jsonl", tmp_path / "vocab.safetensors", resume=resume)
+    return train(
+        cfg_for(steps, **extra),
+        target,
+        tmp_path / run_name,
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+        resume=resume,
+    )
 
 
 # ----------------------------------------------------------------------- exports (tests/export)
 
 VOCAB, DRAFT_VOCAB, LAYERS = 300, 64, 6
-DEFAULT_IDS = [2, 3, 3]          # [2, L//2, L-3] for L = 6
+DEFAULT_IDS = [2, 3, 3]  # [2, L//2, L-3] for L = 6
 
 
 def tiny_export_llama() -> LlamaForCausalLM:
     """The 6-layer random Llama (vocab 300) the export tests draft for."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, intermediate_size=128,
-                      max_position_embeddings=4096, rope_theta=500000.0)
+    cfg = LlamaConfig(
+        num_hidden_layers=LAYERS,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        intermediate_size=128,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 def random_export_draft(target, aux_ids=DEFAULT_IDS, seed=1, **overrides):
     torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config_from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
-                                                 aux_layer_ids=aux_ids, **overrides))
+    draft = Eagle3Draft(
+        draft_config_from_target(target.config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=aux_ids, **overrides)
+    )
     with torch.no_grad():
         for p in draft.parameters():
             p.normal_(0, 0.2)  # norms too, so a swapped/missing tensor changes the logits
@@ -272,8 +314,7 @@ def causal_attend(q, k, v):
 
 @torch.no_grad()
 def run_draft(draft, target, input_ids):
-    _, aux = aux_hidden_states(target, draft.config.eagle_aux_hidden_state_layer_ids,
-                               input_ids=input_ids)
+    _, aux = aux_hidden_states(target, draft.config.eagle_aux_hidden_state_layer_ids, input_ids=input_ids)
     embeds = target.get_input_embeddings()(input_ids)
     pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
     h = draft.fuse(aux)
@@ -285,10 +326,17 @@ def run_draft(draft, target, input_ids):
 
 # ---------------------------------------------------- commands and data (tests/cli, tests/data)
 
+
 def write_prompts(path: Path, n: int = 12) -> Path:
-    rows = [{"id": f"p{i}", "source": "test", "category": "chat",
-             "messages": [{"role": "user", "content": f"Tell me fact number {i} about the sea."}]}
-            for i in range(n)]
+    rows = [
+        {
+            "id": f"p{i}",
+            "source": "test",
+            "category": "chat",
+            "messages": [{"role": "user", "content": f"Tell me fact number {i} about the sea."}],
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -302,8 +350,10 @@ def read_files(d):
     for p in sorted(d.iterdir()):
         if p.suffix == ".safetensors":
             with safe_open(str(p), "pt") as f:
-                out[p.name] = (f.metadata(), {k: f.get_tensor(k).view(-1).view(torch.uint8).tolist()
-                                              for k in sorted(f.keys())})
+                out[p.name] = (
+                    f.metadata(),
+                    {k: f.get_tensor(k).view(-1).view(torch.uint8).tolist() for k in sorted(f.keys())},
+                )
         else:
             out[p.name] = p.read_bytes()
     return out
@@ -331,6 +381,7 @@ BAD_VALUE_CASES = [
 
 
 # --------------------------------------------------------- the lab's device scripts (lab/tests)
+
 
 def load_script(name, monkeypatch):
     spec = importlib.util.spec_from_file_location(name, CHECKOUT / f"lab/gpu/{name}.py")

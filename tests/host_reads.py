@@ -16,9 +16,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 # Ops whose output shape depends on tensor values: CUDA must read back a count first.
-DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten.bincount.default,
-                  aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
-                  aten._local_scalar_dense.default}
+DATA_DEPENDENT = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.bincount.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten._local_scalar_dense.default,
+}
 PYTHON_READS = ("tolist", "cpu", "numpy")
 
 
@@ -62,6 +68,7 @@ class HostReads(TorchDispatchMode):
                 self.calls.append(name)
             with self.paused():  # .tolist() of a CUDA tensor is one read, not one per element
                 return original(tensor, *args, **kwargs)
+
         return read
 
     @contextlib.contextmanager

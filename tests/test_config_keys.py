@@ -17,7 +17,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def test_readme_key_table_is_current():
     assert readme_section(README.read_text(encoding="utf-8")) == key_table_markdown(), (
-        "README.md's config key table is stale: run python3 scripts/gen_config_table.py")
+        "README.md's config key table is stale: run python3 scripts/gen_config_table.py"
+    )
 
 
 def test_every_key_has_a_meaning():
@@ -47,16 +48,21 @@ def test_flag_table_matches_the_declared_flags():
                 assert declared[FLAG_KEYS[action.dest]] in action.option_strings, action.dest
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.lr=0", "train.lr=0.0: expected a number > 0"),
-    ("data.split_key=x", "data.split_key='x': expected one of auto, id, task, source"),
-    ("train.attention=x", "train.attention='x': expected one of auto, sdpa, flex"),
-    ("wall_minutes=-1", "wall_minutes=-1.0: expected a number >= 0 (0 = no budget)"),
-    ("draft.window=-1", "draft.window=-1: expected an integer >= 0 (0 = full attention)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=0", "train.lr=0.0: expected a number > 0"),
+        ("data.split_key=x", "data.split_key='x': expected one of auto, id, task, source"),
+        ("train.attention=x", "train.attention='x': expected one of auto, sdpa, flex"),
+        ("wall_minutes=-1", "wall_minutes=-1.0: expected a number >= 0 (0 = no budget)"),
+        ("draft.window=-1", "draft.window=-1: expected an integer >= 0 (0 = full attention)"),
+    ],
+)
 def test_bounds_read_from_the_declarations(override, message):
-    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
-                       .replace(".", r"\.").replace("+", r"\+") + "$"):
+    with pytest.raises(
+        ConfigError,
+        match="^" + message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.").replace("+", r"\+") + "$",
+    ):
         load_config(None, [override])
 
 

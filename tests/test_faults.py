@@ -31,10 +31,21 @@ QUICK = ["--config", "quickstart_cpu", "--device", "cpu"]
 # The regen dtype pinned to the target's own: quickstart_cpu's bfloat16_if_fast is a timed probe,
 # and the killed run and the separate uninterrupted one could each decide otherwise on a busy
 # machine (two xdist workers).
-DATA_OPTS = ["data.regen.max_new_tokens=12", "data.regen.batch_size=4", "data.val_fraction=0.2",
-             "data.min_tokens=4", "data.max_tokens=96", "data.regen.dtype=null"]
-TRAIN_OPTS = ["train.epochs=2", "train.ckpt_every=2", "train.log_every=1", "train.max_val_batches=2",
-              "train.warmup_steps=2"]
+DATA_OPTS = [
+    "data.regen.max_new_tokens=12",
+    "data.regen.batch_size=4",
+    "data.val_fraction=0.2",
+    "data.min_tokens=4",
+    "data.max_tokens=96",
+    "data.regen.dtype=null",
+]
+TRAIN_OPTS = [
+    "train.epochs=2",
+    "train.ckpt_every=2",
+    "train.log_every=1",
+    "train.max_val_batches=2",
+    "train.warmup_steps=2",
+]
 SEED = 21
 
 
@@ -69,28 +80,50 @@ def setup(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("faults")
     prompts = write_prompts(root / "prompts.jsonl", n=28)
     t0 = time.perf_counter()
-    rc, _, err = _cli("data", *QUICK, "--target", tiny_target_dir, "--prompts", prompts, "--out", root / "data",
-                      *DATA_OPTS)
+    rc, _, err = _cli(
+        "data", *QUICK, "--target", tiny_target_dir, "--prompts", prompts, "--out", root / "data", *DATA_OPTS
+    )
     data_s = time.perf_counter() - t0
     assert rc == 0, err
-    assert _cli("vocab", "--config", "quickstart_cpu", "--data", root / "data", "--target", tiny_target_dir,
-                "--size", "256")[0] == 0
+    assert (
+        _cli(
+            "vocab", "--config", "quickstart_cpu", "--data", root / "data", "--target", tiny_target_dir, "--size", "256"
+        )[0]
+        == 0
+    )
     t0 = time.perf_counter()
-    rc, _, err = _cli("train", *QUICK, "--target", tiny_target_dir, "--data", root / "data", "--run-dir",
-                      root / "whole", *TRAIN_OPTS)
+    rc, _, err = _cli(
+        "train", *QUICK, "--target", tiny_target_dir, "--data", root / "data", "--run-dir", root / "whole", *TRAIN_OPTS
+    )
     assert rc == 0, err
     # The trials train with the compute dtype the reference's probe chose: bfloat16_if_fast is a
     # timed probe, which two trials at once on a small machine could answer otherwise.
     ckpt = sorted((root / "whole" / "checkpoints").iterdir())[-1]
     TRAIN_OPTS.append(f"train.compute_dtype={json.loads((ckpt / 'meta.json').read_text())['compute_dtype']}")
-    return {"root": root, "target": tiny_target_dir, "prompts": prompts, "data_s": data_s,
-            "train_s": time.perf_counter() - t0, "steps": json.loads((root / "whole" / "train_result.json")
-                                                                     .read_text())["steps"]}
+    return {
+        "root": root,
+        "target": tiny_target_dir,
+        "prompts": prompts,
+        "data_s": data_s,
+        "train_s": time.perf_counter() - t0,
+        "steps": json.loads((root / "whole" / "train_result.json").read_text())["steps"],
+    }
 
 
 def _train(s, run_dir, *extra, **kw):
-    return _cli("train", *QUICK, "--target", s["target"], "--data", s["root"] / "data", "--run-dir", run_dir,
-                *TRAIN_OPTS, *extra, **kw)
+    return _cli(
+        "train",
+        *QUICK,
+        "--target",
+        s["target"],
+        "--data",
+        s["root"] / "data",
+        "--run-dir",
+        run_dir,
+        *TRAIN_OPTS,
+        *extra,
+        **kw,
+    )
 
 
 def _assert_same_run(s, run_dir):
@@ -99,8 +132,11 @@ def _assert_same_run(s, run_dir):
     assert a.keys() == b.keys()
     differ = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if not torch.equal(a[k], b[k])}
     assert differ == {}, f"{run_dir.name}: {differ}"
-    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-             if r.get("split") == "train"]
+    steps = [
+        r["step"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r.get("split") == "train"
+    ]
     assert steps == list(range(1, s["steps"] + 1))
     hidden = [p.name for d in (run_dir, run_dir / "checkpoints") for p in d.iterdir() if p.name.startswith(".")]
     assert hidden == []
@@ -109,10 +145,12 @@ def _assert_same_run(s, run_dir):
 def _kill_plan(n: int, steps: int, checkpoints: int, seconds: float) -> list[tuple[str, object]]:
     """n seeded kill points: named points at random hits, and timed kills at random moments."""
     rng = random.Random(SEED)
-    named = [("train.step", lambda: rng.randint(1, steps - 1)),
-             ("checkpoint.written", lambda: rng.randint(1, checkpoints)),
-             ("checkpoint.prune", lambda: rng.randint(1, checkpoints - 2)),
-             ("draft.written", lambda: 1)]
+    named = [
+        ("train.step", lambda: rng.randint(1, steps - 1)),
+        ("checkpoint.written", lambda: rng.randint(1, checkpoints)),
+        ("checkpoint.prune", lambda: rng.randint(1, checkpoints - 2)),
+        ("draft.written", lambda: 1),
+    ]
     plan = []
     for i in range(n):
         if i % 5 == 4:
@@ -151,8 +189,14 @@ def test_twenty_kills_during_training_resume_bitwise_equal(setup):
         outcomes = list(pool.map(trial, range(len(plan))))
     failed = [f for f in outcomes if f is not None]
     survived = [f"{p}:{a}" for (p, a), f in zip(plan, outcomes) if f is None]
-    report = {"kills": len(plan), "kills_survived_bitwise_equal": len(survived), "points": survived, "failed": failed,
-              "train_steps": s["steps"], "train_opts": TRAIN_OPTS}
+    report = {
+        "kills": len(plan),
+        "kills_survived_bitwise_equal": len(survived),
+        "points": survived,
+        "failed": failed,
+        "train_steps": s["steps"],
+        "train_opts": TRAIN_OPTS,
+    }
     print(json.dumps(report))
     if os.environ.get("DRAFTLING_FAULTS_JSON"):
         Path(os.environ["DRAFTLING_FAULTS_JSON"]).write_text(json.dumps(report, indent=2) + "\n")

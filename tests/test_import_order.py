@@ -45,7 +45,7 @@ def imports(module: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from . import x, from ..y import z
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             for a in node.names:
                 # `from pkg import sub` imports the module pkg.sub; `from mod import name`, mod.
@@ -84,8 +84,10 @@ def test_no_module_imports_from_a_later_stage():
             if stage_of(dep, order) > stage_of(module, order):
                 seen.add((module, dep))
                 if (module, dep) not in EXCEPTIONS:
-                    bad.append(f"{module}:{line} imports {dep}: stage {stage_of(module, order)[1]} "
-                               f"imports the later stage {stage_of(dep, order)[1]}")
+                    bad.append(
+                        f"{module}:{line} imports {dep}: stage {stage_of(module, order)[1]} "
+                        f"imports the later stage {stage_of(dep, order)[1]}"
+                    )
     assert not bad, "imports from a later stage:\n" + "\n".join(sorted(set(bad)))
     stale = sorted(set(EXCEPTIONS) - seen)
     assert not stale, f"EXCEPTIONS no longer needed, remove them: {stale}"
@@ -136,7 +138,8 @@ def test_no_import_cycles():
     edges = {m: {d for d, _ in deps if d != m and (m, d) not in EXCEPTIONS} for m, deps in graph().items()}
     cycles = strongly_connected(edges)
     assert not cycles, "modules that import each other (directly or round a loop): " + "; ".join(
-        " <-> ".join(c) for c in cycles)
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def test_the_checks_catch_what_they_should():

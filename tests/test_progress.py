@@ -87,7 +87,8 @@ def test_lines_on_a_terminal_when_asked(monkeypatch):
     assert err.getvalue() == "" and lines[0].startswith("stage: 2/2 | elapsed ")
 
 
-@pytest.mark.parametrize("seconds, text", [(0, "0s"), (59.4, "59s"), (190, "3m10s"), (3720, "1h02m"),
-                                           (90000, "25h00m")])
+@pytest.mark.parametrize(
+    "seconds, text", [(0, "0s"), (59.4, "59s"), (190, "3m10s"), (3720, "1h02m"), (90000, "25h00m")]
+)
 def test_duration(seconds, text):
     assert duration(seconds) == text

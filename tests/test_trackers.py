@@ -44,8 +44,11 @@ def test_metrics_log_forwards_every_record(tmp_path, capsys):
 
 
 def test_scalars_flatten_a_record():
-    assert scalars({"step": 3, "split": "val", "loss": 1.5, "acc": [0.5, 0.25], "final": True, "why": "x"}) == \
-        {"val/loss": 1.5, "val/acc_0": 0.5, "val/acc_1": 0.25}
+    assert scalars({"step": 3, "split": "val", "loss": 1.5, "acc": [0.5, 0.25], "final": True, "why": "x"}) == {
+        "val/loss": 1.5,
+        "val/acc_0": 0.5,
+        "val/acc_1": 0.25,
+    }
 
 
 @pytest.mark.parametrize("name, adapter", [("wandb", WandbTracker), ("mlflow", MlflowTracker)])
@@ -74,8 +77,15 @@ def test_the_config_key_takes_known_names_only():
 
 
 def test_nothing_imports_the_trackers_libraries():
-    code = ("import sys, draftling.cli, draftling.trackers, draftling.train.metrics, draftling.train.trainer; "
-            "print(sorted(m for m in ('wandb', 'mlflow') if m in sys.modules))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(CHECKOUT / "src")})
+    code = (
+        "import sys, draftling.cli, draftling.trackers, draftling.train.metrics, draftling.train.trainer; "
+        "print(sorted(m for m in ('wandb', 'mlflow') if m in sys.modules))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(CHECKOUT / "src")},
+    )
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr

@@ -43,12 +43,28 @@ from draftling.engine import (
 from draftling.io import write_json
 
 # SmolLM2-135M-Instruct's shape (its config.json).
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-               rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 # A small stand-in of the same family, for a quick check of this script on a CPU.
-TINY = dict(SMOLLM2, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2)
+TINY = dict(
+    SMOLLM2,
+    vocab_size=2048,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 CONFIGS = [(3, 1, 4), (3, 4, 8), (5, 8, 16)]
 VARIANTS = {
     "graphs": dict(compile=False, attention="sdpa", query_pad=0),
@@ -108,8 +124,11 @@ def profile_variant(model, draft, aux, variant, device, prompts, new_tokens, max
     for steps, topk, q in CONFIGS:
         speculative_generate(target, runner, prompts[0], 8, steps, topk, q)
     reps = 50 if graphs else 5
-    row = {"variant": variant, "warmup_s": round(time.perf_counter() - t0, 1),
-           "forward_ms": {q: round(forward_ms(target, q, 300, device, reps), 3) for q in (1, 4, 8, 16)}}
+    row = {
+        "variant": variant,
+        "warmup_s": round(time.perf_counter() - t0, 1),
+        "forward_ms": {q: round(forward_ms(target, q, 300, device, reps), 3) for q in (1, 4, 8, 16)},
+    }
     plain_tokens, plain_s, refs = 0, 0.0, []
     for x in prompts:
         out, s = timed(device, lambda: greedy_generate(target, x, new_tokens))
@@ -122,13 +141,14 @@ def profile_variant(model, draft, aux, variant, device, prompts, new_tokens, max
     for steps, topk, q in CONFIGS:
         same, rounds, secs = 0, 0, 0.0
         for x, ref in zip(prompts, refs):
-            (out, stats), s = timed(device, lambda: speculative_generate(target, runner, x, new_tokens,
-                                                                         steps, topk, q))
+            (out, stats), s = timed(device, lambda: speculative_generate(target, runner, x, new_tokens, steps, topk, q))
             same += out[0].tolist() == ref
             rounds += stats.verify_steps
             secs += s
         row["configs"][f"{steps}-{topk}-{q}"] = {
-            "identical": f"{same}/{len(prompts)}", "round_ms": round(1e3 * secs / max(1, rounds), 3)}
+            "identical": f"{same}/{len(prompts)}",
+            "round_ms": round(1e3 * secs / max(1, rounds), 3),
+        }
     return row
 
 
@@ -145,17 +165,25 @@ def main(argv=None):
     shape = TINY if args.tiny else SMOLLM2
     model, draft, aux = random_models(device, dtype, shape)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, shape["vocab_size"], (1, 200 + 40 * i), generator=g).to(device)
-               for i in range(args.prompts)]
+    prompts = [
+        torch.randint(0, shape["vocab_size"], (1, 200 + 40 * i), generator=g).to(device) for i in range(args.prompts)
+    ]
     max_len = 200 + 40 * args.prompts + args.new_tokens + 64
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "dtype": str(dtype), "torch": torch.__version__, "shape": ("tiny stand-in" if args.tiny else "SmolLM2-135M") + ", random weights",
-              "prompts": args.prompts, "new_tokens": args.new_tokens, "variants": {}}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "shape": ("tiny stand-in" if args.tiny else "SmolLM2-135M") + ", random weights",
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+        "variants": {},
+    }
     for name in args.variants.split(","):
         torch._dynamo.reset()
         try:
-            result["variants"][name] = profile_variant(model, draft, aux, VARIANTS[name], device,
-                                                       prompts, args.new_tokens, max_len)
+            result["variants"][name] = profile_variant(
+                model, draft, aux, VARIANTS[name], device, prompts, args.new_tokens, max_len
+            )
         except Exception as e:  # keep the other variants' numbers
             result["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         print(name, json.dumps(result["variants"][name]), flush=True)

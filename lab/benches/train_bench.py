@@ -71,10 +71,12 @@ from draftling.train.settings import (
 from draftling.train.teacher import TeacherBatch, teacher_forward
 from draftling.train.trainer import TrainRun, build_run
 
-SHAPE_36B = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128,
-                       vocab=155136, draft_vocab=32000)
-SHAPE_QUICK = DraftShape(hidden=1024, intermediate=2816, heads=16, kv_heads=4, head_dim=64,
-                         vocab=32768, draft_vocab=8000)
+SHAPE_36B = DraftShape(
+    hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128, vocab=155136, draft_vocab=32000
+)
+SHAPE_QUICK = DraftShape(
+    hidden=1024, intermediate=2816, heads=16, kv_heads=4, head_dim=64, vocab=32768, draft_vocab=8000
+)
 PHASES = ("memory", "throughput", "seq", "ablation")
 
 # Each ablation turns one feature off against the all-on run: TrainConfig changes, plus the
@@ -114,8 +116,17 @@ class Settings:
 
 def quick_settings() -> Settings:
     """A small sanity run: the same code paths at a ~1B-class shape and short sequences."""
-    return Settings(shape=SHAPE_QUICK, seq=512, seq_scaling=(256, 512, 1024), measured=1,
-                    tp_seq=512, tp_batch=2, tp_draft_vocab=8000, tp_warmup=1, tp_measured=2)
+    return Settings(
+        shape=SHAPE_QUICK,
+        seq=512,
+        seq_scaling=(256, 512, 1024),
+        measured=1,
+        tp_seq=512,
+        tp_batch=2,
+        tp_draft_vocab=8000,
+        tp_warmup=1,
+        tp_measured=2,
+    )
 
 
 def log(msg: str) -> None:
@@ -124,13 +135,22 @@ def log(msg: str) -> None:
 
 def all_on_config(ttt_steps: int, **changes) -> TrainConfig:
     """Every memory feature on. attention/compile stay auto: flex and compiled on CUDA."""
-    tc = TrainConfig(ttt_steps=ttt_steps, optimizer_offload=True, draft_dtype="auto", embedding_on_host=True,
-                     loss_chunk_tokens=2048, grad_checkpoint=True, attention="auto", compile=None,
-                     memory_policy="config")
+    tc = TrainConfig(
+        ttt_steps=ttt_steps,
+        optimizer_offload=True,
+        draft_dtype="auto",
+        embedding_on_host=True,
+        loss_chunk_tokens=2048,
+        grad_checkpoint=True,
+        attention="auto",
+        compile=None,
+        memory_policy="config",
+    )
     return dataclasses.replace(tc, **changes)
 
 
 # --- device helpers --------------------------------------------------------------------------
+
 
 def _cuda(device: torch.device) -> bool:
     return device.type == "cuda"
@@ -184,6 +204,7 @@ def guarded(device: torch.device, fn, *args, **kwargs) -> dict:
 
 # --- the stubbed 36B-class teacher -----------------------------------------------------------
 
+
 class StubTarget:
     """What the trainer reads from a target when no teacher forward runs: its config, aux
     layer ids, input embedding and pad id. No weights besides the embedding."""
@@ -209,10 +230,17 @@ class StubTarget:
 def stub_target_config(shape: DraftShape, layers: int = 64):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                       num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                       head_dim=shape.head_dim, num_hidden_layers=layers, max_position_embeddings=131072,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        num_hidden_layers=layers,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    )
 
 
 def tiled_embedding(vocab: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Embedding:
@@ -224,15 +252,18 @@ def tiled_embedding(vocab: int, hidden: int, dtype: torch.dtype, seed: int = 0) 
     return torch.nn.Embedding(vocab, hidden, _weight=weight, _freeze=True)
 
 
-def stub_batch(shape: DraftShape, batch: int, seq: int, device: torch.device, aux_dtype: torch.dtype,
-               seed: int = 0):
+def stub_batch(shape: DraftShape, batch: int, seq: int, device: torch.device, aux_dtype: torch.dtype, seed: int = 0):
     """A teacher's outputs as random tensors, and the token ids they stand for."""
     g = torch.Generator(device=device).manual_seed(seed)
     aux = torch.randn(batch, seq, 3 * shape.ht, generator=g, device=device).to(aux_dtype)
     # The draft-vocab logits in the teacher's dtype, as teacher_forward returns them.
     logits = (torch.randn(batch, seq, shape.draft_vocab, generator=g, device=device) * 3).to(aux_dtype)
-    teacher = TeacherBatch(aux=aux, draft_logits=logits, target_argmax=logits.argmax(-1),
-                           in_draft=torch.ones(batch, seq, dtype=torch.bool, device=device))
+    teacher = TeacherBatch(
+        aux=aux,
+        draft_logits=logits,
+        target_argmax=logits.argmax(-1),
+        in_draft=torch.ones(batch, seq, dtype=torch.bool, device=device),
+    )
     ids = torch.randint(0, shape.vocab, (batch, seq), generator=g, device=device)
     return teacher, ids
 
@@ -276,27 +307,44 @@ class MemoryBench:
         self.device = device
         shape = settings.shape
         t0 = time.perf_counter()
-        self.target = StubTarget(stub_target_config(shape),
-                                 tiled_embedding(shape.vocab, shape.hidden, settings.aux_dtype))
+        self.target = StubTarget(
+            stub_target_config(shape), tiled_embedding(shape.vocab, shape.hidden, settings.aux_dtype)
+        )
         self.vocab = build_vocab(torch.zeros(shape.vocab, dtype=torch.long), shape.draft_vocab, "synthetic")
         torch.manual_seed(0)
         with torch.device("cpu"):  # the trainer's build order
             self.base_draft = build_draft(RunConfig(), self.target, self.vocab)
         self.num_params = sum(p.numel() for p in self.base_draft.parameters() if p.requires_grad)
-        log(f"draft of the {shape.hidden}-wide shape: {self.num_params / 1e6:.1f}M params, built on the host "
-            f"in {time.perf_counter() - t0:.1f}s")
+        log(
+            f"draft of the {shape.hidden}-wide shape: {self.num_params / 1e6:.1f}M params, built on the host "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
 
     def options(self, tc: TrainConfig, *, build_on_device: bool = False, fsdp: bool = False) -> MemoryOptions:
         """The run's features as train.memory sees them, resolved the way the trainer resolves them."""
         dtype = draft_param_dtype(tc, self.device, self.num_params)
         mem = memory_options(tc, self.device, param_dtype=dtype)
         return MemoryOptions.from_unroll_options(
-            mem, optimizer_offload=optimizer_offload(tc, self.device, self.num_params), draft_dtype=dtype,
-            embed_dtype=self.s.aux_dtype, embedding_on_host=tc.embedding_on_host, fsdp=fsdp,
-            build_on_cpu=not build_on_device)
+            mem,
+            optimizer_offload=optimizer_offload(tc, self.device, self.num_params),
+            draft_dtype=dtype,
+            embed_dtype=self.s.aux_dtype,
+            embedding_on_host=tc.embedding_on_host,
+            fsdp=fsdp,
+            build_on_cpu=not build_on_device,
+        )
 
-    def run(self, name: str, tc: TrainConfig, *, seq: int | None = None, build_on_device: bool = False,
-            fsdp: bool = False, warmup: int = 0, measured: int = 1) -> dict:
+    def run(
+        self,
+        name: str,
+        tc: TrainConfig,
+        *,
+        seq: int | None = None,
+        build_on_device: bool = False,
+        fsdp: bool = False,
+        warmup: int = 0,
+        measured: int = 1,
+    ) -> dict:
         s, dev = self.s, self.device
         seq = seq or s.seq
         opts = self.options(tc, build_on_device=build_on_device, fsdp=fsdp)
@@ -308,8 +356,7 @@ class MemoryBench:
         baseline = torch.cuda.memory_allocated(dev) / GIB if _cuda(dev) else None  # left by earlier runs
         t0 = time.perf_counter()
         with contextlib.ExitStack() as cleanup:  # an FSDP run's process group ends after its steps
-            m = self._measure(tc, seq, cleanup, build_on_device=build_on_device, fsdp=fsdp,
-                              steps=warmup + measured)
+            m = self._measure(tc, seq, cleanup, build_on_device=build_on_device, fsdp=fsdp, steps=warmup + measured)
         _free(dev)
         est = estimate_train_memory(s.shape, s.batch, seq, tc.ttt_steps, opts)
         peak = None if m["setup_peak"] is None else max([m["setup_peak"]] + m["step_peaks"])
@@ -319,7 +366,9 @@ class MemoryBench:
             "step_peak_gib": [_round(p) for p in m["step_peaks"]],
             "reserved_peak_gib": None if m["setup_peak"] is None else _round(max(m["reserved"])),
             "baseline_gib": _round(baseline),
-            "seq": seq, "batch": s.batch, "steps": warmup + measured,
+            "seq": seq,
+            "batch": s.batch,
+            "steps": warmup + measured,
             "step_s": [round(x, 3) for x in m["step_s"]],
             "loss": round(m["losses"][-1], 4),
             "options": dataclasses.asdict(opts),
@@ -331,8 +380,9 @@ class MemoryBench:
         log(f"  {name}: peak {out['peak_gib']} GiB (plan {out['plan_estimate_gib']}), steps {out['step_s']} s")
         return out
 
-    def _measure(self, tc: TrainConfig, seq: int, cleanup: contextlib.ExitStack, *, build_on_device: bool,
-                 fsdp: bool, steps: int) -> dict:
+    def _measure(
+        self, tc: TrainConfig, seq: int, cleanup: contextlib.ExitStack, *, build_on_device: bool, fsdp: bool, steps: int
+    ) -> dict:
         """The draft placed and given its optimizer as the trainer does it, then ``steps`` of the
         trainer's step on the stub batch: the peak of the setup, and each step's peak and time."""
         s, dev = self.s, self.device
@@ -353,10 +403,21 @@ class MemoryBench:
         objective, optimizer, scheduler = self._optimized(draft, tc, dtype, fsdp)
         teacher, ids = stub_batch(s.shape, s.batch, seq, dev, s.aux_dtype)
         # The options the plan estimates, fixed (under FSDP the params are fp32 shards).
-        source = BatchSource(cfg, target, token_examples(ids, "stub"), dev, teacher=StubTeacher(teacher),
-                             unroll=unroll_options(tc, dev, param_dtype=dtype))
-        m = {"setup_peak": _peak_gib(dev), "reserved": [_reserved_gib(dev)], "step_peaks": [], "step_s": [],
-             "losses": []}
+        source = BatchSource(
+            cfg,
+            target,
+            token_examples(ids, "stub"),
+            dev,
+            teacher=StubTeacher(teacher),
+            unroll=unroll_options(tc, dev, param_dtype=dtype),
+        )
+        m = {
+            "setup_peak": _peak_gib(dev),
+            "reserved": [_reserved_gib(dev)],
+            "step_peaks": [],
+            "step_s": [],
+            "losses": [],
+        }
         for _ in range(steps):
             _reset_peak(dev)
             t = time.perf_counter()
@@ -392,6 +453,7 @@ def _round(x, nd: int = 3):
 
 # --- throughput against the real teacher ----------------------------------------------------
 
+
 def synthetic_vocab(target, batches: list[torch.Tensor], size: int, device: torch.device):
     """A draft vocab for random-id batches: the teacher's argmax tokens on them first, then the
     input ids, so (as with real regenerated data) nearly every position has a loss."""
@@ -422,9 +484,14 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
     events = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
     busy_us = sum(e.self_device_time_total for e in events)
     ranked = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    return {"wall_s": round(wall, 4), "device_busy_s": round(busy_us / 1e6, 4),
-            "top_ops": [{"name": e.key[:80], "calls": e.count, "device_ms": round(e.self_device_time_total / 1e3, 2)}
-                        for e in ranked]}
+    return {
+        "wall_s": round(wall, 4),
+        "device_busy_s": round(busy_us / 1e6, 4),
+        "top_ops": [
+            {"name": e.key[:80], "calls": e.count, "device_ms": round(e.self_device_time_total / 1e3, 2)}
+            for e in ranked
+        ],
+    }
 
 
 def synthetic_run(target, vocab, tc: TrainConfig, batches: list[torch.Tensor]) -> TrainRun:
@@ -460,9 +527,11 @@ def phase_split(name: str, run: TrainRun, batch_keys: list[list[int]], warmup: i
         t0, t1, t_fwd, t2, t3 = t
         split.append((t1 - t0, t2 - t1, t3 - t2, t_fwd - t1))
         valid = counts.valid[0] / tokens
-        log(f"  {name} step {i + 1}/{len(batch_keys)}: {t3 - t0:.3f}s (teacher {t1 - t0:.3f}, draft fwd+bwd "
+        log(
+            f"  {name} step {i + 1}/{len(batch_keys)}: {t3 - t0:.3f}s (teacher {t1 - t0:.3f}, draft fwd+bwd "
             f"{t2 - t1:.3f} of which fwd {t_fwd - t1:.3f}, optimizer {t3 - t2:.3f})"
-            + (" [warm-up]" if i < warmup else ""))
+            + (" [warm-up]" if i < warmup else "")
+        )
     return split, valid
 
 
@@ -477,8 +546,16 @@ def flow_step_seconds(run: TrainRun, batch_keys: list[list[int]]) -> float:
     return (time.perf_counter() - t0) / len(batch_keys)
 
 
-def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[torch.Tensor],
-                    warmup: int, device: torch.device, profile: bool = False) -> dict:
+def throughput_path(
+    name: str,
+    target,
+    vocab,
+    tc: TrainConfig,
+    batches: list[torch.Tensor],
+    warmup: int,
+    device: torch.device,
+    profile: bool = False,
+) -> dict:
     """tokens/s of the trainer's own training step (``TrainRun.train_step``), each step also
     timed in its phases."""
     torch.manual_seed(0)
@@ -486,8 +563,10 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     tc, dtype = run.cfg.train, run.param_dtype
     mem_opts = memory_options(tc, device, param_dtype=dtype)
     n_params = sum(p.numel() for p in run.draft.parameters() if p.requires_grad)
-    log(f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {run.offload}, {mem_opts}; "
-        f"memory policy {run.memory_policy}")
+    log(
+        f"throughput {name}: {n_params / 1e6:.1f}M params ({dtype}), offload {run.offload}, {mem_opts}; "
+        f"memory policy {run.memory_policy}"
+    )
     tokens = batches[0].numel()
     batch_keys = [list(range(i * len(b), (i + 1) * len(b))) for i, b in enumerate(batches)]
     split, valid = phase_split(name, run, batch_keys, warmup, tokens)
@@ -497,21 +576,34 @@ def throughput_path(name: str, target, vocab, tc: TrainConfig, batches: list[tor
     flow_step_s = flow_step_seconds(run, batch_keys[warmup:] or batch_keys)
     profiled = profile_step(lambda: timed_step(run, batch_keys[-1], []), device) if profile else None
     split_step_s = sum(mean[:3])
-    about = {"draft_dtype": str(dtype).replace("torch.", ""), "optimizer_offload": run.offload,
-             "memory_options": mem_opts, "teacher_compiled": compile_teacher(tc, device, target.model),
-             "memory_policy": run.memory_policy}
+    about = {
+        "draft_dtype": str(dtype).replace("torch.", ""),
+        "optimizer_offload": run.offload,
+        "memory_options": mem_opts,
+        "teacher_compiled": compile_teacher(tc, device, target.model),
+        "memory_policy": run.memory_policy,
+    }
     del run
     _free(device)
-    return {"tok_s": round(tokens / flow_step_s, 1), "step_s": round(flow_step_s, 4),
-            "tok_s_with_phase_syncs": round(tokens / split_step_s, 1),
-            "step_s_with_phase_syncs": round(split_step_s, 4),
-            "time_split": {"teacher_prefill_s": round(mean[0], 4), "draft_fwd_bwd_s": round(mean[1], 4),
-                           "optimizer_s": round(mean[2], 4), "draft_forward_s": round(mean[3], 4)},
-            "warmup_step_s": [round(sum(x[:3]), 3) for x in split[:warmup]],
-            "measured_steps": len(measured), "tokens_per_step": tokens,
-            "valid_fraction_step0": round(valid, 4), **about,
-            "peak_gib": _round(_peak_gib(device)),
-            **({"profile": profiled} if profiled else {})}
+    return {
+        "tok_s": round(tokens / flow_step_s, 1),
+        "step_s": round(flow_step_s, 4),
+        "tok_s_with_phase_syncs": round(tokens / split_step_s, 1),
+        "step_s_with_phase_syncs": round(split_step_s, 4),
+        "time_split": {
+            "teacher_prefill_s": round(mean[0], 4),
+            "draft_fwd_bwd_s": round(mean[1], 4),
+            "optimizer_s": round(mean[2], 4),
+            "draft_forward_s": round(mean[3], 4),
+        },
+        "warmup_step_s": [round(sum(x[:3]), 3) for x in split[:warmup]],
+        "measured_steps": len(measured),
+        "tokens_per_step": tokens,
+        "valid_fraction_step0": round(valid, 4),
+        **about,
+        "peak_gib": _round(_peak_gib(device)),
+        **({"profile": profiled} if profiled else {}),
+    }
 
 
 def run_throughput(target, settings: Settings, device: torch.device) -> dict:
@@ -538,8 +630,18 @@ def run_throughput(target, settings: Settings, device: torch.device) -> dict:
     out = {}
     for name, tc in paths.items():
         _reset_peak(device)
-        out[name] = guarded(device, throughput_path, name, target, vocab, tc, batches, s.tp_warmup, device,
-                            profile=s.tp_profile and name == "default")
+        out[name] = guarded(
+            device,
+            throughput_path,
+            name,
+            target,
+            vocab,
+            tc,
+            batches,
+            s.tp_warmup,
+            device,
+            profile=s.tp_profile and name == "default",
+        )
     return out
 
 
@@ -550,12 +652,15 @@ def throughput_phase(target, settings: Settings, device: torch.device) -> dict:
 
         t0 = time.perf_counter()
         target = load_target(target, dtype="bfloat16", device=str(device))
-        log(f"teacher loaded in {time.perf_counter() - t0:.1f}s: {target.spec.name}, "
-            f"{target.num_layers} layers, vocab {target.config.vocab_size}")
+        log(
+            f"teacher loaded in {time.perf_counter() - t0:.1f}s: {target.spec.name}, "
+            f"{target.num_layers} layers, vocab {target.config.vocab_size}"
+        )
     return run_throughput(target, settings, device)
 
 
 # --- the whole bench --------------------------------------------------------------------------
+
 
 def new_results(settings: Settings, device: torch.device) -> dict:
     import transformers
@@ -580,14 +685,27 @@ def new_results(settings: Settings, device: torch.device) -> dict:
         "time_split": {},
         "memory_shape": dataclasses.asdict(s.shape),
         "memory_shape_name": "36B-class" if s.shape == SHAPE_36B else "custom (not the 36B-class shape)",
-        "memory_config": {"seq": s.seq, "batch": s.batch, "ttt_steps": s.ttt_steps, "dtype": "bfloat16",
-                          "warmup_steps": s.warmup, "measured_steps": s.measured,
-                          "ablation_steps": s.case_steps, "teacher": "stubbed: random aux (bf16) and "
-                          "draft-vocab logits (bf16, the teacher dtype); embedding table random"},
-        "throughput_config": {"seq": s.tp_seq, "batch": s.tp_batch, "ttt_steps": s.ttt_steps,
-                              "draft_vocab": s.tp_draft_vocab, "warmup_steps": s.tp_warmup,
-                              "measured_steps": s.tp_measured, "teacher_dtype": "bfloat16",
-                              "data": "synthetic: uniformly random token ids, loss on every position"},
+        "memory_config": {
+            "seq": s.seq,
+            "batch": s.batch,
+            "ttt_steps": s.ttt_steps,
+            "dtype": "bfloat16",
+            "warmup_steps": s.warmup,
+            "measured_steps": s.measured,
+            "ablation_steps": s.case_steps,
+            "teacher": "stubbed: random aux (bf16) and "
+            "draft-vocab logits (bf16, the teacher dtype); embedding table random",
+        },
+        "throughput_config": {
+            "seq": s.tp_seq,
+            "batch": s.tp_batch,
+            "ttt_steps": s.ttt_steps,
+            "draft_vocab": s.tp_draft_vocab,
+            "warmup_steps": s.tp_warmup,
+            "measured_steps": s.tp_measured,
+            "teacher_dtype": "bfloat16",
+            "data": "synthetic: uniformly random token ids, loss on every position",
+        },
         "all_on": None,
         "throughput": None,
         "caveats": [],
@@ -601,9 +719,12 @@ def manifest_config(settings: Settings, device: torch.device, target, phases) ->
     record["shape"] = dataclasses.asdict(settings.shape)
     record["aux_dtype"] = str(settings.aux_dtype).removeprefix("torch.")
     spec = getattr(target, "spec", None)
-    return {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in record.items()},
-            "phases": list(phases), "device": str(device),
-            "target": spec.label if spec is not None else (None if target is None else str(target))}
+    return {
+        "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in record.items()},
+        "phases": list(phases),
+        "device": str(device),
+        "target": spec.label if spec is not None else (None if target is None else str(target)),
+    }
 
 
 def caveats(results: dict, settings: Settings) -> list[str]:
@@ -629,8 +750,10 @@ def caveats(results: dict, settings: Settings) -> list[str]:
         "the trainer's warmup/cosine one",
     ]
     if not _cuda(torch.device(results["device"])):
-        notes.append("not run on CUDA: peaks are null; flex attention and compile are off, so the "
-                     "ablations of those are no-ops here")
+        notes.append(
+            "not run on CUDA: peaks are null; flex attention and compile are off, so the "
+            "ablations of those are no-ops here"
+        )
     for key in ("ablation", "seq_scaling"):
         for name, entry in (results.get(key) or {}).items():
             if isinstance(entry, dict) and "error" in entry:
@@ -650,8 +773,9 @@ def _save(out, results: dict, settings: Settings) -> None:
         write_json(out, results)
 
 
-def run_bench(out, settings: Settings, device: torch.device, target=None, phases=PHASES,
-              command: str | None = None) -> dict:
+def run_bench(
+    out, settings: Settings, device: torch.device, target=None, phases=PHASES, command: str | None = None
+) -> dict:
     """Run the phases in order (headline memory, throughput, sequence scaling, ablations; the
     FSDP ablation, the one run that needs a process group, last), rewriting ``out`` after
     each run. ``target``: a loaded Target, a path/name to load in bf16, or None to skip the
@@ -663,8 +787,9 @@ def run_bench(out, settings: Settings, device: torch.device, target=None, phases
     # silently runs eagerly, which would measure the wrong thing.
     allow_recompiles(64)
     results = new_results(settings, device)
-    results["manifest"] = manifest_fields(command, manifest_config(settings, device, target, phases), device,
-                                          results["date"])
+    results["manifest"] = manifest_fields(
+        command, manifest_config(settings, device, target, phases), device, results["date"]
+    )
     s = settings
     bench = MemoryBench(s, device) if {"memory", "ablation", "seq"} & set(phases) else None
     if "memory" in phases:
@@ -677,16 +802,19 @@ def run_bench(out, settings: Settings, device: torch.device, target=None, phases
         _bench_ablations(bench, results, out)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     _save(out, results, s)
-    log(f"done in {results['wall_s']}s: peak {results['peak_gib_36b_shape']} GiB (plan "
+    log(
+        f"done in {results['wall_s']}s: peak {results['peak_gib_36b_shape']} GiB (plan "
         f"{results['plan_estimate_gib']}), tok/s default {results['tok_s_default']} vs eager "
-        f"{results['tok_s_eager']} (x{results['speedup_vs_eager']})")
+        f"{results['tok_s_eager']} (x{results['speedup_vs_eager']})"
+    )
     return results
 
 
 def _bench_memory(bench: MemoryBench, results: dict, out) -> None:
     s = bench.s
-    all_on = guarded(bench.device, bench.run, "all_on", all_on_config(s.ttt_steps), warmup=s.warmup,
-                     measured=s.measured)
+    all_on = guarded(
+        bench.device, bench.run, "all_on", all_on_config(s.ttt_steps), warmup=s.warmup, measured=s.measured
+    )
     results["all_on"] = all_on
     if "error" not in all_on:
         results["peak_gib_36b_shape"] = all_on["peak_gib"]
@@ -716,8 +844,9 @@ def _bench_seq(bench: MemoryBench, results: dict, out) -> None:
     for seq in s.seq_scaling:
         if str(seq) in results["seq_scaling"]:
             continue
-        results["seq_scaling"][str(seq)] = guarded(bench.device, bench.run, f"all_on_seq{seq}",
-                                                   all_on_config(s.ttt_steps), seq=seq, measured=s.case_steps)
+        results["seq_scaling"][str(seq)] = guarded(
+            bench.device, bench.run, f"all_on_seq{seq}", all_on_config(s.ttt_steps), seq=seq, measured=s.case_steps
+        )
         _save(out, results, s)
     results["seq_scaling"] = dict(sorted(results["seq_scaling"].items(), key=lambda kv: int(kv[0])))
 
@@ -728,8 +857,15 @@ def _bench_ablations(bench: MemoryBench, results: dict, out) -> None:
     for name in s.ablations:
         spec = ABLATIONS[name]
         tc = all_on_config(s.ttt_steps, **spec.get("train", {}))
-        entry = guarded(bench.device, bench.run, name, tc, build_on_device=spec.get("build_on_device", False),
-                        fsdp=spec.get("fsdp", False), measured=s.case_steps)
+        entry = guarded(
+            bench.device,
+            bench.run,
+            name,
+            tc,
+            build_on_device=spec.get("build_on_device", False),
+            fsdp=spec.get("fsdp", False),
+            measured=s.case_steps,
+        )
         if "error" not in entry and base_peak is not None and entry["peak_gib"] is not None:
             entry["delta_vs_all_on_gib"] = round(entry["peak_gib"] - base_peak, 3)
         results["ablation"][name] = entry
@@ -739,12 +875,14 @@ def _bench_ablations(bench: MemoryBench, results: dict, out) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results JSON (rewritten after every run)")
-    p.add_argument("--target", help="teacher for the throughput phase (e.g. the SmolLM2 GGUF); "
-                   "without it that phase is skipped")
+    p.add_argument(
+        "--target", help="teacher for the throughput phase (e.g. the SmolLM2 GGUF); without it that phase is skipped"
+    )
     p.add_argument("--quick", action="store_true", help="small shapes and short sequences: a sanity run")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--phases", default=",".join(PHASES),
-                   help=f"comma list of {', '.join(PHASES)} (default: all, in that order)")
+    p.add_argument(
+        "--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)} (default: all, in that order)"
+    )
     p.add_argument("--ablations", default=None, help=f"comma list of {', '.join(ABLATIONS)} (default: all)")
     args = p.parse_args(argv)
     phases = [x for x in args.phases.split(",") if x]

@@ -38,15 +38,19 @@ def main(run: Path, out: Path) -> dict:
         in_vocab += int((label_is_reply & teacher.in_draft[0, 1:-1]).sum())
     chain = bench["configs"][0]
     result = {
-        "run": str(run), "bench_prompts": ids, "decoding_tau": chain["tau"],
+        "run": str(run),
+        "bench_prompts": ids,
+        "decoding_tau": chain["tau"],
         "decoding_accept_rate_by_depth": chain["accept_rate_by_depth"],
-        "teacher_forced_acc": forced["acc"], "teacher_forced_cond_acc": forced["cond_acc"],
+        "teacher_forced_acc": forced["acc"],
+        "teacher_forced_cond_acc": forced["cond_acc"],
         "teacher_forced_sim_tau": forced["sim_tau"],
-        "reply_positions": reply, "greedy_token_in_draft_vocab": in_vocab,
+        "reply_positions": reply,
+        "greedy_token_in_draft_vocab": in_vocab,
         "in_vocab_share": round(in_vocab / max(reply, 1), 4),
         "step0_acc_over_all_reply_positions": round(forced["acc"][0] * in_vocab / max(reply, 1), 4),
         "note": "teacher-forced metrics are averaged over positions; decoding's per-depth rates are "
-                "averaged over rounds, which start more often where the draft fails",
+        "averaged over rounds, which start more often where the draft fails",
     }
     write_json(out, result)
     return result

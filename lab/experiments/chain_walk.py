@@ -49,20 +49,38 @@ def main() -> None:
             teacher = teacher_forward(target, ids, attn, draft.t2d)
             _, counts = ttt_unroll(draft, target.input_embeddings(), teacher, ids, loss_mask, attn, args.steps)
             rounds, accepted = counts.walk_rounds, counts.walk_accepted
-            rows.append({"id": ex.id, "source": ex.source, "rounds": rounds, "accepted": accepted,
-                         "walk_tau": (rounds + accepted) / max(rounds, 1)})
+            rows.append(
+                {
+                    "id": ex.id,
+                    "source": ex.source,
+                    "rounds": rounds,
+                    "accepted": accepted,
+                    "walk_tau": (rounds + accepted) / max(rounds, 1),
+                }
+            )
     rounds = sum(r["rounds"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
-    result = {"config": args.config, "draft": args.draft, "data": args.data, "steps": args.steps,
-              "sequences": len(rows), "walk_tau": (rounds + accepted) / max(rounds, 1), "per_sequence": rows}
+    result = {
+        "config": args.config,
+        "draft": args.draft,
+        "data": args.data,
+        "steps": args.steps,
+        "sequences": len(rows),
+        "walk_tau": (rounds + accepted) / max(rounds, 1),
+        "per_sequence": rows,
+    }
     if args.bench:
         bench = json.loads(Path(args.bench).read_text())
         name = bench["configs"][0]["name"]
         measured = {p["id"]: p[name]["tau"] for p in bench["per_prompt"]}
         pairs = [(r["walk_tau"], measured[r["id"]]) for r in rows if r["id"] in measured]
-        result["bench"] = {"file": args.bench, "config": name, "tau": bench["configs"][0]["tau"],
-                           "prompts_matched": len(pairs),
-                           "mean_walk_minus_bench_per_prompt": statistics.fmean(w - b for w, b in pairs) if pairs else None}
+        result["bench"] = {
+            "file": args.bench,
+            "config": name,
+            "tau": bench["configs"][0]["tau"],
+            "prompts_matched": len(pairs),
+            "mean_walk_minus_bench_per_prompt": statistics.fmean(w - b for w, b in pairs) if pairs else None,
+        }
     write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "per_sequence"}, indent=1))
 

@@ -44,10 +44,15 @@ def main(out_path: str) -> None:
     head_bf16 = head.to(torch.bfloat16)
     fp32 = best_seconds(lambda: (x @ head.T).argmax(-1), 3)
     bf16 = best_seconds(lambda: (x.to(torch.bfloat16) @ head_bf16.T).argmax(-1), 3)
-    result = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d"),
-              "cpu": platform.processor() or platform.machine(), "threads": 2, "matmuls": rows,
-              "probe_says_bf16_faster": bf16_matmul_is_faster("cpu"),
-              "teacher_head_argmax_2048_tokens_ms": {"float32": round(fp32 * 1e3), "bfloat16": round(bf16 * 1e3)}}
+    result = {
+        "what": __doc__.strip().splitlines()[0],
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": 2,
+        "matmuls": rows,
+        "probe_says_bf16_faster": bf16_matmul_is_faster("cpu"),
+        "teacher_head_argmax_2048_tokens_ms": {"float32": round(fp32 * 1e3), "bfloat16": round(bf16 * 1e3)},
+    }
     print(json.dumps(result, indent=1))
     Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
 

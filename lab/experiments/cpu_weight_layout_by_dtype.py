@@ -2,6 +2,7 @@
 weights, in fp32 and bf16, beside what hardware.column_major_linear_is_faster decides for
 each dtype (load_target lays the weights out by that decision).
 Usage: python3 lab/experiments/cpu_weight_layout_by_dtype.py OUT.json"""
+
 import json
 import platform
 import sys
@@ -31,8 +32,13 @@ def lay_out(model, column: bool):
             mod.weight.data = w.t().contiguous().t() if column else w
 
 
-result = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-          "torch": torch.__version__, "bf16_matmul_is_faster": bf16_matmul_is_faster("cpu"), "dtypes": {}}
+result = {
+    "machine": platform.processor() or platform.machine(),
+    "threads": torch.get_num_threads(),
+    "torch": torch.__version__,
+    "bf16_matmul_is_faster": bf16_matmul_is_faster("cpu"),
+    "dtypes": {},
+}
 for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
     model = load_target(None, dtype=name).model
     row = {"probe_says_column_major": column_major_linear_is_faster(dtype)}

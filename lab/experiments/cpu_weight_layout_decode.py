@@ -6,6 +6,7 @@ Usage: python3 lab/experiments/cpu_weight_layout_decode.py DRAFT_DIR
 As run on 2026-12-01 on a 2-core Xeon, before 5150e62 (bench/results/
 2026-12-01-cpu-weight-layout-0572392-cpu-xeon-2core/), this loaded the target row-major (before
 the layout change); with the change in place the first half already measures column-major weights."""
+
 import sys
 import time
 
@@ -20,8 +21,13 @@ from draftling.target import load_target
 tg = load_target(None, dtype="float32")
 draft = load_any_draft(sys.argv[1], torch.device("cpu"), torch.float32)
 ct, runner = build_engine(tg, draft, 512)
-ids = torch.tensor([tg.tokenizer("<|im_start|>user\nWrite a python function to reverse a list.<|im_end|>\n"
-                                 "<|im_start|>assistant\n")["input_ids"]])
+ids = torch.tensor(
+    [
+        tg.tokenizer("<|im_start|>user\nWrite a python function to reverse a list.<|im_end|>\n<|im_start|>assistant\n")[
+            "input_ids"
+        ]
+    ]
+)
 
 
 def measure(tag):
@@ -42,8 +48,17 @@ def measure(tag):
     t = time.time()
     _, st = speculative_generate(ct, runner, ids, 64, 3, 1, 4)
     dt = time.time() - t
-    print(tag, "spec rounds", len(st.accept_lengths), "tau", st.tau, "ms/round",
-          dt / len(st.accept_lengths) * 1000, "tok/s", 64 / dt)
+    print(
+        tag,
+        "spec rounds",
+        len(st.accept_lengths),
+        "tau",
+        st.tau,
+        "ms/round",
+        dt / len(st.accept_lengths) * 1000,
+        "tok/s",
+        64 / dt,
+    )
 
 
 measure("as loaded")

@@ -5,6 +5,7 @@ Usage: python3 lab/experiments/cpu_weight_layout_forward.py
 As run on 2026-12-01 on a 2-core Xeon, before 5150e62 (bench/results/
 2026-12-01-cpu-weight-layout-0572392-cpu-xeon-2core/), load_target left the weights row-major;
 with the layout change in place the first row already measures column-major weights."""
+
 import time
 
 import torch

@@ -31,8 +31,9 @@ print(json.dumps({"imports_s": t1 - t0, "load_s": t2 - t1}))
 
 
 def timed_load(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", f"MODE={mode!r}\n" + LOAD], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", f"MODE={mode!r}\n" + LOAD], check=True, capture_output=True, text=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -59,18 +60,21 @@ def main(out_path: str) -> None:
     for budget in (0, 4096):
         rc.prefill_chunk_tokens = budget
         t0 = time.perf_counter()
-        rows = list(regenerate(target, convs, rc, max_prompt_tokens=cfg.data.max_tokens,
-                               progress=False, keep_states=True))
+        rows = list(
+            regenerate(target, convs, rc, max_prompt_tokens=cfg.data.max_tokens, progress=False, keep_states=True)
+        )
         runs[budget] = (time.perf_counter() - t0, rows)
     (t_one, rows_one), (t_chunk, rows_chunk) = runs[0], runs[4096]
     same_tokens = all(a["messages"] == b["messages"] for a, b in zip(rows_one, rows_chunk))
-    max_state_diff = max(float((a["_states"][1] - b["_states"][1]).abs().max())
-                         for a, b in zip(rows_one, rows_chunk))
+    max_state_diff = max(float((a["_states"][1] - b["_states"][1]).abs().max()) for a, b in zip(rows_one, rows_chunk))
     result["prefill"] = {
-        "prompts": len(rows_one), "max_new_tokens": rc.max_new_tokens,
+        "prompts": len(rows_one),
+        "max_new_tokens": rc.max_new_tokens,
         "prompt_tokens": sum(r["provenance"]["prompt_tokens"] for r in rows_one),
-        "one_forward_s": t_one, "chunks_of_4096_tokens_s": t_chunk,
-        "same_replies": same_tokens, "max_abs_aux_state_diff": max_state_diff,
+        "one_forward_s": t_one,
+        "chunks_of_4096_tokens_s": t_chunk,
+        "same_replies": same_tokens,
+        "max_abs_aux_state_diff": max_state_diff,
         "torch_threads": torch.get_num_threads(),
     }
     print(result, flush=True)

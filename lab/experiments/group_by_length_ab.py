@@ -17,12 +17,20 @@ from draftling.train.trainer import train
 
 def main(data: Path, settings: list[str]) -> None:
     for setting in settings:
-        cfg = load_config("quickstart_cpu", [f"train.group_by_length={setting}", "train.max_steps=30",
-                                             "train.log_every=10", "train.max_val_batches=1"])
+        cfg = load_config(
+            "quickstart_cpu",
+            [f"train.group_by_length={setting}", "train.max_steps=30", "train.log_every=10", "train.max_val_batches=1"],
+        )
         target = load_target(cfg.target, dtype=cfg.dtype, device="cpu", aux_layer_ids=cfg.aux_layer_ids)
         t0 = time.perf_counter()
-        train(cfg, target, Path(f"/tmp/group_by_length_{setting}"), data / "train.jsonl", data / "val.jsonl",
-              data / "vocab.safetensors")
+        train(
+            cfg,
+            target,
+            Path(f"/tmp/group_by_length_{setting}"),
+            data / "train.jsonl",
+            data / "val.jsonl",
+            data / "vocab.safetensors",
+        )
         print("GROUP", setting, "30 steps s", round(time.perf_counter() - t0, 1), flush=True)
 
 

@@ -41,18 +41,31 @@ q_prefill, q_step, q_out = timed(int8, x)
 h_fp, h_q = fp_out.hidden_states[-2], q_out.hidden_states[-2]
 res = {
     "what": "SmolLM2-135M fp32 vs torch dynamic int8 (nn.Linear), CPU, HF forward",
-    "date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-    "threads": torch.get_num_threads(), "batch": 64, "prompt_tokens": 100,
-    "fp32": {"prefill_s": round(fp_prefill, 2), "prefill_tok_s": round(6400 / fp_prefill, 1),
-             "decode_step_s": round(fp_step, 3), "decode_tok_s": round(64 / fp_step, 1)},
-    "int8_dynamic": {"prefill_s": round(q_prefill, 2), "prefill_tok_s": round(6400 / q_prefill, 1),
-                     "decode_step_s": round(q_step, 3), "decode_tok_s": round(64 / q_step, 1)},
+    "date": time.strftime("%Y-%m-%d"),
+    "cpu": platform.processor() or platform.machine(),
+    "threads": torch.get_num_threads(),
+    "batch": 64,
+    "prompt_tokens": 100,
+    "fp32": {
+        "prefill_s": round(fp_prefill, 2),
+        "prefill_tok_s": round(6400 / fp_prefill, 1),
+        "decode_step_s": round(fp_step, 3),
+        "decode_tok_s": round(64 / fp_step, 1),
+    },
+    "int8_dynamic": {
+        "prefill_s": round(q_prefill, 2),
+        "prefill_tok_s": round(6400 / q_prefill, 1),
+        "decode_step_s": round(q_step, 3),
+        "decode_tok_s": round(64 / q_step, 1),
+    },
     "drift": {
         "relative_l2_of_layer_L-1_states": round(float((h_q - h_fp).norm() / h_fp.norm()), 4),
-        "greedy_next_token_agreement": round(float((q_out.logits.argmax(-1) == fp_out.logits.argmax(-1)).float().mean()), 4),
+        "greedy_next_token_agreement": round(
+            float((q_out.logits.argmax(-1) == fp_out.logits.argmax(-1)).float().mean()), 4
+        ),
     },
     "note": "random token ids, one run; the int8 model's activation scales are per batch, so its "
-            "outputs also depend on what else is in the batch",
+    "outputs also depend on what else is in the batch",
 }
 print(json.dumps(res, indent=1))
 with open(sys.argv[1], "w") as f:

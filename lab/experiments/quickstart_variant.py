@@ -27,8 +27,9 @@ def main(out: Path, earlier_data: Path, overrides: list[str]) -> dict:
     lines = (earlier_data / "replies.jsonl").read_text().splitlines()
     replies = [json.loads(line) for line in lines if line.strip()]
     for split in ("train", "val"):
-        rows = tokenize_records(target, [r for r in replies if r["split"] == split],
-                                cfg.data.min_tokens, cfg.data.max_tokens)
+        rows = tokenize_records(
+            target, [r for r in replies if r["split"] == split], cfg.data.min_tokens, cfg.data.max_tokens
+        )
         write_jsonl(data / f"{split}.jsonl", rows)
     build_vocab_file(data / "train.jsonl", target.config.vocab_size, cfg.vocab.size, data / "vocab.safetensors")
     t0 = time.perf_counter()
@@ -36,9 +37,16 @@ def main(out: Path, earlier_data: Path, overrides: list[str]) -> dict:
     train_s = time.perf_counter() - t0
     bench = run_bench(cfg, target, out / "run" / "draft", data / "val.jsonl", out=out / "bench.json")
     chain = bench["configs"][0]
-    summary = {"overrides": overrides, "earlier_data": str(earlier_data), "tau_chain3": chain["tau"],
-               "identical_to_greedy": chain["identical_to_greedy"], "val": result.get("val"),
-               "train_steps": result["steps"], "train_s": round(train_s, 1), "caveats": bench["caveats"]}
+    summary = {
+        "overrides": overrides,
+        "earlier_data": str(earlier_data),
+        "tau_chain3": chain["tau"],
+        "identical_to_greedy": chain["identical_to_greedy"],
+        "val": result.get("val"),
+        "train_steps": result["steps"],
+        "train_s": round(train_s, 1),
+        "caveats": bench["caveats"],
+    }
     write_json(out / "variant.json", summary)
     return summary
 

@@ -24,22 +24,44 @@ def main(out_path: str, batches: list[int]) -> None:
     target = load_target(cfg.target, dtype=cfg.dtype, device="cpu", aux_layer_ids=cfg.aux_layer_ids)
     convs, _ = load_prompt_files(cfg)
     per_file = cfg.data.max_prompts_per_file
-    convs = [c for i in range(0, len(convs), per_file) for c in convs[i:i + 32]]
+    convs = [c for i in range(0, len(convs), per_file) for c in convs[i : i + 32]]
     rc = cfg.data.regen
     runs = []
     for batch in batches:
         rc.batch_size = batch
         t0 = time.perf_counter()
-        rows = list(regenerate(target, convs, rc, max_prompt_tokens=cfg.data.max_tokens, progress=False,
-                               keep_states=cfg.data.keep_teacher_states))
+        rows = list(
+            regenerate(
+                target,
+                convs,
+                rc,
+                max_prompt_tokens=cfg.data.max_tokens,
+                progress=False,
+                keep_states=cfg.data.keep_teacher_states,
+            )
+        )
         dt = time.perf_counter() - t0
         tokens = sum(r["provenance"]["reply_tokens"] for r in rows)
-        runs.append({"batch_size": batch, "prompts": len(rows), "reply_tokens": tokens, "s": round(dt, 1),
-                     "reply_tok_s": round(tokens / dt, 1)})
+        runs.append(
+            {
+                "batch_size": batch,
+                "prompts": len(rows),
+                "reply_tokens": tokens,
+                "s": round(dt, 1),
+                "reply_tok_s": round(tokens / dt, 1),
+            }
+        )
         print(json.dumps(runs[-1]), flush=True)
-    write_json(out_path, {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d"),
-                          "machine": f"{platform.machine()}, {cfg.device}, torch threads as default",
-                          "max_new_tokens": rc.max_new_tokens, "runs": runs})
+    write_json(
+        out_path,
+        {
+            "what": __doc__.strip().splitlines()[0],
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{platform.machine()}, {cfg.device}, torch threads as default",
+            "max_new_tokens": rc.max_new_tokens,
+            "runs": runs,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """One regeneration batch four ways: states kept or not, CPU weight layout (column-major, as
 load_target leaves it) or row-major. Usage: python3 lab/experiments/regen_keep_states_ab.py [OUT.json]"""
+
 import json
 import sys
 import time

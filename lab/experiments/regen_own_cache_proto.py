@@ -6,6 +6,7 @@ came out identical. A measurement aid, not a pipeline stage.
 
     python lab/experiments/regen_own_cache_proto.py 32
 """
+
 import sys
 import time
 
@@ -31,6 +32,7 @@ model = t.model
 layers = model.model.layers
 nkv, hd = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
 
+
 @torch.no_grad()
 def own(batch):
     B, P = len(batch), max(map(len, batch))
@@ -38,15 +40,18 @@ def own(batch):
     ids = torch.full((B, P), tok.pad_token_id)
     pad = torch.tensor([P - len(p) for p in batch])
     for i, p in enumerate(batch):
-        ids[i, P - len(p):] = torch.tensor(p)
-    K = torch.zeros(len(layers), B, nkv, S, hd); V = torch.zeros_like(K)
+        ids[i, P - len(p) :] = torch.tensor(p)
+    K = torch.zeros(len(layers), B, nkv, S, hd)
+    V = torch.zeros_like(K)
     cols = torch.arange(S)
+
     def step(x_ids, slots):
         pos = (slots[None] - pad[:, None]).clamp(min=0)
         # A pad query sees only itself: a row with no visible slot would turn into NaN, and its
         # NaN K/V would reach real rows through 0 * NaN in probs @ V.
         mask = (cols[None, None] <= slots[None, :, None]) & (
-            (cols[None, None] >= pad[:, None, None]) | (cols[None, None] == slots[None, :, None]))  # [B,q,S]
+            (cols[None, None] >= pad[:, None, None]) | (cols[None, None] == slots[None, :, None])
+        )  # [B,q,S]
         mask = mask[:, None, None]  # [B,1,1,q,S]
         # only the columns written so far
         n = int(slots[-1]) + 1
@@ -54,9 +59,11 @@ def own(batch):
         cos, sin = model.model.rotary_emb(x, pos)
         for i, layer in enumerate(layers):
             qs, ks, vs = attention_inputs(layer, x, cos, sin)
-            K[i].index_copy_(2, slots, ks); V[i].index_copy_(2, slots, vs)
+            K[i].index_copy_(2, slots, ks)
+            V[i].index_copy_(2, slots, vs)
             x = attention_outputs(layer, x, qs, K[i][:, :, :n], V[i][:, :, :n], mask[..., :n], "matmul")
         return model.lm_head(model.model.norm(x[:, -1]))
+
     logits = step(ids, torch.arange(P))
     out = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
@@ -65,20 +72,25 @@ def own(batch):
         for i in range(B):
             if not done[i]:
                 out[i].append(int(nxt[i]))
-                if int(nxt[i]) in eos: done[i] = True
-        if done.all() or s == NEW - 1: break
+                if int(nxt[i]) in eos:
+                    done[i] = True
+        if done.all() or s == NEW - 1:
+            break
         logits = step(nxt[:, None], torch.tensor([P + s]))
         nxt = logits.argmax(-1)
     return out
 
+
 bs = int(sys.argv[1]) if len(sys.argv) > 1 else 32
-t0 = time.perf_counter(); outs = []
+t0 = time.perf_counter()
+outs = []
 for i in range(0, len(prompts), bs):
-    outs += own(prompts[i:i + bs])
+    outs += own(prompts[i : i + bs])
 dt = time.perf_counter() - t0
 ntok = sum(len(o) for o in outs)
 print("own", bs, "prompts", len(prompts), "s", round(dt, 1), "tok/s", round(ntok / dt, 1), flush=True)
-rc = cfg.data.regen; rc.batch_size = bs
+rc = cfg.data.regen
+rc.batch_size = bs
 t0 = time.perf_counter()
 rows = list(regenerate(t, convs, rc, max_prompt_tokens=288, progress=False))
 dt = time.perf_counter() - t0
@@ -88,10 +100,14 @@ print("hf", bs, "prompts", len(rows), "s", round(dt, 1), "tok/s", round(toks / d
 hf = {r["id"]: r for r in rows}
 # order: prompts sorted by len; map back via ids
 same = 0
-ids_sorted = sorted([(len(render_prompt_ids(tok, c)), k, c.id) for k, c in enumerate(convs) if len(render_prompt_ids(tok, c)) <= 288])
+ids_sorted = sorted(
+    [(len(render_prompt_ids(tok, c)), k, c.id) for k, c in enumerate(convs) if len(render_prompt_ids(tok, c)) <= 288]
+)
 for (_len, _k, cid), o in zip(ids_sorted, outs):
     cut = o
     for j, x in enumerate(o):
-        if x in eos: cut = o[:j]; break
+        if x in eos:
+            cut = o[:j]
+            break
     same += tok.decode(cut, skip_special_tokens=True) == hf[cid]["messages"][-1]["content"]
 print("identical replies", same, "/", len(outs))

@@ -41,8 +41,11 @@ def regen(convs, threads, out_q=None):
     t = load_target(cfg.target, dtype=cfg.dtype, device="cpu", aux_layer_ids=cfg.aux_layer_ids)
     t0 = time.perf_counter()
     rows = list(regenerate(t, convs, cfg.data.regen, max_prompt_tokens=288, progress=False))
-    result = {"s": time.perf_counter() - t0, "replies": [r["messages"][-1]["content"] for r in rows],
-              "reply_tokens": sum(r["provenance"]["reply_tokens"] for r in rows)}
+    result = {
+        "s": time.perf_counter() - t0,
+        "replies": [r["messages"][-1]["content"] for r in rows],
+        "reply_tokens": sum(r["provenance"]["reply_tokens"] for r in rows),
+    }
     if out_q is None:
         return result
     out_q.put(result)
@@ -68,16 +71,26 @@ def main():
     two_wall = time.perf_counter() - t0
     res = {
         "what": "regeneration of the same prompts: 1 process x 2 threads vs 2 processes x 1 thread",
-        "date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "prompts": len(convs), "batch_size": 64, "max_new_tokens": 96,
-        "one_process": {"wall_s": round(one_wall, 1), "regen_s": round(one["s"], 1),
-                        "reply_tokens": one["reply_tokens"],
-                        "reply_tok_s": round(one["reply_tokens"] / one["s"], 1)},
-        "two_processes": {"wall_s": round(two_wall, 1), "regen_s": [round(p["s"], 1) for p in parts],
-                          "reply_tokens": sum(p["reply_tokens"] for p in parts),
-                          "reply_tok_s": round(sum(p["reply_tokens"] for p in parts) / max(p["s"] for p in parts), 1)},
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "prompts": len(convs),
+        "batch_size": 64,
+        "max_new_tokens": 96,
+        "one_process": {
+            "wall_s": round(one_wall, 1),
+            "regen_s": round(one["s"], 1),
+            "reply_tokens": one["reply_tokens"],
+            "reply_tok_s": round(one["reply_tokens"] / one["s"], 1),
+        },
+        "two_processes": {
+            "wall_s": round(two_wall, 1),
+            "regen_s": [round(p["s"], 1) for p in parts],
+            "reply_tokens": sum(p["reply_tokens"] for p in parts),
+            "reply_tok_s": round(sum(p["reply_tokens"] for p in parts) / max(p["s"] for p in parts), 1),
+        },
         "note": "wall_s includes loading the target (once per process); a half's batches differ "
-                "from the single process's, so replies may differ where padding changes numerics",
+        "from the single process's, so replies may differ where padding changes numerics",
     }
     print(json.dumps(res, indent=1))
     with open(out, "w") as f:

@@ -34,17 +34,28 @@ def main(data_dir: str, out_path: str) -> None:
     for j, row in enumerate(load_tokenized(data / "val.jsonl")):
         mask = torch.tensor(row.loss_mask)
         at = (mask[1:] == 1).nonzero().flatten()  # the state at t predicts reply token t + 1
-        p = (final[offsets[j]:offsets[j + 1]][at] @ head.T).softmax(-1).max(-1)
+        p = (final[offsets[j] : offsets[j + 1]][at] @ head.T).softmax(-1).max(-1)
         probs.append(p.values)
         in_vocab.append(vocab.t2d[p.indices])
     probs, in_vocab = torch.cat(probs), torch.cat(in_vocab)
     bins = []
     for lo, hi in BINS:
         sel = (probs >= lo) & (probs < hi)
-        bins.append({"top1_prob": [lo, min(hi, 1.0)], "share": round(float(sel.float().mean()), 4),
-                     "argmax_in_draft_vocab": round(float(in_vocab[sel].float().mean()), 4)})
-    result = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d"), "data_dir": data_dir,
-              "positions": len(probs), "mean_top1_prob": round(float(probs.mean()), 4), "bins": bins}
+        bins.append(
+            {
+                "top1_prob": [lo, min(hi, 1.0)],
+                "share": round(float(sel.float().mean()), 4),
+                "argmax_in_draft_vocab": round(float(in_vocab[sel].float().mean()), 4),
+            }
+        )
+    result = {
+        "what": __doc__.strip().splitlines()[0],
+        "date": time.strftime("%Y-%m-%d"),
+        "data_dir": data_dir,
+        "positions": len(probs),
+        "mean_top1_prob": round(float(probs.mean()), 4),
+        "bins": bins,
+    }
     print(json.dumps(result, indent=1))
     Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
 

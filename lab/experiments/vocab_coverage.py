@@ -37,7 +37,7 @@ def main(data_dir: str, out_path: str) -> None:
     load_prompt_files(cfg, pool)
     counts, kept = pool_prompt_counts(tok, pool, val, cfg.data.split_key)
     prompt = torch.zeros(vocab_size, dtype=torch.long)
-    prompt[:len(counts)] = counts
+    prompt[: len(counts)] = counts
     rows = []
     for size in SIZES:
         for weight in WEIGHTS:
@@ -46,10 +46,17 @@ def main(data_dir: str, out_path: str) -> None:
             coverage = float(val_counts[vocab.t2d].sum()) / float(val_counts.sum())
             rows.append({"size": size, "prompt_weight": weight, "val_coverage": round(coverage, 4)})
             print(json.dumps(rows[-1]), flush=True)
-    result = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d"),
-              "data_dir": str(data_dir), "train_sequences": len(train), "val_sequences": len(val),
-              "distinct_reply_tokens": int((reply > 0).sum()), "prompt_conversations": kept,
-              "prompt_tokens": int(prompt.sum()), "coverage": rows}
+    result = {
+        "what": __doc__.strip().splitlines()[0],
+        "date": time.strftime("%Y-%m-%d"),
+        "data_dir": str(data_dir),
+        "train_sequences": len(train),
+        "val_sequences": len(val),
+        "distinct_reply_tokens": int((reply > 0).sum()),
+        "prompt_conversations": kept,
+        "prompt_tokens": int(prompt.sum()),
+        "coverage": rows,
+    }
     Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
 
 

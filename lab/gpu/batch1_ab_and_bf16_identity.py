@@ -35,8 +35,15 @@ def child(target_path: str) -> None:
     target = load_target(target_path, dtype="bfloat16", device="cuda")
     _, prompts = load_prompt_set("v1", target)
     ids = [torch.tensor([p.input_ids], device="cuda") for p in prompts]
-    eng = CachedTarget.from_hf(target.model, target.aux_layer_ids, max(x.shape[1] for x in ids) + 272,
-                               cuda_graphs=True, compile=True, query_pad=0, attention="matmul")
+    eng = CachedTarget.from_hf(
+        target.model,
+        target.aux_layer_ids,
+        max(x.shape[1] for x in ids) + 272,
+        cuda_graphs=True,
+        compile=True,
+        query_pad=0,
+        attention="matmul",
+    )
     eos = target.stop_token_ids()
     greedy_generate(eng, ids[0], 32, eos_ids=eos)
     torch.cuda.synchronize()
@@ -44,16 +51,31 @@ def child(target_path: str) -> None:
     outs = [greedy_generate(eng, x, 256, eos_ids=eos)[0].tolist() for x in ids]
     torch.cuda.synchronize()
     s = time.perf_counter() - t0
-    print(json.dumps({"code": draftling.__file__, "prompts": len(ids), "tokens": sum(map(len, outs)),
-                      "seconds": s, "tok_s": sum(map(len, outs)) / s, "outputs": outs}))
+    print(
+        json.dumps(
+            {
+                "code": draftling.__file__,
+                "prompts": len(ids),
+                "tokens": sum(map(len, outs)),
+                "seconds": s,
+                "tok_s": sum(map(len, outs)) / s,
+                "outputs": outs,
+            }
+        )
+    )
 
 
 def ab(target_path: str, old_src: str) -> dict:
     res = {}
     for name, src in (("before", old_src), ("after", str(Path(__file__).resolve().parents[2] / "src"))):
         env = {**os.environ, "PYTHONPATH": f"/tmp/site:{src}"}
-        out = subprocess.run([sys.executable, __file__, "--child", "--target", target_path], env=env,
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", "--target", target_path],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         res[name] = json.loads(out.stdout.strip().splitlines()[-1])
         print(name, f"{res[name]['tok_s']:.1f} tok/s", flush=True)
     same = res["before"].pop("outputs") == res["after"].pop("outputs")
@@ -77,17 +99,21 @@ def identity(target_path: str, per_file: int) -> dict:
     tok, eos = target.tokenizer, target.stop_token_ids()
     convs = [c for f in ("chat", "code", "math") for c in load_conversations(STARTER / f"{f}.jsonl")[:per_file]]
     prompts = sorted((render_prompt_ids(tok, c) for c in convs), key=len)
-    replies = {"engine_256": [r for r, _ in ReplyEngine(target.model, 256)(prompts, 256, eos)],
-               "engine_64": [r for r, _ in ReplyEngine(target.model, 64)(prompts, 256, eos)],
-               "hf_768": hf_replies(target, prompts, eos, 768)}
+    replies = {
+        "engine_256": [r for r, _ in ReplyEngine(target.model, 256)(prompts, 256, eos)],
+        "engine_64": [r for r, _ in ReplyEngine(target.model, 64)(prompts, 256, eos)],
+        "hf_768": hf_replies(target, prompts, eos, 768),
+    }
     out = {}
     names = list(replies)
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             pairs = list(zip(replies[a], replies[b]))
-            out[f"{a}_vs_{b}"] = {"identical_fraction": sum(x == y for x, y in pairs) / len(pairs),
-                                  "mean_common_prefix_tokens": sum(prefix(x, y) for x, y in pairs) / len(pairs),
-                                  "mean_reply_tokens": sum(len(x) for x, _ in pairs) / len(pairs)}
+            out[f"{a}_vs_{b}"] = {
+                "identical_fraction": sum(x == y for x, y in pairs) / len(pairs),
+                "mean_common_prefix_tokens": sum(prefix(x, y) for x, y in pairs) / len(pairs),
+                "mean_reply_tokens": sum(len(x) for x, _ in pairs) / len(pairs),
+            }
             print(a, b, json.dumps(out[f"{a}_vs_{b}"]), flush=True)
     return {"prompts": len(prompts), "max_new_tokens": 256, **out}
 
@@ -96,14 +122,20 @@ def hf_replies(target, prompts, eos, batch):
     pad = target.tokenizer.pad_token_id
     out = []
     for s in range(0, len(prompts), batch):
-        chunk = prompts[s:s + batch]
+        chunk = prompts[s : s + batch]
         w = max(map(len, chunk))
         ids = torch.full((len(chunk), w), pad, dtype=torch.long)
         att = torch.zeros_like(ids)
         for i, p in enumerate(chunk):
-            ids[i, w - len(p):], att[i, w - len(p):] = torch.tensor(p), 1
-        gen = target.model.generate(input_ids=ids.cuda(), attention_mask=att.cuda(), max_new_tokens=256,
-                                    do_sample=False, pad_token_id=pad, eos_token_id=eos)
+            ids[i, w - len(p) :], att[i, w - len(p) :] = torch.tensor(p), 1
+        gen = target.model.generate(
+            input_ids=ids.cuda(),
+            attention_mask=att.cuda(),
+            max_new_tokens=256,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
         for row in gen[:, w:].tolist():
             cut = next((i for i, t in enumerate(row) if t in eos), len(row))
             out.append(row[:cut])
@@ -120,8 +152,14 @@ def main():
     a = ap.parse_args()
     if a.child:
         return child(a.target)
-    res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "target": "SmolLM2-135M-Instruct",
-           "dtype": "bfloat16", "batch1_ab": ab(a.target, a.old_src), "bf16_identity": identity(a.target, a.per_file)}
+    res = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "target": "SmolLM2-135M-Instruct",
+        "dtype": "bfloat16",
+        "batch1_ab": ab(a.target, a.old_src),
+        "bf16_identity": identity(a.target, a.per_file),
+    }
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "batch1-ab-and-bf16-identity.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

@@ -56,9 +56,11 @@ def one(args) -> dict:
             speculative_generate(target, runner, ids, args.new, *tree, device_rounds=False)
         sync(dev)
         rows["-".join(map(str, tree))] = {
-            "timing": {k: round(v, 4) for k, v in st.timing.items()}, "identical": out[0].tolist() == plain,
+            "timing": {k: round(v, 4) for k, v in st.timing.items()},
+            "identical": out[0].tolist() == plain,
             "tau": round(sum(st.accept_lengths) / len(st.accept_lengths), 3),
-            "host_rounds_tok_s": round(3 * args.new / (time.perf_counter() - t0), 1)}
+            "host_rounds_tok_s": round(3 * args.new / (time.perf_counter() - t0), 1),
+        }
     return rows
 
 
@@ -78,7 +80,17 @@ def main():
     result = {"target": Path(args.target).name, "new_tokens": args.new, "compile": not args.graphs_only}
     for name, src in (("before", args.before), ("after", str(ROOT / "src"))):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, __file__, "--target", args.target, "--new", str(args.new), "--device", args.device, "--one"]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--target",
+            args.target,
+            "--new",
+            str(args.new),
+            "--device",
+            args.device,
+            "--one",
+        ]
         cmd += ["--graphs-only"] if args.graphs_only else []
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode:

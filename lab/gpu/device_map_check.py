@@ -83,9 +83,15 @@ class Settings:
 
 
 def smoke_settings() -> Settings:
-    return Settings(compare_prompts=4, reply_tokens=12, val_rows=4, steps=4, warm_steps=1, profile=None,
-                    overrides=("train.batch_size=4", "train.ttt_steps=2", "train.warmup_steps=1",
-                               "train.lr=1e-3", "vocab.size=64"))
+    return Settings(
+        compare_prompts=4,
+        reply_tokens=12,
+        val_rows=4,
+        steps=4,
+        warm_steps=1,
+        profile=None,
+        overrides=("train.batch_size=4", "train.ttt_steps=2", "train.warmup_steps=1", "train.lr=1e-3", "vocab.size=64"),
+    )
 
 
 def tiny_target_dir(folder: Path) -> Path:
@@ -98,13 +104,23 @@ def tiny_target_dir(folder: Path) -> Path:
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w2"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w2", pad_token="w0", eos_token="w1")
-    tok.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} w1 {% endfor %}"
-                         "{% if add_generation_prompt %}w4 {% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}w3 {{ m['content'] }} w1 {% endfor %}{% if add_generation_prompt %}w4 {% endif %}"
+    )
     tok.save_pretrained(folder)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(cfg).save_pretrained(folder)
     return folder
 
@@ -126,8 +142,11 @@ def split_summary(model, declared: dict) -> dict:
         params = list(modules[name].parameters())
         if not params:
             continue  # rotary_emb: buffers only
-        where = (f"streamed from {device}, runs on {execution_device(modules[name])}"
-                 if params[0].device.type == "meta" else f"resident on {params[0].device}")
+        where = (
+            f"streamed from {device}, runs on {execution_device(modules[name])}"
+            if params[0].device.type == "meta"
+            else f"resident on {params[0].device}"
+        )
         really[where] = really.get(where, 0) + 1
     return {"modules_per_device": mapped, "effective": really, "devices": [str(d) for d in dispatched_devices(model)]}
 
@@ -184,9 +203,16 @@ def compare_forward(whole, split, prompts: list[list[int]], t2d: torch.Tensor) -
         draft_logits.add(ta.draft_logits, tb.draft_logits)
         agree += int((la.argmax(-1).cpu() == lb.argmax(-1).cpu()).sum())
         positions += la.shape[1]
-    return {"prompts": len(prompts), "tokens": sum(map(len, prompts)), "aux": aux.record(),
-            "logits": logits.record(), "draft_logits": draft_logits.record(),
-            "argmax_agreement": agree / positions, "tok_s_single": a_tok_s, "tok_s_split": b_tok_s}
+    return {
+        "prompts": len(prompts),
+        "tokens": sum(map(len, prompts)),
+        "aux": aux.record(),
+        "logits": logits.record(),
+        "draft_logits": draft_logits.record(),
+        "argmax_agreement": agree / positions,
+        "tok_s_single": a_tok_s,
+        "tok_s_split": b_tok_s,
+    }
 
 
 @torch.no_grad()
@@ -196,23 +222,35 @@ def greedy_replies(target, prompts: list[list[int]], new_tokens: int) -> list[li
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
-    out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                eos_token_id=stops, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+    out = target.model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=pad,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     replies = []
     for row in out[:, width:].tolist():
         cut = next((i for i, t in enumerate(row) if t in stops), len(row))
-        replies.append(row[:cut + 1] if cut < len(row) else row)
+        replies.append(row[: cut + 1] if cut < len(row) else row)
     return replies
 
 
 def write_data(whole, folder: Path, s: Settings, vocab_size: int) -> Path:
     """train.jsonl / val.jsonl (every v1 prompt and its greedy reply) and the draft vocab."""
     prompts = pick_prompts(whole, 0)
-    rows = [{"id": f"v1-{i}", "source": "v1+greedy", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}
-            for i, (p, r) in enumerate(zip(prompts, greedy_replies(whole, prompts, s.reply_tokens))) if r]
+    rows = [
+        {"id": f"v1-{i}", "source": "v1+greedy", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}
+        for i, (p, r) in enumerate(zip(prompts, greedy_replies(whole, prompts, s.reply_tokens)))
+        if r
+    ]
     folder.mkdir(parents=True, exist_ok=True)
-    write_jsonl(folder / "train.jsonl", rows[:-s.val_rows])
-    write_jsonl(folder / "val.jsonl", rows[-s.val_rows:])
+    write_jsonl(folder / "train.jsonl", rows[: -s.val_rows])
+    write_jsonl(folder / "val.jsonl", rows[-s.val_rows :])
     build_vocab_file(folder / "train.jsonl", whole.config.vocab_size, vocab_size, folder / "vocab.safetensors")
     return folder
 
@@ -226,8 +264,12 @@ def train_run(cfg, target, data: Path, run_dir: Path) -> dict:
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if r.get("split") == "train"]
-    return {"loss": [r["loss"] for r in steps], "tok_s": [r["tok_s"] for r in steps], "wall_s": wall,
-            "weights": load_file(str(run_dir / "draft" / "draft.safetensors"))}
+    return {
+        "loss": [r["loss"] for r in steps],
+        "tok_s": [r["tok_s"] for r in steps],
+        "wall_s": wall,
+        "weights": load_file(str(run_dir / "draft" / "draft.safetensors")),
+    }
 
 
 def weight_gap(a: dict, b: dict) -> dict:
@@ -256,13 +298,18 @@ def median_tok_s(run: dict, warm: int) -> float:
 def compare_training(runs: dict, s: Settings) -> dict:
     single, split, repeat = (runs[k] for k in RUNS)
     floor_w, split_w = weight_gap(single["weights"], repeat["weights"]), weight_gap(single["weights"], split["weights"])
-    return {"steps": s.steps, "loss_max_abs_diff": curve_gap(single["loss"], split["loss"]),
-            "weights_max_rel_diff": split_w["max_rel_diff"], "weights": split_w,
-            "repeat_loss_max_abs_diff": curve_gap(single["loss"], repeat["loss"]),
-            "repeat_weights_max_rel_diff": floor_w["max_rel_diff"],
-            "tok_s_single": median_tok_s(single, s.warm_steps), "tok_s_split": median_tok_s(split, s.warm_steps),
-            "wall_s": {k: round(runs[k]["wall_s"], 1) for k in RUNS},
-            "loss": {k: runs[k]["loss"] for k in RUNS}}
+    return {
+        "steps": s.steps,
+        "loss_max_abs_diff": curve_gap(single["loss"], split["loss"]),
+        "weights_max_rel_diff": split_w["max_rel_diff"],
+        "weights": split_w,
+        "repeat_loss_max_abs_diff": curve_gap(single["loss"], repeat["loss"]),
+        "repeat_weights_max_rel_diff": floor_w["max_rel_diff"],
+        "tok_s_single": median_tok_s(single, s.warm_steps),
+        "tok_s_split": median_tok_s(split, s.warm_steps),
+        "wall_s": {k: round(runs[k]["wall_s"], 1) for k in RUNS},
+        "loss": {k: runs[k]["loss"] for k in RUNS},
+    }
 
 
 def verdict(fwd: dict, tr: dict) -> dict:
@@ -271,23 +318,40 @@ def verdict(fwd: dict, tr: dict) -> dict:
     checks = {
         "aux_rel": (fwd["aux"]["rel_diff"], TOL["forward_rel"]),
         "logits_rel": (fwd["logits"]["rel_diff"], TOL["forward_rel"]),
-        "loss_abs": (tr["loss_max_abs_diff"],
-                     max(NOISE_FACTOR * tr["repeat_loss_max_abs_diff"], TOL["loss_abs_floor"] * max_loss)),
-        "weights_rel": (tr["weights_max_rel_diff"],
-                        max(NOISE_FACTOR * tr["repeat_weights_max_rel_diff"], TOL["weights_rel_floor"])),
+        "loss_abs": (
+            tr["loss_max_abs_diff"],
+            max(NOISE_FACTOR * tr["repeat_loss_max_abs_diff"], TOL["loss_abs_floor"] * max_loss),
+        ),
+        "weights_rel": (
+            tr["weights_max_rel_diff"],
+            max(NOISE_FACTOR * tr["repeat_weights_max_rel_diff"], TOL["weights_rel_floor"]),
+        ),
     }
     out = {k: {"value": v, "limit": lim, "pass": v <= lim} for k, (v, lim) in checks.items()}
-    out["argmax"] = {"value": fwd["argmax_agreement"], "limit": TOL["argmax_agreement_min"],
-                     "pass": fwd["argmax_agreement"] >= TOL["argmax_agreement_min"]}
+    out["argmax"] = {
+        "value": fwd["argmax_agreement"],
+        "limit": TOL["argmax_agreement_min"],
+        "pass": fwd["argmax_agreement"] >= TOL["argmax_agreement_min"],
+    }
     return out
 
 
 def configs(args, s: Settings, target: str, map_path: Path, offload: Path | None):
     """The run config of the whole load and of the split load: the same but for device_map."""
     # memory_policy=config: "auto" plans from the teacher's share of the GPU, which the map changes.
-    base = [f"target={target}", f"dtype={args.dtype}", f"device={args.device}", f"train.max_steps={s.steps}",
-            "train.log_every=1", "train.ckpt_every=100000", "train.max_minutes=0", "train.compile_teacher=false",
-            "train.memory_policy=config", *s.overrides, *args.override]
+    base = [
+        f"target={target}",
+        f"dtype={args.dtype}",
+        f"device={args.device}",
+        f"train.max_steps={s.steps}",
+        "train.log_every=1",
+        "train.ckpt_every=100000",
+        "train.max_minutes=0",
+        "train.compile_teacher=false",
+        "train.memory_policy=config",
+        *s.overrides,
+        *args.override,
+    ]
     if offload is not None:
         base.append(f"offload_folder={offload}")
     profile = str(Path(_ROOT) / s.profile) if s.profile else None
@@ -295,10 +359,12 @@ def configs(args, s: Settings, target: str, map_path: Path, offload: Path | None
 
 
 def caveats(args, summary: dict) -> list[str]:
-    notes = ["a GPU in the map makes accelerate stream a 'cpu' module's weights to the GPU per call and run it "
-             "there: the split differs from the whole load in where weights are stored, not where they are computed",
-             "both training runs and their repeat use train.compile_teacher=false (hooked layers run eager anyway)",
-             "tok/s: median of the per-step figures in metrics.jsonl after the warm-up steps; single run each"]
+    notes = [
+        "a GPU in the map makes accelerate stream a 'cpu' module's weights to the GPU per call and run it "
+        "there: the split differs from the whole load in where weights are stored, not where they are computed",
+        "both training runs and their repeat use train.compile_teacher=false (hooked layers run eager anyway)",
+        "tok/s: median of the per-step figures in metrics.jsonl after the warm-up steps; single run each",
+    ]
     if args.smoke:
         notes.append("--smoke: a tiny random Llama on the CPU, split between 'cpu' and 'disk'; figures mean nothing")
     if "tied" in summary:
@@ -320,8 +386,11 @@ def check(args, s: Settings, out: Path, work: Path) -> dict:
     data = write_data(whole, work / "data", s, cfg_whole.vocab.size)
     t2d = load_vocab(data / "vocab.safetensors").t2d.to(whole.device)
     fwd = compare_forward(whole, split, pick_prompts(whole, s.compare_prompts), t2d)
-    print(f"[device-map-check] forward: aux rel {fwd['aux']['rel_diff']:.2e}, logits rel "
-          f"{fwd['logits']['rel_diff']:.2e}, argmax {fwd['argmax_agreement']:.4f}", flush=True)
+    print(
+        f"[device-map-check] forward: aux rel {fwd['aux']['rel_diff']:.2e}, logits rel "
+        f"{fwd['logits']['rel_diff']:.2e}, argmax {fwd['argmax_agreement']:.4f}",
+        flush=True,
+    )
     runs = {}
     for name, cfg, teacher in zip(RUNS, (cfg_whole, cfg_split, cfg_whole), (whole, split, whole)):
         runs[name] = train_run(cfg, teacher, data, out / "runs" / name)
@@ -336,16 +405,31 @@ def check(args, s: Settings, out: Path, work: Path) -> dict:
 def results_of(args, found: dict, date: str, wall: float) -> dict:
     fwd, tr = found["forward"], found["train"]
     checks = verdict(fwd, tr)
-    return {"date": date, "gpu": device_name(args.device), "target": found["target"], "dtype": args.dtype,
-            "split": found["summary"], "aux_max_abs_diff": fwd["aux"]["max_abs_diff"],
-            "aux_rel_diff": fwd["aux"]["rel_diff"], "logits_max_abs_diff": fwd["logits"]["max_abs_diff"],
-            "logits_rel_diff": fwd["logits"]["rel_diff"], "argmax_agreement": fwd["argmax_agreement"],
-            "forward": fwd, "train": tr,
-            "tolerance": {**TOL, "noise_factor": NOISE_FACTOR, "why": "both loads run every module on the same "
-                          "device with the same kernels, so the forward must agree to below one bf16 step; training "
-                          "may differ only by GPU run-to-run noise, measured by the repeat run"},
-            "checks": checks, "pass": all(c["pass"] for c in checks.values()), "wall_s": round(wall, 1),
-            "caveats": found["caveats"]}
+    return {
+        "date": date,
+        "gpu": device_name(args.device),
+        "target": found["target"],
+        "dtype": args.dtype,
+        "split": found["summary"],
+        "aux_max_abs_diff": fwd["aux"]["max_abs_diff"],
+        "aux_rel_diff": fwd["aux"]["rel_diff"],
+        "logits_max_abs_diff": fwd["logits"]["max_abs_diff"],
+        "logits_rel_diff": fwd["logits"]["rel_diff"],
+        "argmax_agreement": fwd["argmax_agreement"],
+        "forward": fwd,
+        "train": tr,
+        "tolerance": {
+            **TOL,
+            "noise_factor": NOISE_FACTOR,
+            "why": "both loads run every module on the same "
+            "device with the same kernels, so the forward must agree to below one bf16 step; training "
+            "may differ only by GPU run-to-run noise, measured by the repeat run",
+        },
+        "checks": checks,
+        "pass": all(c["pass"] for c in checks.values()),
+        "wall_s": round(wall, 1),
+        "caveats": found["caveats"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,8 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for device-map-check.json, device_map.json, manifest.json")
     p.add_argument("--target", help="the teacher (the SmolLM2 GGUF at $T on the device); not with --smoke")
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama on the CPU, split over cpu and disk")
-    p.add_argument("--device", default=None, help="where the draft trains and the map's first half lives "
-                   "(default: cuda; cpu with --smoke)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="where the draft trains and the map's first half lives (default: cuda; cpu with --smoke)",
+    )
     p.add_argument("--dtype", default=None, help="default: bfloat16 (float32 with --smoke)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 20)")
     p.add_argument("override", nargs="*", help="KEY=VALUE config overrides for all three runs")
@@ -373,11 +460,26 @@ def main(argv: list[str] | None = None) -> int:
         found = check(args, s, out, Path(work))
     results = results_of(args, found, date, time.perf_counter() - t0)
     write_json(out / "device-map-check.json", results)
-    write_manifest(out, None, {"settings": dataclasses.asdict(s), "target": results["target"], "dtype": args.dtype,
-                               "device": args.device, "overrides": args.override}, args.device, date,
-                   what="device-map-check", files=["device-map-check.json", "device_map.json", "runs/"])
-    print(f"[device-map-check] {'PASS' if results['pass'] else 'FAIL'}: "
-          + ", ".join(f"{k} {c['value']:.3g} (limit {c['limit']:.3g})" for k, c in results["checks"].items()), flush=True)
+    write_manifest(
+        out,
+        None,
+        {
+            "settings": dataclasses.asdict(s),
+            "target": results["target"],
+            "dtype": args.dtype,
+            "device": args.device,
+            "overrides": args.override,
+        },
+        args.device,
+        date,
+        what="device-map-check",
+        files=["device-map-check.json", "device_map.json", "runs/"],
+    )
+    print(
+        f"[device-map-check] {'PASS' if results['pass'] else 'FAIL'}: "
+        + ", ".join(f"{k} {c['value']:.3g} (limit {c['limit']:.3g})" for k, c in results["checks"].items()),
+        flush=True,
+    )
     return 0 if results["pass"] else 1
 
 

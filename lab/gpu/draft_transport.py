@@ -20,14 +20,15 @@ WEIGHTS, CONFIG = "draft.safetensors", "draft_config.json"
 
 def pack(draft_dir: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
-             for k, v in load_file(str(draft_dir / WEIGHTS)).items()}
+    state = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(draft_dir / WEIGHTS)).items()
+    }
     tmp = out / "weights.tmp"
     save_file(state, str(tmp))
     data = tmp.read_bytes()
     tmp.unlink()
     for i in range(0, len(data), PART):
-        (out / f"part_{i // PART:02d}").write_bytes(data[i:i + PART])
+        (out / f"part_{i // PART:02d}").write_bytes(data[i : i + PART])
     shutil.copy(draft_dir / CONFIG, out / CONFIG)
 
 

@@ -40,18 +40,36 @@ def main() -> None:
     convs = load_prompt_spec(args.prompts)
     _, held = split_by_task(convs, args.fraction, seed=args.seed, key="task")
     # The turns as `draftling data` samples them (data.rollout_max_turns, seeded by data.seed).
-    turns = rollout_prompts(tok, held, DataConfig(rollout_max_turns=args.turns, seed=args.seed),
-                            {"prompt_limit": args.max_prompt_tokens})
-    records = [{"id": t.id, "workload": args.workload, "source": t.source, "messages": t.messages,
-                **({"tools": t.tools} if t.tools else {})} for t in turns]
+    turns = rollout_prompts(
+        tok, held, DataConfig(rollout_max_turns=args.turns, seed=args.seed), {"prompt_limit": args.max_prompt_tokens}
+    )
+    records = [
+        {
+            "id": t.id,
+            "workload": args.workload,
+            "source": t.source,
+            "messages": t.messages,
+            **({"tools": t.tools} if t.tools else {}),
+        }
+        for t in turns
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "ids.txt", "".join(f"{c.id}\n" for c in held))
     write_jsonl(out / "prompts.jsonl", records)
     tasks = sorted({task_identity(c) for c in held})
-    write_json(out / "heldout.json", {"prompts": args.prompts, "fraction": args.fraction, "seed": args.seed,
-                                      "tasks": tasks, "conversations": len(held), "prompt_records": len(records),
-                                      "max_prompt_tokens": args.max_prompt_tokens})
+    write_json(
+        out / "heldout.json",
+        {
+            "prompts": args.prompts,
+            "fraction": args.fraction,
+            "seed": args.seed,
+            "tasks": tasks,
+            "conversations": len(held),
+            "prompt_records": len(records),
+            "max_prompt_tokens": args.max_prompt_tokens,
+        },
+    )
     print(json.dumps({"tasks": len(tasks), "conversations": len(held), "prompts": len(records)}))
 
 

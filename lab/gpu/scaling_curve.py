@@ -23,9 +23,14 @@ def point(train_result: Path, bench: Path, sampled: bool) -> dict:
     data = result.get("data")
     if not data:
         raise SystemExit(f"{train_result}: no 'data' record (trained before train.data_fraction existed)")
-    return {"fraction": data["fraction"], "sampled_replies": sampled, "replies": data["sequences"],
-            "loss_tokens": data["loss_tokens"], "val_chain_tau": result["val"]["chain_tau"],
-            "v1_mean_tau": {c["name"]: c["mean_tau"] for c in bench_json["configs"]}}
+    return {
+        "fraction": data["fraction"],
+        "sampled_replies": sampled,
+        "replies": data["sequences"],
+        "loss_tokens": data["loss_tokens"],
+        "val_chain_tau": result["val"]["chain_tau"],
+        "v1_mean_tau": {c["name"]: c["mean_tau"] for c in bench_json["configs"]},
+    }
 
 
 def plot(points: list[dict], path: Path) -> None:
@@ -36,12 +41,19 @@ def plot(points: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4))
     metrics = [("validation chain tau", lambda p: p["val_chain_tau"])] + [
-        (f"v1 {name}", lambda p, name=name: p["v1_mean_tau"][name]) for name in points[0]["v1_mean_tau"]]
+        (f"v1 {name}", lambda p, name=name: p["v1_mean_tau"][name]) for name in points[0]["v1_mean_tau"]
+    ]
     for sampled in (False, True):  # one colour per metric; sampled points hollow, apart from the line
         pts = sorted((p for p in points if p["sampled_replies"] == sampled), key=lambda p: p["loss_tokens"])
         for i, (label, value) in enumerate(metrics if pts else []):
-            ax.plot([p["loss_tokens"] for p in pts], [value(p) for p in pts], ("o" if i == 0 else "s") + "-",
-                    color=f"C{i}", mfc="none" if sampled else f"C{i}", label=label + (" (sampled replies added)" if sampled else ""))
+            ax.plot(
+                [p["loss_tokens"] for p in pts],
+                [value(p) for p in pts],
+                ("o" if i == 0 else "s") + "-",
+                color=f"C{i}",
+                mfc="none" if sampled else f"C{i}",
+                label=label + (" (sampled replies added)" if sampled else ""),
+            )
     ax.set_xscale("log")
     ax.set_xlabel("training loss tokens")
     ax.set_ylabel("mean tau (bonus token counted)")
@@ -61,8 +73,9 @@ def main() -> None:
     points = [point(Path(t), Path(b), i >= n - args.sampled) for i, (t, b) in enumerate(args.point)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "scaling.json", {"date": datetime.date.today().isoformat(), "gpu": args.gpu,
-                                      "data_scaling": points})
+    write_json(
+        out / "scaling.json", {"date": datetime.date.today().isoformat(), "gpu": args.gpu, "data_scaling": points}
+    )
     plot(points, out / "scaling.png")
     print(json.dumps(points, indent=1))
 

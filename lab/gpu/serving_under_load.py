@@ -58,9 +58,14 @@ def batch1(target, n_prompts: int, max_new: int) -> dict:
     outs, s_old = timed(lambda: [greedy_generate(eng, t, max_new, eos_ids=eos)[0].tolist() for t in x])
     res, s_new = timed(lambda: batch_generate(eng, ids, max_new, eos_ids=eos))
     tokens = sum(map(len, outs))
-    return {"prompts": len(ids), "max_new_tokens": max_new, "engine": "graphs+compile, matmul, unpadded",
-            "greedy_generate_tok_s": tokens / s_old, "batch_generate_1_row_tok_s": sum(len(r.tokens) for r in res) / s_new,
-            "identical": [r.tokens for r in res] == outs}
+    return {
+        "prompts": len(ids),
+        "max_new_tokens": max_new,
+        "engine": "graphs+compile, matmul, unpadded",
+        "greedy_generate_tok_s": tokens / s_old,
+        "batch_generate_1_row_tok_s": sum(len(r.tokens) for r in res) / s_new,
+        "identical": [r.tokens for r in res] == outs,
+    }
 
 
 def regen(target, per_file: int, max_new: int, hf_batches, engine_rows: int) -> dict:
@@ -70,8 +75,12 @@ def regen(target, per_file: int, max_new: int, hf_batches, engine_rows: int) -> 
         cfg = RegenConfig(max_new_tokens=max_new, batch_size=b)
         recs, s = timed(lambda: list(regenerate(target, convs, cfg, progress=False)))
         toks = sum(r["provenance"]["reply_tokens"] for r in recs)
-        hf[b] = {"seconds": s, "reply_tok_s": toks / s, "replies_s": len(recs) / s, "texts": {
-            r["id"]: r["messages"][-1]["content"] for r in recs}}
+        hf[b] = {
+            "seconds": s,
+            "reply_tok_s": toks / s,
+            "replies_s": len(recs) / s,
+            "texts": {r["id"]: r["messages"][-1]["content"] for r in recs},
+        }
         print(f"HF generate batch {b}: {toks / s:.0f} reply tok/s", flush=True)
     best = max(hf, key=lambda b: hf[b]["reply_tok_s"])
     cfg = RegenConfig(max_new_tokens=max_new, batch_size=engine_rows, engine="on")
@@ -81,13 +90,20 @@ def regen(target, per_file: int, max_new: int, hf_batches, engine_rows: int) -> 
     toks = sum(r["provenance"]["reply_tokens"] for r in recs)
     same = sum(r["messages"][-1]["content"] == hf[best]["texts"][r["id"]] for r in recs) / len(recs)
     print(f"engine {engine_rows} rows: {toks / s:.0f} reply tok/s; identical to HF batch {best}: {same:.3f}")
-    return {"prompts": len(convs), "prompt_source": "starter chat/code/math, first per file",
-            "max_new_tokens": max_new, "hf_batch_sizes": {str(b): {k: v for k, v in r.items() if k != "texts"}
-                                                          for b, r in hf.items()},
-            "hf_best_batch": best, "hf_generate_reply_tok_s": hf[best]["reply_tok_s"],
-            "engine_rows": engine_rows, "engine_seconds": s, "engine_reply_tok_s": toks / s,
-            "engine_replies_s": len(recs) / s, "speedup": (toks / s) / hf[best]["reply_tok_s"],
-            "identical_fraction": same}
+    return {
+        "prompts": len(convs),
+        "prompt_source": "starter chat/code/math, first per file",
+        "max_new_tokens": max_new,
+        "hf_batch_sizes": {str(b): {k: v for k, v in r.items() if k != "texts"} for b, r in hf.items()},
+        "hf_best_batch": best,
+        "hf_generate_reply_tok_s": hf[best]["reply_tok_s"],
+        "engine_rows": engine_rows,
+        "engine_seconds": s,
+        "engine_reply_tok_s": toks / s,
+        "engine_replies_s": len(recs) / s,
+        "speedup": (toks / s) / hf[best]["reply_tok_s"],
+        "identical_fraction": same,
+    }
 
 
 def main():
@@ -106,18 +122,26 @@ def main():
     target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
     b1 = batch1(target, a.batch1_prompts, a.max_new_tokens)
     print("batch1", json.dumps(b1), flush=True)
-    opts = SweepOptions(levels=tuple(int(x) for x in a.levels.split(",")), out_dir=Path(a.out) / "results",
-                        max_new_tokens=a.max_new_tokens,
-                        command="python3 lab/gpu/serving_under_load.py " + " ".join(
-                            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()))
+    opts = SweepOptions(
+        levels=tuple(int(x) for x in a.levels.split(",")),
+        out_dir=Path(a.out) / "results",
+        max_new_tokens=a.max_new_tokens,
+        command="python3 lab/gpu/serving_under_load.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+    )
     results = run_concurrency_sweep(target, a.draft, opts)
     results["batch1"] = b1
-    results["regen"] = regen(target, a.regen_per_file, a.max_new_tokens, [int(b) for b in a.hf_batches.split(",")],
-                             a.engine_rows)
+    results["regen"] = regen(
+        target, a.regen_per_file, a.max_new_tokens, [int(b) for b in a.hf_batches.split(",")], a.engine_rows
+    )
     folder = next(p for p in (Path(a.out) / "results").iterdir() if (p / RESULT).is_file())
     write_json(folder / RESULT, results)
-    print(json.dumps({k: results[k] for k in ("batch1_plain_tok_s", "best_config_per_level",
-                                              "crossover_concurrency", "regen")}, indent=1))
+    print(
+        json.dumps(
+            {k: results[k] for k in ("batch1_plain_tok_s", "best_config_per_level", "crossover_concurrency", "regen")},
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -69,9 +69,16 @@ class Settings:
 
 
 def smoke_settings() -> Settings:
-    return Settings(batches=(2, 4), min_len=20, max_len=90, jitter=6, warmup=2, measured=3,
-                    overrides=("device=cpu", "draft.intermediate_size=128", "train.ttt_steps=3",
-                               "vocab.size=64"), after_pad=16)
+    return Settings(
+        batches=(2, 4),
+        min_len=20,
+        max_len=90,
+        jitter=6,
+        warmup=2,
+        measured=3,
+        overrides=("device=cpu", "draft.intermediate_size=128", "train.ttt_steps=3", "vocab.size=64"),
+        after_pad=16,
+    )
 
 
 def lengths_for(s: Settings, steps: int, batch: int, seed: int = 0) -> list[list[int]]:
@@ -87,16 +94,27 @@ def make_examples(s: Settings, lengths: list[list[int]], vocab_size: int) -> lis
     rows = []
     for n in (n for step in lengths for n in step):
         prompt = int(n * s.prompt_share)
-        rows.append(TokenizedExample(str(len(rows)), "synthetic", torch.randint(2, vocab_size, (n,), generator=g).tolist(),
-                                     [0] * prompt + [1] * (n - prompt)))
+        rows.append(
+            TokenizedExample(
+                str(len(rows)),
+                "synthetic",
+                torch.randint(2, vocab_size, (n,), generator=g).tolist(),
+                [0] * prompt + [1] * (n - prompt),
+            )
+        )
     return rows
 
 
 @contextlib.contextmanager
 def old_reads():
     """The host reads of the step as it was before, each where it was (see the module doc)."""
-    saved = (batches_mod.to_device, teacher_mod.draft_token_ids, batches_mod.host_batch, ttt._StepLoss.chunked,
-             ttt.ttt_unroll)
+    saved = (
+        batches_mod.to_device,
+        teacher_mod.draft_token_ids,
+        batches_mod.host_batch,
+        ttt._StepLoss.chunked,
+        ttt.ttt_unroll,
+    )
     chunked, unroll, host_batch = ttt._StepLoss.chunked, ttt.ttt_unroll, batches_mod.host_batch
 
     def chunked_with_read(self, j, hidden):
@@ -117,13 +135,25 @@ def old_reads():
     try:
         yield
     finally:
-        (batches_mod.to_device, teacher_mod.draft_token_ids, batches_mod.host_batch, ttt._StepLoss.chunked,
-         ttt.ttt_unroll) = saved
+        (
+            batches_mod.to_device,
+            teacher_mod.draft_token_ids,
+            batches_mod.host_batch,
+            ttt._StepLoss.chunked,
+            ttt.ttt_unroll,
+        ) = saved
 
 
 def build(target, vocab, cfg: RunConfig, examples, batch: int, pad: int | None):
-    tc = dataclasses.replace(cfg.train, batch_size=batch, pad_to_multiple=pad, group_by_length=False,
-                             max_steps=0, teacher_cache_gb=0.0, max_minutes=0.0)
+    tc = dataclasses.replace(
+        cfg.train,
+        batch_size=batch,
+        pad_to_multiple=pad,
+        group_by_length=False,
+        max_steps=0,
+        teacher_cache_gb=0.0,
+        max_minutes=0.0,
+    )
     cfg = dataclasses.replace(cfg, train=tc)
     inputs = RunInputs(examples, [], vocab, None, None)
     torch.manual_seed(0)
@@ -139,23 +169,33 @@ def time_point(target, vocab, cfg: RunConfig, s: Settings, mode: str, batch: int
     keys = [list(range(i * batch, (i + 1) * batch)) for i in range(len(lengths))]
     attention._BLOCK_MASKS.clear()  # each point starts as a run does: no masks yet
     with old_reads() if mode == "before" else contextlib.nullcontext():
-        for k in keys[:s.warmup]:
+        for k in keys[: s.warmup]:
             run.train_step(k)
         _sync(device)
         t0 = time.perf_counter()
-        for k in keys[s.warmup:]:
+        for k in keys[s.warmup :]:
             loss = run.train_step(k)[0]
             if mode == "before":
                 loss.item()  # the loop read the loss after every step
         _sync(device)
         step_s = (time.perf_counter() - t0) / s.measured
-    tokens = sum(sum(step) for step in lengths[s.warmup:]) / s.measured
+    tokens = sum(sum(step) for step in lengths[s.warmup :]) / s.measured
     pad = batches_mod.batch_multiple(run.source)
-    out = {"mode": mode, "batch": batch, "step_s": round(step_s, 5), "tok_s": round(tokens / step_s, 1),
-           "tokens_per_step": round(tokens, 1), "measured_steps": s.measured, "warmup_steps": s.warmup,
-           "pad_to_multiple": pad, "attention": run.unroll.attention, "block_masks_built": len(attention._BLOCK_MASKS)}
-    print(f"[step-fixed-cost] {mode} batch {batch}: {step_s:.4f} s/step, {out['tok_s']:.0f} tok/s, pad {pad}",
-          flush=True)
+    out = {
+        "mode": mode,
+        "batch": batch,
+        "step_s": round(step_s, 5),
+        "tok_s": round(tokens / step_s, 1),
+        "tokens_per_step": round(tokens, 1),
+        "measured_steps": s.measured,
+        "warmup_steps": s.warmup,
+        "pad_to_multiple": pad,
+        "attention": run.unroll.attention,
+        "block_masks_built": len(attention._BLOCK_MASKS),
+    }
+    print(
+        f"[step-fixed-cost] {mode} batch {batch}: {step_s:.4f} s/step, {out['tok_s']:.0f} tok/s, pad {pad}", flush=True
+    )
     del run
     return out
 
@@ -171,9 +211,16 @@ def tiny_target():
     from draftling.target.load import wrap_target
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
     return wrap_target(LlamaForCausalLM(config).eval(), tokenizer, name="tiny-random-llama")
 
@@ -194,9 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny random target on the CPU, a few steps")
     p.add_argument("--device", default=None, help="default: cuda")
     p.add_argument("--measured", type=int, default=None, help="measured steps per point")
-    p.add_argument("--batches", default=None,
-                   help="sequences per step, comma-separated, two or more (default 16,32): e.g. 32,64,128 "
-                        "for how training tok/s scales with the batch")
+    p.add_argument(
+        "--batches",
+        default=None,
+        help="sequences per step, comma-separated, two or more (default 16,32): e.g. 32,64,128 "
+        "for how training tok/s scales with the batch",
+    )
     p.add_argument("--modes", default=",".join(MODES), help="before, after or both (default both)")
     args = p.parse_args(argv)
     modes = tuple(m for m in MODES if m in args.modes.split(","))
@@ -225,19 +275,38 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         fixed, per_seq = fit(points, mode)
         results[f"fixed_cost_s_{mode}"], results[f"per_seq_s_{mode}"] = round(fixed, 5), round(per_seq, 6)
-    results.update(points=points, settings=dataclasses.asdict(s), wall_s=round(time.perf_counter() - started, 1),
-                   caveats=["synthetic token ids; each step a new longest length in [min_len, max_len]",
-                            "before = pad 1 plus the old step's host reads put back where it made them "
-                            "(lab/gpu/step_fixed_cost.py old_reads), not the old commit itself",
-                            "one run per point; the fit has no error estimate"])
+    results.update(
+        points=points,
+        settings=dataclasses.asdict(s),
+        wall_s=round(time.perf_counter() - started, 1),
+        caveats=[
+            "synthetic token ids; each step a new longest length in [min_len, max_len]",
+            "before = pad 1 plus the old step's host reads put back where it made them "
+            "(lab/gpu/step_fixed_cost.py old_reads), not the old commit itself",
+            "one run per point; the fit has no error estimate",
+        ],
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "step-fixed-cost.json", results)
-    write_manifest(out, None, {"settings": dataclasses.asdict(s), "config": GPU_RECIPE,
-                               "target": args.target or "tiny random Llama (--smoke)"}, device, results["date"],
-                   what="step-fixed-cost", files=["step-fixed-cost.json"])
-    print("[step-fixed-cost] fixed cost per step: " + ", ".join(
-        f"{m} {results[f'fixed_cost_s_{m}']:.4f} s" for m in modes), flush=True)
+    write_manifest(
+        out,
+        None,
+        {
+            "settings": dataclasses.asdict(s),
+            "config": GPU_RECIPE,
+            "target": args.target or "tiny random Llama (--smoke)",
+        },
+        device,
+        results["date"],
+        what="step-fixed-cost",
+        files=["step-fixed-cost.json"],
+    )
+    print(
+        "[step-fixed-cost] fixed cost per step: "
+        + ", ".join(f"{m} {results[f'fixed_cost_s_{m}']:.4f} s" for m in modes),
+        flush=True,
+    )
     return 0
 
 

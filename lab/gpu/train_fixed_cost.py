@@ -49,14 +49,23 @@ def mean_seq_tokens(data: Path) -> float:
 
 def point(code: str, batch: int, run: Path, seq_tokens: float) -> dict:
     e = run_entry(run)
-    return {"code": code, "batch": batch, "tok_s": round(e["tok_s"], 1), "step_s": round(batch * seq_tokens / e["tok_s"], 5),
-            "windows": e["windows"], "steps": e["steps"], "peak_gpu_gib": e["peak_gpu_gib_rank0"], "run": run.name}
+    return {
+        "code": code,
+        "batch": batch,
+        "tok_s": round(e["tok_s"], 1),
+        "step_s": round(batch * seq_tokens / e["tok_s"], 5),
+        "windows": e["windows"],
+        "steps": e["steps"],
+        "peak_gpu_gib": e["peak_gpu_gib_rank0"],
+        "run": run.name,
+    }
 
 
 def efficiency_bound(points: list[dict]) -> dict:
     """{code: {global batch B: step_s(B) / (2 * step_s(B/2))}}: the 2-GPU scaling efficiency at
     global batch B if each rank's step took as long as one GPU's step at B/2, i.e. with no gradient
     all-reduce and no rank skew (an upper bound)."""
+
     def mean_step(code, batch):
         s = [p["step_s"] for p in points if p["code"] == code and p["batch"] == batch]
         return sum(s) / len(s) if s else None
@@ -81,7 +90,9 @@ def summarize(points: list[dict], seq_tokens: float, gpu: str) -> dict:
     for batch in sorted({p["batch"] for p in points}):
         tok = {c: [p["tok_s"] for p in points if p["code"] == c and p["batch"] == batch] for c in CODES}
         if tok["before"] and tok["after"]:
-            ratio[str(batch)] = round(sum(tok["after"]) / len(tok["after"]) / (sum(tok["before"]) / len(tok["before"])), 3)
+            ratio[str(batch)] = round(
+                sum(tok["after"]) / len(tok["after"]) / (sum(tok["before"]) / len(tok["before"])), 3
+            )
     out["tok_s_after_over_before"] = ratio
     out["two_gpu_efficiency_bound"] = efficiency_bound(points)
     out["points"] = points
@@ -90,15 +101,21 @@ def summarize(points: list[dict], seq_tokens: float, gpu: str) -> dict:
         "one GPU: B/2 sequences per step stands in for one rank's share of B at 2 GPUs, without the "
         "gradient all-reduce, so two_gpu_efficiency_bound is an upper bound",
         "the first logged window (compile, warm-up) is excluded from tok/s",
-        "step_s prices both batch sizes at the data's mean sequence length; the sampled batches differ"]
+        "step_s prices both batch sizes at the data's mean sequence length; the sampled batches differ",
+    ]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, type=Path, help="the runs' data folder (its summary.json)")
-    p.add_argument("--run", action="append", required=True, metavar="CODE:BATCH=DIR",
-                   help="a finished run: CODE before or after, BATCH its sequences per step; repeat")
+    p.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        metavar="CODE:BATCH=DIR",
+        help="a finished run: CODE before or after, BATCH its sequences per step; repeat",
+    )
     p.add_argument("--out", required=True, type=Path, help="folder for fixed-cost.json")
     p.add_argument("--gpu", default=None, help="GPU name (default: torch's name for cuda:0)")
     args = p.parse_args(argv)
@@ -114,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out / "fixed-cost.json", result)
     for code in CODES:
         if f"fixed_cost_s_{code}" in result:
-            print(f"[train-fixed-cost] {code}: {result[f'fixed_cost_s_{code}']:.4f} s fixed + "
-                  f"{result[f'per_seq_s_{code}'] * 1e3:.2f} ms per sequence")
+            print(
+                f"[train-fixed-cost] {code}: {result[f'fixed_cost_s_{code}']:.4f} s fixed + "
+                f"{result[f'per_seq_s_{code}'] * 1e3:.2f} ms per sequence"
+            )
     print(f"[train-fixed-cost] tok/s after / before by batch: {result['tok_s_after_over_before']}")
     print(f"[train-fixed-cost] 2-GPU efficiency bound by global batch: {result['two_gpu_efficiency_bound']}")
     return 0

@@ -26,8 +26,12 @@ from test_engine import AUX, TREES, oracle_draft  # noqa: E402
 
 from draftling.engine import DraftRunner, build_target, greedy_generate, speculative_generate  # noqa: E402
 
-MODES = {"eager": {}, "graphs": {"cuda_graphs": True}, "compile": {"compile": True},
-         "compile+graphs": {"compile": True, "cuda_graphs": True}}
+MODES = {
+    "eager": {},
+    "graphs": {"cuda_graphs": True},
+    "compile": {"compile": True},
+    "compile+graphs": {"compile": True, "cuda_graphs": True},
+}
 
 
 def load(path: str, dtype, device, scale: float):
@@ -56,10 +60,19 @@ def probe(model, mode: str, ids, new: int, size: int) -> list[dict]:
             out, st = speculative_generate(target, runner, ids, new, *tree, device_rounds=device_rounds)
             out = out[0].tolist()
             first = next((i for i, (a, b) in enumerate(zip(out, plain)) if a != b), None)
-            rows.append({"mode": mode, "tree": "-".join(map(str, tree)), "device_rounds": device_rounds,
-                         "identical": out == plain, "first_difference": first,
-                         "tau": round(sum(st.accept_lengths) / len(st.accept_lengths), 3),
-                         "compactions": st.compactions, "graphs": target.cuda_graphs, "compiled": target.compile})
+            rows.append(
+                {
+                    "mode": mode,
+                    "tree": "-".join(map(str, tree)),
+                    "device_rounds": device_rounds,
+                    "identical": out == plain,
+                    "first_difference": first,
+                    "tau": round(sum(st.accept_lengths) / len(st.accept_lengths), 3),
+                    "compactions": st.compactions,
+                    "graphs": target.cuda_graphs,
+                    "compiled": target.compile,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -82,9 +95,19 @@ def main():
             rows += [{**r, "dtype": dt} for r in probe(model, mode, ids, args.new, 13 + args.new + 40)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tree-identity.json").write_text(json.dumps({
-        "target": Path(args.target).name, "scale": args.scale, "new_tokens": args.new, "seconds": time.time() - t0,
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "rows": rows}, indent=1))
+    (out / "tree-identity.json").write_text(
+        json.dumps(
+            {
+                "target": Path(args.target).name,
+                "scale": args.scale,
+                "new_tokens": args.new,
+                "seconds": time.time() - t0,
+                "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

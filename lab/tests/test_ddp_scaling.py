@@ -11,9 +11,11 @@ def test_scaling_summary_skips_warmup_window_and_computes_efficiency(tmp_path):
     for world, rates in ((1, [10.0, 100.0, 100.0]), (2, [5.0, 180.0, 160.0])):
         run = tmp_path / f"run{world}"
         run.mkdir()
-        (run / "metrics.jsonl").write_text("".join(
-            json.dumps({"split": "train", "tok_s": r, "step": i}) + "\n" for i, r in enumerate(rates))
-            + json.dumps({"split": "val", "sim_tau": 1.5, "step": 3}) + "\n")
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps({"split": "train", "tok_s": r, "step": i}) + "\n" for i, r in enumerate(rates))
+            + json.dumps({"split": "val", "sim_tau": 1.5, "step": 3})
+            + "\n"
+        )
         (run / "train_result.json").write_text(json.dumps({"steps": 3, "train_wall_s": 1.0}))
     out = summarize({1: tmp_path / "run1", 2: tmp_path / "run2"}, "test-gpu")
     two = out["per_world_size"]["2"]
@@ -41,8 +43,12 @@ def test_train_fixed_cost_fits_the_line_through_each_codes_step_times(tmp_path):
             tok_s = batch * 500 / (fixed + per_seq * batch)
             run = tmp_path / f"{code}-{batch}"
             run.mkdir()
-            (run / "metrics.jsonl").write_text("".join(
-                json.dumps({"split": "train", "tok_s": r, "step": i}) + "\n" for i, r in enumerate([1.0, tok_s, tok_s])))
+            (run / "metrics.jsonl").write_text(
+                "".join(
+                    json.dumps({"split": "train", "tok_s": r, "step": i}) + "\n"
+                    for i, r in enumerate([1.0, tok_s, tok_s])
+                )
+            )
             (run / "train_result.json").write_text(json.dumps({"steps": 30, "train_wall_s": 9.0}))
             args += ["--run", f"{code}:{batch}={run}"]
     assert script.main(["--data", str(data), "--out", str(tmp_path / "out"), "--gpu", "test-gpu", *args]) == 0
@@ -70,11 +76,22 @@ def test_two_gpu_results_carry_the_contract_keys_and_the_loss_differences(tmp_pa
     def run(name, rates, losses, val_loss, peak, tau):
         d = tmp_path / name
         d.mkdir()
-        rows = [{"split": "train", "tok_s": r, "step": 10 * (i + 1), "loss": l} for i, (r, l) in enumerate(zip(rates, losses))]
+        rows = [
+            {"split": "train", "tok_s": r, "step": 10 * (i + 1), "loss": l}
+            for i, (r, l) in enumerate(zip(rates, losses))
+        ]
         rows.append({"split": "val", "step": 30, "loss": val_loss, "sim_tau": tau})
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (d / "train_result.json").write_text(json.dumps({"steps": 30, "train_wall_s": 1.0, "peak_gpu_gib": peak,
-                                                         "val": {"sim_tau": tau, "chain_tau": tau - 0.01}}))
+        (d / "train_result.json").write_text(
+            json.dumps(
+                {
+                    "steps": 30,
+                    "train_wall_s": 1.0,
+                    "peak_gpu_gib": peak,
+                    "val": {"sim_tau": tau, "chain_tau": tau - 0.01},
+                }
+            )
+        )
         return d
 
     one = run("one", [1, 100, 100], [9.0, 8.0, 7.0], 7.5, 8.0, 1.5)
@@ -84,11 +101,35 @@ def test_two_gpu_results_carry_the_contract_keys_and_the_loss_differences(tmp_pa
     fixed = tmp_path / "fixed-cost.json"
     fixed.write_text(json.dumps({"fixed_cost_s_before": 0.138, "fixed_cost_s_after": 0.055}))
     out = tmp_path / "x2.json"
-    main(["--run", f"1={one}", "--run", f"2={two}", "--fsdp", str(fsdp), "--split", str(split),
-          "--fixed-cost", str(fixed), "--out", str(out), "--gpu", "test-gpu"])
+    main(
+        [
+            "--run",
+            f"1={one}",
+            "--run",
+            f"2={two}",
+            "--fsdp",
+            str(fsdp),
+            "--split",
+            str(split),
+            "--fixed-cost",
+            str(fixed),
+            "--out",
+            str(out),
+            "--gpu",
+            "test-gpu",
+        ]
+    )
     res = json.loads(out.read_text())
-    assert {"date", "gpu", "tok_s_1gpu", "tok_s_2gpu", "scaling_efficiency", "fixed_cost_s_before",
-            "fixed_cost_s_after", "fsdp"} <= set(res)
+    assert {
+        "date",
+        "gpu",
+        "tok_s_1gpu",
+        "tok_s_2gpu",
+        "scaling_efficiency",
+        "fixed_cost_s_before",
+        "fixed_cost_s_after",
+        "fsdp",
+    } <= set(res)
     assert res["tok_s_2gpu"] == 190 and res["scaling_efficiency"] == pytest.approx(0.95)
     assert res["fixed_cost_s_after"] == 0.055
     f = res["fsdp"]

@@ -17,8 +17,18 @@ def test_the_device_map_check_smoke_splits_over_cpu_and_disk_and_passes(tmp_path
     script = load_script("device_map_check", monkeypatch)
     assert script.main(["--smoke", "--out", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "device-map-check.json").read_text())
-    assert {"date", "gpu", "target", "split", "aux_max_abs_diff", "logits_max_abs_diff", "argmax_agreement",
-            "train", "tolerance", "pass"} <= set(out)
+    assert {
+        "date",
+        "gpu",
+        "target",
+        "split",
+        "aux_max_abs_diff",
+        "logits_max_abs_diff",
+        "argmax_agreement",
+        "train",
+        "tolerance",
+        "pass",
+    } <= set(out)
     assert {"steps", "loss_max_abs_diff", "weights_max_rel_diff", "tok_s_single", "tok_s_split"} <= set(out["train"])
     assert out["pass"] and out["split"]["modules_per_device"] == {"cpu": 5, "disk": 5}
     assert out["split"]["effective"]["streamed from disk, runs on cpu"] == 5
@@ -36,14 +46,20 @@ def test_the_second_arch_bench_smoke_runs_gemma3_and_both_llama_paths(tmp_path, 
     out = json.loads((tmp_path / "second-arch-bench.json").read_text())
     archs = out["archs"]
     assert [archs[a]["engine_used"][0]["class"] for a in script.ARCHS] == [
-        "GeneralCachedTarget", "CachedTarget", "GeneralCachedTarget"]
+        "GeneralCachedTarget",
+        "CachedTarget",
+        "GeneralCachedTarget",
+    ]
     assert "forced by second_arch_bench" in archs["llama-general"]["engine_log"][0]
     assert set(archs["gemma3"]["hf_tok_s"]) == {"hf_static", "hf_prompt_lookup", "hf_eager"}
     for arch in script.ARCHS:
         assert all(c["identical_fraction"] == 1.0 for c in archs[arch]["configs"].values())
         assert (tmp_path / archs[arch]["release_json"]).is_file()
     assert set(out["ratios"]["llama_general_over_llama_fast"]) == {
-        "engine_plain_tok_s", "chain-3-1-4_tok_s", "tree-3-4-8_tok_s"}
+        "engine_plain_tok_s",
+        "chain-3-1-4_tok_s",
+        "tree-3-4-8_tok_s",
+    }
     assert out["model_configs"]["gemma3"]["layer_types"] == "SSSSSF"
     assert any("random weights: speed only" in c for c in out["caveats"])
     assert not list(tmp_path.rglob("draft.safetensors"))
@@ -77,7 +93,11 @@ def test_the_fixed_cost_script_runs_its_smoke_on_the_cpu(tmp_path, one_thread, m
     out = json.loads((tmp_path / "step-fixed-cost.json").read_text())
     assert {"date", "gpu", "fixed_cost_s_before", "fixed_cost_s_after", "points"} <= set(out)
     assert [(p["mode"], p["batch"], p["pad_to_multiple"]) for p in out["points"]] == [
-        ("before", 2, 1), ("before", 4, 1), ("after", 2, 16), ("after", 4, 16)]
+        ("before", 2, 1),
+        ("before", 4, 1),
+        ("after", 2, 16),
+        ("after", 4, 16),
+    ]
     assert_manifest(tmp_path)
     assert (batches.to_device, ttt.ttt_unroll) == patched  # the old reads undone
 

@@ -11,14 +11,39 @@ from lab.benches import train_bench
 from lab.benches.train_bench import ABLATIONS, MemoryBench, Settings, all_on_config, guarded, run_bench
 
 TINY = DraftShape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=300, draft_vocab=64)
-KEYS = ("date", "gpu", "torch", "peak_gib_36b_shape", "ablation", "seq_scaling", "tok_s_default", "tok_s_eager",
-        "speedup_vs_eager", "plan_estimate_gib", "time_split", "memory_shape", "memory_config",
-        "throughput_config", "caveats")
+KEYS = (
+    "date",
+    "gpu",
+    "torch",
+    "peak_gib_36b_shape",
+    "ablation",
+    "seq_scaling",
+    "tok_s_default",
+    "tok_s_eager",
+    "speedup_vs_eager",
+    "plan_estimate_gib",
+    "time_split",
+    "memory_shape",
+    "memory_config",
+    "throughput_config",
+    "caveats",
+)
 
 
 def tiny_settings(**changes) -> Settings:
-    base = dict(shape=TINY, seq=32, seq_scaling=(16, 32), warmup=1, measured=1, tp_seq=24, tp_batch=2,
-                tp_draft_vocab=64, tp_warmup=1, tp_measured=1, aux_dtype=torch.float32)
+    base = dict(
+        shape=TINY,
+        seq=32,
+        seq_scaling=(16, 32),
+        warmup=1,
+        measured=1,
+        tp_seq=24,
+        tp_batch=2,
+        tp_draft_vocab=64,
+        tp_warmup=1,
+        tp_measured=1,
+        aux_dtype=torch.float32,
+    )
     base.update(changes)
     return Settings(**base)
 
@@ -82,7 +107,9 @@ def test_a_failed_run_is_recorded_and_memory_freed():
     def broken():
         raise ValueError("bad shape")
 
-    assert guarded(torch.device("cpu"), oom) == {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert guarded(torch.device("cpu"), oom) == {
+        "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    }
     err = guarded(torch.device("cpu"), broken)["error"]
     assert err.startswith("ValueError: bad shape") and "test_train_bench.py" in err
     assert guarded(torch.device("cpu"), lambda x: {"ok": x}, 3) == {"ok": 3}
@@ -103,8 +130,13 @@ def test_results_are_written_after_each_run(tmp_path, tiny_target, monkeypatch, 
     monkeypatch.setattr(MemoryBench, "run", run)
     out = tmp_path / "cut.json"
     with pytest.raises(KeyboardInterrupt):
-        run_bench(out, tiny_settings(ablations=("loss_chunking_off", "grad_checkpoint_off")), torch.device("cpu"),
-                  target=None, phases=("memory", "throughput", "ablation"))
+        run_bench(
+            out,
+            tiny_settings(ablations=("loss_chunking_off", "grad_checkpoint_off")),
+            torch.device("cpu"),
+            target=None,
+            phases=("memory", "throughput", "ablation"),
+        )
     on_disk = json.loads(out.read_text())
     assert on_disk["all_on"]["plan_estimate_gib"] > 0
     assert list(on_disk["ablation"]) == ["loss_chunking_off"]

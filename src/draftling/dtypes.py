@@ -6,14 +6,20 @@ from __future__ import annotations
 import torch
 
 # Every name a config may give a dtype by: the torch names and their usual short forms.
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 # The torch names alone (what results and file headers write).
 CANONICAL = ("float32", "bfloat16", "float16")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"bfloat16" for torch.bfloat16: the name results and provenance record."""
+    """ "bfloat16" for torch.bfloat16: the name results and provenance record."""
     return str(dtype).removeprefix("torch.")
 
 

@@ -96,7 +96,7 @@ def _time_column_major(dtype: torch.dtype) -> bool:
     xs = [torch.randn(n, 576, generator=g).to(dtype) for n in (4, 256)]
     layouts = (w, w.t().contiguous().t())
     times = _best_seconds([lambda x=x, v=v: torch.nn.functional.linear(x, v) for v in layouts for x in xs], 5)
-    row_t, col_t = times[:len(xs)], times[len(xs):]
+    row_t, col_t = times[: len(xs)], times[len(xs) :]
     ratio = statistics.fmean(c / r for c, r in zip(col_t, row_t))  # a mean of ratios: each size counts alike
     return ratio < 0.9
 
@@ -111,6 +111,5 @@ def resolve_fast_dtype(name: str | None, device, own: torch.dtype, field: str) -
         return torch.bfloat16 if bf16_matmul_is_faster(torch.device(device).type) else own
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(f"{field}={name!r}: expected null, {BF16_IF_FAST} or a floating dtype name "
-                          "such as bfloat16")
+        raise ConfigError(f"{field}={name!r}: expected null, {BF16_IF_FAST} or a floating dtype name such as bfloat16")
     return dtype

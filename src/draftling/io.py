@@ -117,8 +117,10 @@ def check_output_dir(path: str | os.PathLike, kind: str, overwrite: bool, flag: 
     marker = path / OUTPUT_MARKER
     owner = _read_marker(marker)
     if owner is None:
-        raise DraftlingError(f"{flag} {path}: not empty and not written by draftling; choose an empty or new "
-                             "directory (nothing was changed)")
+        raise DraftlingError(
+            f"{flag} {path}: not empty and not written by draftling; choose an empty or new "
+            "directory (nothing was changed)"
+        )
     if owner.get("kind") != kind:
         raise DraftlingError(f"{flag} {path}: holds a draftling {owner.get('kind')!r} output, not {kind!r}")
     if not overwrite:

@@ -114,8 +114,9 @@ def _handlers(rank: int | None, all_ranks: bool | None, log_file: str | None) ->
     return handlers
 
 
-def setup_logging(level: int | str = logging.INFO, rank: int | None = None, log_file: str | None = None,
-                  all_ranks: bool | None = None) -> logging.Logger:
+def setup_logging(
+    level: int | str = logging.INFO, rank: int | None = None, log_file: str | None = None, all_ranks: bool | None = None
+) -> logging.Logger:
     """(Re)configure the ``draftling`` logger: its level, the rank filter (``rank=None``: from the
     environment at each record; ``all_ranks``: info lines from every rank, default from
     ``DRAFTLING_LOG_ALL_RANKS``) and a file handler when ``log_file`` (default

@@ -33,8 +33,7 @@ class Progress:
     terminal (a stage whose lines are its record); ``initial``: units already done (a resumed
     run), which the rate does not count."""
 
-    def __init__(self, total: int, desc: str, enabled: bool = True, initial: int = 0, emit=None,
-                 bar: bool = True):
+    def __init__(self, total: int, desc: str, enabled: bool = True, initial: int = 0, emit=None, bar: bool = True):
         self.enabled, self.total, self.done = enabled, total, initial
         self.emit = emit or log.info
         self.t0, self.base = time.perf_counter(), initial  # the rate counts units done since t0
@@ -63,7 +62,7 @@ class Progress:
             self.bar.refresh()
 
     def timing(self) -> str:
-        """"elapsed 3m10s, ~1h02m left", from the rate measured since the start."""
+        """ "elapsed 3m10s, ~1h02m left", from the rate measured since the start."""
         elapsed = time.perf_counter() - self.t0
         worked, left = self.done - self.base, max(0, self.total - self.done)
         if worked <= 0 or elapsed <= 0:

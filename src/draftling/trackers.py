@@ -46,8 +46,9 @@ def scalars(metrics: dict) -> dict[str, float]:
             continue
         if isinstance(value, (int, float)):
             out[f"{prefix}/{key}"] = value
-        elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                       for v in value):
+        elif isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
             out.update({f"{prefix}/{key}_{j}": v for j, v in enumerate(value)})
     return out
 
@@ -104,8 +105,9 @@ def tracker_names(configured: list[str] | tuple[str, ...] | None = None) -> list
     return names
 
 
-def open_trackers(names: list[str] | tuple[str, ...] | None = None, run_dir: str | None = None,
-                  config: dict | None = None) -> list[Tracker]:
+def open_trackers(
+    names: list[str] | tuple[str, ...] | None = None, run_dir: str | None = None, config: dict | None = None
+) -> list[Tracker]:
     """The trackers ``names`` (or the env var's) asks for, started; a missing library fails here,
     before any is left open."""
     names = tracker_names(names)

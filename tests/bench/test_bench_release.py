@@ -31,8 +31,17 @@ def bench_run(tmp_path_factory):
     ps = token_prompt_set(tmp / "set.jsonl")
     out = tmp / "results"
     results = release.run_release_bench(
-        target, draft, prompt_set=ps, max_new_tokens=12, baselines=("engine_plain", "hf_eager"),
-        baseline_prompts_per_workload=1, out_dir=out, tag="test", command="pytest", quiet=True)
+        target,
+        draft,
+        prompt_set=ps,
+        max_new_tokens=12,
+        baselines=("engine_plain", "hf_eager"),
+        baseline_prompts_per_workload=1,
+        out_dir=out,
+        tag="test",
+        command="pytest",
+        quiet=True,
+    )
     stem = release_options.release_stem(out, results["date"], results["gpu"], "test")
     return types.SimpleNamespace(results=results, stem=stem, target=target, draft=draft, ps=ps, tmp=tmp)
 
@@ -41,8 +50,21 @@ def test_json_contract(bench_run):
     r = bench_run.results
     on_disk = json.loads(Path(f"{bench_run.stem}.json").read_text())
     assert on_disk == json.loads(json.dumps(r))
-    assert set(on_disk) == {"date", "gpu", "engine", "target", "draft", "prompt_set", "baselines",
-                            "baseline_details", "configs", "sampled", "caveats", "command", "dtype"}
+    assert set(on_disk) == {
+        "date",
+        "gpu",
+        "engine",
+        "target",
+        "draft",
+        "prompt_set",
+        "baselines",
+        "baseline_details",
+        "configs",
+        "sampled",
+        "caveats",
+        "command",
+        "dtype",
+    }
     # Sampled decoding at 0.7 and 1.0, per workload, for every config (lossless: rates only).
     assert list(r["sampled"]) == ["0.7", "1.0"]
     for configs in r["sampled"].values():
@@ -65,8 +87,19 @@ def test_json_contract(bench_run):
     assert d["hf_eager"]["identical_to_engine_plain"] == 1.0
 
     assert [c["name"] for c in r["configs"]] == list(RELEASE_CONFIGS)
-    keys = {"name", "steps", "topk", "draft_tokens", "per_workload", "mean_speedup", "mean_tau",
-            "identical_fraction", "accept_rate_by_depth", "cost", "round_split_ms"}
+    keys = {
+        "name",
+        "steps",
+        "topk",
+        "draft_tokens",
+        "per_workload",
+        "mean_speedup",
+        "mean_tau",
+        "identical_fraction",
+        "accept_rate_by_depth",
+        "cost",
+        "round_split_ms",
+    }
     for c in r["configs"]:
         assert set(c) == keys
         assert c["round_split_ms"] is None  # measured on CUDA only unless asked for
@@ -80,8 +113,7 @@ def test_json_contract(bench_run):
         assert c["accept_rate_by_depth"] == sorted(c["accept_rate_by_depth"], reverse=True)
         cost = c["cost"]
         assert {"free_speedup", "drafting_share"} <= set(cost)
-        assert cost["free_speedup"] == pytest.approx(
-            c["mean_tau"] * cost["plain_step_ms"] / cost["verify_step_ms"])
+        assert cost["free_speedup"] == pytest.approx(c["mean_tau"] * cost["plain_step_ms"] / cost["verify_step_ms"])
         assert cost["drafting_share"] == pytest.approx(1 - c["mean_speedup"] / cost["free_speedup"])
     assert r["prompt_set"]["workloads"] == {w: 2 for w in WORKLOADS}
 
@@ -110,8 +142,13 @@ def test_update_benchmarks_md(bench_run, tmp_path):
     release.update_benchmarks_md(js, md)  # creates the file
     first = md.read_text()
     assert release.MARK_START in first and release.MARK_END in first and "x (" in first
-    md.write_text("# Benchmarks\n\nintro kept\n\n" + release.MARK_START + "\nstale table\n"
-                  + release.MARK_END + "\n\n## Older results\n\nkept too\n")
+    md.write_text(
+        "# Benchmarks\n\nintro kept\n\n"
+        + release.MARK_START
+        + "\nstale table\n"
+        + release.MARK_END
+        + "\n\n## Older results\n\nkept too\n"
+    )
     release.update_benchmarks_md(js, md)
     text = md.read_text()
     assert "stale table" not in text
@@ -140,33 +177,53 @@ def test_run_folder_and_manifest(bench_run):
     assert m["files"] == sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
     # The same date, commit, machine and tag again: refused before any work.
     with pytest.raises(ConfigError, match="results of this date, machine and tag exist"):
-        release.run_release_bench(bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
-                                  out_dir=folder.parent, tag="test", quiet=True)
+        release.run_release_bench(
+            bench_run.target, bench_run.draft, prompt_set=bench_run.ps, out_dir=folder.parent, tag="test", quiet=True
+        )
 
 
 def test_release_options_are_config_keys_checked_on_load():
     from draftling.config import load_config
 
-    bench = load_config(None, ["bench.query_pad=8", "bench.engine_compile=off", "bench.baselines=[hf_eager]",
-                               "bench.sampled_temperatures=[]"]).bench
+    bench = load_config(
+        None,
+        [
+            "bench.query_pad=8",
+            "bench.engine_compile=off",
+            "bench.baselines=[hf_eager]",
+            "bench.sampled_temperatures=[]",
+        ],
+    ).bench
     opts = release_options.ReleaseOptions.from_config(bench, overwrite=True)
     assert opts.sampled_temperatures == ()
     assert release_options.ReleaseOptions.from_config(load_config(None, []).bench).sampled_temperatures == (0.7, 1.0)
     assert opts.engine.query_pad == 8 and opts.engine.compile is False and opts.engine.attention == "auto"
     assert opts.baselines == ("hf_eager",) and opts.hf_runs == ["hf_eager"] and opts.overwrite
-    for bad, match in (("bench.attention=fast", "bench.attention='fast'"), ("bench.engine_compile=maybe", "expected true/false"),
-                       ("bench.baselines=[hf_nope]", "unknown baselines"), ("bench.query_pad=-1", "bench.query_pad=-1"),
-                       ("bench.sampled_temperatures=[0]", "bench.sampled_temperatures=")):
+    for bad, match in (
+        ("bench.attention=fast", "bench.attention='fast'"),
+        ("bench.engine_compile=maybe", "expected true/false"),
+        ("bench.baselines=[hf_nope]", "unknown baselines"),
+        ("bench.query_pad=-1", "bench.query_pad=-1"),
+        ("bench.sampled_temperatures=[0]", "bench.sampled_temperatures="),
+    ):
         with pytest.raises(ConfigError, match=match):
             load_config(None, [bad])
 
 
 def test_all_four_baselines(bench_run, tmp_path):
     r = release.run_release_bench(
-        bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
+        bench_run.target,
+        bench_run.draft,
+        prompt_set=bench_run.ps,
         configs=["chain-2-1-3", "tree-2-2-4"],
-        max_new_tokens=6, baseline_prompts_per_workload=1, out_dir=tmp_path, command="x", quiet=True,
-        round_timing=True, sampled_temperatures=())
+        max_new_tokens=6,
+        baseline_prompts_per_workload=1,
+        out_dir=tmp_path,
+        command="x",
+        quiet=True,
+        round_timing=True,
+        sampled_temperatures=(),
+    )
     assert all(r["baselines"][b] > 0 for b in release_options.BASELINES)
     assert r["sampled"] == {}  # greedy only: no sampled decodes ran
     for b in release_options.BASELINES[1:]:
@@ -188,33 +245,54 @@ def test_padded_engine_and_unpadded_reference(bench_run, tmp_path):
     """query_pad on: plain decoding runs padded (the identity reference) and unpadded; the
     speedup reference is the faster one, and both speeds are reported."""
     r = release.run_release_bench(
-        bench_run.target, bench_run.draft, prompt_set=bench_run.ps, configs=["chain-2-1-3", "tree-2-2-4"],
-        max_new_tokens=8, baselines=("engine_plain",), out_dir=tmp_path, command="x", quiet=True,
-        query_pad=4, attention="exact")
+        bench_run.target,
+        bench_run.draft,
+        prompt_set=bench_run.ps,
+        configs=["chain-2-1-3", "tree-2-2-4"],
+        max_new_tokens=8,
+        baselines=("engine_plain",),
+        out_dir=tmp_path,
+        command="x",
+        quiet=True,
+        query_pad=4,
+        attention="exact",
+    )
     plain = r["baseline_details"]["engine_plain"]
     assert plain["engine"]["query_pad"] == 4 and plain["engine"]["attention"] == "exact"
     assert plain["padded_tok_s"] > 0 and plain["unpadded_tok_s"] > 0
     faster = max(plain["padded_tok_s"], plain["unpadded_tok_s"])
     assert r["baselines"]["engine_plain"] == pytest.approx(faster)
-    assert plain["speedup_reference"] == ("engine_plain_unpadded" if plain["unpadded_tok_s"] > plain["padded_tok_s"]
-                                          else "engine_plain")
+    assert plain["speedup_reference"] == (
+        "engine_plain_unpadded" if plain["unpadded_tok_s"] > plain["padded_tok_s"] else "engine_plain"
+    )
     # fp32 on the CPU: padding changes no token.
     assert plain["unpadded_identical_to_padded"] == 1.0
     assert all(c["identical_fraction"] == 1.0 for c in r["configs"])
     assert any("padded to 4 queries with exact attention" in n for n in r["caveats"])
     with pytest.raises(ConfigError, match="query_pad 2 is below"):
-        release.run_release_bench(bench_run.target, bench_run.draft, prompt_set=bench_run.ps,
-                                  configs=["chain-2-1-3"], max_new_tokens=4, baselines=("engine_plain",),
-                                  out_dir=tmp_path / "other", quiet=True, query_pad=2)
+        release.run_release_bench(
+            bench_run.target,
+            bench_run.draft,
+            prompt_set=bench_run.ps,
+            configs=["chain-2-1-3"],
+            max_new_tokens=4,
+            baselines=("engine_plain",),
+            out_dir=tmp_path / "other",
+            quiet=True,
+            query_pad=2,
+        )
 
 
 def test_prompt_set_sources(tmp_path):
     p = tmp_path / "mine.jsonl"
-    p.write_text(json.dumps({"id": "a", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}) + "\n"
-                 + json.dumps({"id": "b", "input_ids": [9, 10], "workload": "code"}) + "\n")
+    p.write_text(
+        json.dumps({"id": "a", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]})
+        + "\n"
+        + json.dumps({"id": "b", "input_ids": [9, 10], "workload": "code"})
+        + "\n"
+    )
     info, prompts = release.load_prompt_set(p, tiny_bench_target())
-    assert [(q.id, q.workload, q.input_ids) for q in prompts] == [("a", "default", [5, 6]),
-                                                                  ("b", "code", [9, 10])]
+    assert [(q.id, q.workload, q.input_ids) for q in prompts] == [("a", "default", [5, 6]), ("b", "code", [9, 10])]
     assert info["workloads"] == {"default": 1, "code": 1} and not info["builtin"]
     name, path = prompt_sets.resolve_prompt_set("v1")
     assert name == "v1" and path.is_file()
@@ -289,10 +367,32 @@ def test_cli_release(bench_run, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr("draftling.target.load_target_from_config", lambda cfg: bench_run.target)
     monkeypatch.chdir(tmp_path)
-    rc = cli.main(["bench", "--release", "--draft", str(bench_run.draft), "--prompt-set", str(bench_run.ps),
-                   "--configs", "chain-2-1-3", "--max-new-tokens", "5", "--baselines", "engine_plain",
-                   "--results-dir", "res", "--tag", "cli", "--update-benchmarks-md", "BENCHMARKS.md", "--device", "cpu",
-                   "--dtype", "float32"])
+    rc = cli.main(
+        [
+            "bench",
+            "--release",
+            "--draft",
+            str(bench_run.draft),
+            "--prompt-set",
+            str(bench_run.ps),
+            "--configs",
+            "chain-2-1-3",
+            "--max-new-tokens",
+            "5",
+            "--baselines",
+            "engine_plain",
+            "--results-dir",
+            "res",
+            "--tag",
+            "cli",
+            "--update-benchmarks-md",
+            "BENCHMARKS.md",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert rc == 0
     jsons = list((tmp_path / "res").glob("*/*-cpu-cli.json"))  # in the run's folder
     assert len(jsons) == 1
@@ -301,9 +401,31 @@ def test_cli_release(bench_run, tmp_path, monkeypatch, capsys):
     assert r["baselines"]["hf_eager"] is None
     assert release.MARK_START in (tmp_path / "BENCHMARKS.md").read_text()
     # Without --results-dir the run's folder goes in the working directory.
-    assert cli.main(["bench", "--release", "--draft", str(bench_run.draft), "--prompt-set", str(bench_run.ps),
-                     "--configs", "chain-2-1-3", "--max-new-tokens", "5", "--baselines", "engine_plain",
-                     "--tag", "here", "--device", "cpu", "--dtype", "float32"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--release",
+                "--draft",
+                str(bench_run.draft),
+                "--prompt-set",
+                str(bench_run.ps),
+                "--configs",
+                "chain-2-1-3",
+                "--max-new-tokens",
+                "5",
+                "--baselines",
+                "engine_plain",
+                "--tag",
+                "here",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     assert len(list(tmp_path.glob("*-release-*-here/*-cpu-here.json"))) == 1
     with pytest.raises(SystemExit):  # the markdown file to update is named, never assumed
         cli.main(["bench", "--release", "--draft", str(bench_run.draft), "--update-benchmarks-md"])
@@ -315,17 +437,44 @@ def test_cli_release(bench_run, tmp_path, monkeypatch, capsys):
     assert "only apply with --release" in capsys.readouterr().err
     assert cli.main(["bench", "--release", "--draft", "d", "--out", "x.json"]) == 2
     assert "--out" in capsys.readouterr().err
-    assert cli.main(["bench", "--release", "--draft", str(bench_run.draft), "--prompt-set",
-                     str(bench_run.ps), "--baselines", "hf_nope", "--device", "cpu"]) == 2
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--release",
+                "--draft",
+                str(bench_run.draft),
+                "--prompt-set",
+                str(bench_run.ps),
+                "--baselines",
+                "hf_nope",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     assert "unknown baselines" in capsys.readouterr().err
 
 
 def test_message_records_and_dropped_tools(tmp_path):
     p = tmp_path / "msgs.jsonl"
-    p.write_text(json.dumps({"id": "t1", "source": "s", "workload": "tool", "tools": [{"name": "f"}],
-                             "messages": [{"role": "user", "content": "call f"}]}) + "\n"
-                 + json.dumps({"id": "c1", "messages": [{"role": "user", "content": "hi"},
-                                                        {"role": "assistant", "content": "dropped"}]}) + "\n")
+    p.write_text(
+        json.dumps(
+            {
+                "id": "t1",
+                "source": "s",
+                "workload": "tool",
+                "tools": [{"name": "f"}],
+                "messages": [{"role": "user", "content": "call f"}],
+            }
+        )
+        + "\n"
+        + json.dumps(
+            {"id": "c1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "dropped"}]}
+        )
+        + "\n"
+    )
     target = tiny_bench_target()
     target.tokenizer = _ToyTokenizer()
     info, prompts = release.load_prompt_set(p, target)
@@ -348,14 +497,18 @@ def test_results_name_a_changed_checkout_dirty(tmp_path):
     assert commit_of(package) == "unknown"
 
     def git(*args):
-        subprocess.run(["git", "-C", str(tmp_path / "repo"), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(tmp_path / "repo"), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            check=True,
+            capture_output=True,
+        )
 
     git("init", "-q")
     git("add", ".")
     git("commit", "-qm", "one")
-    head = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     (package / "new.py").write_text("")  # untracked
     assert commit_of(package) == head
     (package / "a.py").write_text("x = 2\n")

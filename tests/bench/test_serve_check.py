@@ -31,10 +31,20 @@ def tiny_vllm_target(out):
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
     tok.save_pretrained(out)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      tie_word_embeddings=False, initializer_range=0.05, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out
 
@@ -48,28 +58,89 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     target, data, run = tiny_vllm_target(root / "target"), root / "data", root / "run"
     common = ["--target", str(target), "--device", "cpu"]
-    assert main(["data", *common, "--out", str(data), "--prompts", str(write_prompts(root / "p.jsonl", 96)),
-                 "data.regen.max_new_tokens=64", "data.val_fraction=0.1", "data.min_tokens=4"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                *common,
+                "--out",
+                str(data),
+                "--prompts",
+                str(write_prompts(root / "p.jsonl", 96)),
+                "data.regen.max_new_tokens=64",
+                "data.val_fraction=0.1",
+                "data.min_tokens=4",
+            ]
+        )
+        == 0
+    )
     assert main(["vocab", "--data", str(data), "--size", "512", "--target", str(target)]) == 0
-    assert main(["train", *common, "--data", str(data), "--run-dir", str(run), f"aux_layer_ids={AUX}",
-                 "train.max_steps=300", "train.batch_size=8", "train.ttt_steps=3", "train.lr=3e-3",
-                 "train.warmup_steps=10"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                "--data",
+                str(data),
+                "--run-dir",
+                str(run),
+                f"aux_layer_ids={AUX}",
+                "train.max_steps=300",
+                "train.batch_size=8",
+                "train.ttt_steps=3",
+                "train.lr=3e-3",
+                "train.warmup_steps=10",
+            ]
+        )
+        == 0
+    )
     exports = {}
     for fmt in ("sglang", "speculators"):
         exports[fmt] = root / fmt
         named = ["--verifier-id", "test/tiny-llama"] if fmt == "speculators" else []
-        assert main(["export", "--draft", str(run / "draft"), "--out", str(exports[fmt]), "--format", fmt,
-                     "--target", str(target), *named, "--dtype", "float32"]) == 0
-    held_out = [{"id": f"h{i}", "messages": [{"role": "user", "content": f"Tell me fact number {100 + i} about "
-                                                "the sea."}]} for i in range(8)]
+        assert (
+            main(
+                [
+                    "export",
+                    "--draft",
+                    str(run / "draft"),
+                    "--out",
+                    str(exports[fmt]),
+                    "--format",
+                    fmt,
+                    "--target",
+                    str(target),
+                    *named,
+                    "--dtype",
+                    "float32",
+                ]
+            )
+            == 0
+        )
+    held_out = [
+        {"id": f"h{i}", "messages": [{"role": "user", "content": f"Tell me fact number {100 + i} about the sea."}]}
+        for i in range(8)
+    ]
     (root / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
     return target, exports, root / "held_out.jsonl"
 
 
 def check(served, export, out):
     target, _, prompts = served
-    return run_draftling("serve-check", export, "--target", target, "--device", "cpu", "--prompts", prompts,
-                         "--max-new-tokens", "32", "--out", out)
+    return run_draftling(
+        "serve-check",
+        export,
+        "--target",
+        target,
+        "--device",
+        "cpu",
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        "32",
+        "--out",
+        out,
+    )
 
 
 @pytest.mark.vllm
@@ -126,6 +197,7 @@ def test_tau_counts_the_bonus_token_and_the_band_is_two_sided():
 def test_without_vllm_the_check_is_one_line_naming_the_extra(tmp_path):
     try:
         import vllm  # noqa: F401
+
         pytest.skip("vLLM is installed here")
     except ImportError:
         pass

@@ -30,21 +30,42 @@ def _fixtures(root: Path, target: Path) -> dict:
 
     root.mkdir()
     f = {"T": target, "P": write_prompts(root / "prompts.jsonl", n=12)}
-    for name, data in (("nonutf8", b'{"id": "a", "messages": [{"role": "user", "content": "caf\xe9"}]}\n'),
-                       ("empty", b""), ("blank", b"\n  \n\t\n"), ("toolong", TOO_LONG.encode())):
+    for name, data in (
+        ("nonutf8", b'{"id": "a", "messages": [{"role": "user", "content": "caf\xe9"}]}\n'),
+        ("empty", b""),
+        ("blank", b"\n  \n\t\n"),
+        ("toolong", TOO_LONG.encode()),
+    ):
         f[name] = root / f"{name}.jsonl"
         f[name].write_bytes(data)
     gguf = smollm2_gguf()
     head = gguf.open("rb").read(49 * 2**20)
-    for name, data in (("gguf1mb", head[:2**20]), ("gguf49mb", head), ("gguf_garbage", b"GGUF" + b"\x07" * 5000)):
+    for name, data in (("gguf1mb", head[: 2**20]), ("gguf49mb", head), ("gguf_garbage", b"GGUF" + b"\x07" * 5000)):
         f[name] = root / f"{name}.gguf"
         f[name].write_bytes(data)
     f["config_only"] = root / "config-only"
     f["config_only"].mkdir()
     (f["config_only"] / "config.json").write_text('{"model_type": "llama", "vocab_size": 10}')
     f["D"] = root / "data"
-    assert main(["data", "--target", str(target), "--device", "cpu", "--prompts", str(f["P"]), "--out",
-                 str(f["D"]), "data.regen.max_new_tokens=6", "data.val_fraction=0.25", "data.min_tokens=4"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--target",
+                str(target),
+                "--device",
+                "cpu",
+                "--prompts",
+                str(f["P"]),
+                "--out",
+                str(f["D"]),
+                "data.regen.max_new_tokens=6",
+                "data.val_fraction=0.25",
+                "data.min_tokens=4",
+            ]
+        )
+        == 0
+    )
     assert main(["vocab", "--data", str(f["D"]), "--target", str(target), "--size", "64"]) == 0
     f["garbage_vocab"] = root / "garbage-vocab.safetensors"
     f["garbage_vocab"].write_bytes(b"garbage" * 10)
@@ -56,9 +77,25 @@ def _fixtures(root: Path, target: Path) -> dict:
     f["mixed"] = root / "data-mixed"  # val.jsonl from another data run
     shutil.copytree(f["D"], f["mixed"])
     other = root / "data-other"
-    assert main(["data", "--target", str(target), "--device", "cpu", "--prompts", str(write_prompts(
-        root / "other.jsonl", n=16)), "--out", str(other), "data.regen.max_new_tokens=6",
-        "data.val_fraction=0.25", "data.min_tokens=4"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--target",
+                str(target),
+                "--device",
+                "cpu",
+                "--prompts",
+                str(write_prompts(root / "other.jsonl", n=16)),
+                "--out",
+                str(other),
+                "data.regen.max_new_tokens=6",
+                "data.val_fraction=0.25",
+                "data.min_tokens=4",
+            ]
+        )
+        == 0
+    )
     shutil.copy(other / "val.jsonl", f["mixed"] / "val.jsonl")
     cfg = AutoConfig.from_pretrained(target)
     good = Eagle3Draft(draft_config_from_target(cfg, 64, [1, 2, 3]))
@@ -87,49 +124,97 @@ CASES = [
     ("prompts: every prompt too long", DATA + ["--prompts", "{toolong}"], "over the"),
     ("prompts: missing file", DATA + ["--prompts", "nothere.jsonl"], "nothere.jsonl"),
     # targets
-    ("target: GGUF truncated to 1 MB", ["data", "--target", "{gguf1mb}", "--out", "out", "--prompts", "{P}"],
-     "gguf1mb.gguf"),
-    ("target: GGUF truncated to 49 MB", ["data", "--target", "{gguf49mb}", "--out", "out", "--prompts", "{P}"],
-     "gguf49mb.gguf"),
-    ("target: garbage GGUF", ["data", "--target", "{gguf_garbage}", "--out", "out", "--prompts", "{P}"],
-     "gguf_garbage.gguf"),
-    ("target: directory with only config.json", ["data", "--target", "{config_only}", "--out", "out",
-                                                 "--prompts", "{P}"], "config-only"),
-    ("target: --device cuda without CUDA", ["data", "--target", "{T}", "--device", "cuda", "--out", "out",
-                                            "--prompts", "{P}"], "--device cuda"),
-    ("target: hub id, hub out of reach", ["data", "--target", "someone/some-model", "--out", "out",
-                                          "--prompts", "{P}"], "someone/some-model"),
+    (
+        "target: GGUF truncated to 1 MB",
+        ["data", "--target", "{gguf1mb}", "--out", "out", "--prompts", "{P}"],
+        "gguf1mb.gguf",
+    ),
+    (
+        "target: GGUF truncated to 49 MB",
+        ["data", "--target", "{gguf49mb}", "--out", "out", "--prompts", "{P}"],
+        "gguf49mb.gguf",
+    ),
+    (
+        "target: garbage GGUF",
+        ["data", "--target", "{gguf_garbage}", "--out", "out", "--prompts", "{P}"],
+        "gguf_garbage.gguf",
+    ),
+    (
+        "target: directory with only config.json",
+        ["data", "--target", "{config_only}", "--out", "out", "--prompts", "{P}"],
+        "config-only",
+    ),
+    (
+        "target: --device cuda without CUDA",
+        ["data", "--target", "{T}", "--device", "cuda", "--out", "out", "--prompts", "{P}"],
+        "--device cuda",
+    ),
+    (
+        "target: hub id, hub out of reach",
+        ["data", "--target", "someone/some-model", "--out", "out", "--prompts", "{P}"],
+        "someone/some-model",
+    ),
     # values
     *[(f"value: {culprit}", argv, culprit) for argv, culprit in VALUE_CASES],
     # files of the pipeline
-    ("train: garbage vocab file", ["train", *TGT, "--data", "{D}", "--vocab", "{garbage_vocab}",
-                                   "--run-dir", "run"], "garbage-vocab.safetensors"),
-    ("train: token id outside the vocabulary", ["train", *TGT, "--data", "{oov}", "--run-dir", "run"],
-     "train.jsonl:1: token id 1000000"),
-    ("vocab: files of two data runs", ["vocab", "--data", "{mixed}", "--target", "{T}", "--out", "v.st"],
-     "different `draftling data` runs"),
-    ("extract: files of two data runs", ["extract", *TGT, "--data", "{mixed}", "--out", "cache"],
-     "different `draftling data` runs"),
-    ("train: files of two data runs", ["train", *TGT, "--data", "{mixed}", "--run-dir", "run"],
-     "different `draftling data` runs"),
-    *[(f"{cmd}: {kind} draft", argv + ["--draft", "{draft_" + kind + "}"], culprit)
-      for kind, culprit in (("garbage", "draft.safetensors"), ("truncated", "draft.safetensors"),
-                            ("nonjson", "draft_config.json"))
-      for cmd, argv in (("bench", ["bench", *TGT, "--prompts", "{D}/val.jsonl", "--num-prompts", "1",
-                                   "--max-new-tokens", "4"]),
-                        ("export", ["export", "--out", "exp"]))],
+    (
+        "train: garbage vocab file",
+        ["train", *TGT, "--data", "{D}", "--vocab", "{garbage_vocab}", "--run-dir", "run"],
+        "garbage-vocab.safetensors",
+    ),
+    (
+        "train: token id outside the vocabulary",
+        ["train", *TGT, "--data", "{oov}", "--run-dir", "run"],
+        "train.jsonl:1: token id 1000000",
+    ),
+    (
+        "vocab: files of two data runs",
+        ["vocab", "--data", "{mixed}", "--target", "{T}", "--out", "v.st"],
+        "different `draftling data` runs",
+    ),
+    (
+        "extract: files of two data runs",
+        ["extract", *TGT, "--data", "{mixed}", "--out", "cache"],
+        "different `draftling data` runs",
+    ),
+    (
+        "train: files of two data runs",
+        ["train", *TGT, "--data", "{mixed}", "--run-dir", "run"],
+        "different `draftling data` runs",
+    ),
+    *[
+        (f"{cmd}: {kind} draft", argv + ["--draft", "{draft_" + kind + "}"], culprit)
+        for kind, culprit in (
+            ("garbage", "draft.safetensors"),
+            ("truncated", "draft.safetensors"),
+            ("nonjson", "draft_config.json"),
+        )
+        for cmd, argv in (
+            ("bench", ["bench", *TGT, "--prompts", "{D}/val.jsonl", "--num-prompts", "1", "--max-new-tokens", "4"]),
+            ("export", ["export", "--out", "exp"]),
+        )
+    ],
     # outputs
     ("data: --out is a file", ["data", *TGT, "--prompts", "{P}", "--out", "{afile}"], "afile.txt"),
     ("train: --run-dir is a file", ["train", *TGT, "--data", "{D}", "--run-dir", "{afile}"], "afile.txt"),
     ("export: --out is a file", ["export", "--draft", "{draft_nonjson}", "--out", "{afile}"], "afile.txt"),
     ("extract: --out is a file", ["extract", *TGT, "--data", "{D}", "--out", "{afile}"], "afile.txt"),
     ("quickstart: --out is a file", ["quickstart", "--out", "{afile}"], "afile.txt"),
-    ("bench: --out is a directory", ["bench", *TGT, "--prompts", "{D}/val.jsonl", "--draft", "{draft_nonjson}",
-                                     "--out", "{adir}"], "adir"),
-    ("bench --release: --results-dir is a file", ["bench", *TGT, "--release", "--draft", "{draft_nonjson}",
-                                                  "--results-dir", "{afile}"], "afile.txt"),
-    ("data: --out where nothing can be written", ["data", *TGT, "--prompts", "{P}", "--out", "/proc/draftling-x"],
-     "/proc/draftling-x"),
+    (
+        "bench: --out is a directory",
+        ["bench", *TGT, "--prompts", "{D}/val.jsonl", "--draft", "{draft_nonjson}", "--out", "{adir}"],
+        "adir",
+    ),
+    (
+        "bench --release: --results-dir is a file",
+        ["bench", *TGT, "--release", "--draft", "{draft_nonjson}", "--results-dir", "{afile}"],
+        "afile.txt",
+    ),
+    (
+        "data: --out where nothing can be written",
+        ["data", *TGT, "--prompts", "{P}", "--out", "/proc/draftling-x"],
+        "/proc/draftling-x",
+    ),
 ]
 
 
@@ -156,8 +241,14 @@ def _run(case, f: dict, work: Path) -> dict:
     else:
         outcome = "unclear error"
     err = "\n".join(lines)
-    return {"case": name, "argv": argv, "exit": r.returncode, "stderr": err[-500:], "outcome": outcome,
-            "new_files": sorted(_tree(work))}
+    return {
+        "case": name,
+        "argv": argv,
+        "exit": r.returncode,
+        "stderr": err[-500:],
+        "outcome": outcome,
+        "new_files": sorted(_tree(work)),
+    }
 
 
 @pytest.mark.slow
@@ -168,15 +259,20 @@ def test_every_bad_input_is_one_clear_line_and_writes_nothing(tmp_path, tiny_tar
     before = _tree(tmp_path / "inputs")
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         results = list(pool.map(lambda ic: _run(ic[1], f, tmp_path / f"case{ic[0]:02d}"), enumerate(CASES)))
-    counts = {k: sum(r["outcome"] == k for r in results)
-              for k in ("clear error", "unclear error", "traceback", "silent pass")}
+    counts = {
+        k: sum(r["outcome"] == k for r in results) for k in ("clear error", "unclear error", "traceback", "silent pass")
+    }
     counts["tried"] = len(results)
     counts["wrote files"] = sum(bool(r["new_files"]) for r in results)
     print(json.dumps(counts))
     if os.environ.get("DRAFTLING_BAD_INPUTS_JSON"):
-        Path(os.environ["DRAFTLING_BAD_INPUTS_JSON"]).write_text(json.dumps(
-            {"counts": counts, "cases": results}, indent=2) + "\n")
-    bad = [(r["case"], r["outcome"], r["exit"], r["stderr"], r["new_files"]) for r in results
-           if r["outcome"] != "clear error" or r["exit"] != 2 or r["new_files"]]
+        Path(os.environ["DRAFTLING_BAD_INPUTS_JSON"]).write_text(
+            json.dumps({"counts": counts, "cases": results}, indent=2) + "\n"
+        )
+    bad = [
+        (r["case"], r["outcome"], r["exit"], r["stderr"], r["new_files"])
+        for r in results
+        if r["outcome"] != "clear error" or r["exit"] != 2 or r["new_files"]
+    ]
     assert bad == []
     assert _tree(tmp_path / "inputs") == before  # no input was changed either

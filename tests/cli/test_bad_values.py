@@ -35,18 +35,36 @@ def test_a_bad_value_through_the_real_command_has_no_traceback(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("content,culprit", [
-    (b'{"id": "a", "messages": [{"role": "user", "content": "caf\xe9"}]}\n', "p.jsonl:1: not UTF-8 (byte 0xe9"),
-    (b"\n  \n", "no prompts"),
-    (('{"id": "a", "messages": [{"role": "user", "content": "' + "word " * 3000 + '"}]}\n').encode(),
-     "over the"),
-], ids=["non-utf8", "blank", "all-too-long"])
+@pytest.mark.parametrize(
+    "content,culprit",
+    [
+        (b'{"id": "a", "messages": [{"role": "user", "content": "caf\xe9"}]}\n', "p.jsonl:1: not UTF-8 (byte 0xe9"),
+        (b"\n  \n", "no prompts"),
+        (('{"id": "a", "messages": [{"role": "user", "content": "' + "word " * 3000 + '"}]}\n').encode(), "over the"),
+    ],
+    ids=["non-utf8", "blank", "all-too-long"],
+)
 def test_bad_prompt_files_are_one_line_and_leave_nothing(tmp_path, tiny_target_dir, capsys, content, culprit):
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(content)
     out = tmp_path / "data"
-    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--prompts", str(prompts),
-                 "--out", str(out), "data.regen.max_new_tokens=4"]) == 2
+    assert (
+        main(
+            [
+                "data",
+                "--target",
+                str(tiny_target_dir),
+                "--device",
+                "cpu",
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "data.regen.max_new_tokens=4",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert culprit in err and "\n" not in err
     assert not out.exists() or list(out.iterdir()) == []
@@ -116,8 +134,22 @@ def test_a_broken_target_is_one_line_naming_it(tmp_path, kind, capsys):
         target = tmp_path / "broken.gguf"
         data = gguf.read_bytes()[: 1 << 20] if kind == "truncated" else b"GGUF" + b"\x07" * 5000
         target.write_bytes(data)
-    assert main(["data", "--target", str(target), "--device", "cpu", "--prompts", "starter:chat",
-                 "--out", str(tmp_path / "d")]) == 2
+    assert (
+        main(
+            [
+                "data",
+                "--target",
+                str(target),
+                "--device",
+                "cpu",
+                "--prompts",
+                "starter:chat",
+                "--out",
+                str(tmp_path / "d"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert str(target) in err and "\n" not in err and not (tmp_path / "d").exists()
 

@@ -22,8 +22,22 @@ def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     data, run, export = tmp_path / "data", tmp_path / "run", tmp_path / "export"
     common = ["--target", str(tiny_target_dir), "--device", "cpu"]
-    assert main(["data", *common, "--out", str(data), "--prompts", str(prompts), "data.regen.max_new_tokens=12",
-                 "data.val_fraction=0.25", "data.min_tokens=4"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                *common,
+                "--out",
+                str(data),
+                "--prompts",
+                str(prompts),
+                "data.regen.max_new_tokens=12",
+                "data.val_fraction=0.25",
+                "data.min_tokens=4",
+            ]
+        )
+        == 0
+    )
     replies = [json.loads(l) for l in (data / "replies.jsonl").read_text().splitlines()]
     assert len(replies) == 12 and all(r["provenance"]["stopped"] in ("eos", "length") for r in replies)
     assert all(r["provenance"]["max_new_tokens"] == 12 for r in replies)
@@ -44,17 +58,65 @@ def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
     assert torch.equal(counts, count_prompt_tokens(tok, train_convs, len(tok)))
     assert counts.sum() < count_prompt_tokens(tok, load_conversations(prompts), len(tok)).sum()
     prompt_tokens = counts.nonzero().flatten()
-    assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir),
-                 "--prompt-weight", "1", "--out", str(tmp_path / "weighted.safetensors")]) == 0
+    assert (
+        main(
+            [
+                "vocab",
+                "--data",
+                str(data),
+                "--size",
+                "256",
+                "--target",
+                str(tiny_target_dir),
+                "--prompt-weight",
+                "1",
+                "--out",
+                str(tmp_path / "weighted.safetensors"),
+            ]
+        )
+        == 0
+    )
     assert load_vocab(tmp_path / "weighted.safetensors").t2d[prompt_tokens].all()
 
     assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir)]) == 0
     assert not load_vocab(data / "vocab.safetensors").t2d[prompt_tokens].all()  # replies alone miss some
-    assert main(["train", *common, "--data", str(data), "--run-dir", str(run), "train.max_steps=3",
-                 "train.batch_size=2", "train.ttt_steps=2", "train.log_every=1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                "--data",
+                str(data),
+                "--run-dir",
+                str(run),
+                "train.max_steps=3",
+                "train.batch_size=2",
+                "train.ttt_steps=2",
+                "train.log_every=1",
+            ]
+        )
+        == 0
+    )
     assert (run / "draft" / "draft.safetensors").is_file() and (run / "config.yaml").is_file()
-    assert main(["bench", *common, "--draft", str(run / "draft"), "--prompts", str(data / "val.jsonl"),
-                 "--num-prompts", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "bench.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                *common,
+                "--draft",
+                str(run / "draft"),
+                "--prompts",
+                str(data / "val.jsonl"),
+                "--num-prompts",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--out",
+                str(tmp_path / "bench.json"),
+            ]
+        )
+        == 0
+    )
     bench = json.loads((tmp_path / "bench.json").read_text())
     assert bench["configs"][0]["identical_to_greedy"] == 1.0 and bench["configs"][0]["tau"] >= 1.0
     assert bench["sampling"] is None
@@ -73,16 +135,39 @@ def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
     for k in range(2):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(generate, "process_logits", spy)
-            assert main(["bench", *common, "--draft", str(run / "draft"), "--prompts", str(data / "val.jsonl"),
-                         "--num-prompts", "2", "--max-new-tokens", "8", "--temperature", "0.8",
-                         "--top-k", "50", "--top-p", "0.9", "--out", str(tmp_path / f"s{k}.json")]) == 0
+            assert (
+                main(
+                    [
+                        "bench",
+                        *common,
+                        "--draft",
+                        str(run / "draft"),
+                        "--prompts",
+                        str(data / "val.jsonl"),
+                        "--num-prompts",
+                        "2",
+                        "--max-new-tokens",
+                        "8",
+                        "--temperature",
+                        "0.8",
+                        "--top-k",
+                        "50",
+                        "--top-p",
+                        "0.9",
+                        "--out",
+                        str(tmp_path / f"s{k}.json"),
+                    ]
+                )
+                == 0
+            )
         sampled.append(json.loads((tmp_path / f"s{k}.json").read_text()))
     assert seen and set(seen) == {(0.8, 50, 0.9)}
     assert sampled[0]["sampling"] == {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 0}
     assert sampled[0]["configs"][0]["identical_to_greedy"] is None
     assert any(c.startswith("sampled:") for c in sampled[0]["caveats"])
-    assert [r["chain-3-1-4"]["tau"] for r in sampled[0]["per_prompt"]] == \
-        [r["chain-3-1-4"]["tau"] for r in sampled[1]["per_prompt"]]
+    assert [r["chain-3-1-4"]["tau"] for r in sampled[0]["per_prompt"]] == [
+        r["chain-3-1-4"]["tau"] for r in sampled[1]["per_prompt"]
+    ]
     earlier = capsys.readouterr().out
     assert main(["bench", *common, "--draft", str(run / "draft"), "--release", "--temperature", "0.8"]) == 2
     assert "--temperature do not apply" in capsys.readouterr().err
@@ -98,17 +183,19 @@ def run_cli(*args):
     return run_draftling(*args)
 
 
-@pytest.mark.parametrize("content,expect", [
-    ('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [\n', "bad.jsonl:2"),
-    ('{"id": "a", "messages": [{"role": "robot", "content": "hi"}]}\n', "unknown role"),
-    ('{"id": "a", "messages": [{"role": "system", "content": "hi"}]}\n', "no user turn"),
-])
+@pytest.mark.parametrize(
+    "content,expect",
+    [
+        ('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [\n', "bad.jsonl:2"),
+        ('{"id": "a", "messages": [{"role": "robot", "content": "hi"}]}\n', "unknown role"),
+        ('{"id": "a", "messages": [{"role": "system", "content": "hi"}]}\n', "no user turn"),
+    ],
+)
 def test_bad_prompt_file_is_one_line_error_and_writes_nothing(tmp_path, tiny_target_dir, content, expect):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
     out = tmp_path / "out"
-    r = run_cli("data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(out),
-                "--prompts", str(bad))
+    r = run_cli("data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(out), "--prompts", str(bad))
     assert r.returncode == 2
     err = [l for l in r.stderr.splitlines() if l.startswith("draftling: error:")]
     assert len(err) == 1 and "bad.jsonl" in err[0] and expect in err[0]
@@ -118,8 +205,16 @@ def test_bad_prompt_file_is_one_line_error_and_writes_nothing(tmp_path, tiny_tar
 @pytest.mark.parametrize("command", ["data", "quickstart"])
 def test_missing_prompt_file_is_reported_before_anything_is_written(tmp_path, tiny_target_dir, command):
     out = tmp_path / "out"
-    r = run_cli(command, "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(out),
-                f"data.prompts=[{tmp_path / 'missing.jsonl'}]")
+    r = run_cli(
+        command,
+        "--target",
+        str(tiny_target_dir),
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        f"data.prompts=[{tmp_path / 'missing.jsonl'}]",
+    )
     assert r.returncode == 2
     err = [l for l in r.stderr.splitlines() if l.startswith("draftling: error:")]
     assert len(err) == 1 and "missing.jsonl" in err[0] and "no such prompt file" in err[0], r.stderr
@@ -137,15 +232,34 @@ def test_target_without_chat_template(tmp_path, tiny_target_dir):
     cfg = json.loads((plain / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
-    r = run_cli("data", "--target", str(plain), "--device", "cpu", "--out", str(tmp_path / "o"),
-                "--prompts", str(write_prompts(tmp_path / "p.jsonl", 2)))
+    r = run_cli(
+        "data",
+        "--target",
+        str(plain),
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path / "o"),
+        "--prompts",
+        str(write_prompts(tmp_path / "p.jsonl", 2)),
+    )
     assert r.returncode == 2 and "has no chat template" in r.stderr
     assert not (tmp_path / "o" / "train.jsonl").exists()
 
 
 def test_bad_layer_id_and_oversized_vocab(tmp_path, tiny_target_dir):
-    r = run_cli("data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(tmp_path / "o"),
-                "--prompts", str(write_prompts(tmp_path / "p.jsonl", 2)), "aux_layer_ids=[2,3,9]")
+    r = run_cli(
+        "data",
+        "--target",
+        str(tiny_target_dir),
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path / "o"),
+        "--prompts",
+        str(write_prompts(tmp_path / "p.jsonl", 2)),
+        "aux_layer_ids=[2,3,9]",
+    )
     assert r.returncode == 2 and "layer id 9 out of range" in r.stderr
     data = tmp_path / "d"
     data.mkdir()
@@ -185,8 +299,9 @@ def test_bad_sampling_settings_are_refused_from_yaml_and_flags(tmp_path):
 
     with pytest.raises(ConfigError, match="top_p 0.0 in"):
         load_config(None, ["bench.top_p=0"])
-    r = run_cli("bench", "--draft", str(tmp_path), "--prompts", str(write_prompts(tmp_path / "p.jsonl")),
-                "--temperature", "-1")
+    r = run_cli(
+        "bench", "--draft", str(tmp_path), "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--temperature", "-1"
+    )
     assert r.returncode == 2 and "temperature -1.0 must be >= 0" in r.stderr
 
 
@@ -203,5 +318,11 @@ def test_bench_prompts_follow_the_mix_of_sources():
     counts = {"gsm8k": 14, "mbpp": 12, "alpaca": 11, "sharegpt": 9, "selfinstruct": 4, "oasst": 3}
     rows = [(f"{s}{i}", s, [1]) for s, k in counts.items() for i in range(k)]
     picked = [r[1] for r in sample_by_source(rows, 8)]
-    assert {s: picked.count(s) for s in counts} == {"gsm8k": 2, "mbpp": 2, "alpaca": 2, "sharegpt": 1,
-                                                     "selfinstruct": 1, "oasst": 0}
+    assert {s: picked.count(s) for s in counts} == {
+        "gsm8k": 2,
+        "mbpp": 2,
+        "alpaca": 2,
+        "sharegpt": 1,
+        "selfinstruct": 1,
+        "oasst": 0,
+    }

@@ -55,34 +55,69 @@ def turns(conv):
 # default source, the turns expected).
 SHAPES = {
     "sharegpt": (
-        [{"id": "s1", "system": "be kind", "source": None, "tools": '[{"name": "w"}]',
-          "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
-                            {"from": "human", "value": "bye"}]},
-         {"id": "s2", "system": "", "source": "web", "tools": None,
-          "conversations": [{"from": "system", "value": "S"}, {"from": "user", "value": "q"},
-                            {"from": "observation", "value": "{}"}]}],
-        [("s1", None, [("system", "be kind"), ("user", "hi"), ("assistant", "hello"), ("user", "bye")]),
-         ("s2", "web", [("system", "S"), ("user", "q"), ("tool", "{}")])],
+        [
+            {
+                "id": "s1",
+                "system": "be kind",
+                "source": None,
+                "tools": '[{"name": "w"}]',
+                "conversations": [
+                    {"from": "human", "value": "hi"},
+                    {"from": "gpt", "value": "hello"},
+                    {"from": "human", "value": "bye"},
+                ],
+            },
+            {
+                "id": "s2",
+                "system": "",
+                "source": "web",
+                "tools": None,
+                "conversations": [
+                    {"from": "system", "value": "S"},
+                    {"from": "user", "value": "q"},
+                    {"from": "observation", "value": "{}"},
+                ],
+            },
+        ],
+        [
+            ("s1", None, [("system", "be kind"), ("user", "hi"), ("assistant", "hello"), ("user", "bye")]),
+            ("s2", "web", [("system", "S"), ("user", "q"), ("tool", "{}")]),
+        ],
     ),
     "sharegpt_role_content": (  # SpecForge's ShareGPT: role/content turns under 'conversations'
-        [{"conversations": [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"},
-                            {"role": "assistant", "content": "b"}]},
-         {"conversations": [{"role": "user", "content": "c"}]}],
-        [(None, None, [("system", "sys"), ("user", "a"), ("assistant", "b")]),
-         (None, None, [("user", "c")])],
+        [
+            {
+                "conversations": [
+                    {"role": "system", "content": "sys"},
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                ]
+            },
+            {"conversations": [{"role": "user", "content": "c"}]},
+        ],
+        [(None, None, [("system", "sys"), ("user", "a"), ("assistant", "b")]), (None, None, [("user", "c")])],
     ),
     "openai_messages": (  # HuggingFaceH4/ultrachat_200k's columns
-        [{"prompt": "p1", "prompt_id": "abc",
-          "messages": [{"role": "user", "content": "p1"}, {"role": "assistant", "content": "r1"}]},
-         {"prompt": "p2", "prompt_id": "def",
-          "messages": [{"role": "developer", "content": "dev"}, {"role": "user", "content": "p2"}]}],
-        [("abc", None, [("user", "p1"), ("assistant", "r1")]),
-         ("def", None, [("system", "dev"), ("user", "p2")])],
+        [
+            {
+                "prompt": "p1",
+                "prompt_id": "abc",
+                "messages": [{"role": "user", "content": "p1"}, {"role": "assistant", "content": "r1"}],
+            },
+            {
+                "prompt": "p2",
+                "prompt_id": "def",
+                "messages": [{"role": "developer", "content": "dev"}, {"role": "user", "content": "p2"}],
+            },
+        ],
+        [("abc", None, [("user", "p1"), ("assistant", "r1")]), ("def", None, [("system", "dev"), ("user", "p2")])],
     ),
     "ultrachat_data": (  # stingning/ultrachat's columns
         [{"id": "0", "data": ["u1", "a1", "u2", "a2"]}, {"id": "1", "data": ["only"]}],
-        [("0", None, [("user", "u1"), ("assistant", "a1"), ("user", "u2"), ("assistant", "a2")]),
-         ("1", None, [("user", "only")])],
+        [
+            ("0", None, [("user", "u1"), ("assistant", "a1"), ("user", "u2"), ("assistant", "a2")]),
+            ("1", None, [("user", "only")]),
+        ],
     ),
 }
 
@@ -110,14 +145,15 @@ def test_each_shape_loads(tmp_path, fake_hub, shape, loader):
     if shape == "openai_messages":
         assert convs[0].meta == {"prompt": "p1"}  # prompt_id went to the id, not to meta
         assert turns(convs[0])[-1][0] == "assistant" and prompt_messages(convs[0]) == [
-            {"role": "user", "content": "p1"}]
+            {"role": "user", "content": "p1"}
+        ]
 
 
 def test_id_and_category_columns(tmp_path):
-    rows = [{"id": None, "conversation_id": "c-7", "category": "math",
-             "messages": [{"role": "user", "content": "1+1?"}]},
-            {"id": "x", "conversation_id": "c-8", "category": None,
-             "messages": [{"role": "user", "content": "2+2?"}]}]
+    rows = [
+        {"id": None, "conversation_id": "c-7", "category": "math", "messages": [{"role": "user", "content": "1+1?"}]},
+        {"id": "x", "conversation_id": "c-8", "category": None, "messages": [{"role": "user", "content": "2+2?"}]},
+    ]
     a, b = load_prompt_spec(str(saved(tmp_path, rows)))
     assert (a.id, a.category) == ("c-7", "math")
     assert (b.id, b.category) == ("x", "unknown")
@@ -126,11 +162,20 @@ def test_id_and_category_columns(tmp_path):
 def test_mixed_turn_styles_and_tool_calls(tmp_path):
     # Arrow gives every turn every key (None where a row lacked it); the None fields must not
     # reach the messages, and each row keeps its own turn style.
-    rows = [{"conversations": [{"from": "human", "value": "hi"}]},
-            {"conversations": [{"role": "user", "content": "weather?"},
-                               {"role": "assistant", "content": None, "tool_calls": [
-                                   {"type": "function", "function": {"name": "w", "arguments": "{}"}}]},
-                               {"role": "tool", "content": "sunny"}]}]
+    rows = [
+        {"conversations": [{"from": "human", "value": "hi"}]},
+        {
+            "conversations": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}],
+                },
+                {"role": "tool", "content": "sunny"},
+            ]
+        },
+    ]
     a, b = load_prompt_spec(str(saved(tmp_path, rows)))
     assert a.messages == [{"role": "user", "content": "hi"}]
     assert [m["role"] for m in b.messages] == ["user", "assistant", "tool"]
@@ -140,21 +185,26 @@ def test_mixed_turn_styles_and_tool_calls(tmp_path):
 
 def test_sequence_of_structs_column(tmp_path):
     # A Sequence of dicts is stored (and read back) as a dict of lists.
-    feats = datasets.Features({"conversations": datasets.Sequence(
-        {"from": datasets.Value("string"), "value": datasets.Value("string")})})
+    feats = datasets.Features(
+        {"conversations": datasets.Sequence({"from": datasets.Value("string"), "value": datasets.Value("string")})}
+    )
     ds = datasets.Dataset.from_dict(
-        {"conversations": [{"from": ["human", "gpt"], "value": ["q", "a"]}]}, features=feats)
+        {"conversations": [{"from": ["human", "gpt"], "value": ["q", "a"]}]}, features=feats
+    )
     (conv,) = load_prompt_spec(str(saved(tmp_path, ds)))
     assert turns(conv) == [("user", "q"), ("assistant", "a")]
 
 
-@pytest.mark.parametrize("spec, call, default_id", [
-    ("hf:a/b", ("a/b", None, "train"), "a/b:train:0"),
-    ("hf:a/b:cfg", ("a/b", "cfg", "train"), "a/b:train:0"),
-    ("hf:a/b@test", ("a/b", None, "test"), "a/b:test:0"),
-    ("hf:a/b:cfg@validation", ("a/b", "cfg", "validation"), "a/b:validation:0"),
-    ("hf:a/b@train[:10]", ("a/b", None, "train[:10]"), "a/b:train[:10]:0"),
-])
+@pytest.mark.parametrize(
+    "spec, call, default_id",
+    [
+        ("hf:a/b", ("a/b", None, "train"), "a/b:train:0"),
+        ("hf:a/b:cfg", ("a/b", "cfg", "train"), "a/b:train:0"),
+        ("hf:a/b@test", ("a/b", None, "test"), "a/b:test:0"),
+        ("hf:a/b:cfg@validation", ("a/b", "cfg", "validation"), "a/b:validation:0"),
+        ("hf:a/b@train[:10]", ("a/b", None, "train[:10]"), "a/b:train[:10]:0"),
+    ],
+)
 def test_hf_spec_parsing(fake_hub, spec, call, default_id):
     calls = fake_hub([{"messages": [{"role": "user", "content": "q"}]}])
     check_prompt_spec(spec)
@@ -164,13 +214,16 @@ def test_hf_spec_parsing(fake_hub, spec, call, default_id):
     assert (parse_hf_spec(spec).name, parse_hf_spec(spec).config, parse_hf_spec(spec).split) == call
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("hf:", "NAME is empty"),
-    ("hf:@train", "NAME is empty"),
-    ("hf:a/b:", "CONFIG after ':' is empty"),
-    ("hf:a/b@", "SPLIT after '@' is empty"),
-    ("hf:a:b:c", "more than one ':'"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("hf:", "NAME is empty"),
+        ("hf:@train", "NAME is empty"),
+        ("hf:a/b:", "CONFIG after ':' is empty"),
+        ("hf:a/b@", "SPLIT after '@' is empty"),
+        ("hf:a:b:c", "more than one ':'"),
+    ],
+)
 def test_bad_hf_spec(spec, needle):
     with pytest.raises(ConfigError) as e:
         check_prompt_spec(spec, "data.exclude")
@@ -179,10 +232,13 @@ def test_bad_hf_spec(spec, needle):
     assert "hf:NAME[:CONFIG][@SPLIT]" in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("columns, needle", [
-    ({"text": ["t"], "label": [0]}, "columns ['text', 'label']"),
-    ({"data": ["just a string"]}, "the 'data' column is"),
-])
+@pytest.mark.parametrize(
+    "columns, needle",
+    [
+        ({"text": ["t"], "label": [0]}, "columns ['text', 'label']"),
+        ({"data": ["just a string"]}, "the 'data' column is"),
+    ],
+)
 def test_unknown_shape(fake_hub, columns, needle):
     fake_hub(datasets.Dataset.from_dict(columns))
     with pytest.raises(DataError) as e:
@@ -190,8 +246,10 @@ def test_unknown_shape(fake_hub, columns, needle):
     msg = str(e.value)
     assert msg.startswith("hf:x/y@train: ") and needle in msg
     if "text" in columns:
-        assert msg == ("hf:x/y@train: unknown dataset shape: columns ['text', 'label']; expected a "
-                       "'conversations' (ShareGPT), 'messages' (OpenAI) or 'data' (UltraChat) column")
+        assert msg == (
+            "hf:x/y@train: unknown dataset shape: columns ['text', 'label']; expected a "
+            "'conversations' (ShareGPT), 'messages' (OpenAI) or 'data' (UltraChat) column"
+        )
 
 
 def test_bad_row_names_spec_and_row(tmp_path, fake_hub):
@@ -217,8 +275,10 @@ def test_load_dataset_failure_is_one_line(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     with pytest.raises(DataError) as e:
         load_prompt_spec("hf:x/y:c@test")
-    assert str(e.value) == ("hf:x/y:c@test: cannot load the dataset: ConnectionError: Couldn't "
-                            "reach 'x/y' on the Hub (offline mode is enabled)")
+    assert str(e.value) == (
+        "hf:x/y:c@test: cannot load the dataset: ConnectionError: Couldn't "
+        "reach 'x/y' on the Hub (offline mode is enabled)"
+    )
 
 
 def test_missing_datasets_names_the_extra(tmp_path, monkeypatch):
@@ -265,9 +325,13 @@ def test_dataset_dict_folder_picks_train(tmp_path):
 
 
 def test_load_prompt_files_end_to_end(tmp_path):
-    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i}"},
-                                             {"from": "gpt", "value": f"answer {i}"}]}
-            for i in range(4)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}],
+        }
+        for i in range(4)
+    ]
     folder = saved(tmp_path, rows)
     held = tmp_path / "held.jsonl"
     held.write_text(json.dumps({"id": "r1", "messages": [{"role": "user", "content": "x"}]}) + "\n")
@@ -277,8 +341,7 @@ def test_load_prompt_files_end_to_end(tmp_path):
     convs, excluded = load_prompt_files(cfg)
     assert excluded == 1
     assert [c.id for c in convs] == ["r0", "r2", "r3"]
-    assert [turns(c)[0] for c in convs] == [("user", "question 0"), ("user", "question 2"),
-                                            ("user", "question 3")]
+    assert [turns(c)[0] for c in convs] == [("user", "question 0"), ("user", "question 2"), ("user", "question 3")]
     assert {c.source for c in convs} == {"mydata"}
 
 
@@ -294,12 +357,16 @@ def test_exclude_ids_keeps_a_replay_set_out_of_training(tmp_path):
     from draftling.data.prepare import read_id_file
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"t{i}", "messages": [{"role": "user", "content": f"q {i}"}]})
-                               + "\n" for i in range(5)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"t{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(5)
+        )
+    )
     (tmp_path / "ids.txt").write_text("t1  # the replay set\n\n# a comment line\nt3\n")
     (tmp_path / "ids.jsonl").write_text(json.dumps({"id": "t4"}) + "\n")
-    cfg = load_config(None, [f"data.prompts=[{prompts}]",
-                             f"data.exclude_ids=[{tmp_path / 'ids.txt'}, {tmp_path / 'ids.jsonl'}]"])
+    cfg = load_config(
+        None, [f"data.prompts=[{prompts}]", f"data.exclude_ids=[{tmp_path / 'ids.txt'}, {tmp_path / 'ids.jsonl'}]"]
+    )
     convs, excluded = load_prompt_files(cfg)
     assert [c.id for c in convs] == ["t0", "t2"] and excluded == 3
     (tmp_path / "bad.jsonl").write_text('{"task": 1}\n')

@@ -21,12 +21,17 @@ def write_lines(path, rows):
 
 def test_project_schema(tmp_path):
     rec = {
-        "id": "t-1", "source": "demo", "category": "tool",
+        "id": "t-1",
+        "source": "demo",
+        "category": "tool",
         "messages": [
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": None,
-             "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}],
+            },
             {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "w"},
         ],
         "tools": [{"name": "w", "parameters": {"type": "object", "properties": {}}}],
@@ -42,28 +47,32 @@ def test_project_schema(tmp_path):
 
 
 def test_sharegpt_shape(tmp_path):
-    rec = {"id": "sg1", "conversations": [
-        {"from": "system", "value": "S"},
-        {"from": "human", "value": "hi"},
-        {"from": "gpt", "value": "hello"},
-        {"from": "user", "value": "more"},
-        {"from": "chatgpt", "value": "sure"},
-        {"from": "observation", "value": "{}"},
-        {"from": "bard", "value": "done"},
-    ]}
+    rec = {
+        "id": "sg1",
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "human", "value": "hi"},
+            {"from": "gpt", "value": "hello"},
+            {"from": "user", "value": "more"},
+            {"from": "chatgpt", "value": "sure"},
+            {"from": "observation", "value": "{}"},
+            {"from": "bard", "value": "done"},
+        ],
+    }
     no_id = {"conversations": [{"from": "human", "value": "q"}, {"from": "bing", "value": "a"}]}
     a, b = load_conversations(write_lines(tmp_path / "sg.jsonl", [rec, "", no_id]))
     assert a.id == "sg1" and a.source == "sg" and a.category == "unknown"
-    assert [m["role"] for m in a.messages] == [
-        "system", "user", "assistant", "user", "assistant", "tool", "assistant"]
+    assert [m["role"] for m in a.messages] == ["system", "user", "assistant", "user", "assistant", "tool", "assistant"]
     assert [m["content"] for m in a.messages][:3] == ["S", "hi", "hello"]
     assert b.id == "sg:3"  # blank line 2 skipped, but line numbers still count it
     assert [m["role"] for m in b.messages] == ["user", "assistant"]
 
 
 def test_openai_messages_shape(tmp_path):
-    rows = [{"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]},
-            {"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "q2"}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]},
+        {"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "q2"}]},
+    ]
     a, b = load_conversations(write_lines(tmp_path / "oa.jsonl", rows))
     assert (a.id, a.source, a.category) == ("oa:1", "oa", "unknown")
     assert b.id == "oa:2"
@@ -72,10 +81,18 @@ def test_openai_messages_shape(tmp_path):
 
 
 def test_prompt_messages_drops_trailing_assistant():
-    conv = Conversation("x", "s", "c", [
-        {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
-        {"role": "tool", "content": "t1"}, {"role": "assistant", "content": "a2"},
-        {"role": "assistant", "content": "a3"}])
+    conv = Conversation(
+        "x",
+        "s",
+        "c",
+        [
+            {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a1"},
+            {"role": "tool", "content": "t1"},
+            {"role": "assistant", "content": "a2"},
+            {"role": "assistant", "content": "a3"},
+        ],
+    )
     assert [m["content"] for m in prompt_messages(conv)] == ["u1", "a1", "t1"]
     assert len(conv.messages) == 5  # not modified in place
 
@@ -85,25 +102,35 @@ def test_has_tool_calls_variants():
     assert not has_tool_calls(Conversation("a", "s", "c", plain))
     assert has_tool_calls(Conversation("a", "s", "c", plain, tools=[{"name": "f"}]))
     assert has_tool_calls(Conversation("a", "s", "c", plain + [{"role": "tool", "content": "r"}]))
-    assert has_tool_calls(Conversation("a", "s", "c", plain + [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]))
+    assert has_tool_calls(
+        Conversation("a", "s", "c", plain + [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}])
+    )
 
 
 GOOD = {"messages": [{"role": "user", "content": "ok"}]}
 
 
-@pytest.mark.parametrize("bad_line, lineno, needle", [
-    ('{"messages": [{"role": "user", "content": "x"}', 3, "malformed JSON"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]}, 3,
-     "unknown role 'robot' in message 2 (expected system, user, assistant, tool)"),
-    ({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}, 3,
-     "conversation has no user turn"),
-    ({"messages": []}, 3, "missing or empty 'messages'"),
-    ({"id": "x"}, 3, "'messages' or 'conversations'"),
-    ({"messages": [{"role": "user", "content": 5}]}, 3, "content must be a string"),
-    ({"messages": [{"role": "user", "content": None}]}, 3, "content must be a string"),
-    ({"conversations": [{"from": "alien", "value": "x"}]}, 3, "unknown role 'alien' in message 1"),
-])
+@pytest.mark.parametrize(
+    "bad_line, lineno, needle",
+    [
+        ('{"messages": [{"role": "user", "content": "x"}', 3, "malformed JSON"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]},
+            3,
+            "unknown role 'robot' in message 2 (expected system, user, assistant, tool)",
+        ),
+        (
+            {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]},
+            3,
+            "conversation has no user turn",
+        ),
+        ({"messages": []}, 3, "missing or empty 'messages'"),
+        ({"id": "x"}, 3, "'messages' or 'conversations'"),
+        ({"messages": [{"role": "user", "content": 5}]}, 3, "content must be a string"),
+        ({"messages": [{"role": "user", "content": None}]}, 3, "content must be a string"),
+        ({"conversations": [{"from": "alien", "value": "x"}]}, 3, "unknown role 'alien' in message 1"),
+    ],
+)
 def test_bad_input_names_file_and_line(tmp_path, bad_line, lineno, needle):
     path = write_lines(tmp_path / "prompts.jsonl", [GOOD, "", bad_line, GOOD])
     with pytest.raises(DataError) as exc:
@@ -126,8 +153,12 @@ def test_missing_file(tmp_path):
 
 
 EXPECTED_COUNTS = {
-    "sharegpt.jsonl": 3807, "instruct.jsonl": 1761, "code_mbpp.jsonl": 974,
-    "math_gsm8k_train.jsonl": 7473, "summarize.jsonl": 2955, "tool_use.jsonl": 2429,
+    "sharegpt.jsonl": 3807,
+    "instruct.jsonl": 1761,
+    "code_mbpp.jsonl": 974,
+    "math_gsm8k_train.jsonl": 7473,
+    "summarize.jsonl": 2955,
+    "tool_use.jsonl": 2429,
     "agent_tau_airline.jsonl": 200,
 }
 
@@ -153,16 +184,22 @@ def test_exclude_drops_bench_prompts_by_id_and_user_turn(tmp_path):
     from draftling.data.sources import resolve_prompt_path
 
     def conv(i, text, history=None):
-        msgs = ([{"role": "user", "content": history}, {"role": "assistant", "content": "ok"}]
-                if history else [])
-        return {"id": i, "source": "s", "category": "chat",
-                "messages": msgs + [{"role": "user", "content": text}]}
+        msgs = [{"role": "user", "content": history}, {"role": "assistant", "content": "ok"}] if history else []
+        return {"id": i, "source": "s", "category": "chat", "messages": msgs + [{"role": "user", "content": text}]}
 
     train = tmp_path / "train.jsonl"
-    train.write_text("\n".join(json.dumps(r) for r in [
-        conv("a", "keep me"), conv("bench-1", "renamed text"),  # same id as a bench prompt
-        conv("c", "follow-up", history=" the bench question "),  # bench text as history
-        conv("d", "also kept")]) + "\n")
+    train.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                conv("a", "keep me"),
+                conv("bench-1", "renamed text"),  # same id as a bench prompt
+                conv("c", "follow-up", history=" the bench question "),  # bench text as history
+                conv("d", "also kept"),
+            ]
+        )
+        + "\n"
+    )
     bench = tmp_path / "bench.jsonl"
     bench.write_text(json.dumps(conv("bench-1", "the bench question")) + "\n")
     cfg = RunConfig()
@@ -186,11 +223,17 @@ def test_per_file_caps_replace_the_global_cap(tmp_path):
     files = {}
     for name, n in (("big", 30), ("small", 12)):
         files[name] = tmp_path / f"{name}.jsonl"
-        files[name].write_text("".join(json.dumps({"id": f"{name}-{i}", "source": name, "messages": [
-            {"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(n)))
+        files[name].write_text(
+            "".join(
+                json.dumps({"id": f"{name}-{i}", "source": name, "messages": [{"role": "user", "content": f"q{i}"}]})
+                + "\n"
+                for i in range(n)
+            )
+        )
     prompts = f'data.prompts=["{files["big"]}", "{files["small"]}"]'
-    cfg = load_config(None, [prompts, "data.max_prompts_per_file=10",
-                             f'data.max_prompts_by_file={{"{files["big"]}": 4}}'])
+    cfg = load_config(
+        None, [prompts, "data.max_prompts_per_file=10", f'data.max_prompts_by_file={{"{files["big"]}": 4}}']
+    )
     convs, _ = load_prompt_files(cfg)
     by_source = {s: sum(c.source == s for c in convs) for s in ("big", "small")}
     assert by_source == {"big": 4, "small": 10}
@@ -201,9 +244,14 @@ def test_per_file_caps_replace_the_global_cap(tmp_path):
 
 
 def test_sharegpt_conversations_with_role_content_turns_load_as_specforge_writes_them(tmp_path):
-    rec = {"id": "sf-1", "conversations": [{"role": "system", "content": "Be brief."},
-                                           {"role": "user", "content": "Hi"},
-                                           {"role": "assistant", "content": "Hello"}]}
+    rec = {
+        "id": "sf-1",
+        "conversations": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+        ],
+    }
     (conv,) = load_conversations(write_lines(tmp_path / "sf.jsonl", [rec]))
     assert conv.id == "sf-1" and [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
     assert conv.messages[1]["content"] == "Hi"

@@ -16,9 +16,24 @@ from tests.helpers import write_prompts
 
 
 def _data(target, prompts, out, *extra):
-    return main(["data", "--target", str(target), "--device", "cpu", "--prompts", str(prompts), "--out", str(out),
-                 "data.regen.max_new_tokens=6", "data.regen.batch_size=4", "data.val_fraction=0.25",
-                 "data.min_tokens=4", *extra])
+    return main(
+        [
+            "data",
+            "--target",
+            str(target),
+            "--device",
+            "cpu",
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "data.regen.max_new_tokens=6",
+            "data.regen.batch_size=4",
+            "data.val_fraction=0.25",
+            "data.min_tokens=4",
+            *extra,
+        ]
+    )
 
 
 def _disk_full_at_batch(monkeypatch, batch: int = 3):
@@ -35,11 +50,12 @@ def _disk_full_at_batch(monkeypatch, batch: int = 3):
     return real
 
 
-@pytest.mark.parametrize("extra", [[], ["data.keep_teacher_states=true"],
-                                   ["data.regen.temperature=0.8", "data.keep_teacher_states=true"]],
-                         ids=["greedy", "kept-states", "sampled"])
-def test_a_rerun_after_a_full_disk_equals_an_uninterrupted_run(tmp_path, tiny_target_dir, monkeypatch,
-                                                                capsys, extra):
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["data.keep_teacher_states=true"], ["data.regen.temperature=0.8", "data.keep_teacher_states=true"]],
+    ids=["greedy", "kept-states", "sampled"],
+)
+def test_a_rerun_after_a_full_disk_equals_an_uninterrupted_run(tmp_path, tiny_target_dir, monkeypatch, capsys, extra):
     prompts = write_prompts(tmp_path / "p.jsonl", n=16)
     assert _data(tiny_target_dir, prompts, tmp_path / "whole", *extra) == 0
     real = _disk_full_at_batch(monkeypatch)
@@ -111,9 +127,11 @@ def test_later_stages_refuse_files_of_two_data_runs(tmp_path, tiny_target_dir, c
     with pytest.raises(DataError, match="val.jsonl from run"):
         check_one_run(a / "train.jsonl", a / "val.jsonl")
     common = ["--target", str(tiny_target_dir), "--device", "cpu"]
-    for argv in (["vocab", "--data", str(a), "--target", str(tiny_target_dir)],
-                 ["extract", *common, "--data", str(a), "--out", str(tmp_path / "cache")],
-                 ["train", *common, "--data", str(a), "--run-dir", str(tmp_path / "run")]):
+    for argv in (
+        ["vocab", "--data", str(a), "--target", str(tiny_target_dir)],
+        ["extract", *common, "--data", str(a), "--out", str(tmp_path / "cache")],
+        ["train", *common, "--data", str(a), "--run-dir", str(tmp_path / "run")],
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert "different `draftling data` runs" in err and err.count("\n") == 1, argv
@@ -153,8 +171,11 @@ def test_a_rerun_takes_the_journals_cpu_weight_layout_not_its_own_timing(tmp_pat
 
     monkeypatch.setattr(hardware, "_PINNED_LAYOUT", {})
     target = tiny_target
-    linears = [m for m in target.model.modules()
-               if isinstance(m, torch.nn.Linear) and m is not target.model.get_output_embeddings()]
+    linears = [
+        m
+        for m in target.model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not target.model.get_output_embeddings()
+    ]
     measured = hardware.column_major_linear_is_faster(torch.float32)
     first = ReplyJournal(tmp_path / ".data.journal", {"a": 1})
     _pin_cpu_layout(target, first, {torch.float32})

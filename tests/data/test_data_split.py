@@ -8,8 +8,7 @@ from draftling.errors import DataError
 
 
 def conv(cid, source="src"):
-    return Conversation(id=cid, source=source, category="c",
-                        messages=[{"role": "user", "content": cid}])
+    return Conversation(id=cid, source=source, category="c", messages=[{"role": "user", "content": cid}])
 
 
 def ids(convs):
@@ -120,8 +119,13 @@ def test_task_key_keeps_every_trial_of_a_task_on_one_side():
 
 
 def trial(task: int, n: int, **meta):
-    return Conversation(id=f"tau-airline-{task}-{n}", source="airline", category="agent",
-                        messages=[{"role": "user", "content": f"{task} {n}"}], meta=meta)
+    return Conversation(
+        id=f"tau-airline-{task}-{n}",
+        source="airline",
+        category="agent",
+        messages=[{"role": "user", "content": f"{task} {n}"}],
+        meta=meta,
+    )
 
 
 def test_the_default_key_keeps_every_trial_of_a_task_on_one_side():
@@ -139,8 +143,10 @@ def test_the_default_key_keeps_every_trial_of_a_task_on_one_side():
 def test_auto_keys_by_id_without_a_task_identity_and_set_keys_stay():
     from draftling.data.split import resolve_split_key
 
-    assert resolve_split_key(FAKE, "auto") == ("id", "auto: no record carries a task identity (a task field "
-                                                     "or NAME-TASK-TRIAL ids)")
+    assert resolve_split_key(FAKE, "auto") == (
+        "id",
+        "auto: no record carries a task identity (a task field or NAME-TASK-TRIAL ids)",
+    )
     tagged = FAKE[:3] + [Conversation("q", "s", "c", [{"role": "user", "content": "x"}], meta={"task": "t1"})]
     key, why = resolve_split_key(tagged, "auto")
     assert key == "task" and why.startswith("auto: 1 of 4 records carry a task identity")

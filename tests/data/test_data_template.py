@@ -87,8 +87,7 @@ def unmasked_text(tok, ids, mask):
 def test_smollm2_chatml_golden(smol_tokenizer):
     tok = smol_tokenizer
     ids, mask = tokenize_conversation(tok, CONV)
-    assert ids == tok(tok.apply_chat_template(CONV, tokenize=False),
-                      add_special_tokens=False)["input_ids"]
+    assert ids == tok(tok.apply_chat_template(CONV, tokenize=False), add_special_tokens=False)["input_ids"]
     assert masked_text(tok, ids, mask) == "reply one<|im_end|>reply two<|im_end|>"
     rest = unmasked_text(tok, ids, mask)
     for text in ("You are terse.", "Say one.", "Now two.", "<|im_start|>assistant\n"):
@@ -108,8 +107,7 @@ def test_llama3_style_template(smol_tokenizer):
     tok = with_template(smol_tokenizer, LLAMA3_STYLE)
     # As in the real Llama 3 tokenizer, the markers are single special tokens. Left as plain text,
     # BPE would merge "<|eot_id|>" + "<|start_header_id|>" into a "><" token across the boundary.
-    tok.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-                   special_tokens=True)
+    tok.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], special_tokens=True)
     ids, mask = tokenize_conversation(tok, CONV)
     assert masked_text(tok, ids, mask) == "reply one<|eot_id|>reply two<|eot_id|>"
     rest = unmasked_text(tok, ids, mask)
@@ -117,8 +115,7 @@ def test_llama3_style_template(smol_tokenizer):
     assert "Say one." in rest and "You are terse." in rest
 
 
-@pytest.mark.parametrize("template, marker", [
-    (UNSTABLE, "[/end]"), (COUNTED, " END"), (LAST_USER_MARKED, "</>")])
+@pytest.mark.parametrize("template, marker", [(UNSTABLE, "[/end]"), (COUNTED, " END"), (LAST_USER_MARKED, "</>")])
 def test_template_not_prefix_stable(smol_tokenizer, template, marker):
     tok = with_template(smol_tokenizer, template)
     full = tok.apply_chat_template(CONV, tokenize=False)
@@ -154,7 +151,8 @@ def test_tool_turns_not_masked(smol_tokenizer):
     ]
     ids, mask = tokenize_conversation(tok, conv, tools=[{"name": "weather"}])
     assert masked_text(tok, ids, mask) == (
-        '{"name": "weather", "arguments": {"city": "Paris"}}<|im_end|>It is 21 C.<|im_end|>')
+        '{"name": "weather", "arguments": {"city": "Paris"}}<|im_end|>It is 21 C.<|im_end|>'
+    )
 
 
 def test_max_length_truncates(smol_tokenizer):

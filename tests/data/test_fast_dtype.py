@@ -19,9 +19,15 @@ from draftling.train.settings import memory_options
 
 
 def write_sea_prompts(path, n):
-    rows = [{"id": f"p{i}", "source": "test", "category": "chat",
-             "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + i % 3)}]}
-            for i in range(n)]
+    rows = [
+        {
+            "id": f"p{i}",
+            "source": "test",
+            "category": "chat",
+            "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + i % 3)}],
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -44,8 +50,9 @@ def test_the_probe_wants_a_clear_bf16_win(monkeypatch, bf16_s, fp32_s, faster):
     # Timings as on a CPU with AVX512-BF16 (2.5x), one where bf16 barely wins, and one that
     # emulates it (the Xeon's 4x slower).
     hardware.bf16_matmul_is_faster.cache_clear()
-    monkeypatch.setattr(hardware, "_cpu_matmul_seconds",
-                        lambda dtypes: [bf16_s if d == torch.bfloat16 else fp32_s for d in dtypes])
+    monkeypatch.setattr(
+        hardware, "_cpu_matmul_seconds", lambda dtypes: [bf16_s if d == torch.bfloat16 else fp32_s for d in dtypes]
+    )
     try:
         assert hardware.bf16_matmul_is_faster("cpu") is faster
         assert hardware.bf16_matmul_is_faster("cuda") is True
@@ -67,12 +74,20 @@ def test_bf16_copy_writes_a_bf16_targets_replies_and_keeps_fp32_states(tiny_targ
     target = load_target(str(tiny_target_dir), device="cpu")
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
     convs = load_conversations(write_sea_prompts(tmp_path / "p.jsonl", 4))
-    copy = list(regenerate(target, convs, RegenConfig(max_new_tokens=8, batch_size=4, dtype="bfloat16"),
-                           progress=False, keep_states=True))
+    copy = list(
+        regenerate(
+            target,
+            convs,
+            RegenConfig(max_new_tokens=8, batch_size=4, dtype="bfloat16"),
+            progress=False,
+            keep_states=True,
+        )
+    )
     # Reference: the same target loaded in bf16, regenerating in its own dtype.
     bf16_target = load_target(str(tiny_target_dir), device="cpu", dtype="bfloat16")
-    own = list(regenerate(bf16_target, convs, RegenConfig(max_new_tokens=8, batch_size=4),
-                          progress=False, keep_states=True))
+    own = list(
+        regenerate(bf16_target, convs, RegenConfig(max_new_tokens=8, batch_size=4), progress=False, keep_states=True)
+    )
     for a, b in zip(copy, own):
         assert a["id"] == b["id"] and a["messages"] == b["messages"]
         assert a["provenance"]["dtype"] == b["provenance"]["dtype"] == "bfloat16"
@@ -90,10 +105,28 @@ def test_bf16_copy_writes_a_bf16_targets_replies_and_keeps_fp32_states(tiny_targ
 
 def test_data_stage_writes_validation_with_the_target_as_served(tiny_target_dir, tmp_path):
     data = tmp_path / "data"
-    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(data),
-                 "--prompts", str(write_sea_prompts(tmp_path / "p.jsonl", 12)),
-                 "data.regen.max_new_tokens=6", "data.regen.batch_size=8", "data.val_fraction=0.25",
-                 "data.min_tokens=4", "data.keep_teacher_states=true", "data.regen.dtype=bfloat16"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--target",
+                str(tiny_target_dir),
+                "--device",
+                "cpu",
+                "--out",
+                str(data),
+                "--prompts",
+                str(write_sea_prompts(tmp_path / "p.jsonl", 12)),
+                "data.regen.max_new_tokens=6",
+                "data.regen.batch_size=8",
+                "data.val_fraction=0.25",
+                "data.min_tokens=4",
+                "data.keep_teacher_states=true",
+                "data.regen.dtype=bfloat16",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (data / "replies.jsonl").read_text().splitlines()]
     dtypes = {split: {r["provenance"]["dtype"] for r in records if r["split"] == split} for split in ("train", "val")}
     assert dtypes == {"train": {"bfloat16"}, "val": {"float32"}}
@@ -101,8 +134,10 @@ def test_data_stage_writes_validation_with_the_target_as_served(tiny_target_dir,
     target = load_target(str(tiny_target_dir), device="cpu")
     val = [r for r in records if r["split"] == "val"]
     convs = [c for c in load_conversations(tmp_path / "p.jsonl") if c.id in {r["id"] for r in val}]
-    fp32 = {r["id"]: r["messages"] for r in regenerate(target, convs, RegenConfig(max_new_tokens=6, batch_size=8),
-                                                        progress=False)}
+    fp32 = {
+        r["id"]: r["messages"]
+        for r in regenerate(target, convs, RegenConfig(max_new_tokens=6, batch_size=8), progress=False)
+    }
     assert {r["id"]: r["messages"] for r in val} == fp32
 
 
@@ -116,8 +151,23 @@ def test_a_target_that_cannot_be_cast_is_refused(tiny_target_dir, tmp_path, monk
 
 def test_a_bad_regen_dtype_fails_before_any_output(tiny_target_dir, tmp_path, capsys):
     data = tmp_path / "data"
-    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(data),
-                 "--prompts", str(write_sea_prompts(tmp_path / "p.jsonl", 4)), "data.regen.dtype=int8"]) != 0
+    assert (
+        main(
+            [
+                "data",
+                "--target",
+                str(tiny_target_dir),
+                "--device",
+                "cpu",
+                "--out",
+                str(data),
+                "--prompts",
+                str(write_sea_prompts(tmp_path / "p.jsonl", 4)),
+                "data.regen.dtype=int8",
+            ]
+        )
+        != 0
+    )
     assert "data.regen.dtype='int8'" in capsys.readouterr().err
     assert not data.exists() or not any(data.iterdir())
 

@@ -23,16 +23,39 @@ NEW_TOKENS = 10
 def kept_data(tmp_path_factory, tiny_target_dir):
     tmp = tmp_path_factory.mktemp("kept")
     prompts = tmp / "prompts.jsonl"
-    rows = [{"id": f"p{i}", "source": "test", "category": "chat",
-             # Different lengths: the batch is left-padded, the states must skip the padding.
-             "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + i % 4)}]}
-            for i in range(12)]
+    rows = [
+        {
+            "id": f"p{i}",
+            "source": "test",
+            "category": "chat",
+            # Different lengths: the batch is left-padded, the states must skip the padding.
+            "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + i % 4)}],
+        }
+        for i in range(12)
+    ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = tmp / "data"
-    assert main(["data", "--target", str(tiny_target_dir), "--device", "cpu", "--out", str(data),
-                 "--prompts", str(prompts), f"data.regen.max_new_tokens={NEW_TOKENS}",
-                 "data.regen.batch_size=5", "data.val_fraction=0.25", "data.min_tokens=4",
-                 "data.keep_teacher_states=true"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--target",
+                str(tiny_target_dir),
+                "--device",
+                "cpu",
+                "--out",
+                str(data),
+                "--prompts",
+                str(prompts),
+                f"data.regen.max_new_tokens={NEW_TOKENS}",
+                "data.regen.batch_size=5",
+                "data.val_fraction=0.25",
+                "data.min_tokens=4",
+                "data.keep_teacher_states=true",
+            ]
+        )
+        == 0
+    )
     assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir)]) == 0
     return data
 
@@ -51,8 +74,8 @@ def test_kept_states_equal_the_teacher_forward(kept_data, tiny_target_dir):
             # Cut to what the target was fed: the prompt and every generated token but the last.
             fed = prov["reply_tokens"] - (prov["stopped"] == "length")
             assert len(ex.input_ids) == prov["prompt_tokens"] + fed
-            assert ex.loss_mask[prov["prompt_tokens"]:] == [1] * fed  # the reply, as generated
-            assert sum(ex.loss_mask[:prov["prompt_tokens"]]) == 0  # one user turn: no loss there
+            assert ex.loss_mask[prov["prompt_tokens"] :] == [1] * fed  # the reply, as generated
+            assert sum(ex.loss_mask[: prov["prompt_tokens"]]) == 0  # one user turn: no loss there
         keys = list(range(len(examples)))
         kept = KeptStatesTeacher(target, states, vocab.t2d).get(keys, [len(e.input_ids) for e in examples], "cpu")
         batch = collate(examples, target.tokenizer.pad_token_id)
@@ -64,8 +87,17 @@ def test_kept_states_equal_the_teacher_forward(kept_data, tiny_target_dir):
 
 
 def test_training_from_kept_states_matches_recomputing(kept_data, tiny_target_dir, tmp_path, capsys):
-    common = ["--target", str(tiny_target_dir), "--device", "cpu", "train.max_steps=4", "train.batch_size=3",
-              "train.ttt_steps=2", "train.log_every=1", "train.max_val_batches=1"]
+    common = [
+        "--target",
+        str(tiny_target_dir),
+        "--device",
+        "cpu",
+        "train.max_steps=4",
+        "train.batch_size=3",
+        "train.ttt_steps=2",
+        "train.log_every=1",
+        "train.max_val_batches=1",
+    ]
     assert main(["train", *common, "--data", str(kept_data), "--run-dir", str(tmp_path / "kept")]) == 0
     assert "states kept at regeneration" in capsys.readouterr().out
     # The same data without the states files: the target recomputes them.
@@ -94,9 +126,25 @@ def test_states_of_other_data_are_not_used(kept_data, tiny_target_dir, tmp_path,
     lines = (data / "train.jsonl").read_text().splitlines(keepends=True)
     (data / "train.jsonl").write_text("".join(lines[:-1]))
     assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir)]) == 0
-    assert main(["train", "--target", str(tiny_target_dir), "--device", "cpu", "--data", str(data),
-                 "--run-dir", str(tmp_path / "run"), "train.max_steps=1", "train.batch_size=2",
-                 "train.ttt_steps=2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--target",
+                str(tiny_target_dir),
+                "--device",
+                "cpu",
+                "--data",
+                str(data),
+                "--run-dir",
+                str(tmp_path / "run"),
+                "train.max_steps=1",
+                "train.batch_size=2",
+                "train.ttt_steps=2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "not using teacher_states_train.safetensors (train.jsonl changed" in out
 
@@ -126,8 +174,7 @@ def test_rows_stopped_by_eos_keep_every_reply_token(tiny_target_dir, tmp_path, m
         prov = r["provenance"]
         fed = prov["reply_tokens"] - (prov["stopped"] == "length")
         assert len(ids) == prov["prompt_tokens"] + fed == aux.shape[0] == final.shape[0]
-        out, fresh = aux_hidden_states(target.model.get_decoder(), target.aux_layer_ids,
-                                       input_ids=torch.tensor([ids]))
+        out, fresh = aux_hidden_states(target.model.get_decoder(), target.aux_layer_ids, input_ids=torch.tensor([ids]))
         torch.testing.assert_close(aux, torch.cat(fresh, -1)[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(final, out.last_hidden_state[0], atol=1e-4, rtol=1e-4)
 
@@ -140,9 +187,15 @@ def test_prefill_in_pieces_gives_the_same_replies_and_states(tiny_target_dir, tm
     from draftling.data.regen import prefill_chunk_columns, regenerate
 
     target = load_target(str(tiny_target_dir), device="cpu")
-    rows = [{"id": f"p{i}", "source": "test", "category": "chat",
-             "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + 3 * i)}]}
-            for i in range(4)]
+    rows = [
+        {
+            "id": f"p{i}",
+            "source": "test",
+            "category": "chat",
+            "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + 3 * i)}],
+        }
+        for i in range(4)
+    ]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     convs = load_conversations(tmp_path / "p.jsonl")
     whole = RegenConfig(max_new_tokens=6, batch_size=4, prefill_chunk_tokens=0)

@@ -42,8 +42,7 @@ class FakeServer:
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": m, "object": "model"}
-                                                                for m in fake.models]})
+                    self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in fake.models]})
                 else:
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -57,16 +56,34 @@ class FakeServer:
                     fake.headers.append(dict(self.headers))
                     fake.seen[user] = fake.seen.get(user, 0) + 1
                 if user.startswith("BAD"):
-                    return self._send(400, {"object": "error", "message": "messages: bad role order",
-                                            "type": "BadRequestError", "code": 400})
+                    return self._send(
+                        400,
+                        {
+                            "object": "error",
+                            "message": "messages: bad role order",
+                            "type": "BadRequestError",
+                            "code": 400,
+                        },
+                    )
                 if user.startswith("FLAKY") and fake.seen[user] == 1:
                     return self._send(500, {"error": {"message": "engine restarting"}})
                 finish = "length" if user.startswith("LONG") else "stop"
-                self._send(200, {"id": "cmpl-1", "object": "chat.completion", "model": body["model"],
-                                 "choices": [{"index": 0, "finish_reason": finish,
-                                              "message": {"role": "assistant",
-                                                          "content": f"Answer to: {user}"}}],
-                                 "usage": {"prompt_tokens": 10, "completion_tokens": 5}})
+                self._send(
+                    200,
+                    {
+                        "id": "cmpl-1",
+                        "object": "chat.completion",
+                        "model": body["model"],
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": finish,
+                                "message": {"role": "assistant", "content": f"Answer to: {user}"},
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+                    },
+                )
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -94,8 +111,7 @@ def smol_tokenizer(tiny_target_dir):
 
 
 def conv(i: int, text: str, **kw) -> Conversation:
-    return Conversation(id=f"c{i}", source="test", category="chat",
-                        messages=[{"role": "user", "content": text}], **kw)
+    return Conversation(id=f"c{i}", source="test", category="chat", messages=[{"role": "user", "content": text}], **kw)
 
 
 def test_normalize_base_url():
@@ -106,8 +122,12 @@ def test_normalize_base_url():
 
 
 def test_records_retry_and_length(smol_tokenizer):
-    convs = [conv(0, "Hello there"), conv(1, "LONG story please"), conv(2, "FLAKY question"),
-             conv(3, "Which tool?", tools=[{"name": "f", "parameters": {"type": "object"}}])]
+    convs = [
+        conv(0, "Hello there"),
+        conv(1, "LONG story please"),
+        conv(2, "FLAKY question"),
+        conv(3, "Which tool?", tools=[{"name": "f", "parameters": {"type": "object"}}]),
+    ]
     cfg = RegenConfig(server_url="", max_new_tokens=7, temperature=0.0, concurrency=3, max_retries=2)
     with FakeServer() as fake:
         server = ChatServer(fake.url + "/v1", timeout_s=10, max_retries=2)
@@ -118,8 +138,10 @@ def test_records_retry_and_length(smol_tokenizer):
     by_id = {r["id"]: r for r in records}
     assert by_id["c1"]["provenance"]["stopped"] == "length"
     assert by_id["c0"]["provenance"]["stopped"] == "eos"
-    assert by_id["c0"]["messages"] == [{"role": "user", "content": "Hello there"},
-                                       {"role": "assistant", "content": "Answer to: Hello there"}]
+    assert by_id["c0"]["messages"] == [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "Answer to: Hello there"},
+    ]
     prov = by_id["c0"]["provenance"]
     assert prov["server"] == fake.url and prov["server_model"] == SERVED and "target" not in prov
     reply_ids = smol_tokenizer("Answer to: Hello there", add_special_tokens=False)["input_ids"]
@@ -140,8 +162,11 @@ def test_bad_request_is_a_clear_error(smol_tokenizer):
     with FakeServer() as fake:
         server = ChatServer(fake.url, SERVED, max_retries=3)
         with pytest.raises(ServerError) as err:
-            list(regenerate_via_server(smol_tokenizer, [conv(0, "ok"), conv(1, "BAD one")], cfg,
-                                       server=server, progress=False))
+            list(
+                regenerate_via_server(
+                    smol_tokenizer, [conv(0, "ok"), conv(1, "BAD one")], cfg, server=server, progress=False
+                )
+            )
     msg = str(err.value)
     assert f"{fake.url}/v1/chat/completions" in msg and "HTTP 400" in msg and "bad role order" in msg
     assert fake.seen["BAD one"] == 1  # a 4xx is not retried
@@ -159,8 +184,7 @@ def test_several_models_need_a_name_and_key_is_sent(monkeypatch, smol_tokenizer)
     with FakeServer(models=["a", "b"]) as fake:
         with pytest.raises(ServerError, match="--server-model"):
             ChatServer(fake.url)
-        cfg = RegenConfig(server_url=fake.url, server_model="b", api_key_env="MY_KEY", temperature=0.7,
-                          seed=3)
+        cfg = RegenConfig(server_url=fake.url, server_model="b", api_key_env="MY_KEY", temperature=0.7, seed=3)
         records = list(regenerate_via_server(smol_tokenizer, [conv(0, "hi")], cfg, progress=False))
     assert records[0]["provenance"]["server_model"] == "b"
     assert fake.headers[0]["Authorization"] == "Bearer sk-test"
@@ -168,9 +192,15 @@ def test_several_models_need_a_name_and_key_is_sent(monkeypatch, smol_tokenizer)
 
 
 def write_prompts(path, texts):
-    path.write_text("".join(json.dumps({"id": f"p{i}", "source": "test", "category": "chat",
-                                        "messages": [{"role": "user", "content": t}]}) + "\n"
-                            for i, t in enumerate(texts)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"id": f"p{i}", "source": "test", "category": "chat", "messages": [{"role": "user", "content": t}]}
+            )
+            + "\n"
+            for i, t in enumerate(texts)
+        )
+    )
     return path
 
 
@@ -185,15 +215,32 @@ def test_cli_data_via_server_loads_no_weights(tmp_path, tiny_target_dir, monkeyp
     prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
     out = tmp_path / "data"
     with FakeServer() as fake:
-        assert main(["data", "--target", str(tiny_target_dir), "--out", str(out), "--prompts", str(prompts),
-                     "--server", fake.url, "data.regen.max_new_tokens=16", "data.val_fraction=0.25",
-                     "data.min_tokens=4", "data.regen.concurrency=4", "data.keep_teacher_states=true"]) == 0
+        assert (
+            main(
+                [
+                    "data",
+                    "--target",
+                    str(tiny_target_dir),
+                    "--out",
+                    str(out),
+                    "--prompts",
+                    str(prompts),
+                    "--server",
+                    fake.url,
+                    "data.regen.max_new_tokens=16",
+                    "data.val_fraction=0.25",
+                    "data.min_tokens=4",
+                    "data.regen.concurrency=4",
+                    "data.keep_teacher_states=true",
+                ]
+            )
+            == 0
+        )
     replies = [json.loads(line) for line in (out / "replies.jsonl").read_text().splitlines()]
     assert len(replies) == len(texts) and {r["split"] for r in replies} == {"train", "val"}
     # A server's replies carry no target states: nothing is kept, and the log says why.
     assert not list(out.glob("teacher_states_*")) and "keep_teacher_states is ignored" in capsys.readouterr().out
-    assert all(r["provenance"]["server"] == fake.url and r["provenance"]["server_model"] == SERVED
-               for r in replies)
+    assert all(r["provenance"]["server"] == fake.url and r["provenance"]["server_model"] == SERVED for r in replies)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["server"] == fake.url and summary["server_model"] == SERVED
     assert summary["replies_hit_cap"] == 1 and summary["replies_stopped_eos"] == len(texts) - 1
@@ -213,8 +260,25 @@ def test_cli_data_server_error_is_one_line(tmp_path, tiny_target_dir, capsys):
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["fine", "BAD request"])
     out = tmp_path / "data"
     with FakeServer() as fake:
-        assert main(["data", "--target", str(tiny_target_dir), "--out", str(out), "--prompts", str(prompts),
-                     "--server", fake.url, "--server-model", SERVED, "data.val_fraction=0"]) == 2
+        assert (
+            main(
+                [
+                    "data",
+                    "--target",
+                    str(tiny_target_dir),
+                    "--out",
+                    str(out),
+                    "--prompts",
+                    str(prompts),
+                    "--server",
+                    fake.url,
+                    "--server-model",
+                    SERVED,
+                    "data.val_fraction=0",
+                ]
+            )
+            == 2
+        )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("draftling: error: ") and "HTTP 400" in err and fake.url in err
     assert not (out / "replies.jsonl").exists()

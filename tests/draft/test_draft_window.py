@@ -40,6 +40,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------- TTT attention
 
+
 def qkv(t, steps, seed=0, grad=False):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 4, t, 8, generator=g)
@@ -60,7 +61,7 @@ def dense_reference(q, ks, vs, window):
     p = torch.cat([s0, *diag], -1).softmax(-1)
     out = p[..., :t] @ repeat_kv(vs[0], n_rep)
     for i, v in enumerate(vs[1:]):
-        out = out + p[..., t + i:t + i + 1] * repeat_kv(v, n_rep)
+        out = out + p[..., t + i : t + i + 1] * repeat_kv(v, n_rep)
     return out
 
 
@@ -127,10 +128,12 @@ def largest_tensor_of_unroll(draft, embed, t: int) -> int:
     """Forward and backward of a 3-step unroll over one t-token sample."""
     g = torch.Generator().manual_seed(t)
     ids = torch.randint(0, 300, (1, t), generator=g)
-    teacher = TeacherBatch(aux=torch.randn(1, t, 3 * 64, generator=g),
-                           draft_logits=torch.randn(1, t, 64, generator=g),
-                           target_argmax=torch.zeros(1, t, dtype=torch.long),
-                           in_draft=torch.ones(1, t, dtype=torch.bool))
+    teacher = TeacherBatch(
+        aux=torch.randn(1, t, 3 * 64, generator=g),
+        draft_logits=torch.randn(1, t, 64, generator=g),
+        target_argmax=torch.zeros(1, t, dtype=torch.long),
+        in_draft=torch.ones(1, t, dtype=torch.bool),
+    )
     ones = torch.ones_like(ids)
     with LargestTensor() as seen:
         loss, _ = ttt_unroll(draft, embed, teacher, ids, ones, ones, steps=3)
@@ -154,6 +157,7 @@ def test_training_memory_on_a_32k_sample_is_bounded_and_flat_in_length():
 
 
 # ---------------------------------------------------------------- engine
+
 
 def ttt_logits(draft, embed, aux, seq, steps):
     """Each TTT step's draft logits at every row: the training-time attention, windowed as the
@@ -262,10 +266,17 @@ def test_batched_speculative_with_a_window_equals_alone():
 
 # ---------------------------------------------------------------- config, exports, warm start
 
+
 def windowed_draft(window):
     """(a 6-layer target's config, a draft for it with ``window``)."""
-    target = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2)
+    target = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     draft = Eagle3Draft(draft_config_from_target(target, 64, [2, 3, 3], window=window))
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:64].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -289,15 +300,25 @@ def test_exports_carry_the_window_and_load_back(tmp_path):
     sgl = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True, target_config=target)
     cfg = json.loads((sgl / "config.json").read_text())
     assert (cfg["sliding_window"], cfg["layer_types"]) == (32, ["sliding_attention"])
-    spec = export_speculators(draft, tmp_path / "spec", verifier_name_or_path="org/tiny",
-                              verifier_architectures=["LlamaForCausalLM"], target_config=target)
+    spec = export_speculators(
+        draft,
+        tmp_path / "spec",
+        verifier_name_or_path="org/tiny",
+        verifier_architectures=["LlamaForCausalLM"],
+        target_config=target,
+    )
     layer = json.loads((spec / "config.json").read_text())["transformer_layer_config"]
     assert (layer["sliding_window"], layer["layer_types"]) == (32, ["sliding_attention"])
     for path in (sgl, spec):
         assert draft_window(load_any_draft(path, "cpu", torch.float32).config) == 32
     _, plain = windowed_draft(0)
-    out = export_speculators(plain, tmp_path / "plain", verifier_name_or_path="org/tiny",
-                             verifier_architectures=["LlamaForCausalLM"], target_config=target)
+    out = export_speculators(
+        plain,
+        tmp_path / "plain",
+        verifier_name_or_path="org/tiny",
+        verifier_architectures=["LlamaForCausalLM"],
+        target_config=target,
+    )
     layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
     assert "sliding_window" not in layer and "layer_types" not in layer
 

@@ -67,6 +67,7 @@ def test_build_from_file_hashes_the_data(tmp_path):
     rows[0]["input_ids"] = [1, 2, 2, 4]
     write_jsonl(tmp_path / "train.jsonl", rows)
     from draftling.draft.vocab import hash_dataset_file
+
     with pytest.raises(DataError, match="different data"):
         load_vocab(tmp_path / "vocab.safetensors", expect_data_hash=hash_dataset_file(tmp_path / "train.jsonl"))
 

@@ -29,30 +29,77 @@ from tests.host_reads import HostReads
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, PROMPT, NEW, WINDOW, SIZE = TINY_VOCAB, 13, 24, 8, 80
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 SLIDING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 # model_type: (config class, model class, config overrides, engine path)
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, CachedTarget),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, CachedTarget),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
-        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "decoder_sparse_step": 1, "norm_topk_prob": True}, GeneralCachedTarget),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": WINDOW, "layer_types": SLIDING},
-        GeneralCachedTarget),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+        },
+        GeneralCachedTarget,
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": WINDOW, "layer_types": SLIDING},
+        GeneralCachedTarget,
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": WINDOW}, GeneralCachedTarget),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 16}, GeneralCachedTarget),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {  # MLA: key head dim 24, value 12
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
-        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
-        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "num_key_value_heads": 4},
-        GeneralCachedTarget),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {  # attention sinks, sliding layers, MoE
-        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
-        "layer_types": SLIDING}, GeneralCachedTarget),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {  # MLA: key head dim 24, value 12
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 12,
+            "num_key_value_heads": 4,
+        },
+        GeneralCachedTarget,
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {  # attention sinks, sliding layers, MoE
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": WINDOW,
+            "layer_types": SLIDING,
+        },
+        GeneralCachedTarget,
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}, GeneralCachedTarget),
 }
 
@@ -103,8 +150,9 @@ def test_speculative_equals_plain(arch, tree):
     out, stats = speculative_generate(target, draft, prompt(), NEW, *tree)
     assert out.tolist() == plain.tolist()
     # Sampling with top_k=1 is greedy: the lossless acceptance path must agree too.
-    out, _ = speculative_generate(target, draft, prompt(), NEW, *tree, temperature=1.0, top_k=1,
-                                  generator=torch.Generator().manual_seed(0))
+    out, _ = speculative_generate(
+        target, draft, prompt(), NEW, *tree, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0)
+    )
     assert out.tolist() == plain.tolist()
     assert_committed_cache_is_fresh(model, target, torch.cat([prompt(), plain], 1), stats.cache_len)
 
@@ -146,8 +194,9 @@ def accepting_draft_decodes_as_plain(arch, **engine):
         assert out.tolist() == plain.tolist(), tree
         assert stats.compactions > 0 or tree[1] == 1
         assert_committed_cache_is_fresh(model, target, torch.cat([prompt(), plain], 1), stats.cache_len)
-        out, _ = speculative_generate(target, runner, prompt(), NEW, *tree, temperature=1.0, top_k=1,
-                                      generator=torch.Generator().manual_seed(0))
+        out, _ = speculative_generate(
+            target, runner, prompt(), NEW, *tree, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0)
+        )
         assert out.tolist() == plain.tolist(), tree
 
 
@@ -221,8 +270,9 @@ def test_aux_states_match_hf_hidden_states(arch):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_two_training_steps_and_export_round_trip(arch, tmp_path):
     model = build(arch)
-    target = wrap_target(model, types.SimpleNamespace(pad_token_id=0, eos_token_id=1), name=f"tiny-{arch}",
-                         aux_layer_ids=AUX)
+    target = wrap_target(
+        model, types.SimpleNamespace(pad_token_id=0, eos_token_id=1), name=f"tiny-{arch}", aux_layer_ids=AUX
+    )
     setup_data(tmp_path)
     result = train_run(tmp_path, target, "run", 2)
     assert result is not None
@@ -230,8 +280,7 @@ def test_two_training_steps_and_export_round_trip(arch, tmp_path):
 
     draft = load_draft(tmp_path / "run" / "draft").eval()
     assert draft.config.eagle_aux_hidden_state_layer_ids == AUX
-    loaded = load_sglang_export(export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=False,
-                                              dtype="keep"))
+    loaded = load_sglang_export(export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=False, dtype="keep"))
     ids = prompt()
     assert torch.equal(run_draft(draft, model, ids), run_draft(loaded, model, ids))
 
@@ -242,8 +291,10 @@ def test_general_path_equals_fast_path_on_llama_family():
         fast, general = CachedTarget.from_hf(model, AUX, SIZE), GeneralCachedTarget.from_hf(model, AUX, SIZE)
         ids, pos = prompt(), torch.arange(PROMPT)
         with torch.no_grad():
-            for got, want in zip(general(ids, pos, pos, causal_mask(0, PROMPT, SIZE, "cpu")),
-                                 fast(ids, pos, pos, causal_mask(0, PROMPT, SIZE, "cpu"))):
+            for got, want in zip(
+                general(ids, pos, pos, causal_mask(0, PROMPT, SIZE, "cpu")),
+                fast(ids, pos, pos, causal_mask(0, PROMPT, SIZE, "cpu")),
+            ):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         assert greedy_generate(general, ids, NEW).tolist() == greedy_generate(fast, ids, NEW).tolist()
 
@@ -272,7 +323,7 @@ def test_general_path_compiled_equals_eager(arch, caplog):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for i in range(len(eager.layers)):
         for got, want in zip(compiled.kv(i), eager.kv(i)):
-            torch.testing.assert_close(got[:, :, :n + 1], want[:, :, :n + 1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got[:, :, : n + 1], want[:, :, : n + 1], atol=1e-5, rtol=1e-5)
 
 
 def test_general_path_runs_eager_when_compile_fails(monkeypatch, caplog):
@@ -281,6 +332,7 @@ def test_general_path_runs_eager_when_compile_fails(monkeypatch, caplog):
     def broken(fn):
         def run(*args):
             raise RuntimeError("no compiler here\nmore detail")
+
         return run
 
     model, _, plain = model_and_plain("gemma3")
@@ -309,8 +361,14 @@ def test_general_decode_step_reads_nothing_back(arch):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 # MoE experts run grouped_mm, whose CUDA kernel is bf16 only: in fp32 its fallback reads the group
 # sizes back to the host, so graphs are refused there, with the reason logged.
-ON_GPU = [("llama", torch.float32), ("gemma3", torch.float32), ("mistral", torch.float32),
-          ("qwen3_moe", torch.bfloat16), ("qwen3_moe", torch.float32), ("gpt_oss", torch.bfloat16)]
+ON_GPU = [
+    ("llama", torch.float32),
+    ("gemma3", torch.float32),
+    ("mistral", torch.float32),
+    ("qwen3_moe", torch.bfloat16),
+    ("qwen3_moe", torch.float32),
+    ("gpt_oss", torch.bfloat16),
+]
 MAY_REFUSE = {"qwen3_moe", "gpt_oss"}  # the expert kernels decide
 
 
@@ -400,8 +458,9 @@ def test_general_path_refuses_graphs_for_a_host_sync(caplog):
 def test_unservable_models_get_one_clear_error():
     if not hasattr(transformers, "MambaForCausalLM"):
         pytest.skip("transformers has no Mamba")
-    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(
-        vocab_size=V, hidden_size=32, state_size=4, num_hidden_layers=4)).eval()
+    mamba = transformers.MambaForCausalLM(
+        transformers.MambaConfig(vocab_size=V, hidden_size=32, state_size=4, num_hidden_layers=4)
+    ).eval()
     with pytest.raises(UnsupportedArchitecture, match="Mamba"):
         build_target(mamba, AUX, SIZE)
     llama = build("llama")

@@ -21,7 +21,6 @@ from tests.helpers import decode_alone as alone
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 def test_batched_plain_greedy_equals_alone():
     model = tiny(LlamaForCausalLM, LlamaConfig)
     ps = prompts()
@@ -76,8 +75,15 @@ def test_batched_sampling_matches_target_distribution():
     each request against exact target probabilities (as test_engine's batch-1 test)."""
     vocab, n = 16, 1200
     kw = dict(temperature=1.3, top_k=12, top_p=0.95)
-    model = tiny(LlamaForCausalLM, LlamaConfig, vocab_size=vocab, hidden_size=32,
-                 intermediate_size=64, num_attention_heads=4, num_key_value_heads=4)
+    model = tiny(
+        LlamaForCausalLM,
+        LlamaConfig,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.4)
     draft = oracle_draft(model, draft_vocab=12, seed=3)
@@ -88,8 +94,15 @@ def test_batched_sampling_matches_target_distribution():
         joint = (p1[:, None] * process_logits(model(s2).logits[:, -1], **kw)).flatten()
     target, runner = engines(model, draft, slots=4, size=24)
     for spec in (None, (2, 3, 5)):
-        out = batch_generate(target, [ids] * n, 2, draft=runner if spec else None, tree=spec,
-                             generator=torch.Generator().manual_seed(0), **kw)
+        out = batch_generate(
+            target,
+            [ids] * n,
+            2,
+            draft=runner if spec else None,
+            tree=spec,
+            generator=torch.Generator().manual_seed(0),
+            **kw,
+        )
         counts = torch.zeros(vocab * vocab, dtype=torch.long)
         for r in out:
             a, b = r.tokens
@@ -113,14 +126,22 @@ def test_concurrency_sweep_contract(tmp_path):
     target = tiny_bench_target()
     draft = tiny_draft_dir(target, tmp_path / "draft")
     ps = token_prompt_set(tmp_path / "set.jsonl")
-    opts = SweepOptions(levels=(1, 3), configs=("chain-3-1-4", "tree-3-4-8"), prompt_set=str(ps),
-                        max_new_tokens=10, min_requests=4, out_dir=tmp_path / "out", command="pytest")
+    opts = SweepOptions(
+        levels=(1, 3),
+        configs=("chain-3-1-4", "tree-3-4-8"),
+        prompt_set=str(ps),
+        max_new_tokens=10,
+        min_requests=4,
+        out_dir=tmp_path / "out",
+        command="pytest",
+    )
     res = run_concurrency_sweep(target, draft, opts, log=lambda *_: None)
     for key in ("date", "gpu", "target", "draft", "batch1_plain_tok_s", "concurrency_sweep"):
         assert key in res
     rows = res["concurrency_sweep"]
     assert [(r["concurrency"], r["config"]) for r in rows] == [
-        (c, n) for c in (1, 3) for n in ("plain", "chain-3-1-4", "tree-3-4-8")]
+        (c, n) for c in (1, 3) for n in ("plain", "chain-3-1-4", "tree-3-4-8")
+    ]
     assert [r["requests"] for r in rows] == [4, 4, 4, 6, 6, 6]  # max(4, 2 x level)
     for r in rows:
         assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s"] == r["aggregate_tok_s"] / r["concurrency"]
@@ -131,10 +152,14 @@ def test_concurrency_sweep_contract(tmp_path):
     assert folder.name.startswith(res["date"] + "-concurrency-")
     assert {"concurrency.json", "manifest.json"} <= {p.name for p in folder.iterdir()}
     # The crossover: the lowest level from which plain wins at every level.
-    fake = [{"concurrency": c, "config": n, "aggregate_tok_s": v} for c, n, v in
-            [(1, "plain", 1), (1, "a", 2), (2, "plain", 3), (2, "a", 2), (4, "plain", 5), (4, "a", 4)]]
-    assert summarize(fake) == {"best_config_per_level": {"1": "a", "2": "plain", "4": "plain"},
-                               "crossover_concurrency": 2}
+    fake = [
+        {"concurrency": c, "config": n, "aggregate_tok_s": v}
+        for c, n, v in [(1, "plain", 1), (1, "a", 2), (2, "plain", 3), (2, "a", 2), (4, "plain", 5), (4, "a", 4)]
+    ]
+    assert summarize(fake) == {
+        "best_config_per_level": {"1": "a", "2": "plain", "4": "plain"},
+        "crossover_concurrency": 2,
+    }
 
 
 def test_regeneration_through_the_engine_equals_hf_greedy(tmp_path):
@@ -151,8 +176,10 @@ def test_regeneration_through_the_engine_equals_hf_greedy(tmp_path):
 
     target = tiny_bench_target()
     target.tokenizer = _ToyTokenizer()
-    convs = [Conversation(id=f"c{i}", source="t", category="chat", messages=[{"role": "user", "content": "x" * n}])
-             for i, n in enumerate((3, 9, 5, 14, 7, 11, 4))]
+    convs = [
+        Conversation(id=f"c{i}", source="t", category="chat", messages=[{"role": "user", "content": "x" * n}])
+        for i, n in enumerate((3, 9, 5, 14, 7, 11, 4))
+    ]
     cfg = RegenConfig(max_new_tokens=24, batch_size=3)
     first = next(iter(regenerate(target, convs, cfg, progress=False)))
     target.tokenizer.eos_token_id = int(first["messages"][-1]["content"].split()[10])  # ends some replies early
@@ -179,8 +206,10 @@ def test_sampled_regeneration_through_the_engine_is_seeded_and_processed():
 
     target = tiny_bench_target()
     target.tokenizer = _ToyTokenizer()
-    convs = [Conversation(id=f"c{i}", source="t", category="chat", messages=[{"role": "user", "content": "x" * n}])
-             for i, n in enumerate((3, 9, 5, 14, 7, 11, 4))]
+    convs = [
+        Conversation(id=f"c{i}", source="t", category="chat", messages=[{"role": "user", "content": "x" * n}])
+        for i, n in enumerate((3, 9, 5, 14, 7, 11, 4))
+    ]
 
     def texts(**fields):
         cfg = RegenConfig(max_new_tokens=16, batch_size=3, engine="on", **fields)
@@ -221,7 +250,6 @@ def test_concurrency_levels_are_checked_when_the_config_loads():
             load_config(None, [f"bench.concurrency={bad}"])
 
 
-
 def test_prefills_are_grouped_under_the_score_budget(monkeypatch):
     """Long prompts are prefilled a few rows at a time (their scores are materialised); the
     tokens are those of one prefill for all, which equal each request decoded alone."""
@@ -232,10 +260,11 @@ def test_prefills_are_grouped_under_the_score_budget(monkeypatch):
     want = alone(model, ps, budgets)
     groups = []
     real = batch._BatchRun._prefill
-    monkeypatch.setattr(batch._BatchRun, "_prefill", lambda self, rows, reqs: (groups.append(len(reqs)),
-                                                                               real(self, rows, reqs))[1])
+    monkeypatch.setattr(
+        batch._BatchRun, "_prefill", lambda self, rows, reqs: (groups.append(len(reqs)), real(self, rows, reqs))[1]
+    )
     heads = model.config.num_attention_heads
-    monkeypatch.setattr(batch, "PREFILL_SCORES", 2 * heads * 11 ** 2)  # two rows of up to 11 tokens
+    monkeypatch.setattr(batch, "PREFILL_SCORES", 2 * heads * 11**2)  # two rows of up to 11 tokens
     target, _ = engines(model, slots=SLOTS)
     assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
     assert max(groups) == 2 and groups.count(1) >= 1  # the 20-token prompt alone, never three at once

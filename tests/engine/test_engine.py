@@ -49,7 +49,7 @@ def assert_caches_consistent(model, target, draft_runner, input_ids, out, stats)
     pos = torch.arange(n, device=dev)
     with torch.no_grad():
         _, aux = fresh_t(seq[:, :n], pos, pos, causal_mask(0, n, target.max_seq_len, dev))
-        fresh_d.extend(seq[:, 1:n + 1], aux, 0)
+        fresh_d.extend(seq[:, 1 : n + 1], aux, 0)
     # GPU matmul/attention kernels vary with the query count (tree verify vs fresh prefill).
     tol = dict(atol=1e-4, rtol=1e-4) if dev.type == "cpu" else dict(atol=1e-3, rtol=1e-3)
     for i in range(len(target.layers)):
@@ -98,9 +98,9 @@ def test_cached_target_matches_hf(arch):
         torch.testing.assert_close(aux, want_aux, atol=1e-4, rtol=0)
         for p in range(n, 12):  # single-token decode steps
             pp = torch.tensor([p])
-            logits, aux = target(seq[:, p:p + 1], pp, pp, causal_mask(p, 1, size, "cpu"))
+            logits, aux = target(seq[:, p : p + 1], pp, pp, causal_mask(p, 1, size, "cpu"))
             torch.testing.assert_close(logits[:, 0], ref.logits[:, p], atol=1e-4, rtol=0)
-            torch.testing.assert_close(aux[0, 0, 2 * H:], ref.hidden_states[3][0, p], atol=1e-4, rtol=0)
+            torch.testing.assert_close(aux[0, 0, 2 * H :], ref.hidden_states[3][0, p], atol=1e-4, rtol=0)
 
 
 def test_unsupported_architecture_is_named():
@@ -115,6 +115,7 @@ def test_unsupported_architecture_is_named():
 
 # Reference: the engine's original eager round (per-level kernels, host ints, Python loops),
 # kept here to check that the static-shape ``SpecRound`` builds the same trees.
+
 
 def ref_build_tree(draft, root_token, root_hidden, root_logits, n, steps, topk, num_draft_tokens):
     """EAGLE-2 dynamic tree -> (tokens, parents, depths), each [q]."""
@@ -153,8 +154,11 @@ def ref_build_tree(draft, root_token, root_hidden, root_logits, n, steps, topk, 
     cand_parent = torch.cat(c_parent)[sel]
     parents = node_of[torch.where(cand_parent < 0, n_cand, cand_parent)]
     zero = torch.zeros(1, dtype=torch.long)
-    return (torch.cat([torch.tensor([root_token]), torch.cat(c_tok)[sel]]),
-            torch.cat([zero, parents]), torch.cat([zero, depth[sel]]))
+    return (
+        torch.cat([torch.tensor([root_token]), torch.cat(c_tok)[sel]]),
+        torch.cat([zero, parents]),
+        torch.cat([zero, depth[sel]]),
+    )
 
 
 def ref_tree_mask(parents, n, size, steps):
@@ -165,7 +169,7 @@ def ref_tree_mask(parents, n, size, steps):
         anc = eye | anc[parents]
     mask = torch.zeros(q, size, dtype=torch.bool)
     mask[:, :n] = True
-    mask[:, n:n + q] = anc
+    mask[:, n : n + q] = anc
     return mask
 
 
@@ -193,8 +197,7 @@ def ref_speculative_rounds(target, draft, input_ids, max_new_tokens, steps, topk
         path_t = torch.tensor(path)
         if path != list(range(k)):
             target.move_kv(n + path_t, n + torch.arange(k))
-        r_hidden, r_logits = draft.extend(torch.tensor([new]), aux[:, path_t], n,
-                                          pad_to=min(steps, q - 1) + 1)
+        r_hidden, r_logits = draft.extend(torch.tensor([new]), aux[:, path_t], n, pad_to=min(steps, q - 1) + 1)
         n += k
         root = new[-1]
     return out[:max_new_tokens], rounds
@@ -228,7 +231,7 @@ def test_tree_is_connected_and_masked():
         assert len(parents) == q and depths[0] == 0 and tokens[0] == 5
         for i in range(1, q):
             assert 0 <= parents[i] < i and depths[i] == depths[parents[i]] + 1 <= steps
-        assert mask[:, :n].all() and not mask[:, n + q:].any()
+        assert mask[:, :n].all() and not mask[:, n + q :].any()
         for i in range(q):  # sees exactly itself and its ancestors
             anc, j = {i}, i
             while j:
@@ -326,6 +329,7 @@ def test_spec_round_is_cached():
 
 # ---------------------------------------------------------------- greedy equivalence
 
+
 @pytest.mark.parametrize("steps,topk,ndt", TREES)
 def test_speculative_equals_greedy_random_draft(steps, topk, ndt):
     model = tiny(LlamaForCausalLM, LlamaConfig)
@@ -359,10 +363,12 @@ def test_device_rounds_equal_host_rounds(kind):
         if kind == "oracle":
             assert ds.tau > 2
         for m in (1, 5, 11):
-            assert speculative_generate(target, dr, ids, m, steps, topk, ndt,
-                                        device_rounds=True)[0][0].tolist() == full[0, :m].tolist()
+            assert (
+                speculative_generate(target, dr, ids, m, steps, topk, ndt, device_rounds=True)[0][0].tolist()
+                == full[0, :m].tolist()
+            )
         eos = full[0, 17].item()
-        want = full[0, :full[0].tolist().index(eos) + 1].tolist()
+        want = full[0, : full[0].tolist().index(eos) + 1].tolist()
         out, _ = speculative_generate(target, dr, ids, 40, steps, topk, ndt, eos_ids=eos, device_rounds=True)
         assert out[0].tolist() == want
 
@@ -391,6 +397,7 @@ def test_speculative_equals_greedy_oracle_draft():
 
 # ---------------------------------------------------------------- stopping
 
+
 def test_eos_and_max_new_tokens():
     model = perm_target()
     target, dr = runners(model, oracle_draft(model))
@@ -416,18 +423,20 @@ def test_greedy_run_ahead_equals_step_by_step_hf():
     model = perm_target()
     target, _ = runners(model, oracle_draft(model))
     ids = prompt()
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=29, do_sample=False,
-                         pad_token_id=0)[0, ids.shape[1]:].tolist()
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=29, do_sample=False, pad_token_id=0)[
+        0, ids.shape[1] :
+    ].tolist()
     assert len(ref) == 29
     for m in (1, gen_mod.RUN_AHEAD, gen_mod.RUN_AHEAD + 3, 29):
         assert greedy_generate(target, ids, m)[0].tolist() == ref[:m]
     stop = gen_mod.RUN_AHEAD + 4  # the eos is mid-queue
     eos = ref[stop - 1]
-    want = ref[:ref.index(eos) + 1]
+    want = ref[: ref.index(eos) + 1]
     assert greedy_generate(target, ids, 29, eos_ids=[eos])[0].tolist() == want
 
 
 # ---------------------------------------------------------------- lossless sampling
+
 
 def _sample_counts(target, dr, ids, n, vocab, seed, **kw):
     g = torch.Generator().manual_seed(seed)
@@ -449,8 +458,15 @@ def test_sampling_matches_target_distribution(monkeypatch):
     probabilities. t2 comes from depth-1 acceptance or the residual, t3 also from depth 2."""
     vocab, n = 16, 2500
     kw = dict(temperature=1.3, top_k=12, top_p=0.95)  # top-p leaves ~8 tokens: some drafts have p=0
-    model = tiny(LlamaForCausalLM, LlamaConfig, vocab_size=vocab, hidden_size=32,
-                 intermediate_size=64, num_attention_heads=4, num_key_value_heads=4)
+    model = tiny(
+        LlamaForCausalLM,
+        LlamaConfig,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.4)  # a spread of probabilities, not near-uniform
     # 12 of 16 tokens: the other 4 only ever come from the residual.
@@ -483,12 +499,14 @@ def test_sampling_matches_target_distribution(monkeypatch):
             else:
                 return path, int(torch.multinomial(probs[cur], 1, generator=generator))
             cur = path[-1]
+
     monkeypatch.setattr(gen_mod, "_accept_sample", lossy)
     c12, _, _ = _sample_counts(target, dr, ids, 600, vocab, seed=0, **kw)
     assert _chi2_p_value(c12, joint12.flatten()) < 1e-3
 
 
 # ---------------------------------------------------------------- compiled / graphed paths
+
 
 def _static_paths_match(device, configs=TREES, timing=True, **mode):
     model = perm_target()
@@ -497,8 +515,9 @@ def _static_paths_match(device, configs=TREES, timing=True, **mode):
     ids = prompt().to(device)
     eager_t, eager_d = runners(model, draft)
     fast_t = CachedTarget.from_hf(model, AUX, 160, **mode)
-    fast_d = DraftRunner(draft, model.get_input_embeddings(), 160,
-                         **{k: v for k, v in mode.items() if k != "query_pad"})
+    fast_d = DraftRunner(
+        draft, model.get_input_embeddings(), 160, **{k: v for k, v in mode.items() if k != "query_pad"}
+    )
     want = greedy_generate(eager_t, ids, 24)
     assert torch.equal(greedy_generate(fast_t, ids, 24), want)
     for steps, topk, ndt in configs:
@@ -527,8 +546,7 @@ def test_every_graphed_function_survives_its_capture(as_captured, device_rounds)
     ids = prompt()
     want, moved = greedy_generate(runners(model, draft)[0], ids, 24), 0
     for steps, topk, ndt in TREES:
-        out, stats = speculative_generate(target, runner, ids, 24, steps, topk, ndt,
-                                          device_rounds=device_rounds)
+        out, stats = speculative_generate(target, runner, ids, 24, steps, topk, ndt, device_rounds=device_rounds)
         assert torch.equal(out, want)
         assert_caches_consistent(model, target, runner, ids, out, stats)
         moved += stats.compactions
@@ -584,7 +602,8 @@ def test_exact_attention_ignores_where_the_context_sits():
     b = matmul_attention(q, k[:, :, perm], v[:, :, perm], scattered, 0.25, exact=True)
     assert torch.equal(a, b)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=seen, scale=0.25, enable_gqa=True)
+        q.float(), k.float(), v.float(), attn_mask=seen, scale=0.25, enable_gqa=True
+    )
     torch.testing.assert_close(a.float(), want, atol=1e-2, rtol=1e-2)
 
 
@@ -614,8 +633,14 @@ def test_bf16_padded_speculative_equals_plain_exactly():
     """In bf16 on a GPU a different matmul kernel per query count flips near-tied argmaxes.
     With every pass padded to the same width, speculative greedy output must equal plain
     greedy bit for bit (a random draft: every round's accepted path is the root, in place)."""
-    model = tiny(LlamaForCausalLM, LlamaConfig, hidden_size=256, intermediate_size=512,
-                 num_attention_heads=8, num_key_value_heads=2).to("cuda", torch.bfloat16)
+    model = tiny(
+        LlamaForCausalLM,
+        LlamaConfig,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ).to("cuda", torch.bfloat16)
     draft = random_draft(model).to("cuda", torch.bfloat16)
     mode = dict(cuda_graphs=True, compile=True, attention="exact")
     target = CachedTarget.from_hf(model, AUX, 200, query_pad=16, **mode)
@@ -671,7 +696,7 @@ def test_validation_chain_walk_equals_the_engines_chain_rounds(monkeypatch):
     # The walk's last round stops at the sequence's end, the engine's at the token budget;
     # every round before those is the same.
     assert abs(len(walked) - len(engine_rounds)) <= 1
-    assert walked[:-1] == engine_rounds[:len(walked) - 1]
+    assert walked[:-1] == engine_rounds[: len(walked) - 1]
     assert (counts.walk_rounds, counts.walk_accepted) == (len(walked), sum(walked))
     assert counts.metrics()["chain_tau"] == pytest.approx(stats.tau, abs=0.1)
 
@@ -698,8 +723,7 @@ def test_tree_selection_on_a_hand_worked_example():
             return hidden, torch.stack([log_probs(table[int(t)]) for t in tokens[0]])[None]
 
     draft = StubDraft()
-    target = SimpleNamespace(device=torch.device("cpu"), max_seq_len=32, cuda_graphs=False,
-                             batch_size=1, query_pad=0)
+    target = SimpleNamespace(device=torch.device("cpu"), max_seq_len=32, cuda_graphs=False, batch_size=1, query_pad=0)
     rnd = SpecRound(target, draft, steps=3, topk=2, num_draft_tokens=6)
     root_logits = log_probs({1: 0.6, 2: 0.3})[None]
     n = torch.tensor([4])

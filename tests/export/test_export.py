@@ -31,9 +31,16 @@ from tests.helpers import DEFAULT_IDS, DRAFT_VOCAB, VOCAB, run_draft, tiny_expor
 from tests.helpers import random_export_draft as make_draft
 
 LAYER_NAMES = [
-    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
 ]
 
 
@@ -50,11 +57,11 @@ def read_export(path):
 
 
 def no_leftovers(parent, name):
-    return not (parent / name).exists() and not any(p.name.startswith(f".{name}.")
-                                                      for p in parent.iterdir())
+    return not (parent / name).exists() and not any(p.name.startswith(f".{name}.") for p in parent.iterdir())
 
 
 # ---------------------------------------------------------------- round trip and file layout
+
 
 def test_sglang_round_trip_gives_identical_logits(tmp_path, target):
     draft = make_draft(target)
@@ -102,18 +109,18 @@ def test_sglang_file_layout(tmp_path, target):
     cfg, tensors = read_export(out)
     expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
     expected |= {f"midlayer.{n}" for n in LAYER_NAMES}
-    assert set(tensors) == expected                      # no embedding by default
+    assert set(tensors) == expected  # no embedding by default
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert torch.equal(tensors["d2t"], draft.d2t) and torch.equal(tensors["t2d"], draft.t2d)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == 1
-    assert cfg["vocab_size"] == VOCAB                    # TARGET vocab
+    assert cfg["vocab_size"] == VOCAB  # TARGET vocab
     assert cfg["draft_vocab_size"] == DRAFT_VOCAB
     assert cfg["target_hidden_size"] == 64
     assert cfg["tie_word_embeddings"] is False
     assert cfg["max_position_embeddings"] == 4096
-    assert cfg["eagle_config"] == {"use_aux_hidden_state": True}   # defaults: ids omitted
+    assert cfg["eagle_config"] == {"use_aux_hidden_state": True}  # defaults: ids omitted
     assert "eagle_aux_hidden_state_layer_ids" not in cfg
     # RoPE in the legacy spelling too, or transformers-4 engines fall back to 10000
     assert cfg["rope_theta"] == 500000.0 and cfg["rope_parameters"]["rope_theta"] == 500000.0
@@ -122,8 +129,9 @@ def test_sglang_file_layout(tmp_path, target):
 def test_sglang_embedding_only_on_request(tmp_path, target):
     draft = make_draft(target)
     emb = target.get_input_embeddings().weight
-    out = export_sglang(draft, tmp_path / "sgl", include_embedding=True, embedding=emb,
-                        trained_on_default_layers=True, dtype="keep")
+    out = export_sglang(
+        draft, tmp_path / "sgl", include_embedding=True, embedding=emb, trained_on_default_layers=True, dtype="keep"
+    )
     _, tensors = read_export(out)
     assert torch.equal(tensors["embed_tokens.weight"], emb.detach())
     loaded = load_sglang_export(out)
@@ -134,20 +142,23 @@ def test_sglang_embedding_only_on_request(tmp_path, target):
 
 def test_max_positions_never_below_target(tmp_path, target):
     draft = make_draft(target, max_position_embeddings=2048)
-    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True,
-                        target_config=target.config)
+    out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True, target_config=target.config)
     assert read_export(out)[0]["max_position_embeddings"] == 4096
 
 
 # ------------------------------------------------------------------- layer-id conventions
 
-@pytest.mark.parametrize("engine, ours, theirs", [
-    ("sglang", [1, 3, 4], [0, 2, 3]),
-    ("sglang", [2, 15, 27], [1, 14, 26]),     # 30-layer default, if it were written out
-    ("vllm", [1, 3, 4], [1, 3, 4]),
-    ("speculators", [1, 3, 4], [1, 3, 4]),
-    ("draftling", [1, 3, 4], [1, 3, 4]),
-])
+
+@pytest.mark.parametrize(
+    "engine, ours, theirs",
+    [
+        ("sglang", [1, 3, 4], [0, 2, 3]),
+        ("sglang", [2, 15, 27], [1, 14, 26]),  # 30-layer default, if it were written out
+        ("vllm", [1, 3, 4], [1, 3, 4]),
+        ("speculators", [1, 3, 4], [1, 3, 4]),
+        ("draftling", [1, 3, 4], [1, 3, 4]),
+    ],
+)
 def test_engine_layer_id_conventions(engine, ours, theirs):
     assert to_engine_aux_layer_ids(ours, engine) == theirs
     assert from_engine_aux_layer_ids(theirs, engine) == ours
@@ -155,7 +166,7 @@ def test_engine_layer_id_conventions(engine, ours, theirs):
 
 def test_layer_id_convention_edges():
     with pytest.raises(DraftlingError, match="sglang"):
-        to_engine_aux_layer_ids([0, 3, 4], "sglang")   # the embedding has no SGLang id
+        to_engine_aux_layer_ids([0, 3, 4], "sglang")  # the embedding has no SGLang id
     with pytest.raises(DraftlingError, match="unknown serving engine"):
         to_engine_aux_layer_ids([1, 3, 4], "trt")
     assert is_default_aux_layer_ids([2, 3, 3], 6) and is_default_aux_layer_ids([2, 15, 27])
@@ -166,13 +177,13 @@ def test_non_default_ids_per_engine_and_back(tmp_path, target):
     draft = make_draft(target, aux_ids=[1, 3, 4])
     sgl = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=False)
     cfg, _ = read_export(sgl)
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3],
-                                   "use_aux_hidden_state": True}
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]   # vLLM reads the top level
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3], "use_aux_hidden_state": True}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM reads the top level
     assert load_sglang_export(sgl).config.eagle_aux_hidden_state_layer_ids == [1, 3, 4]
 
-    spec = export_speculators(draft, tmp_path / "spec", verifier_name_or_path="org/target",
-                              verifier_architectures=["LlamaForCausalLM"])
+    spec = export_speculators(
+        draft, tmp_path / "spec", verifier_name_or_path="org/target", verifier_architectures=["LlamaForCausalLM"]
+    )
     assert read_export(spec)[0]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
 
 
@@ -189,8 +200,7 @@ def test_loader_translates_foreign_configs(tmp_path, target):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DraftlingError, match="target_num_layers"):
         load_sglang_export(out)
-    assert load_sglang_export(out, target_num_layers=30).config.eagle_aux_hidden_state_layer_ids \
-        == [2, 15, 27]
+    assert load_sglang_export(out, target_num_layers=30).config.eagle_aux_hidden_state_layer_ids == [2, 15, 27]
     # an off-by-one between the two spellings is refused, not guessed
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]
     cfg["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]
@@ -213,27 +223,29 @@ def test_default_claim_is_checked(tmp_path, target):
 
 # ------------------------------------------------------------------------------ refusals
 
+
 def test_zeroed_d2t_refused(tmp_path, target):
     draft = make_draft(target)
     draft.d2t.zero_()
     with pytest.raises(DraftlingError, match="d2t is all zeros"):
         export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
     with pytest.raises(DraftlingError, match="d2t is all zeros"):
-        export_speculators(draft, tmp_path / "spec", verifier_name_or_path="t",
-                           verifier_architectures=["LlamaForCausalLM"])
+        export_speculators(
+            draft, tmp_path / "spec", verifier_name_or_path="t", verifier_architectures=["LlamaForCausalLM"]
+        )
     assert no_leftovers(tmp_path, "sgl") and no_leftovers(tmp_path, "spec")
 
 
 def test_wrong_t2d_count_refused(tmp_path, target):
     draft = make_draft(target)
-    draft.t2d[(~draft.t2d).nonzero()[0]] = True          # one token too many
+    draft.t2d[(~draft.t2d).nonzero()[0]] = True  # one token too many
     with pytest.raises(DraftlingError, match="t2d marks 65"):
         export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
     assert no_leftovers(tmp_path, "sgl")
 
 
 def test_mismatched_vocab_maps_refused():
-    d2t = torch.arange(4) * 2 - torch.arange(4)           # -> targets 0, 2, 4, 6
+    d2t = torch.arange(4) * 2 - torch.arange(4)  # -> targets 0, 2, 4, 6
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[[0, 2, 4, 7]] = True
     with pytest.raises(DraftlingError, match="disagree"):
@@ -271,10 +283,16 @@ def test_loader_refuses_zeroed_d2t(tmp_path, target):
 
 # ---------------------------------------------------------------------------- speculators
 
+
 def test_speculators_layout(tmp_path, target):
     draft = make_draft(target)
-    out = export_speculators(draft, tmp_path / "spec", verifier_name_or_path="org/target",
-                             verifier_architectures=["LlamaForCausalLM"], speculative_tokens=5)
+    out = export_speculators(
+        draft,
+        tmp_path / "spec",
+        verifier_name_or_path="org/target",
+        verifier_architectures=["LlamaForCausalLM"],
+        speculative_tokens=5,
+    )
     cfg, tensors = read_export(out)
     assert cfg["architectures"] == ["Eagle3Speculator"]
     assert cfg["speculators_model_type"] == "eagle3"
@@ -287,7 +305,7 @@ def test_speculators_layout(tmp_path, target):
     assert cfg["draft_vocab_size"] == DRAFT_VOCAB
     assert cfg["norm_before_residual"] is False and NORM_BEFORE_RESIDUAL is False
     assert cfg["target_hidden_size"] == 64
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == DEFAULT_IDS   # always explicit for vLLM
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == DEFAULT_IDS  # always explicit for vLLM
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
     assert layer["vocab_size"] == VOCAB and layer["hidden_size"] == 64
@@ -297,20 +315,25 @@ def test_speculators_layout(tmp_path, target):
     expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
     expected |= {f"layers.0.{n}" for n in LAYER_NAMES}
     assert set(tensors) == expected
-    assert torch.equal(tensors["layers.0.hidden_norm.weight"],
-                       draft.midlayer.hidden_norm.weight.detach().to(torch.bfloat16))
+    assert torch.equal(
+        tensors["layers.0.hidden_norm.weight"], draft.midlayer.hidden_norm.weight.detach().to(torch.bfloat16)
+    )
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
 
 
 def test_speculators_output_loads_back_through_the_same_names(tmp_path, target):
     # layers.0.* is accepted by the loader too (vLLM maps midlayer. -> layers.0.)
     draft = make_draft(target)
-    out = export_speculators(draft, tmp_path / "spec", verifier_name_or_path="t",
-                             verifier_architectures=["LlamaForCausalLM"], dtype="keep")
+    out = export_speculators(
+        draft, tmp_path / "spec", verifier_name_or_path="t", verifier_architectures=["LlamaForCausalLM"], dtype="keep"
+    )
     cfg, tensors = read_export(out)
-    sgl_cfg = {**cfg["transformer_layer_config"], "draft_vocab_size": cfg["draft_vocab_size"],
-               "target_hidden_size": cfg["target_hidden_size"],
-               "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"]}
+    sgl_cfg = {
+        **cfg["transformer_layer_config"],
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "target_hidden_size": cfg["target_hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
+    }
     (out / "config.json").write_text(json.dumps(sgl_cfg))
     loaded = load_sglang_export(out)
     ids = torch.randint(0, VOCAB, (1, 9))
@@ -320,12 +343,12 @@ def test_speculators_output_loads_back_through_the_same_names(tmp_path, target):
 def test_speculators_requires_verifier(tmp_path, target):
     draft = make_draft(target)
     with pytest.raises(DraftlingError, match="verifier_architectures"):
-        export_speculators(draft, tmp_path / "spec", verifier_name_or_path="t",
-                           verifier_architectures=[])
+        export_speculators(draft, tmp_path / "spec", verifier_name_or_path="t", verifier_architectures=[])
     assert no_leftovers(tmp_path, "spec")
 
 
 # ------------------------------------------- what speculators 0.9.0 found in the metadata
+
 
 def save_draft_dir(path, draft):
     path.mkdir(parents=True)
@@ -342,11 +365,11 @@ def as_target(model, name, spec=None):
 def test_verifier_architectures_when_the_config_has_none(tmp_path, target):
     # A model loaded from a GGUF file has config.architectures = None (so has a fresh one).
     target.config.architectures = None
-    assert verifier_architectures(target) == ["LlamaForCausalLM"]          # from the class
+    assert verifier_architectures(target) == ["LlamaForCausalLM"]  # from the class
     base = types.SimpleNamespace(config=types.SimpleNamespace(architectures=None, model_type="llama"))
-    assert verifier_architectures(base) == ["LlamaForCausalLM"]            # from model_type
+    assert verifier_architectures(base) == ["LlamaForCausalLM"]  # from model_type
     named = types.SimpleNamespace(config=types.SimpleNamespace(architectures=["MyForCausalLM"]))
-    assert verifier_architectures(named) == ["MyForCausalLM"]               # the config wins
+    assert verifier_architectures(named) == ["MyForCausalLM"]  # the config wins
     odd = types.SimpleNamespace(config=types.SimpleNamespace(architectures=[], model_type="nope"))
     with pytest.raises(DraftlingError, match="architecture"):
         verifier_architectures(odd)
@@ -360,7 +383,7 @@ def test_verifier_architectures_when_the_config_has_none(tmp_path, target):
 def test_verifier_is_a_hub_id_never_a_local_path(tmp_path, target, monkeypatch):
     gguf = TargetSpec(DEFAULT_TARGET, str(tmp_path), str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert verifier_hub_id(gguf) == DEFAULT_TARGET_HUB_ID == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert verifier_hub_id(TargetSpec("org/name", "org/name")) == "org/name"      # a hub id, as is
+    assert verifier_hub_id(TargetSpec("org/name", "org/name")) == "org/name"  # a hub id, as is
     assert verifier_hub_id(TargetSpec("org/name", "org/name"), "other/id") == "other/id"
     cached = tmp_path / "hub" / "models--Org--Some-Model" / "snapshots" / "0123abc"
     cached.mkdir(parents=True)
@@ -370,15 +393,17 @@ def test_verifier_is_a_hub_id_never_a_local_path(tmp_path, target, monkeypatch):
     local.mkdir(parents=True)
     (local / "config.json").write_text(json.dumps({"_name_or_path": "org/base"}))
     monkeypatch.chdir(tmp_path)
-    for spec in (TargetSpec(str(local), str(local)),                         # absolute
-                 TargetSpec("models/mine", "models/mine"),                   # relative, looks like org/name
-                 TargetSpec("x.gguf", str(tmp_path), str(tmp_path / "x.gguf")),
-                 TargetSpec("in-memory", "in-memory")):
+    for spec in (
+        TargetSpec(str(local), str(local)),  # absolute
+        TargetSpec("models/mine", "models/mine"),  # relative, looks like org/name
+        TargetSpec("x.gguf", str(tmp_path), str(tmp_path / "x.gguf")),
+        TargetSpec("in-memory", "in-memory"),
+    ):
         with pytest.raises(DraftlingError, match="pass --verifier-id") as e:
             verifier_hub_id(spec)
         assert "\n" not in str(e.value)
     with pytest.raises(DraftlingError, match="--verifier-id org/base if it is that model"):
-        verifier_hub_id(TargetSpec(str(local), str(local)))                  # a hint, not a guess
+        verifier_hub_id(TargetSpec(str(local), str(local)))  # a hint, not a guess
     assert verifier_hub_id(TargetSpec(str(local), str(local)), "org/mine") == "org/mine"
     for bad in (str(local), "models/mine", "./x", "~/x", "a/b/c", "org--x/y"):
         with pytest.raises(DraftlingError, match="--verifier-id"):
@@ -389,10 +414,19 @@ def test_verifier_is_a_hub_id_never_a_local_path(tmp_path, target, monkeypatch):
     out = export_draft(draft_dir, tmp_path / "spec", "speculators", target=as_target(target, "t", gguf))
     assert read_export(out)[0]["speculators_config"]["verifier"]["name_or_path"] == DEFAULT_TARGET_HUB_ID
     with pytest.raises(DraftlingError, match="pass --verifier-id"):
-        export_draft(draft_dir, tmp_path / "spec2", "speculators",
-                     target=as_target(target, "t", TargetSpec(str(local), str(local))))
-    out = export_draft(draft_dir, tmp_path / "spec3", "speculators", verifier_id="org/mine",
-                       target=as_target(target, "t", TargetSpec(str(local), str(local))))
+        export_draft(
+            draft_dir,
+            tmp_path / "spec2",
+            "speculators",
+            target=as_target(target, "t", TargetSpec(str(local), str(local))),
+        )
+    out = export_draft(
+        draft_dir,
+        tmp_path / "spec3",
+        "speculators",
+        verifier_id="org/mine",
+        target=as_target(target, "t", TargetSpec(str(local), str(local))),
+    )
     assert read_export(out)[0]["speculators_config"]["verifier"]["name_or_path"] == "org/mine"
     assert no_leftovers(tmp_path, "spec2")
 
@@ -410,7 +444,7 @@ def test_export_cli_speculators_needs_target_and_a_hub_id(tmp_path, target, caps
     assert main([*base, "--format", "speculators", "--target", str(local)]) == 2
     err = capsys.readouterr().err.strip()
     assert "pass --verifier-id" in err and len(err.splitlines()) == 1
-    assert main([*base, "--verifier-id", "org/x"]) == 2                        # sglang has no verifier
+    assert main([*base, "--verifier-id", "org/x"]) == 2  # sglang has no verifier
     assert "--format speculators only" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -429,16 +463,21 @@ def test_sglang_export_warns_about_non_default_layers(tmp_path, target, caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="draftling.export.cli"):
         export_draft(custom_dir, tmp_path / "c", "speculators", target=as_target(target, "org/tiny"))
-    assert not caplog.records                                                  # ids are read there
+    assert not caplog.records  # ids are read there
 
 
 @pytest.mark.parametrize("dtype, name", [("bfloat16", "bfloat16"), ("keep", "float32")])
 def test_speculators_layer_config_has_dtype(tmp_path, target, dtype, name):
-    out = export_speculators(make_draft(target), tmp_path / "spec", verifier_name_or_path="org/t",
-                             verifier_architectures=["LlamaForCausalLM"], dtype=dtype)
+    out = export_speculators(
+        make_draft(target),
+        tmp_path / "spec",
+        verifier_name_or_path="org/t",
+        verifier_architectures=["LlamaForCausalLM"],
+        dtype=dtype,
+    )
     cfg, tensors = read_export(out)
     assert tensors["fc.weight"].dtype == getattr(torch, name)
-    assert cfg["torch_dtype"] == name                                         # the top-level one stays
+    assert cfg["torch_dtype"] == name  # the top-level one stays
     layer = cfg["transformer_layer_config"]
     assert layer["dtype"] == name and layer["torch_dtype"] == name
     assert LlamaConfig(**layer).dtype == getattr(torch, name)
@@ -446,7 +485,7 @@ def test_speculators_layer_config_has_dtype(tmp_path, target, dtype, name):
 
 def test_every_draft_load_checks_the_vocab_maps(tmp_path, target):
     draft = make_draft(target)
-    draft.d2t.zero_()                       # t2d still marks the real draft vocab
+    draft.d2t.zero_()  # t2d still marks the real draft vocab
     draft_dir = save_draft_dir(tmp_path / "zeroed", draft)
     for load in (load_draft, lambda p: load_any_draft(p, "cpu", torch.float32)):
         with pytest.raises(DraftlingError, match="d2t is all zeros") as e:
@@ -472,8 +511,7 @@ def test_every_draft_load_checks_the_vocab_maps(tmp_path, target):
 
     # What the checks accept: real maps, and a zero d2t whose draft vocab IS ids 0..N-1
     # (build_vocab pads with the lowest unused ids, so small data can give exactly that).
-    assert torch.equal(load_draft(save_draft_dir(tmp_path / "ok", make_draft(target))).d2t,
-                       make_draft(target).d2t)
+    assert torch.equal(load_draft(save_draft_dir(tmp_path / "ok", make_draft(target))).d2t, make_draft(target).d2t)
     prefix = make_draft(target)
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[:DRAFT_VOCAB] = True
@@ -491,8 +529,14 @@ def test_check_accepts_a_fitting_export_and_names_every_mismatch(tmp_path):
     from draftling.target.fingerprint import fingerprint
 
     torch.manual_seed(0)
-    target_cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                             num_attention_heads=4, num_key_value_heads=2)
+    target_cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     draft = Eagle3Draft(draft_config_from_target(target_cfg, 300, [2, 3, 3]))
     draft.set_vocab(torch.zeros(300, dtype=torch.long), torch.ones(300, dtype=torch.bool))
     out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True, dtype="keep")
@@ -551,8 +595,12 @@ def test_check_fails_on_a_changed_rope(tmp_path, tiny_target_dir, capsys):
     assert recorded["rope"]["rope_theta"] is not None  # read from rope_parameters under transformers 5
     assert main(["check", str(export), "--target", str(tiny_target_dir)]) == 0
     capsys.readouterr()
-    for i, rope in enumerate([{"rope_type": "linear", "factor": 2.0, "rope_theta": recorded["rope"]["rope_theta"]},
-                              {"rope_type": "default", "rope_theta": 1234.0}]):
+    for i, rope in enumerate(
+        [
+            {"rope_type": "linear", "factor": 2.0, "rope_theta": recorded["rope"]["rope_theta"]},
+            {"rope_type": "default", "rope_theta": 1234.0},
+        ]
+    ):
         scaled = _changed_target(tmp_path, tiny_target_dir, f"rope{i}", {"rope_parameters": rope, "rope_scaling": rope})
         assert main(["check", str(export), "--target", str(scaled)]) == 2
         err = capsys.readouterr().err.strip()

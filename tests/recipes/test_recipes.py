@@ -97,10 +97,24 @@ def test_fitted_schedule_in_a_run_keeps_the_ceiling_and_checkpoints_its_length(t
     from tests.conftest import setup_data
 
     setup_data(tmp_path)
-    over = ["train.max_steps=14", "train.batch_size=4", "train.ttt_steps=2", "train.ckpt_every=7",
-            "train.warmup_steps=2", "train.max_minutes=30", "train.fit_schedule=true", "train.log_every=7"]
-    result = train(load_config(None, over), tiny_target, tmp_path / "run", tmp_path / "train.jsonl",
-                   tmp_path / "val.jsonl", tmp_path / "vocab.safetensors")
+    over = [
+        "train.max_steps=14",
+        "train.batch_size=4",
+        "train.ttt_steps=2",
+        "train.ckpt_every=7",
+        "train.warmup_steps=2",
+        "train.max_minutes=30",
+        "train.fit_schedule=true",
+        "train.log_every=7",
+    ]
+    result = train(
+        load_config(None, over),
+        tiny_target,
+        tmp_path / "run",
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+    )
     assert result["steps"] == result["steps_ceiling"] == 14  # 30 minutes fit far more than 14 steps
     metas = [json.loads((c / "meta.json").read_text()) for c in list_checkpoints(tmp_path / "run")]
     assert [m["total_steps"] for m in metas] == [14, 14]
@@ -127,12 +141,21 @@ def test_regeneration_within_a_deadline_runs_random_rounds_until_the_time_is_spe
 
     report = {}
     convs = _convs(40)
-    out = list(regen_mod.regenerate_within(fake_regen, convs, batch_size=4, deadline=9.0, seed=0,
-                                           report=report, round_batches=2))
+    out = list(
+        regen_mod.regenerate_within(
+            fake_regen, convs, batch_size=4, deadline=9.0, seed=0, report=report, round_batches=2
+        )
+    )
     # Rounds of 8 end at 4 s and 8 s; a third would need its first batch (2 s) past 9 s.
     assert [len(c) for c, _ in calls] == [8, 8] and all(d == 9.0 for _, d in calls)
-    assert report == {"available": 40, "regenerated": 16, "skipped_long": 0, "seconds": 8.0,
-                      "rate_prompts_s": 2.0, "stopped_by_budget": True}
+    assert report == {
+        "available": 40,
+        "regenerated": 16,
+        "skipped_long": 0,
+        "seconds": 8.0,
+        "rate_prompts_s": 2.0,
+        "stopped_by_budget": True,
+    }
     ids = [r["id"] for r in out]
     assert len(set(ids)) == 16 and set(ids) <= {c.id for c in convs}
     # A random sample, not the head of the list (which the caller may have sorted).
@@ -159,8 +182,9 @@ def test_regenerate_starts_no_batch_past_its_deadline(tiny_target_dir):
 def test_step_probe_times_a_real_step_and_leaves_the_rng_alone(tiny_target):
     from draftling.train.probe import measure_step_seconds
 
-    cfg = load_config(None, ["train.batch_size=2", "train.ttt_steps=2", "vocab.size=64",
-                             "data.keep_teacher_states=true"])
+    cfg = load_config(
+        None, ["train.batch_size=2", "train.ttt_steps=2", "vocab.size=64", "data.keep_teacher_states=true"]
+    )
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
@@ -184,8 +208,9 @@ def test_every_shipped_profile_loads():
     # A typo in a profile would surface only on a GPU call or a user's first run.
     from importlib import resources
 
-    names = sorted(p.name[:-5] for p in (resources.files("draftling") / "configs").iterdir()
-                   if p.name.endswith(".yaml"))
+    names = sorted(
+        p.name[:-5] for p in (resources.files("draftling") / "configs").iterdir() if p.name.endswith(".yaml")
+    )
     # Only what a user can run ships: the lab's GPU recipe (lab/configs) reads the development corpus.
     assert set(names) == {"default", "quickstart_cpu"}
     configs = {n: load_config(n) for n in names}

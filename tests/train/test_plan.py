@@ -34,10 +34,17 @@ def est(shape=SHAPE, batch=B, seq=T, steps=S, **changes):
 
 # --- parameter counts are exact ------------------------------------------------------------
 
+
 def test_draft_param_count_matches_eagle3draft():
-    cfg = LlamaConfig(vocab_size=SHAPE.vocab, hidden_size=SHAPE.hidden, intermediate_size=SHAPE.intermediate,
-                      num_attention_heads=SHAPE.heads, num_key_value_heads=SHAPE.kv_heads, head_dim=SHAPE.head_dim,
-                      num_hidden_layers=6)
+    cfg = LlamaConfig(
+        vocab_size=SHAPE.vocab,
+        hidden_size=SHAPE.hidden,
+        intermediate_size=SHAPE.intermediate,
+        num_attention_heads=SHAPE.heads,
+        num_key_value_heads=SHAPE.kv_heads,
+        head_dim=SHAPE.head_dim,
+        num_hidden_layers=6,
+    )
     draft = Eagle3Draft(draft_config_from_target(cfg, SHAPE.draft_vocab, [2, 3, 4]))
     real = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     assert DraftShape.from_config(cfg, SHAPE.draft_vocab) == SHAPE
@@ -45,21 +52,77 @@ def test_draft_param_count_matches_eagle3draft():
     assert est()["num_params"] == real
 
 
-@pytest.mark.parametrize("build", [
-    lambda: LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-    lambda: LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, tie_word_embeddings=True)),
-    lambda: Qwen2ForCausalLM(Qwen2Config(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)),  # q/k/v biases
-    lambda: MixtralForCausalLM(MixtralConfig(vocab_size=500, hidden_size=64, intermediate_size=48,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             num_local_experts=4, num_experts_per_tok=2)),
-    lambda: Qwen3ForCausalLM(Qwen3Config(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)),  # q/k norms
-    lambda: LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, attention_bias=True, mlp_bias=True)),
-], ids=["llama", "llama-tied", "qwen2-bias", "mixtral-moe", "qwen3", "llama-biases"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=500,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=False,
+            )
+        ),
+        lambda: LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=500,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                tie_word_embeddings=True,
+            )
+        ),
+        lambda: Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=500,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        ),  # q/k/v biases
+        lambda: MixtralForCausalLM(
+            MixtralConfig(
+                vocab_size=500,
+                hidden_size=64,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+            )
+        ),
+        lambda: Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=500,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+            )
+        ),  # q/k norms
+        lambda: LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=500,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                attention_bias=True,
+                mlp_bias=True,
+            )
+        ),
+    ],
+    ids=["llama", "llama-tied", "qwen2-bias", "mixtral-moe", "qwen3", "llama-biases"],
+)
 def test_teacher_param_count_matches_hf_model(build):
     torch.manual_seed(0)
     model = build()
@@ -67,20 +130,29 @@ def test_teacher_param_count_matches_hf_model(build):
 
 
 def test_teacher_weight_bytes_by_dtype_and_quantization():
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        tie_word_embeddings=False,
+    )
     counts = target_param_counts(cfg)
     n = sum(counts.values())
     assert teacher_weight_bytes(cfg, "bfloat16") == 2 * n
     assert teacher_weight_bytes(cfg, "float32") == 4 * n
     # 4-bit: the decoder weights at 4.5 bits, embedding and head stay in the compute dtype.
     four = teacher_weight_bytes(cfg, "bfloat16", quantization="bnb-4bit")
-    assert four == int(counts["layers"] * 4.5 / 8 + 2 * (counts["embedding"] + counts["lm_head"] + counts["final_norm"]))
+    assert four == int(
+        counts["layers"] * 4.5 / 8 + 2 * (counts["embedding"] + counts["lm_head"] + counts["final_norm"])
+    )
     assert teacher_weight_bytes(cfg, "bfloat16", bits=4.5) == four
     assert four < teacher_weight_bytes(cfg, "bfloat16", quantization="bnb-8bit") < 2 * n
 
 
 # --- each option moves the terms it should ------------------------------------------------
+
 
 def test_optimizer_offload_moves_the_state_to_the_host():
     P = SHAPE.num_params()
@@ -106,8 +178,9 @@ def test_embedding_on_host_removes_the_table_unless_the_teacher_holds_it():
     on_host, on_device = est(embedding_on_host=True), est(embedding_on_host=False)
     assert on_host["embedding"] == 0 and on_host["host"]["embedding"] == SHAPE.vocab * SHAPE.hidden * 2
     assert on_device["embedding"] == SHAPE.vocab * SHAPE.hidden * 2
-    shared = estimate_train_memory(SHAPE, B, T, S, dataclasses.replace(MemoryOptions(), embedding_on_host=False),
-                                   embedding_in_teacher=True)
+    shared = estimate_train_memory(
+        SHAPE, B, T, S, dataclasses.replace(MemoryOptions(), embedding_on_host=False), embedding_in_teacher=True
+    )
     assert shared["embedding"] == 0
 
 
@@ -135,6 +208,7 @@ def test_grad_checkpoint_keeps_only_step_inputs():
 def test_flex_avoids_the_quadratic_scores_of_sdpa():
     def extra(attention, seq):
         return est(attention=attention, seq=seq)["total"]
+
     flex_growth = extra("flex", 2 * T) / extra("flex", T)
     sdpa_growth = extra("sdpa", 2 * T) / extra("sdpa", T)
     assert extra("sdpa", T) > extra("flex", T)
@@ -148,8 +222,9 @@ def test_compile_shrinks_the_loss_chunk():
 
 def test_fsdp_wrapper_costs_memory_at_world_size_one():
     """For a param-heavy draft the fp32 grad reduce of the wrapper sets the peak."""
-    big = DraftShape(hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128, vocab=155136,
-                     draft_vocab=32000)
+    big = DraftShape(
+        hidden=5120, intermediate=27648, heads=64, kv_heads=8, head_dim=128, vocab=155136, draft_vocab=32000
+    )
     plain, fsdp = est(shape=big, batch=1, seq=2048, steps=7), est(shape=big, batch=1, seq=2048, steps=7, fsdp=True)
     assert "fsdp_reduce" in fsdp["phases"] and "fsdp_reduce" not in plain["phases"]
     assert fsdp["total"] > plain["total"] and fsdp["peak_phase"] == "fsdp_reduce"
@@ -158,16 +233,28 @@ def test_fsdp_wrapper_costs_memory_at_world_size_one():
 
 def test_teacher_outputs_and_weights_are_counted():
     tok = B * T
-    outputs = tok * (3 * SHAPE.hidden * 2 + 2 * SHAPE.draft_vocab + 17)  # aux and logits bf16 (the teacher dtype), argmaxes
+    outputs = tok * (
+        3 * SHAPE.hidden * 2 + 2 * SHAPE.draft_vocab + 17
+    )  # aux and logits bf16 (the teacher dtype), argmaxes
     offline = estimate_train_memory(SHAPE, B, T, S, MemoryOptions(), teacher_weight_bytes=10 * GIB)
     assert offline["teacher_outputs"] == outputs and "teacher_forward" not in offline["phases"]
-    e = estimate_train_memory(SHAPE, B, T, S, MemoryOptions(), teacher_weight_bytes=10 * GIB,
-                              teacher_forward_bytes=GIB)
+    e = estimate_train_memory(SHAPE, B, T, S, MemoryOptions(), teacher_weight_bytes=10 * GIB, teacher_forward_bytes=GIB)
     assert e["teacher_weights"] == 10 * GIB
     assert e["phases"]["teacher_forward"] == e["draft_params"] + 10 * GIB + GIB + outputs
     assert e["total"] == max(e["phases"].values())
-    assert e["total"] == sum(e[k] for k in ("draft_params", "draft_grads", "optimizer_state", "embedding",
-                                            "teacher_weights", "teacher_outputs", "activations", "transient"))
+    assert e["total"] == sum(
+        e[k]
+        for k in (
+            "draft_params",
+            "draft_grads",
+            "optimizer_state",
+            "embedding",
+            "teacher_weights",
+            "teacher_outputs",
+            "activations",
+            "transient",
+        )
+    )
 
 
 def test_peak_grows_with_sequence_length():
@@ -187,14 +274,16 @@ def test_parse_size():
 
 # --- the estimate against what autograd actually keeps (CPU, eager SDPA, fp32) --------------
 
+
 def _profiled(fn):
     """(bytes alive at the end, peak bytes) of CPU allocations made inside fn."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     now = peak = 0
     for e in events:
         now += e.nbytes()
@@ -208,30 +297,49 @@ def test_estimate_tracks_what_the_unroll_keeps(ckpt, chunk, one_thread):
     of forward + backward within 30%, measured with the profiler's allocation events."""
     shape = DraftShape(hidden=256, intermediate=768, heads=4, kv_heads=2, head_dim=64, vocab=2000, draft_vocab=1024)
     b, t, steps = 2, 128, 4
-    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                      num_hidden_layers=6, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                      head_dim=shape.head_dim)
+    cfg = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=6,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+    )
     torch.manual_seed(0)
     draft = Eagle3Draft(draft_config_from_target(cfg, shape.draft_vocab, [2, 3, 4]))
     t2d = torch.zeros(shape.vocab, dtype=torch.bool)
-    t2d[:shape.draft_vocab] = True
+    t2d[: shape.draft_vocab] = True
     draft.set_vocab(torch.zeros(shape.draft_vocab, dtype=torch.long), t2d)
     embed = torch.nn.Embedding(shape.vocab, shape.hidden).requires_grad_(False)
-    teacher = TeacherBatch(torch.randn(b, t, 3 * shape.hidden), torch.randn(b, t, shape.draft_vocab),
-                           torch.zeros(b, t, dtype=torch.long), torch.ones(b, t, dtype=torch.bool))
+    teacher = TeacherBatch(
+        torch.randn(b, t, 3 * shape.hidden),
+        torch.randn(b, t, shape.draft_vocab),
+        torch.zeros(b, t, dtype=torch.long),
+        torch.ones(b, t, dtype=torch.bool),
+    )
     ids = torch.randint(0, shape.vocab, (b, t))
     ones = torch.ones_like(ids)
     out = {}
 
     def forward():
-        out["loss"], _ = ttt_unroll(draft, embed, teacher, ids, ones, ones, steps, grad_checkpoint=ckpt,
-                                    loss_chunk_tokens=chunk)
+        out["loss"], _ = ttt_unroll(
+            draft, embed, teacher, ids, ones, ones, steps, grad_checkpoint=ckpt, loss_chunk_tokens=chunk
+        )
 
     saved, fwd_peak = _profiled(forward)
     _, bwd_peak = _profiled(lambda: out["loss"].backward())
     measured_peak = max(fwd_peak, saved + bwd_peak)
-    opts = MemoryOptions(embedding_on_host=False, loss_chunk_tokens=chunk, grad_checkpoint=ckpt, attention="sdpa",
-                         compile=False, compile_layer=False, draft_dtype="float32", embed_dtype="float32")
+    opts = MemoryOptions(
+        embedding_on_host=False,
+        loss_chunk_tokens=chunk,
+        grad_checkpoint=ckpt,
+        attention="sdpa",
+        compile=False,
+        compile_layer=False,
+        draft_dtype="float32",
+        embed_dtype="float32",
+    )
     e = estimate_train_memory(shape, b, t, steps, opts, embedding_in_teacher=True)
     # Measured from the start of the step: params and the teacher's outputs were there before
     # (the unroll's own argmax of the teacher logits, 8 bytes/token, is new).
@@ -241,6 +349,7 @@ def test_estimate_tracks_what_the_unroll_keeps(ckpt, chunk, one_thread):
 
 
 # --- `draftling plan` ------------------------------------------------------------------------
+
 
 def _plan(argv):
     parser = argparse.ArgumentParser(prog="draftling")
@@ -252,26 +361,64 @@ def _plan(argv):
 @pytest.fixture
 def llama_config_dir(tmp_path):
     """A Llama config.json alone (no weights, no tokenizer): all `draftling plan` reads."""
-    LlamaConfig(vocab_size=3000, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=3000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path)
     return str(tmp_path)
 
 
 def test_plan_cli_fits_and_exits_zero(llama_config_dir, capsys):
-    rc = _plan(["--target", llama_config_dir, "--gpu-mem", "4GiB", "--seq", "128", "--batch-size", "2",
-                "vocab.size=512", "dtype=bfloat16"])
+    rc = _plan(
+        [
+            "--target",
+            llama_config_dir,
+            "--gpu-mem",
+            "4GiB",
+            "--seq",
+            "128",
+            "--batch-size",
+            "2",
+            "vocab.size=512",
+            "dtype=bfloat16",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "fits:" in out and "does NOT fit" not in out
-    for row in ("teacher weights", "draft params", "draft grads", "optimizer state", "activations", "total",
-                "headroom"):
+    for row in (
+        "teacher weights",
+        "draft params",
+        "draft grads",
+        "optimizer state",
+        "activations",
+        "total",
+        "headroom",
+    ):
         assert row in out
     assert "largest batch size that fits at seq 128:" in out
 
 
 def test_plan_cli_does_not_fit_and_exits_one(llama_config_dir, capsys):
-    rc = _plan(["--target", llama_config_dir, "--gpu-mem", "600MiB", "--seq", "2048", "--batch-size", "64",
-                "vocab.size=512", "dtype=bfloat16"])
+    rc = _plan(
+        [
+            "--target",
+            llama_config_dir,
+            "--gpu-mem",
+            "600MiB",
+            "--seq",
+            "2048",
+            "--batch-size",
+            "64",
+            "vocab.size=512",
+            "dtype=bfloat16",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 1
     assert "does NOT fit" in out and "short by" in out
@@ -291,9 +438,9 @@ def test_plan_cli_options_follow_overrides(llama_config_dir, capsys):
 def test_plan_follows_the_auto_memory_policy(llama_config_dir, capsys):
     """memory_policy=auto trains without recompute when that fits; the plan estimates what the
     trainer will run, not the configured fallback."""
+
     def base(mem):
-        return ["--target", llama_config_dir, "--seq", "256", "--batch-size", "2", "--gpu-mem", mem,
-                "vocab.size=512"]
+        return ["--target", llama_config_dir, "--seq", "256", "--batch-size", "2", "--gpu-mem", mem, "vocab.size=512"]
 
     _plan(base("80GiB"))
     roomy = capsys.readouterr().out
@@ -319,8 +466,20 @@ def test_plan_is_wired_into_the_cli(llama_config_dir, capsys):
 
     if "plan" not in cli.COMMANDS:
         pytest.skip("`plan` is not wired into draftling.cli yet")
-    rc = cli.main(["plan", "--target", llama_config_dir, "--gpu-mem", "600MiB", "--seq", "2048",
-                   "--batch-size", "64", "vocab.size=512"])
+    rc = cli.main(
+        [
+            "plan",
+            "--target",
+            llama_config_dir,
+            "--gpu-mem",
+            "600MiB",
+            "--seq",
+            "2048",
+            "--batch-size",
+            "64",
+            "vocab.size=512",
+        ]
+    )
     assert rc == 1 and "does NOT fit" in capsys.readouterr().out
 
 
@@ -334,8 +493,15 @@ def test_a_window_bounds_the_sdpa_attention_estimate_and_the_draft_width_counts(
     from draftling.train.memory_fit import plan_run
 
     cfg = load_config(None, ["draft.intermediate_size=4096", "draft.window=512", "vocab.size=1000"])
-    target = LlamaConfig(vocab_size=4000, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=64, num_hidden_layers=8)
+    target = LlamaConfig(
+        vocab_size=4000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=8,
+    )
     wide = plan_run(cfg, target, 80 * GIB, seq=2048, batch=4)
     narrow = plan_run(load_config(None, ["draft.window=512", "vocab.size=1000"]), target, 80 * GIB, seq=2048, batch=4)
     assert wide["shape"].intermediate == 4096 and wide["shape"].window == 512

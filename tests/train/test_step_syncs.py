@@ -43,8 +43,15 @@ def tiny_run(target, rows, **train):
     vocab = build_vocab(counts, 48, "t")  # leaves some target argmaxes out: spare loss rows
     tc = TrainConfig(**{"ttt_steps": 3, "batch_size": 4, "warmup_steps": 1, "log_every": 100, **train})
     torch.manual_seed(0)
-    return build_run(RunConfig(train=tc), target, RunInputs(rows, [], vocab, None, None), None, None,
-                     DistContext(), say=lambda line: None)
+    return build_run(
+        RunConfig(train=tc),
+        target,
+        RunInputs(rows, [], vocab, None, None),
+        None,
+        None,
+        DistContext(),
+        say=lambda line: None,
+    )
 
 
 @pytest.mark.parametrize("cache_gb", [0, 1], ids=["online", "teacher-cache"])
@@ -52,14 +59,20 @@ def test_padding_to_a_multiple_trains_the_same_weights(tmp_path, tiny_target, on
     setup_data(tmp_path)  # rows of 18-20 tokens: padded to 32 (online) or 21 (cached outputs padded after)
     pads = (1, 16 if cache_gb == 0 else 7)
     for pad in pads:
-        run(tmp_path, tiny_target, f"pad{pad}", 5, **{"train.pad_to_multiple": pad, "train.ckpt_every": 100,
-                                                      "train.teacher_cache_gb": cache_gb})
+        run(
+            tmp_path,
+            tiny_target,
+            f"pad{pad}",
+            5,
+            **{"train.pad_to_multiple": pad, "train.ckpt_every": 100, "train.teacher_cache_gb": cache_gb},
+        )
         assert f"pad_to_multiple {pad}" in capsys.readouterr().out
     a, b = (load_file(str(tmp_path / f"pad{p}" / "draft" / "draft.safetensors")) for p in pads)
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
-    ma, mb = ([json.loads(line) for line in (tmp_path / f"pad{p}" / "metrics.jsonl").read_text().splitlines()]
-              for p in pads)
+    ma, mb = (
+        [json.loads(line) for line in (tmp_path / f"pad{p}" / "metrics.jsonl").read_text().splitlines()] for p in pads
+    )
     assert len(ma) == len(mb) == 6
     for x, y in zip(ma, mb):  # the padding carries no loss: the same counts, losses to float rounding
         assert (x["acc"], x["cond_acc"], x["tokens"]) == (y["acc"], y["cond_acc"], y["tokens"])
@@ -71,8 +84,11 @@ def test_flex_block_masks_are_built_once_per_padded_length(tiny_target, one_thre
     run_ = tiny_run(tiny_target, rows, batch_size=2)
     results = {}
     for pad in (1, None):  # None: auto, flex's block size
-        cfg = load_config(None, ["train.attention=flex", "train.ttt_steps=3", "train.batch_size=2"]
-                          + ([f"train.pad_to_multiple={pad}"] if pad else []))
+        cfg = load_config(
+            None,
+            ["train.attention=flex", "train.ttt_steps=3", "train.batch_size=2"]
+            + ([f"train.pad_to_multiple={pad}"] if pad else []),
+        )
         attention._BLOCK_MASKS.clear()
         results[pad] = evaluate(run_.draft, tiny_target, rows, cfg, torch.device("cpu"), max_batches=3)
         results[pad]["masks"] = sorted(key[:2] for key in attention._BLOCK_MASKS)
@@ -92,12 +108,25 @@ def test_row_bounds_from_the_host_give_the_exact_counts_and_gradients(tiny_targe
     outs = []
     for bounds in (None, batch.row_bounds):
         run_.draft.zero_grad(set_to_none=True)
-        loss, counts = ttt.ttt_unroll(run_.draft, tiny_target.input_embeddings(), batch.teacher, b["input_ids"],
-                                      b["loss_mask"], b["attention_mask"], 3, loss_chunk_tokens=5,
-                                      row_bounds=bounds)
+        loss, counts = ttt.ttt_unroll(
+            run_.draft,
+            tiny_target.input_embeddings(),
+            batch.teacher,
+            b["input_ids"],
+            b["loss_mask"],
+            b["attention_mask"],
+            3,
+            loss_chunk_tokens=5,
+            row_bounds=bounds,
+        )
         loss.backward()
-        outs.append((loss.detach(), counts.rows(), {n: p.grad.clone() for n, p in run_.draft.named_parameters()
-                                                    if p.grad is not None}))
+        outs.append(
+            (
+                loss.detach(),
+                counts.rows(),
+                {n: p.grad.clone() for n, p in run_.draft.named_parameters() if p.grad is not None},
+            )
+        )
     (l0, c0, g0), (l1, c1, g1) = outs
     assert c1[1:] == c0[1:] and c0[1] == valid  # every count exact; the sums to float rounding
     torch.testing.assert_close(torch.tensor(c1[0]), torch.tensor(c0[0]), rtol=1e-6, atol=0)
@@ -110,6 +139,7 @@ def paused(reads, fn):
     def wrapped(*args, **kwargs):
         with reads.paused():
             return fn(*args, **kwargs)
+
     return wrapped
 
 

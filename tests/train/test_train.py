@@ -15,8 +15,9 @@ from tests.helpers import cfg_for
 from tests.helpers import train_run as run
 
 
-@pytest.mark.parametrize("offload,cache_gb", [(False, 0), (True, 0), (False, 1)],
-                         ids=["adamw", "offloaded-adamw", "teacher-cache"])
+@pytest.mark.parametrize(
+    "offload,cache_gb", [(False, 0), (True, 0), (False, 1)], ids=["adamw", "offloaded-adamw", "teacher-cache"]
+)
 def test_resume_equals_uninterrupted_run(tmp_path, tiny_target, offload, cache_gb):
     setup_data(tmp_path)
     # teacher-cache: the quickstart's hybrid mode. The cut at step 4 falls in epoch 2 (3 batches
@@ -29,8 +30,10 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_target, offload, cache_g
     for ckpt in list_checkpoints(tmp_path / "cut"):
         if int(ckpt.name.split("_")[1]) > 4:
             import shutil
+
             shutil.rmtree(ckpt)
     import shutil
+
     shutil.rmtree(tmp_path / "cut" / "draft")
     run(tmp_path, tiny_target, "cut", 8, resume=True, **opts)
     a = load_file(str(tmp_path / "full" / "draft" / "draft.safetensors"))
@@ -43,8 +46,11 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_target, offload, cache_g
     for k, v in sa["optimizer"]["state"].items():
         assert torch.equal(v["exp_avg_sq"], sb["optimizer"]["state"][k]["exp_avg_sq"])
     # The metrics log has each step once, in order, after the resume.
-    steps = [json.loads(l)["step"] for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(l)["split"] == "train"]
+    steps = [
+        json.loads(l)["step"]
+        for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(l)["split"] == "train"
+    ]
     assert steps == list(range(1, 9))
 
 
@@ -95,6 +101,7 @@ def test_stale_vocab_is_refused(tmp_path, tiny_target):
     rows = random_batch(n=12, t=20, seed=5)
     write_jsonl(tmp_path / "train.jsonl", rows)  # data changed after the vocab was built
     from draftling.errors import DataError
+
     with pytest.raises(DataError, match="different data"):
         run(tmp_path, tiny_target, "x", 2)
 
@@ -113,13 +120,15 @@ def test_loss_on_prompt_trains_on_every_position_but_validates_on_replies(tmp_pa
     run(tmp_path, tiny_target, "all", 2, **{"train.loss_on_prompt": "true"})
 
     def rows(name, split):
-        return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-                if json.loads(l)["split"] == split]
+        return [
+            json.loads(l)
+            for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            if json.loads(l)["split"] == split
+        ]
 
     # The same batches: a third of each example is prompt, so far more positions carry a loss.
     assert rows("all", "train")[0]["tokens"] > 1.3 * rows("reply", "train")[0]["tokens"]
     assert rows("all", "val")[-1]["tokens"] == rows("reply", "val")[-1]["tokens"]
-
 
 
 def test_narrower_draft_mlp_trains_saves_and_loads(tmp_path, tiny_target):
@@ -143,8 +152,9 @@ def test_length_grouped_batches_cover_the_epoch_with_less_padding():
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(10, 400, (203,), generator=g).tolist()
-    examples = [TokenizedExample(id=str(i), source="s", input_ids=[1] * n, loss_mask=[1] * n)
-                for i, n in enumerate(lengths)]
+    examples = [
+        TokenizedExample(id=str(i), source="s", input_ids=[1] * n, loss_mask=[1] * n) for i, n in enumerate(lengths)
+    ]
 
     def padded(batches):
         return sum(max(lengths[i] for i in b) * len(b) for b in batches)
@@ -172,8 +182,15 @@ def test_a_run_dir_with_an_earlier_run_needs_resume_or_overwrite(tmp_path, tiny_
     with pytest.raises(ConfigError, match="--resume to continue it or --overwrite"):
         run(tmp_path, tiny_target, "r", 2)
     assert len(list_checkpoints(tmp_path / "r")) == 3  # nothing was touched
-    train(cfg_for(2), tiny_target, tmp_path / "r", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
-          tmp_path / "vocab.safetensors", overwrite=True)
+    train(
+        cfg_for(2),
+        tiny_target,
+        tmp_path / "r",
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+        overwrite=True,
+    )
     assert [c.name for c in list_checkpoints(tmp_path / "r")] == ["step_0000002"]
     steps = [json.loads(l)["step"] for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) == 2
@@ -236,14 +253,25 @@ def test_resume_with_a_changed_config_is_refused_unless_the_key_is_allowed(tmp_p
     assert "train.lr: 0.001 -> 0.002" in str(e.value) and "train.ttt_steps: 3 -> 2" in str(e.value)
     assert "lr: 0.001" in (tmp_path / "c" / "config.yaml").read_text()  # untouched
     # Allowed: applied from the resumed step on, and recorded.
-    train(cfg_for(4, **{"train.lr": 2e-3}), tiny_target, tmp_path / "c", tmp_path / "train.jsonl",
-          tmp_path / "val.jsonl", tmp_path / "vocab.safetensors", resume=True, allow_change=["train.lr"])
+    train(
+        cfg_for(4, **{"train.lr": 2e-3}),
+        tiny_target,
+        tmp_path / "c",
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+        resume=True,
+        allow_change=["train.lr"],
+    )
     assert "lr: 0.002" in (tmp_path / "c" / "config.yaml").read_text()
     records = [json.loads(l) for l in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 2, "split": "config_change", "changes": {"train.lr": {"from": 0.001, "to": 0.002}}} in records
     lrs = {r["step"]: r["lr"] for r in records if r["split"] == "train"}
     run(tmp_path, tiny_target, "ref", 4)
-    ref = {json.loads(l)["step"]: json.loads(l).get("lr") for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()}
+    ref = {
+        json.loads(l)["step"]: json.loads(l).get("lr")
+        for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+    }
     assert lrs[2] == ref[2] and lrs[3] == pytest.approx(2 * ref[3])
 
 
@@ -304,7 +332,10 @@ def test_data_fraction_draws_from_a_nested_seeded_share(tmp_path, tiny_target):
     result = run(tmp_path, tiny_target, "half", 4, **{"train.data_fraction": 0.5})
     rows = load_tokenized(tmp_path / "train.jsonl")
     pool = fraction_pool(len(rows), 0.5, seed=0)
-    assert result["data"] == {"fraction": 0.5, "sequences": len(pool),
-                              "loss_tokens": sum(sum(rows[i].loss_mask) for i in pool)}
+    assert result["data"] == {
+        "fraction": 0.5,
+        "sequences": len(pool),
+        "loss_tokens": sum(sum(rows[i].loss_mask) for i in pool),
+    }
     with pytest.raises(ConfigError, match="train.data_fraction"):
         cfg_for(2, **{"train.data_fraction": 0})

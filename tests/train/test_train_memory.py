@@ -26,11 +26,10 @@ def setup_unroll(b=3, t=16, seed=3, vocab=64):
     torch.manual_seed(seed)
     ids = torch.randint(0, 300, (b, t))
     attn = torch.ones_like(ids)
-    attn[1, t - 3:] = 0  # one padded row
+    attn[1, t - 3 :] = 0  # one padded row
     loss_mask = torch.zeros_like(ids)
-    loss_mask[:, t // 3:] = 1
-    target = type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4],
-                            "output_head": lambda self: model.lm_head})()
+    loss_mask[:, t // 3 :] = 1
+    target = type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4], "output_head": lambda self: model.lm_head})()
     teacher = teacher_forward(target, ids, attn, draft.t2d)
     return model, draft, teacher, ids, loss_mask, attn
 
@@ -59,6 +58,7 @@ def assert_same(ref, got, loss_exact=False):
 
 
 # --- 1. chunked head / loss / metrics ----------------------------------------------------
+
 
 @pytest.mark.parametrize("chunk", [3, 5, 4096])
 def test_chunked_loss_matches_plain(chunk):
@@ -98,8 +98,7 @@ def test_chunked_loss_keeps_no_full_batch_logits_for_backward():
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            loss, _ = ttt_unroll(draft, model.get_input_embeddings(), teacher, ids, loss_mask, attn, 3,
-                                 **opts)
+            loss, _ = ttt_unroll(draft, model.get_input_embeddings(), teacher, ids, loss_mask, attn, 3, **opts)
         loss.backward()
         return max(sizes)
 
@@ -111,13 +110,23 @@ def test_chunked_eval_matches_plain_without_grad():
     model, draft, teacher, ids, loss_mask, attn = setup_unroll()
     with torch.no_grad():
         l0, c0 = ttt_unroll(draft, model.get_input_embeddings(), teacher, ids, loss_mask, attn, 3)
-        l1, c1 = ttt_unroll(draft, model.get_input_embeddings(), teacher, ids, loss_mask, attn, 3,
-                            loss_chunk_tokens=6, grad_checkpoint=True)
+        l1, c1 = ttt_unroll(
+            draft,
+            model.get_input_embeddings(),
+            teacher,
+            ids,
+            loss_mask,
+            attn,
+            3,
+            loss_chunk_tokens=6,
+            grad_checkpoint=True,
+        )
     torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
     assert c1.correct == c0.correct and c1.chain_correct == c0.chain_correct
 
 
 # --- 2. gradient checkpointing over the unroll -------------------------------------------
+
 
 def test_grad_checkpoint_matches_plain():
     model, draft, teacher, ids, loss_mask, attn = setup_unroll()
@@ -150,8 +159,7 @@ def test_all_memory_options_together_match_plain():
     model, draft, teacher, ids, loss_mask, attn = setup_unroll()
     ref = run_unroll(draft, model.get_input_embeddings(), teacher, ids, loss_mask, attn)
     host = HostEmbedding(model.get_input_embeddings().weight, "cpu")
-    got = run_unroll(draft, host, teacher, ids, loss_mask, attn, grad_checkpoint=True,
-                     loss_chunk_tokens=9)
+    got = run_unroll(draft, host, teacher, ids, loss_mask, attn, grad_checkpoint=True, loss_chunk_tokens=9)
     assert_same(ref, got)
 
 
@@ -163,21 +171,24 @@ def test_stateful_attention_is_the_explicit_state_one():
     qs = [torch.randn(b, h, t, d) for _ in range(3)]
     attend = TTTAttention()
     for j in range(3):
-        torch.testing.assert_close(attend(qs[j], ks[j], vs[j]), ttt_attention(qs[j], ks[:j + 1], vs[:j + 1]),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            attend(qs[j], ks[j], vs[j]), ttt_attention(qs[j], ks[: j + 1], vs[: j + 1]), atol=0, rtol=0
+        )
 
 
 # --- 3. flex attention -------------------------------------------------------------------
+
 
 def explicit_ttt_reference(q, ks, vs, j):
     """Position by position: step-0 keys <= t, keys of steps 1..j at t only."""
     n_rep = q.shape[1] // ks[0].shape[1]
     outs = []
     for pos in range(q.shape[2]):
-        keys = torch.cat([ks[0][:, :, :pos + 1]] + [ks[i][:, :, pos:pos + 1] for i in range(1, j + 1)], 2)
-        vals = torch.cat([vs[0][:, :, :pos + 1]] + [vs[i][:, :, pos:pos + 1] for i in range(1, j + 1)], 2)
-        outs.append(F.scaled_dot_product_attention(q[:, :, pos:pos + 1], repeat_kv(keys, n_rep),
-                                                   repeat_kv(vals, n_rep)))
+        keys = torch.cat([ks[0][:, :, : pos + 1]] + [ks[i][:, :, pos : pos + 1] for i in range(1, j + 1)], 2)
+        vals = torch.cat([vs[0][:, :, : pos + 1]] + [vs[i][:, :, pos : pos + 1] for i in range(1, j + 1)], 2)
+        outs.append(
+            F.scaled_dot_product_attention(q[:, :, pos : pos + 1], repeat_kv(keys, n_rep), repeat_kv(vals, n_rep))
+        )
     return torch.cat(outs, 2)
 
 
@@ -188,7 +199,7 @@ def test_ttt_mask_mod_is_causal_block_then_diagonals():
     dense = ttt_mask_mod(t)(0, 0, q, kv)
     expect = torch.zeros(t, n * t, dtype=torch.bool)
     for qi in range(t):
-        expect[qi, :qi + 1] = True
+        expect[qi, : qi + 1] = True
         for i in range(1, n):
             expect[qi, i * t + qi] = True
     assert torch.equal(dense, expect)
@@ -212,24 +223,27 @@ def test_flex_attention_matches_explicit_keys(device):
     ks = [torch.randn(b, kvh, t, d, device=device) for _ in range(steps)]
     vs = [torch.randn(b, kvh, t, d, device=device) for _ in range(steps)]
     for j in range(steps):
-        got = ttt_attention(qs[j], ks[:j + 1], vs[:j + 1], backend="flex")
+        got = ttt_attention(qs[j], ks[: j + 1], vs[: j + 1], backend="flex")
         torch.testing.assert_close(got, explicit_ttt_reference(qs[j], ks, vs, j), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got, ttt_attention(qs[j], ks[:j + 1], vs[:j + 1], backend="sdpa"),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            got, ttt_attention(qs[j], ks[: j + 1], vs[: j + 1], backend="sdpa"), atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has no backward on CPU (torch 2.13)")
 def test_flex_unroll_grads_match_sdpa_on_cuda():
     model, draft, teacher, ids, loss_mask, attn = setup_unroll()
     model, draft = model.cuda(), draft.cuda()
-    teacher = type(teacher)(*(x.cuda() for x in (teacher.aux, teacher.draft_logits, teacher.target_argmax,
-                                                  teacher.in_draft)))
+    teacher = type(teacher)(
+        *(x.cuda() for x in (teacher.aux, teacher.draft_logits, teacher.target_argmax, teacher.in_draft))
+    )
     ids, loss_mask, attn = ids.cuda(), loss_mask.cuda(), attn.cuda()
     torch.backends.cuda.matmul.allow_tf32 = False
     embed = model.get_input_embeddings()
     ref = run_unroll(draft, embed, teacher, ids, loss_mask, attn)
-    got = run_unroll(draft, embed, teacher, ids, loss_mask, attn, attention="flex", grad_checkpoint=True,
-                     loss_chunk_tokens=8)
+    got = run_unroll(
+        draft, embed, teacher, ids, loss_mask, attn, attention="flex", grad_checkpoint=True, loss_chunk_tokens=8
+    )
     assert_same(ref, got)
 
 
@@ -244,8 +258,14 @@ def test_auto_defaults_resolve_per_device():
     tc = load_config(None, []).train
     assert tc.loss_chunk_tokens == 2048 and tc.embedding_on_host is False
     cpu = memory_options(tc, "cpu")
-    assert cpu == {"loss_chunk_tokens": 2048, "grad_checkpoint": False, "attention": "sdpa",
-                   "compile": False, "compile_layer": False, "autocast": None}
+    assert cpu == {
+        "loss_chunk_tokens": 2048,
+        "grad_checkpoint": False,
+        "attention": "sdpa",
+        "compile": False,
+        "compile_layer": False,
+        "autocast": None,
+    }
     assert optimizer_offload(tc, "cpu") is False
     assert optimizer_offload(tc, "cuda") is True
     assert memory_options(tc, "cuda")["grad_checkpoint"] is True
@@ -269,13 +289,14 @@ def test_memory_policy_trades_recompute_for_speed_only_when_the_plan_says_it_fit
     from draftling.train.draft_setup import resolve_memory_policy
     from draftling.train.memory import DraftShape
 
-    target_config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                                num_key_value_heads=3, vocab_size=49152)
+    target_config = LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152
+    )
     tc = load_config(None, []).train
     args = (DraftShape.from_config(target_config, 32000), 8, 2048, torch.float32, False, "bfloat16")
     # On the CPU nothing changes.
     assert resolve_memory_policy(tc, "cpu", *args)[0] is tc
-    gib = 2 ** 30
+    gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * gib, 141 * gib))
     fast, why = resolve_memory_policy(tc, "cuda:0", *args)
     assert fast.grad_checkpoint is False and fast.loss_chunk_tokens == 16384 and why.startswith("fast")
@@ -295,6 +316,7 @@ def test_memory_policy_trades_recompute_for_speed_only_when_the_plan_says_it_fit
 
 
 # --- 4. optimizer offload ----------------------------------------------------------------
+
 
 def _params(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -403,6 +425,7 @@ def test_offloaded_adamw_loads_a_plain_adamw_checkpoint():
 
 # --- 5. embedding in host RAM ------------------------------------------------------------
 
+
 def test_host_embedding_equals_plain_lookup():
     model = tiny_llama(layers=2)
     embed = model.get_input_embeddings()
@@ -419,13 +442,23 @@ def test_host_embedding_equals_plain_lookup():
 
 # --- wired through train() ---------------------------------------------------------------
 
+
 def test_train_with_all_memory_options_matches_plain(tmp_path, tiny_target, capsys):
     setup_data(tmp_path)
     run(tmp_path, tiny_target, "plain", 4, **{"train.loss_chunk_tokens": 0})
-    run(tmp_path, tiny_target, "mem", 4, **{
-        "train.loss_chunk_tokens": 7, "train.grad_checkpoint": "true",
-        "train.optimizer_offload": "true", "train.embedding_on_host": "true",
-        "train.draft_dtype": "float32"})  # exactness is checked at one precision
+    run(
+        tmp_path,
+        tiny_target,
+        "mem",
+        4,
+        **{
+            "train.loss_chunk_tokens": 7,
+            "train.grad_checkpoint": "true",
+            "train.optimizer_offload": "true",
+            "train.embedding_on_host": "true",
+            "train.draft_dtype": "float32",
+        },
+    )  # exactness is checked at one precision
     out = capsys.readouterr().out
     assert "grad_checkpoint True" in out and "optimizer_offload True" in out
     a = load_file(str(tmp_path / "plain" / "draft" / "draft.safetensors"))
@@ -453,6 +486,7 @@ def test_auto_draft_dtype_is_bf16_only_with_offload_and_keeps_rotary_fp32(tiny_t
 
 # --- 6. compiled loss chunks (train.compile) ---------------------------------------------
 
+
 def test_compiled_loss_chunks_match_eager_with_one_graph_for_all_sizes():
     """compile= runs the checkpointed chunk through torch.compile (aot_eager here: the same
     dynamo capture and autograd split as inductor, without codegen). Loss, grads and counts
@@ -471,17 +505,16 @@ def test_compiled_loss_chunks_match_eager_with_one_graph_for_all_sizes():
     assert counter.frame_count == 1
     # Another chunk size and another batch shape: still the same graph.
     model2, draft2, teacher2, ids2, loss_mask2, attn2 = setup_unroll(b=3, t=17, seed=5)
-    ref2 = run_unroll(draft2, model2.get_input_embeddings(), teacher2, ids2, loss_mask2, attn2,
-                      loss_chunk_tokens=5)
-    got2 = run_unroll(draft2, model2.get_input_embeddings(), teacher2, ids2, loss_mask2, attn2,
-                      loss_chunk_tokens=5, compile=counter)
+    ref2 = run_unroll(draft2, model2.get_input_embeddings(), teacher2, ids2, loss_mask2, attn2, loss_chunk_tokens=5)
+    got2 = run_unroll(
+        draft2, model2.get_input_embeddings(), teacher2, ids2, loss_mask2, attn2, loss_chunk_tokens=5, compile=counter
+    )
     assert_same(ref2, got2)
     assert counter.frame_count == 1
     # Without grad (evaluation) the chunks run eagerly: no graph for no_grad.
     with torch.no_grad():
         l0, _ = ttt_unroll(draft, embed, teacher, ids, loss_mask, attn, 3, loss_chunk_tokens=7)
-        l1, _ = ttt_unroll(draft, embed, teacher, ids, loss_mask, attn, 3, loss_chunk_tokens=7,
-                           compile=counter)
+        l1, _ = ttt_unroll(draft, embed, teacher, ids, loss_mask, attn, 3, loss_chunk_tokens=7, compile=counter)
     torch.testing.assert_close(l1, l0)
     assert counter.frame_count == 1
 
@@ -504,17 +537,26 @@ def test_compiled_layer_halves_match_eager_with_one_graph_per_half(ckpt):
     # the later steps' explicit attention, which costs the output half one more graph.
     frames = counter.frame_count
     assert 2 <= frames <= 3
-    short = (teacher_forward(type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4],
-                                            "output_head": lambda self: model.lm_head})(),
-                             ids[:, :13], attn[:, :13], draft.t2d), ids[:, :13], loss_mask[:, :13], attn[:, :13])
-    assert_same(run_unroll(draft, embed, *short, grad_checkpoint=ckpt),
-                run_unroll(draft, embed, *short, grad_checkpoint=ckpt, compile_layer=counter))
+    short = (
+        teacher_forward(
+            type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4], "output_head": lambda self: model.lm_head})(),
+            ids[:, :13],
+            attn[:, :13],
+            draft.t2d,
+        ),
+        ids[:, :13],
+        loss_mask[:, :13],
+        attn[:, :13],
+    )
+    assert_same(
+        run_unroll(draft, embed, *short, grad_checkpoint=ckpt),
+        run_unroll(draft, embed, *short, grad_checkpoint=ckpt, compile_layer=counter),
+    )
     assert counter.frame_count == frames
 
 
 @pytest.mark.parametrize("on_host", [True, False])
-def test_build_order_flag_decides_whether_the_device_sees_the_fp32_build(tmp_path, tiny_target,
-                                                                       monkeypatch, on_host):
+def test_build_order_flag_decides_whether_the_device_sees_the_fp32_build(tmp_path, tiny_target, monkeypatch, on_host):
     from draftling.draft.model import Eagle3Draft
 
     moves = []
@@ -526,7 +568,12 @@ def test_build_order_flag_decides_whether_the_device_sees_the_fp32_build(tmp_pat
 
     monkeypatch.setattr(Eagle3Draft, "to", recording_to)
     setup_data(tmp_path)
-    run(tmp_path, tiny_target, "r", 1, **{"train.optimizer_offload": "true",
-                                          "train.build_on_host": str(on_host).lower()})
+    run(
+        tmp_path,
+        tiny_target,
+        "r",
+        1,
+        **{"train.optimizer_offload": "true", "train.build_on_host": str(on_host).lower()},
+    )
     # On the host the draft is cast to bf16 before its first move; off, it moves as built (fp32).
     assert moves[0] == (torch.bfloat16 if on_host else torch.float32)

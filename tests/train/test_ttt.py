@@ -31,11 +31,11 @@ def test_ttt_attention_matches_explicit_keys():
     outs = [attend(qs[j], ks[j], vs[j]) for j in range(steps)]
     for j in range(steps):
         for pos in range(t):
-            keys = torch.cat([ks[0][:, :, :pos + 1]] + [ks[i][:, :, pos:pos + 1] for i in range(1, j + 1)], 2)
-            vals = torch.cat([vs[0][:, :, :pos + 1]] + [vs[i][:, :, pos:pos + 1] for i in range(1, j + 1)], 2)
-            q = qs[j][:, :, pos:pos + 1]
+            keys = torch.cat([ks[0][:, :, : pos + 1]] + [ks[i][:, :, pos : pos + 1] for i in range(1, j + 1)], 2)
+            vals = torch.cat([vs[0][:, :, : pos + 1]] + [vs[i][:, :, pos : pos + 1] for i in range(1, j + 1)], 2)
+            q = qs[j][:, :, pos : pos + 1]
             ref = F.scaled_dot_product_attention(q, repeat_kv(keys, 2), repeat_kv(vals, 2))
-            torch.testing.assert_close(outs[j][:, :, pos:pos + 1], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(outs[j][:, :, pos : pos + 1], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_unroll_alignment_matches_decode_time_chain():
@@ -47,8 +47,7 @@ def test_unroll_alignment_matches_decode_time_chain():
     torch.manual_seed(3)
     ids = torch.randint(0, 300, (1, 12))
     attn = torch.ones_like(ids)
-    target = type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4],
-                            "output_head": lambda self: model.lm_head})()
+    target = type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4], "output_head": lambda self: model.lm_head})()
     teacher = teacher_forward(target, ids, attn, draft.t2d)
     hiddens = []
     orig_step = draft.step
@@ -77,17 +76,16 @@ def test_unroll_alignment_matches_decode_time_chain():
             # Causal within this call; earlier calls are all visible.
             qn, kn = q.shape[2], kk.shape[2]
             mask = torch.ones(qn, kn, dtype=torch.bool).tril(kn - qn)
-            return F.scaled_dot_product_attention(q, repeat_kv(kk, n_rep), repeat_kv(vv, n_rep),
-                                                  attn_mask=mask)
+            return F.scaled_dot_product_attention(q, repeat_kv(kk, n_rep), repeat_kv(vv, n_rep), attn_mask=mask)
 
         # Prefix: positions 0..t0 with target features (step 0).
         pos = torch.arange(t0 + 1)[None]
-        h = draft.step(embed(ids[:, 1:t0 + 2]), fused[:, :t0 + 1], pos, attend)
-        torch.testing.assert_close(h, hiddens[0][:, :t0 + 1], atol=1e-5, rtol=1e-4)
+        h = draft.step(embed(ids[:, 1 : t0 + 2]), fused[:, : t0 + 1], pos, attend)
+        torch.testing.assert_close(h, hiddens[0][:, : t0 + 1], atol=1e-5, rtol=1e-4)
         last = h[:, -1:]
         for j in (1, 2):
-            last = draft.step(embed(ids[:, t0 + 1 + j:t0 + 2 + j]), last, torch.tensor([[t0 + j]]), attend)
-            torch.testing.assert_close(last, hiddens[j][:, t0:t0 + 1], atol=1e-5, rtol=1e-4)
+            last = draft.step(embed(ids[:, t0 + 1 + j : t0 + 2 + j]), last, torch.tensor([[t0 + j]]), attend)
+            torch.testing.assert_close(last, hiddens[j][:, t0 : t0 + 1], atol=1e-5, rtol=1e-4)
 
 
 def test_labels_mask_and_conditional_metrics():
@@ -97,8 +95,7 @@ def test_labels_mask_and_conditional_metrics():
     attn = torch.ones_like(ids)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, 6:] = 1  # tokens 6..9 are the reply
-    target = type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4],
-                            "output_head": lambda self: model.lm_head})()
+    target = type("T", (), {"model": model, "aux_layer_ids": [2, 3, 4], "output_head": lambda self: model.lm_head})()
     teacher = teacher_forward(target, ids, attn, draft.t2d)
     # Full-vocab argmax agrees with HF logits; draft logits are the t2d columns.
     logits = model(ids).logits
@@ -116,8 +113,9 @@ def test_labels_mask_and_conditional_metrics():
                     expect += 1
         assert counts.valid[j] == expect
         # Accuracy is over every reply position: an out-of-vocab target argmax is a miss.
-        assert counts.scored[j] == sum(1 for bi in range(2) for t in range(10)
-                                       if t + 2 + j < 10 and loss_mask[bi, t + 2 + j])
+        assert counts.scored[j] == sum(
+            1 for bi in range(2) for t in range(10) if t + 2 + j < 10 and loss_mask[bi, t + 2 + j]
+        )
     assert sum(counts.scored) > sum(counts.valid)  # the test vocab leaves some argmaxes out
     m = counts.metrics()
     assert m["acc"] == [c / n for c, n in zip(counts.correct, counts.scored)]
@@ -127,13 +125,18 @@ def test_labels_mask_and_conditional_metrics():
 
 
 def test_step_counts_metrics():
-    c = StepCounts(3, valid=[10, 10, 10], correct=[8, 5, 3], chain_valid=[10, 8, 4],
-                   chain_correct=[8, 4, 2], loss_sum=[1.0, 2.0, 3.0])
+    c = StepCounts(
+        3,
+        valid=[10, 10, 10],
+        correct=[8, 5, 3],
+        chain_valid=[10, 8, 4],
+        chain_correct=[8, 4, 2],
+        loss_sum=[1.0, 2.0, 3.0],
+    )
     m = c.metrics()
     assert m["acc"] == [0.8, 0.5, 0.3]
     assert m["cond_acc"] == [0.8, 0.5, 0.5]
     assert math.isclose(m["sim_tau"], 1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5)
-
 
 
 def test_chain_walk_follows_a_chain_decode():
@@ -152,6 +155,7 @@ def test_chain_walk_follows_a_chain_decode():
     # t=10 would predict token 12, past the end: no round.
     right = [(0, 2), (1, 2), (0, 6), (1, 6), (2, 6), (1, 5), (2, 5)]  # steps after a miss do not count
     assert chain_walk(flags(12, right), mask) == [2, 0, 3]
+
     def everything(n):
         return flags(n, [(j, t) for j in range(3) for t in range(n)])
 

@@ -25,8 +25,14 @@ from tests.helpers import cfg_for
 def base_run(tmp_path, target):
     """A 4-step run: the head every test starts from."""
     setup_data(tmp_path)
-    train(cfg_for(4), target, tmp_path / "base", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
-          tmp_path / "vocab.safetensors")
+    train(
+        cfg_for(4),
+        target,
+        tmp_path / "base",
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+    )
     return tmp_path / "base" / "draft"
 
 
@@ -50,8 +56,15 @@ def new_data(tmp_path, seed=7):
 
 
 def adapt(tmp_path, target, init, data, name, steps=2):
-    return train(cfg_for(steps), target, tmp_path / name, data / "train.jsonl", data / "val.jsonl",
-                 data / "vocab.safetensors", init=init)
+    return train(
+        cfg_for(steps),
+        target,
+        tmp_path / name,
+        data / "train.jsonl",
+        data / "val.jsonl",
+        data / "vocab.safetensors",
+        init=init,
+    )
 
 
 def maps_to_npy(export: Path, t2d_dtype=numpy.bool_) -> None:
@@ -73,8 +86,14 @@ def test_warm_start_from_each_format_keeps_the_heads_weights_and_map(tmp_path, t
             if fmt == "sglang-npy":  # the maps as some published heads ship them
                 maps_to_npy(out, numpy.uint8)
         else:
-            export_speculators(head, out, dtype="keep", target_config=tiny_target.config,
-                               verifier_name_or_path="org/tiny-llama", verifier_architectures=["LlamaForCausalLM"])
+            export_speculators(
+                head,
+                out,
+                dtype="keep",
+                target_config=tiny_target.config,
+                verifier_name_or_path="org/tiny-llama",
+                verifier_architectures=["LlamaForCausalLM"],
+            )
         src = out
     before = files_digest(src)
     loaded = load_any_draft(src, "cpu", torch.float32)
@@ -137,21 +156,40 @@ def test_selection_candidates_survive_pruning(tmp_path, tiny_target):
     from draftling.train.checkpoint import list_checkpoints
 
     setup_data(tmp_path)  # 12 train rows, batch 4: 3 steps per epoch
-    cfg = cfg_for(9, **{"train.ckpt_every": 2, "train.keep_checkpoints": 1, "train.ckpt_every_epoch": "true",
-                        "train.keep_every_steps": 4})
-    train(cfg, tiny_target, tmp_path / "r", tmp_path / "train.jsonl", tmp_path / "val.jsonl",
-          tmp_path / "vocab.safetensors")
+    cfg = cfg_for(
+        9,
+        **{
+            "train.ckpt_every": 2,
+            "train.keep_checkpoints": 1,
+            "train.ckpt_every_epoch": "true",
+            "train.keep_every_steps": 4,
+        },
+    )
+    train(
+        cfg,
+        tiny_target,
+        tmp_path / "r",
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+    )
     steps = [int(p.name.split("_")[1]) for p in list_checkpoints(tmp_path / "r")]
     assert steps == [3, 4, 6, 8, 9]  # epoch ends 3, 6, 9; multiples of 4; the newest (9)
 
 
-@pytest.mark.parametrize("bad, says", [
-    (lambda d2t, t2d: (d2t[:-1], t2d), "d2t.npy: d2t has shape (63,), expected (64,) from config.json"),
-    (lambda d2t, t2d: (d2t.astype(numpy.float32), t2d), "d2t.npy: d2t has dtype float32, expected integer offsets"),
-    (lambda d2t, t2d: (d2t, t2d.astype(numpy.float64)), "t2d.npy: t2d has dtype float64, expected bool"),
-    (lambda d2t, t2d: (d2t + 1000, t2d), "(vocab maps from d2t.npy, t2d.npy): d2t maps draft ids outside the target"),
-    (lambda d2t, t2d: (numpy.array([{"x": 1}] * 64, dtype=object), t2d), "d2t.npy: not a readable .npy array"),
-])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (lambda d2t, t2d: (d2t[:-1], t2d), "d2t.npy: d2t has shape (63,), expected (64,) from config.json"),
+        (lambda d2t, t2d: (d2t.astype(numpy.float32), t2d), "d2t.npy: d2t has dtype float32, expected integer offsets"),
+        (lambda d2t, t2d: (d2t, t2d.astype(numpy.float64)), "t2d.npy: t2d has dtype float64, expected bool"),
+        (
+            lambda d2t, t2d: (d2t + 1000, t2d),
+            "(vocab maps from d2t.npy, t2d.npy): d2t maps draft ids outside the target",
+        ),
+        (lambda d2t, t2d: (numpy.array([{"x": 1}] * 64, dtype=object), t2d), "d2t.npy: not a readable .npy array"),
+    ],
+)
 def test_init_from_refuses_bad_npy_maps_in_one_line(tmp_path, tiny_target, bad, says, capsys):
     from draftling.cli import main
 

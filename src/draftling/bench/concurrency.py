@@ -58,8 +58,9 @@ class SweepOptions:
     max_new_tokens: int = _DEFAULTS.max_new_tokens
     min_requests: int = 16
     per_slot: int = 2
-    engine: EngineOptions = field(default_factory=lambda: EngineOptions(cuda_graphs="auto", compile=False,
-                                                                         query_pad=0, attention="auto"))
+    engine: EngineOptions = field(
+        default_factory=lambda: EngineOptions(cuda_graphs="auto", compile=False, query_pad=0, attention="auto")
+    )
     out_dir: str | Path = _DEFAULTS.results_dir
     command: str | None = None
 
@@ -72,8 +73,14 @@ class SweepOptions:
     @classmethod
     def from_config(cls, bench, command: str | None = None) -> SweepOptions:
         """The sweep of a run config's bench section (bench.concurrency and the release keys)."""
-        return cls(levels=tuple(bench.concurrency), configs=tuple(bench.configs), prompt_set=str(bench.prompt_set),
-                   max_new_tokens=bench.max_new_tokens, out_dir=bench.results_dir, command=command)
+        return cls(
+            levels=tuple(bench.concurrency),
+            configs=tuple(bench.configs),
+            prompt_set=str(bench.prompt_set),
+            max_new_tokens=bench.max_new_tokens,
+            out_dir=bench.results_dir,
+            command=command,
+        )
 
     def requests(self, level: int) -> int:
         return max(self.min_requests, self.per_slot * level)
@@ -94,7 +101,7 @@ def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log
         max_len = max(map(len, ids)) + options.max_new_tokens + max(c.draft_tokens for c in configs) + 8
         tgt, runner = build_engine(target, draft, max_len, engine, batch_size=level)
         rows += _level(tgt, runner, ids, configs, options.max_new_tokens)
-        progress.update(len(ids), _level_line(rows[-1 - len(configs):]))
+        progress.update(len(ids), _level_line(rows[-1 - len(configs) :]))
         del tgt, runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -106,13 +113,18 @@ def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log
 def _level(tgt, runner, ids, configs, max_new) -> list[dict]:
     """Plain then each config at one level, each timed after a warm-up on the same engine."""
     level = tgt.batch_size
-    plain, plain_s = timed_after_warmup(tgt, lambda: batch_generate(tgt, ids, max_new), lambda: batch_generate(tgt, ids[:level], 4))
+    plain, plain_s = timed_after_warmup(
+        tgt, lambda: batch_generate(tgt, ids, max_new), lambda: batch_generate(tgt, ids[:level], 4)
+    )
     step_ms = {1: _step_ms(tgt, 1)}
     rows = [_row(level, "plain", plain, plain_s, None, step_ms)]
     for c in configs:
         tree = (c.steps, c.topk, c.draft_tokens)
-        out, s = timed_after_warmup(tgt, lambda: batch_generate(tgt, ids, max_new, draft=runner, tree=tree),
-                        lambda: batch_generate(tgt, ids[:level], 4, draft=runner, tree=tree))
+        out, s = timed_after_warmup(
+            tgt,
+            lambda: batch_generate(tgt, ids, max_new, draft=runner, tree=tree),
+            lambda: batch_generate(tgt, ids[:level], 4, draft=runner, tree=tree),
+        )
         step_ms[c.draft_tokens] = _step_ms(tgt, c.draft_tokens)
         row = _row(level, c.name, out, s, rows[0], step_ms, c.draft_tokens)
         row["identical_fraction"] = sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)
@@ -146,22 +158,41 @@ def _step_ms(tgt, q: int, reps: int = 10) -> float:
 def _row(level, name, out, seconds, plain_row, step_ms, q=1) -> dict:
     tokens = sum(len(r.tokens) for r in out)
     agg = tokens / seconds
-    row = {"concurrency": level, "config": name, "requests": len(out), "tokens": tokens, "seconds": seconds,
-           "aggregate_tok_s": agg, "per_stream_tok_s": agg / level}
+    row = {
+        "concurrency": level,
+        "config": name,
+        "requests": len(out),
+        "tokens": tokens,
+        "seconds": seconds,
+        "aggregate_tok_s": agg,
+        "per_stream_tok_s": agg / level,
+    }
     if plain_row is None:
         return {**row, "tau": 1.0, "speedup": 1.0, "cost": {"plain_step_ms": step_ms[1]}}
     verifies = sum(len(r.stats.accept_lengths) for r in out)
     tau = sum(sum(r.stats.accept_lengths) for r in out) / max(1, verifies)
     speedup = agg / plain_row["aggregate_tok_s"]
     free = tau * step_ms[1] / step_ms[q]  # one verify pass per round and nothing else
-    return {**row, "tau": tau, "speedup": speedup,
-            "cost": {"plain_step_ms": step_ms[1], "verify_step_ms": step_ms[q], "verify_q": q,
-                     "free_speedup": free, "drafting_share": 1.0 - speedup / free}}
+    return {
+        **row,
+        "tau": tau,
+        "speedup": speedup,
+        "cost": {
+            "plain_step_ms": step_ms[1],
+            "verify_step_ms": step_ms[q],
+            "verify_q": q,
+            "free_speedup": free,
+            "drafting_share": 1.0 - speedup / free,
+        },
+    }
 
 
 def _level_line(rows: list[dict]) -> str:
-    parts = [f"{r['config']} {r['aggregate_tok_s']:.0f} tok/s" + ("" if r["config"] == "plain" else
-             f" (tau {r['tau']:.2f}, {r['speedup']:.2f}x)") for r in rows]
+    parts = [
+        f"{r['config']} {r['aggregate_tok_s']:.0f} tok/s"
+        + ("" if r["config"] == "plain" else f" (tau {r['tau']:.2f}, {r['speedup']:.2f}x)")
+        for r in rows
+    ]
     return f"concurrency {rows[0]['concurrency']}: " + "; ".join(parts)
 
 
@@ -179,12 +210,20 @@ def summarize(rows: list[dict]) -> dict:
 
 def _assemble(target, draft_path, info, options, engine, rows) -> dict:
     plain1 = next((r for r in rows if r["concurrency"] == 1 and r["config"] == "plain"), None)
-    return {"date": datetime.date.today().isoformat(), "gpu": device_slug(target.device),
-            "target": target.spec.label, "draft": draft_label(draft_path),
-            "prompt_set": info["name"], "dtype": dtype_name(next(target.model.parameters()).dtype),
-            "max_new_tokens": options.max_new_tokens, "engine": dataclasses.asdict(engine),
-            "batch1_plain_tok_s": plain1["aggregate_tok_s"] if plain1 else None,
-            "concurrency_sweep": rows, **summarize(rows), "caveats": caveats(options)}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": device_slug(target.device),
+        "target": target.spec.label,
+        "draft": draft_label(draft_path),
+        "prompt_set": info["name"],
+        "dtype": dtype_name(next(target.model.parameters()).dtype),
+        "max_new_tokens": options.max_new_tokens,
+        "engine": dataclasses.asdict(engine),
+        "batch1_plain_tok_s": plain1["aggregate_tok_s"] if plain1 else None,
+        "concurrency_sweep": rows,
+        **summarize(rows),
+        "caveats": caveats(options),
+    }
 
 
 def caveats(options: SweepOptions) -> list[str]:
@@ -201,18 +240,28 @@ def caveats(options: SweepOptions) -> list[str]:
 
 
 def _write(results: dict, options: SweepOptions, engine) -> Path:
-    folder = Path(options.out_dir) / run_folder_name(results["date"], "concurrency", code_commit(),
-                                                     machine_slug(results["gpu"]))
+    folder = Path(options.out_dir) / run_folder_name(
+        results["date"], "concurrency", code_commit(), machine_slug(results["gpu"])
+    )
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / RESULT, results)
     files = [RESULT]
     if plot_sweep(results, folder / "speedup-vs-concurrency.png"):
         files.append("speedup-vs-concurrency.png")
-    config = {k: v if isinstance(v, (int, float, tuple, type(None))) else str(v)
-              for k, v in dataclasses.asdict(options).items() if k not in ("command", "engine")}
-    write_manifest(folder, options.command, {**config, "engine": dataclasses.asdict(engine)},
-                   "cuda" if results["gpu"] != "cpu" else "cpu", results["date"], what="concurrency sweep",
-                   files=files)
+    config = {
+        k: v if isinstance(v, (int, float, tuple, type(None))) else str(v)
+        for k, v in dataclasses.asdict(options).items()
+        if k not in ("command", "engine")
+    }
+    write_manifest(
+        folder,
+        options.command,
+        {**config, "engine": dataclasses.asdict(engine)},
+        "cuda" if results["gpu"] != "cpu" else "cpu",
+        results["date"],
+        what="concurrency sweep",
+        files=files,
+    )
     return folder
 
 

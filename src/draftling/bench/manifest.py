@@ -53,6 +53,7 @@ def code_commit() -> str:
 
 def commit_of(package: Path) -> str:
     """``code_commit`` for the package folder ``package`` (``<checkout>/src/draftling``)."""
+
     def git(*args):
         return subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True, timeout=10)
 
@@ -82,6 +83,7 @@ def cpu_model() -> str:
 
 # A results file's ``gpu`` (and the simple bench's ``device``) comes from one of these three.
 
+
 def device_name(device) -> str:
     """The GPU's full name ("NVIDIA H200"), or "cpu (<processor>, <n> threads)": the simple bench's
     ``device`` and the lab benches' ``gpu``."""
@@ -92,7 +94,7 @@ def device_name(device) -> str:
 
 
 def device_slug(device) -> str:
-    """"cpu", or the GPU's name as a slug ("nvidia-h200"): the release and concurrency files' ``gpu``."""
+    """ "cpu", or the GPU's name as a slug ("nvidia-h200"): the release and concurrency files' ``gpu``."""
     device = torch.device(device)
     if device.type != "cuda":
         return "cpu"
@@ -147,13 +149,25 @@ def manifest_fields(command: str | None, config: dict, device, date: str | None 
     """commit (with the package version, which names the code where the commit is unknown),
     date, machine, command (default: this process's argv, quoted as a shell would need it) and
     the resolved config."""
-    return {"commit": code_commit(), "version": __version__,
-            "date": date or datetime.date.today().isoformat(), "machine": machine_line(device),
-            "command": command if command is not None else command_line(), "config": config}
+    return {
+        "commit": code_commit(),
+        "version": __version__,
+        "date": date or datetime.date.today().isoformat(),
+        "machine": machine_line(device),
+        "command": command if command is not None else command_line(),
+        "config": config,
+    }
 
 
-def write_manifest(folder: str | Path, command: str | None, config: dict, device, date: str | None = None,
-                   what: str | None = None, **extra) -> Path:
+def write_manifest(
+    folder: str | Path,
+    command: str | None,
+    config: dict,
+    device,
+    date: str | None = None,
+    what: str | None = None,
+    **extra,
+) -> Path:
     """``<folder>/manifest.json``: what the run measured, ``manifest_fields``, then ``extra``
     (e.g. ``files``)."""
     path = Path(folder) / MANIFEST

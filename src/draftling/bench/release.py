@@ -63,10 +63,24 @@ logger = logging.getLogger(__name__)
 
 PROMPT_LOOKUP_TOKENS = 10
 ROUND_TIMING_PROMPTS = 2  # per workload, for the per-round phase split
-RESULT_KEYS = ("date", "gpu", "engine", "target", "draft", "prompt_set", "dtype", "command", "baselines",
-               "baseline_details", "configs", "sampled", "caveats")
+RESULT_KEYS = (
+    "date",
+    "gpu",
+    "engine",
+    "target",
+    "draft",
+    "prompt_set",
+    "dtype",
+    "command",
+    "baselines",
+    "baseline_details",
+    "configs",
+    "sampled",
+    "caveats",
+)
 
 # ----------------------------------------------------------------------------- prompt sets
+
 
 def load_prompt_set(prompt_set: str | Path, target: Target) -> tuple[dict, list[BenchPrompt]]:
     """A prompt set (data/prompt_sets.py) in the target's tokens; ``info`` adds the notes and
@@ -84,8 +98,8 @@ def _workloads(prompts) -> list[str]:
     return list(dict.fromkeys(p.workload for p in prompts))  # file order
 
 
-
 # ----------------------------------------------------------------------------- measuring
+
 
 class _Clock:
     def __init__(self, device):
@@ -113,8 +127,16 @@ def _step_time(engine_target, q: int, ctx: int, token: int, clock: _Clock, reps:
 
 
 def _hf_kwargs(name: str, max_new_tokens: int, eos: list[int], pad: int) -> dict:
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos,
-              pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+    kw = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     if name == "hf_static":
         kw["cache_implementation"] = "static"  # transformers auto-compiles the decode step on GPU
     elif name == "hf_prompt_lookup":
@@ -180,12 +202,23 @@ class _Run:
         return torch.tensor([p.input_ids], device=self.device)
 
     def plain(self, x, unpadded: bool = False, **sampling):
-        return greedy_generate(self.unpadded if unpadded else self.main, x, self.opts.max_new_tokens, eos_ids=self.eos,
-                               **sampling)
+        return greedy_generate(
+            self.unpadded if unpadded else self.main, x, self.opts.max_new_tokens, eos_ids=self.eos, **sampling
+        )
 
     def spec(self, x, c: DecodeConfig, timing: bool = False, **sampling):
-        return speculative_generate(self.main, self.runner, x, self.opts.max_new_tokens, c.steps, c.topk,
-                                    c.draft_tokens, eos_ids=self.eos, timing=timing, **sampling)
+        return speculative_generate(
+            self.main,
+            self.runner,
+            x,
+            self.opts.max_new_tokens,
+            c.steps,
+            c.topk,
+            c.draft_tokens,
+            eos_ids=self.eos,
+            timing=timing,
+            **sampling,
+        )
 
 
 @dataclass
@@ -221,10 +254,22 @@ def run_release_bench(target: Target, draft_path, options: ReleaseOptions | None
     sampled = _time_sampled(run)
     results = _assemble(run, _Measured(rows, [p.id for p in subset], step_s, ctx, splits, sampled))
     paths = write_release_outputs(results, stem, rows)
-    config = {"target": results["target"], "draft": results["draft"], "dtype": results["dtype"],
-              "device": str(run.device), **opts.record(run.engine, run.timed_rounds)}
-    write_manifest(stem.parent, opts.command, config, run.device, date, what="release bench",
-                   files=sorted(p.name for p in paths.values()))
+    config = {
+        "target": results["target"],
+        "draft": results["draft"],
+        "dtype": results["dtype"],
+        "device": str(run.device),
+        **opts.record(run.engine, run.timed_rounds),
+    }
+    write_manifest(
+        stem.parent,
+        opts.command,
+        config,
+        run.device,
+        date,
+        what="release bench",
+        files=sorted(p.name for p in paths.values()),
+    )
     log(f"wrote {stem.parent}/: {stem.name}.json/.md/-grid.png/-tau-vs-speedup.png, manifest.json")
     if not opts.quiet:
         print(format_speedup_table(results))
@@ -241,8 +286,10 @@ def _start(target: Target, draft_path, opts: ReleaseOptions, date: str, log) -> 
     longest = max(len(p.input_ids) for p in prompts)
     limit = getattr(target.config, "max_position_embeddings", None)
     if limit and longest + opts.max_new_tokens > limit:
-        raise DataError(f"the longest prompt ({longest} tokens) + {opts.max_new_tokens} new tokens exceeds "
-                        f"the target's max_position_embeddings {limit}")
+        raise DataError(
+            f"the longest prompt ({longest} tokens) + {opts.max_new_tokens} new tokens exceeds "
+            f"the target's max_position_embeddings {limit}"
+        )
     max_len = longest + opts.max_new_tokens + max_draft + 8 + engine.query_pad
     main, runner = build_engine(target, draft, max_len, engine)
     record, unpadded = dataclasses.asdict(engine), None
@@ -274,19 +321,32 @@ def _time_engine(run: _Run) -> tuple[list[dict], dict[str, list[int]]]:
         x = run.tensor(p)
         ref, t = run.clock.timed(lambda: run.plain(x))
         ref = refs[p.id] = ref[0].tolist()
-        row = {"id": p.id, "workload": p.workload, "prompt_tokens": len(p.input_ids),
-               "engine_plain": {"tokens": len(ref), "s": t, "natural_stop": len(ref) < cap}}
+        row = {
+            "id": p.id,
+            "workload": p.workload,
+            "prompt_tokens": len(p.input_ids),
+            "engine_plain": {"tokens": len(ref), "s": t, "natural_stop": len(ref) < cap},
+        }
         if run.unpadded is not None:
             out, t = run.clock.timed(lambda: run.plain(x, unpadded=True))
             out = out[0].tolist()
-            row["engine_plain_unpadded"] = {"tokens": len(out), "s": t, "identical": out == ref,
-                                            "natural_stop": len(out) < cap}
+            row["engine_plain_unpadded"] = {
+                "tokens": len(out),
+                "s": t,
+                "identical": out == ref,
+                "natural_stop": len(out) < cap,
+            }
         for c in run.configs:
             (toks, stats), t = run.clock.timed(lambda: run.spec(x, c))
             toks = toks[0].tolist()
-            row[c.name] = {"tokens": len(toks), "s": t, "identical": toks == ref,
-                           "accepted": sum(stats.accept_lengths), "verifies": len(stats.accept_lengths),
-                           "accept_counts": list(stats.accept_counts)}
+            row[c.name] = {
+                "tokens": len(toks),
+                "s": t,
+                "identical": toks == ref,
+                "accepted": sum(stats.accept_lengths),
+                "verifies": len(stats.accept_lengths),
+                "accept_counts": list(stats.accept_counts),
+            }
         rows.append(row)
         last = (i + 1) % 8 == 0 or i + 1 == len(run.prompts)
         progress.update(1, f"engine: {i + 1}/{len(run.prompts)} prompts" if last else None)
@@ -326,9 +386,13 @@ def _time_hf_baselines(run: _Run, rows: list[dict], refs: dict) -> list[BenchPro
         for p in subset:
             x = run.tensor(p)
             out, t = run.clock.timed(lambda: hf(x))
-            toks = out[0, x.shape[1]:].tolist()
-            by_id[p.id][name] = {"tokens": len(toks), "s": t, "natural_stop": len(toks) < cap,
-                                 "identical": toks == refs[p.id]}
+            toks = out[0, x.shape[1] :].tolist()
+            by_id[p.id][name] = {
+                "tokens": len(toks),
+                "s": t,
+                "natural_stop": len(toks) < cap,
+                "identical": toks == refs[p.id],
+            }
             progress.update(1)
         progress.update(0, f"{name}: {len(subset)} prompts")
     return subset
@@ -340,8 +404,10 @@ def _time_steps(run: _Run) -> tuple[int, dict]:
     ctx = int(statistics.median(len(p.input_ids) for p in run.prompts)) + run.opts.max_new_tokens // 2
     reps = 30 if run.clock.cuda else 7
     tok0 = int(run.prompts[0].input_ids[-1])
-    step_s = {q: _step_time(run.main, q, ctx, tok0, run.clock, reps)
-              for q in sorted({1} | {c.draft_tokens for c in run.configs})}
+    step_s = {
+        q: _step_time(run.main, q, ctx, tok0, run.clock, reps)
+        for q in sorted({1} | {c.draft_tokens for c in run.configs})
+    }
     if run.unpadded is not None:
         step_s["1_unpadded"] = _step_time(run.unpadded, 1, ctx, tok0, run.clock, reps)
     return ctx, step_s
@@ -366,14 +432,21 @@ def _time_sampled(run: _Run) -> dict:
             row = {"workload": p.workload, "plain": {"tokens": toks.shape[1], "s": t}}
             for c in run.configs:
                 (toks, stats), t = run.clock.timed(lambda: run.spec(x, c, **seeded()))
-                row[c.name] = {"tokens": toks.shape[1], "s": t, "accepted": sum(stats.accept_lengths),
-                               "verifies": len(stats.accept_lengths)}
+                row[c.name] = {
+                    "tokens": toks.shape[1],
+                    "s": t,
+                    "accepted": sum(stats.accept_lengths),
+                    "verifies": len(stats.accept_lengths),
+                }
             rows.append(row)
-            progress.update(1, f"sampled at temperature {temp}: {i + 1}/{len(run.prompts)} prompts"
-                            if (i + 1) % 8 == 0 and i + 1 < len(run.prompts) else None)
+            progress.update(
+                1,
+                f"sampled at temperature {temp}: {i + 1}/{len(run.prompts)} prompts"
+                if (i + 1) % 8 == 0 and i + 1 < len(run.prompts)
+                else None,
+            )
         out[str(temp)] = {c.name: _sampled_config(run, rows, c.name) for c in run.configs}
-        progress.update(0, f"sampled at temperature {temp}: {len(rows)} prompts x (plain + "
-                           f"{len(run.configs)} configs)")
+        progress.update(0, f"sampled at temperature {temp}: {len(rows)} prompts x (plain + {len(run.configs)} configs)")
     return out
 
 
@@ -382,10 +455,17 @@ def _sampled_config(run: _Run, rows: list[dict], name: str) -> dict:
     for w in run.workloads:
         rs = [r for r in rows if r["workload"] == w]
         tok_s = _tok_s(rs, name)
-        per_w[w] = {"tau": sum(r[name]["accepted"] for r in rs) / max(1, sum(r[name]["verifies"] for r in rs)),
-                    "tok_s": tok_s, "plain_tok_s": _tok_s(rs, "plain"), "speedup": tok_s / _tok_s(rs, "plain")}
-    return {"per_workload": per_w, "mean_speedup": statistics.fmean(v["speedup"] for v in per_w.values()),
-            "mean_tau": statistics.fmean(v["tau"] for v in per_w.values())}
+        per_w[w] = {
+            "tau": sum(r[name]["accepted"] for r in rs) / max(1, sum(r[name]["verifies"] for r in rs)),
+            "tok_s": tok_s,
+            "plain_tok_s": _tok_s(rs, "plain"),
+            "speedup": tok_s / _tok_s(rs, "plain"),
+        }
+    return {
+        "per_workload": per_w,
+        "mean_speedup": statistics.fmean(v["speedup"] for v in per_w.values()),
+        "mean_tau": statistics.fmean(v["tau"] for v in per_w.values()),
+    }
 
 
 def _round_split(timings: list[dict]) -> dict | None:
@@ -400,6 +480,7 @@ def _round_split(timings: list[dict]) -> dict | None:
 
 
 # ----------------------------------------------------------------------------- results
+
 
 def _agg(rows: list[dict], key: str) -> tuple[int, float]:
     return sum(r[key]["tokens"] for r in rows), sum(r[key]["s"] for r in rows)
@@ -444,14 +525,22 @@ def _baselines(run: _Run, m: _Measured, ref: str) -> tuple[dict, dict]:
     base, details = dict.fromkeys(BASELINES), dict.fromkeys(BASELINES)
     tokens, secs = _agg(rows, ref)
     plain = details["engine_plain"] = {
-        "n": len(rows), "tokens": tokens, "seconds": secs,
+        "n": len(rows),
+        "tokens": tokens,
+        "seconds": secs,
         "natural_stops": sum(r[ref]["natural_stop"] for r in rows),
-        "max_new_tokens": cap, "cuda_graphs": run.engine["cuda_graphs"], "engine": run.engine,
+        "max_new_tokens": cap,
+        "cuda_graphs": run.engine["cuda_graphs"],
+        "engine": run.engine,
         "speedup_reference": ref,
-        "per_workload_tok_s": {w: _tok_s([r for r in rows if r["workload"] == w], ref) for w in run.workloads}}
+        "per_workload_tok_s": {w: _tok_s([r for r in rows if r["workload"] == w], ref) for w in run.workloads},
+    }
     if "engine_plain_unpadded" in rows[0]:
-        plain.update(padded_tok_s=_tok_s(rows, "engine_plain"), unpadded_tok_s=_tok_s(rows, "engine_plain_unpadded"),
-                     unpadded_identical_to_padded=sum(r["engine_plain_unpadded"]["identical"] for r in rows) / len(rows))
+        plain.update(
+            padded_tok_s=_tok_s(rows, "engine_plain"),
+            unpadded_tok_s=_tok_s(rows, "engine_plain_unpadded"),
+            unpadded_identical_to_padded=sum(r["engine_plain_unpadded"]["identical"] for r in rows) / len(rows),
+        )
     base["engine_plain"] = plain["tokens"] / plain["seconds"]
     ids = set(m.baseline_ids)
     sub = [r for r in rows if r["id"] in ids]
@@ -459,10 +548,16 @@ def _baselines(run: _Run, m: _Measured, ref: str) -> tuple[dict, dict]:
         tokens, secs = _agg(sub, name)
         base[name] = tokens / secs
         details[name] = {
-            "n": len(sub), "prompts_per_workload": run.opts.baseline_prompts_per_workload, "tokens": tokens,
-            "seconds": secs, "natural_stops": sum(r[name]["natural_stop"] for r in sub), "max_new_tokens": cap,
+            "n": len(sub),
+            "prompts_per_workload": run.opts.baseline_prompts_per_workload,
+            "tokens": tokens,
+            "seconds": secs,
+            "natural_stops": sum(r[name]["natural_stop"] for r in sub),
+            "max_new_tokens": cap,
             "identical_to_engine_plain": sum(r[name]["identical"] for r in sub) / len(sub),
-            "engine_plain_tok_s_same_prompts": _tok_s(sub, ref), "prompt_ids": [r["id"] for r in sub]}
+            "engine_plain_tok_s_same_prompts": _tok_s(sub, ref),
+            "prompt_ids": [r["id"] for r in sub],
+        }
     return base, details
 
 
@@ -472,8 +567,11 @@ def _config_results(run: _Run, m: _Measured, c: DecodeConfig, ref: str, plain_to
     for w in run.workloads:
         rs = [r for r in rows if r["workload"] == w]
         tok_s = _tok_s(rs, name)
-        per_w[w] = {"tau": sum(r[name]["accepted"] for r in rs) / max(1, sum(r[name]["verifies"] for r in rs)),
-                    "tok_s": tok_s, "speedup": tok_s / plain_tok_s[w]}
+        per_w[w] = {
+            "tau": sum(r[name]["accepted"] for r in rs) / max(1, sum(r[name]["verifies"] for r in rs)),
+            "tok_s": tok_s,
+            "speedup": tok_s / plain_tok_s[w],
+        }
     verifies = sum(r[name]["verifies"] for r in rows)
     counts = [sum(r[name]["accept_counts"][d] for r in rows) for d in range(c.steps)]
     mean_speedup = statistics.fmean(v["speedup"] for v in per_w.values())
@@ -486,12 +584,23 @@ def _config_results(run: _Run, m: _Measured, c: DecodeConfig, ref: str, plain_to
     # overhead) is counted as the drafting share.
     free = mean_tau * t1 / tq
     return {
-        "name": name, "steps": c.steps, "topk": c.topk, "draft_tokens": c.draft_tokens,
-        "per_workload": per_w, "mean_speedup": mean_speedup, "mean_tau": mean_tau,
+        "name": name,
+        "steps": c.steps,
+        "topk": c.topk,
+        "draft_tokens": c.draft_tokens,
+        "per_workload": per_w,
+        "mean_speedup": mean_speedup,
+        "mean_tau": mean_tau,
         "identical_fraction": sum(r[name]["identical"] for r in rows) / len(rows),
         "accept_rate_by_depth": [n / max(1, verifies) for n in counts],
-        "cost": {"free_speedup": free, "drafting_share": 1.0 - mean_speedup / free,
-                 "verify_q": c.draft_tokens, "plain_step_ms": t1 * 1e3, "verify_step_ms": tq * 1e3,
-                 "round_ms": sum(r[name]["s"] for r in rows) / max(1, verifies) * 1e3,
-                 "context_tokens": m.context_tokens},
-        "round_split_ms": m.round_split.get(name)}
+        "cost": {
+            "free_speedup": free,
+            "drafting_share": 1.0 - mean_speedup / free,
+            "verify_q": c.draft_tokens,
+            "plain_step_ms": t1 * 1e3,
+            "verify_step_ms": tq * 1e3,
+            "round_ms": sum(r[name]["s"] for r in rows) / max(1, verifies) * 1e3,
+            "context_tokens": m.context_tokens,
+        },
+        "round_split_ms": m.round_split.get(name),
+    }

@@ -21,6 +21,7 @@ PROTOCOL_KEYS = {"bench.configs": list(RELEASE_CONFIGS), "bench.max_new_tokens":
 
 # ----------------------------------------------------------------------------- options
 
+
 @dataclass(frozen=True)
 class ReleaseOptions:
     """What a release run measures and where it writes, checked when built.
@@ -89,19 +90,35 @@ class ReleaseOptions:
     @classmethod
     def from_config(cls, bench: BenchConfig, **fields) -> ReleaseOptions:
         """The options of a run config's bench section (null = "auto"), with ``fields``."""
-        engine = EngineOptions(cuda_graphs="auto", compile=bench.engine_compile, query_pad=bench.query_pad,
-                               attention=bench.attention)
-        return cls(prompt_set=bench.prompt_set, configs=bench.configs, max_new_tokens=bench.max_new_tokens,
-                   baselines=bench.baselines, baseline_prompts_per_workload=bench.baseline_prompts_per_workload,
-                   round_timing=bench.round_timing, sampled_temperatures=tuple(bench.sampled_temperatures),
-                   engine=engine, out_dir=bench.results_dir, tag=bench.tag, **fields)
+        engine = EngineOptions(
+            cuda_graphs="auto", compile=bench.engine_compile, query_pad=bench.query_pad, attention=bench.attention
+        )
+        return cls(
+            prompt_set=bench.prompt_set,
+            configs=bench.configs,
+            max_new_tokens=bench.max_new_tokens,
+            baselines=bench.baselines,
+            baseline_prompts_per_workload=bench.baseline_prompts_per_workload,
+            round_timing=bench.round_timing,
+            sampled_temperatures=tuple(bench.sampled_temperatures),
+            engine=engine,
+            out_dir=bench.results_dir,
+            tag=bench.tag,
+            **fields,
+        )
 
     def record(self, engine: dict, round_timing: bool) -> dict:
         """These options resolved, as JSON values for a manifest (which has the command)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("command", "quiet")}
-        return {**out, "prompt_set": str(self.prompt_set), "configs": list(self.configs),
-                "baselines": list(self.baselines), "round_timing": round_timing, "engine": engine,
-                "out_dir": str(self.out_dir)}
+        return {
+            **out,
+            "prompt_set": str(self.prompt_set),
+            "configs": list(self.configs),
+            "baselines": list(self.baselines),
+            "round_timing": round_timing,
+            "engine": engine,
+            "out_dir": str(self.out_dir),
+        }
 
 
 _ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions))
@@ -115,8 +132,8 @@ def _names(value) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- the run's folder
 
-def release_stem(out_dir: str | Path, date: str, gpu: str, tag: str | None = None,
-                 commit: str | None = None) -> Path:
+
+def release_stem(out_dir: str | Path, date: str, gpu: str, tag: str | None = None, commit: str | None = None) -> Path:
     """``<out_dir>/<date>-release-<commit>-<machine>[-<tag>]/<date>-<gpu>[-<tag>]``: the common
     stem of a run's output files, inside the run's folder (bench/manifest.py). ``commit``
     defaults to the running code's; the machine is ``gpu`` on a GPU, else this host's CPU."""
@@ -129,5 +146,7 @@ def check_results_free(stem: Path, overwrite: bool) -> None:
         if d.exists() and not d.is_dir():
             raise ConfigError(f"--results-dir {d}: is a file, not a directory")
     if stem.with_name(stem.name + ".json").exists() and not overwrite:
-        raise ConfigError(f"{stem}.json: results of this date, machine and tag exist; pass --tag NAME to keep "
-                          "both, or --overwrite to replace them")
+        raise ConfigError(
+            f"{stem}.json: results of this date, machine and tag exist; pass --tag NAME to keep "
+            "both, or --overwrite to replace them"
+        )

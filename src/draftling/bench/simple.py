@@ -73,8 +73,7 @@ def load_bench_prompts(path: str | Path, target: Target, n: int) -> list[tuple[s
             out.append((ex.id, ex.source, ex.input_ids[:start]))
     else:
         for conv in load_conversations(path):
-            text = render(target.tokenizer, prompt_messages(conv), tools=conv.tools,
-                          add_generation_prompt=True)
+            text = render(target.tokenizer, prompt_messages(conv), tools=conv.tools, add_generation_prompt=True)
             out.append((conv.id, conv.source, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
     out = [p for p in out if p[2]]
     if not out:
@@ -98,9 +97,9 @@ def sample_by_source(rows: list[tuple], n: int) -> list[tuple]:
         exact = {s: n * k / len(rows) for s, k in sizes.items()}
         quota = {s: int(e) for s, e in exact.items()}
         by_remainder = sorted(groups, key=lambda s: (-(exact[s] - quota[s]), -sizes[s]))
-        for s in by_remainder[:n - sum(quota.values())]:
+        for s in by_remainder[: n - sum(quota.values())]:
             quota[s] += 1
-    out, queues = [], [groups[s][:quota[s]] for s in groups]
+    out, queues = [], [groups[s][: quota[s]] for s in groups]
     while any(queues):
         for q in queues:
             if q:
@@ -108,8 +107,9 @@ def sample_by_source(rows: list[tuple], n: int) -> list[tuple]:
     return out
 
 
-def build_engine(target: Target, draft, max_seq_len: int, options: EngineOptions | None = None,
-                 batch_size: int = 1, **engine):
+def build_engine(
+    target: Target, draft, max_seq_len: int, options: EngineOptions | None = None, batch_size: int = 1, **engine
+):
     """The decode engine for a target and a draft, both with ``options`` (resolved; default the
     plain eager engine), or its fields as keywords (see engine/options.py); ``batch_size`` rows
     for engine/batch.py's ragged batches."""
@@ -122,8 +122,6 @@ def build_engine(target: Target, draft, max_seq_len: int, options: EngineOptions
     engine_target = build_target(target.model, ids, max_seq_len, batch_size=batch_size, options=options)
     runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, batch_size=batch_size, options=options)
     return engine_target, runner
-
-
 
 
 class _Decoder:
@@ -152,8 +150,18 @@ class _Decoder:
         from draftling.engine.generate import speculative_generate
 
         n = self.bc.max_new_tokens if n is None else n
-        return speculative_generate(self.engine, self.runner, ids, n, c.steps, c.topk, c.draft_tokens,
-                                    eos_ids=self.eos, generator=self._generator(i), **self.sampling)
+        return speculative_generate(
+            self.engine,
+            self.runner,
+            ids,
+            n,
+            c.steps,
+            c.topk,
+            c.draft_tokens,
+            eos_ids=self.eos,
+            generator=self._generator(i),
+            **self.sampling,
+        )
 
 
 @dataclass
@@ -168,8 +176,17 @@ class _Tally:
     totals: dict = field(init=False)
 
     def __post_init__(self):
-        self.totals = {c.name: {"tokens": 0, "time": 0.0, "accepted": 0, "verifies": 0, "identical": 0,
-                                "accept_counts": [0] * c.steps} for c in self.configs}
+        self.totals = {
+            c.name: {
+                "tokens": 0,
+                "time": 0.0,
+                "accepted": 0,
+                "verifies": 0,
+                "identical": 0,
+                "accept_counts": [0] * c.steps,
+            }
+            for c in self.configs
+        }
 
     def add_spec(self, name: str, toks: list[int], stats, seconds: float, same: bool) -> None:
         tot = self.totals[name]
@@ -184,8 +201,9 @@ class _Tally:
         return ", ".join(f"{name} tau {t['accepted'] / max(1, t['verifies']):.2f}" for name, t in self.totals.items())
 
 
-def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str | Path | None = None,
-              quiet: bool = False) -> dict:
+def run_bench(
+    cfg: RunConfig, target: Target, draft_path, prompts_path, out: str | Path | None = None, quiet: bool = False
+) -> dict:
     """Greedy (or sampled) speculative decoding of ``cfg.bench.num_prompts`` prompts of a file
     against the same engine without speculation; writes the results JSON to ``out`` if given,
     with the run's manifest fields inside it under "manifest"."""
@@ -221,13 +239,19 @@ def run_bench(cfg: RunConfig, target: Target, draft_path, prompts_path, out: str
         "max_new_tokens": bc.max_new_tokens,
         "sampling": {**dec.sampling, "seed": bc.seed} if dec.sampled else None,
         "plain_tok_s": plain_tok_s,
-        "configs": [_config_summary(c, tally.totals[c.name], plain_tok_s, len(prompts), dec.sampled)
-                    for c in configs],
+        "configs": [_config_summary(c, tally.totals[c.name], plain_tok_s, len(prompts), dec.sampled) for c in configs],
         "per_prompt": tally.per_prompt,
     }
     results["caveats"] = caveats(results, tally.natural_stops)
-    config = {"target": cfg.target, "dtype": results["dtype"], "device": str(device), "draft": draft_label(draft_path),
-              "prompts": str(prompts_path), "bench": to_dict(bc), "engine": dataclasses.asdict(dec.options)}
+    config = {
+        "target": cfg.target,
+        "dtype": results["dtype"],
+        "device": str(device),
+        "draft": draft_label(draft_path),
+        "prompts": str(prompts_path),
+        "bench": to_dict(bc),
+        "engine": dataclasses.asdict(dec.options),
+    }
     results["manifest"] = manifest_fields(None, config, device, results["date"])
     if not quiet:
         print(format_table(results))
@@ -253,11 +277,18 @@ def _time_prompts(dec: _Decoder, prompts: list, configs: list[DecodeConfig], qui
             (toks, stats), t_spec = timed(lambda: dec.spec(x, c, i=i), dec.device)
             toks = toks[0].tolist()
             tally.add_spec(c.name, toks, stats, t_spec, toks == ref)
-            row[c.name] = {"tau": stats.tau, "tokens": len(toks), "s": t_spec,
-                           "identical": None if dec.sampled else toks == ref}
+            row[c.name] = {
+                "tau": stats.tau,
+                "tokens": len(toks),
+                "s": t_spec,
+                "identical": None if dec.sampled else toks == ref,
+            }
         tally.per_prompt.append(row)
-        bar.update(1, f"bench: {len(tally.per_prompt)}/{len(prompts)} prompts, "
-                      f"{time.perf_counter() - started:.0f}s, {tally.taus()}")
+        bar.update(
+            1,
+            f"bench: {len(tally.per_prompt)}/{len(prompts)} prompts, "
+            f"{time.perf_counter() - started:.0f}s, {tally.taus()}",
+        )
     bar.close()
     return tally
 
@@ -265,10 +296,14 @@ def _time_prompts(dec: _Decoder, prompts: list, configs: list[DecodeConfig], qui
 def _config_summary(c: DecodeConfig, tot: dict, plain_tok_s: float, n: int, sampled: bool) -> dict:
     tok_s = tot["tokens"] / tot["time"]
     return {
-        "name": c.name, "steps": c.steps, "topk": c.topk, "draft_tokens": c.draft_tokens,
+        "name": c.name,
+        "steps": c.steps,
+        "topk": c.topk,
+        "draft_tokens": c.draft_tokens,
         # tau counts the bonus token: tokens emitted per verify step.
         "tau": tot["accepted"] / max(1, tot["verifies"]),
-        "tok_s": tok_s, "speedup": tok_s / plain_tok_s,
+        "tok_s": tok_s,
+        "speedup": tok_s / plain_tok_s,
         # Sampled decodes draw differently from the first rejection on: no token-level check.
         "identical_to_greedy": None if sampled else tot["identical"] / n,
         "accept_rate_by_depth": [a / max(1, tot["verifies"]) for a in tot["accept_counts"]],
@@ -281,8 +316,9 @@ def _config_summary(c: DecodeConfig, tot: dict, plain_tok_s: float, n: int, samp
 SPEC_TIME_RATIO = 1.3
 
 
-def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 128, tokens: int = 16,
-                           repeats: int = 3) -> dict:
+def estimate_bench_seconds(
+    cfg: RunConfig, target: Target, prompt_tokens: int = 128, tokens: int = 16, repeats: int = 3
+) -> dict:
     """The bench's cost on this machine, from timed plain decodes of ``tokens`` tokens after a
     random ``prompt_tokens``-token prompt on the same engine (the fastest of ``repeats``, so a
     transient load does not count): per-token seconds times what the bench will decode
@@ -294,8 +330,9 @@ def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 
     engine = build_target(target.model, target.aux_layer_ids, prompt_tokens + tokens + 16)
     ids = torch.randint(0, target.config.vocab_size, (1, prompt_tokens), device=target.device)
     greedy_generate(engine, ids, 4)  # warm-up: allocator, lazy init
-    per_token = min(timed(lambda: greedy_generate(engine, ids, tokens), target.device)[1]
-                    for _ in range(repeats)) / tokens
+    per_token = (
+        min(timed(lambda: greedy_generate(engine, ids, tokens), target.device)[1] for _ in range(repeats)) / tokens
+    )
     n_configs = len(bc.configs)
     decoded = (bc.num_prompts * bc.max_new_tokens + WARMUP_TOKENS) * (1 + SPEC_TIME_RATIO * n_configs)
     return {"per_token_s": round(per_token, 4), "seconds": round(decoded * per_token, 2)}
@@ -304,30 +341,36 @@ def estimate_bench_seconds(cfg: RunConfig, target: Target, prompt_tokens: int = 
 def caveats(results: dict, natural_stops: int) -> list[str]:
     n = results["num_prompts"]
     s = results.get("sampling")
-    decoding = (f"sampled (temperature {s['temperature']}, top-k {s['top_k'] or 'off'}, top-p "
-                f"{s['top_p']}, seed {s['seed']})" if s else "greedy")
-    notes = [f"n = {n} prompts, single run, batch 1, {decoding}; device {results['device']}, "
-             f"dtype {results['dtype']}"]
+    decoding = (
+        f"sampled (temperature {s['temperature']}, top-k {s['top_k'] or 'off'}, top-p {s['top_p']}, seed {s['seed']})"
+        if s
+        else "greedy"
+    )
+    notes = [f"n = {n} prompts, single run, batch 1, {decoding}; device {results['device']}, dtype {results['dtype']}"]
     if s:
-        notes.append("sampled: speculative and plain outputs differ after the first rejection, so "
-                     "identity is not checked here; that sampling keeps the target's distribution is "
-                     "tested (tests/test_engine.py::test_sampling_matches_target_distribution)")
+        notes.append(
+            "sampled: speculative and plain outputs differ after the first rejection, so "
+            "identity is not checked here; that sampling keeps the target's distribution is "
+            "tested (tests/test_engine.py::test_sampling_matches_target_distribution)"
+        )
     if n < 30:
         notes.append(f"small n ({n}): treat tau and speedup as rough")
     if natural_stops:
-        notes.append(f"{natural_stops} of {n} plain completions stopped naturally before "
-                     f"{results['max_new_tokens']} tokens")
+        notes.append(
+            f"{natural_stops} of {n} plain completions stopped naturally before {results['max_new_tokens']} tokens"
+        )
     if results["device"].startswith("cpu"):
         notes.append("eager CPU engine: speedups here do not predict GPU speedups")
     return notes
 
 
 def format_table(results: dict) -> str:
-    lines = [f"{'config':<14} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'identical':>10}",
-             f"{'plain':<14} {'1.00':>6} {results['plain_tok_s']:>8.1f} {'1.00x':>8} {'-':>10}"]
+    lines = [
+        f"{'config':<14} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'identical':>10}",
+        f"{'plain':<14} {'1.00':>6} {results['plain_tok_s']:>8.1f} {'1.00x':>8} {'-':>10}",
+    ]
     for c in results["configs"]:
         same = "n/a" if c["identical_to_greedy"] is None else f"{c['identical_to_greedy']:.0%}"
-        lines.append(f"{c['name']:<14} {c['tau']:>6.2f} {c['tok_s']:>8.1f} {c['speedup']:>7.2f}x "
-                     f"{same:>10}")
+        lines.append(f"{c['name']:<14} {c['tau']:>6.2f} {c['tok_s']:>8.1f} {c['speedup']:>7.2f}x {same:>10}")
     lines += [f"note: {n}" for n in results["caveats"]]
     return "\n".join(lines)

@@ -39,9 +39,21 @@ __all__ = ["COMMANDS", "add_plan_parser", "build_parser", "cmd_plan", "main", "r
 add_plan_parser = plan.add_parser
 
 # Each command's module, in the order `draftling --help` lists them.
-MODULES = {"data": data, "vocab": vocab, "train": train, "plan": plan, "extract": extract, "bench": bench,
-           "select": select, "export": export, "check": check, "release": release, "serve-check": serve_check,
-           "report": report, "quickstart": quickstart}
+MODULES = {
+    "data": data,
+    "vocab": vocab,
+    "train": train,
+    "plan": plan,
+    "extract": extract,
+    "bench": bench,
+    "select": select,
+    "export": export,
+    "check": check,
+    "release": release,
+    "serve-check": serve_check,
+    "report": report,
+    "quickstart": quickstart,
+}
 COMMANDS = {name: module.run for name, module in MODULES.items()}
 
 
@@ -49,12 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftling",
         description="Train, measure and ship EAGLE-3 speculative-decoding draft heads for any "
-                    "Hugging Face causal LM. Stages: data -> vocab -> train -> bench -> export.",
-        epilog="Run `draftling quickstart` to do everything on the embedded default target.")
+        "Hugging Face causal LM. Stages: data -> vocab -> train -> bench -> export.",
+        epilog="Run `draftling quickstart` to do everything on the embedded default target.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--log-file", metavar="PATH", default=None,
-                        help="also write every log line of this process, with time and level, to PATH "
-                             "(or set DRAFTLING_LOG_FILE); under torchrun each rank's lines are marked")
+    parser.add_argument(
+        "--log-file",
+        metavar="PATH",
+        default=None,
+        help="also write every log line of this process, with time and level, to PATH "
+        "(or set DRAFTLING_LOG_FILE); under torchrun each rank's lines are marked",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in MODULES.values():
         module.add_parser(sub)

@@ -10,12 +10,16 @@ from draftling.errors import DraftlingError
 
 def add_parser(sub) -> None:
     """`draftling check`: a head against a target, before serving."""
-    p = sub.add_parser("check", help="check that an exported head fits a target before serving it",
-                       description="Load EXPORT (an SGLang or speculators export, or a draftling draft), check its "
-                       "vocab maps, hidden size, vocabulary and aux layer ids against the target, and the target "
-                       "fingerprint the export recorded (config and tokenizer hashes, RoPE parameters, and where "
-                       "it carries one the weight hash, for which the target's weights are loaded). Exit 2 with "
-                       "every mismatch named.", epilog=EPILOG_OVERRIDES)
+    p = sub.add_parser(
+        "check",
+        help="check that an exported head fits a target before serving it",
+        description="Load EXPORT (an SGLang or speculators export, or a draftling draft), check its "
+        "vocab maps, hidden size, vocabulary and aux layer ids against the target, and the target "
+        "fingerprint the export recorded (config and tokenizer hashes, RoPE parameters, and where "
+        "it carries one the weight hash, for which the target's weights are loaded). Exit 2 with "
+        "every mismatch named.",
+        epilog=EPILOG_OVERRIDES,
+    )
     add_common(p)
     p.add_argument("export", metavar="EXPORT", help="the export (or draft) directory")
 

@@ -16,26 +16,47 @@ from pathlib import Path
 
 from draftling.errors import DraftlingError
 
-EPILOG_OVERRIDES = ("Config overrides: trailing KEY=VALUE pairs override the YAML config, e.g. "
-                    "train.lr=3e-4 data.regen.max_new_tokens=128 vocab.size=8192.")
+EPILOG_OVERRIDES = (
+    "Config overrides: trailing KEY=VALUE pairs override the YAML config, e.g. "
+    "train.lr=3e-4 data.regen.max_new_tokens=128 vocab.size=8192."
+)
 
 # The config key each such flag sets, by its argparse dest (one dest means one key in every
 # command). Each command names the ones it passes on to run_config.
 FLAG_KEYS = {
-    "target": "target", "device": "device", "dtype": "dtype", "device_map": "device_map",
+    "target": "target",
+    "device": "device",
+    "dtype": "dtype",
+    "device_map": "device_map",
     "chat_template": "chat_template",
-    "prompts": "data.prompts", "server": "data.regen.server_url", "server_model": "data.regen.server_model",
-    "size": "vocab.size", "prompt_weight": "vocab.prompt_weight",
-    "configs": "bench.configs", "num_prompts": "bench.num_prompts", "max_new_tokens": "bench.max_new_tokens",
-    "temperature": "bench.temperature", "top_k": "bench.top_k", "top_p": "bench.top_p",
-    "prompt_set": "bench.prompt_set", "baselines": "bench.baselines",
-    "baseline_prompts_per_workload": "bench.baseline_prompts_per_workload", "results_dir": "bench.results_dir",
-    "tag": "bench.tag", "engine_compile": "bench.engine_compile", "query_pad": "bench.query_pad",
-    "attention": "bench.attention", "concurrency": "bench.concurrency",
-    "shard_size": "extract.shard_size", "extract_batch_size": "extract.batch_size",
+    "prompts": "data.prompts",
+    "server": "data.regen.server_url",
+    "server_model": "data.regen.server_model",
+    "size": "vocab.size",
+    "prompt_weight": "vocab.prompt_weight",
+    "configs": "bench.configs",
+    "num_prompts": "bench.num_prompts",
+    "max_new_tokens": "bench.max_new_tokens",
+    "temperature": "bench.temperature",
+    "top_k": "bench.top_k",
+    "top_p": "bench.top_p",
+    "prompt_set": "bench.prompt_set",
+    "baselines": "bench.baselines",
+    "baseline_prompts_per_workload": "bench.baseline_prompts_per_workload",
+    "results_dir": "bench.results_dir",
+    "tag": "bench.tag",
+    "engine_compile": "bench.engine_compile",
+    "query_pad": "bench.query_pad",
+    "attention": "bench.attention",
+    "concurrency": "bench.concurrency",
+    "shard_size": "extract.shard_size",
+    "extract_batch_size": "extract.batch_size",
     "logits_dtype": "extract.logits_dtype",
-    "minutes": "wall_minutes", "init_from": "draft.init_from", "rebuild_vocab": "draft.rebuild_vocab",
-    "exclude_ids": "data.exclude_ids", "stop_on_convergence": "train.stop_on_convergence",
+    "minutes": "wall_minutes",
+    "init_from": "draft.init_from",
+    "rebuild_vocab": "draft.rebuild_vocab",
+    "exclude_ids": "data.exclude_ids",
+    "stop_on_convergence": "train.stop_on_convergence",
 }
 # A flag's value where it is not the key's value as it stands.
 FLAG_VALUES = {
@@ -50,8 +71,19 @@ FLAG_VALUES = {
 TARGET_FLAGS = ("target", "device", "dtype", "device_map")  # --device-map: only where a command has it
 DATA_FLAGS = ("chat_template", "prompts", "server", "server_model", "exclude_ids")
 BENCH_FLAGS = ("configs", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p")
-RELEASE_FLAGS = ("configs", "max_new_tokens", "prompt_set", "baselines", "baseline_prompts_per_workload",
-                 "results_dir", "tag", "engine_compile", "query_pad", "attention", "concurrency")
+RELEASE_FLAGS = (
+    "configs",
+    "max_new_tokens",
+    "prompt_set",
+    "baselines",
+    "baseline_prompts_per_workload",
+    "results_dir",
+    "tag",
+    "engine_compile",
+    "query_pad",
+    "attention",
+    "concurrency",
+)
 EXTRACT_FLAGS = ("shard_size", "extract_batch_size", "logits_dtype")
 
 
@@ -84,22 +116,26 @@ def run_config(args, flags=TARGET_FLAGS, base: tuple[str, ...] = ()):
 
 
 def add_common(p: argparse.ArgumentParser, config: bool = True) -> None:
-    p.add_argument("--target", help="HF hub id, local model directory, or .gguf file "
-                   "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    p.add_argument(
+        "--target",
+        help="HF hub id, local model directory, or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)",
+    )
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: from config)")
     if config:
-        p.add_argument("--config", help="YAML config file or built-in name "
-                       "(quickstart_cpu, default)", default=None)
+        p.add_argument("--config", help="YAML config file or built-in name (quickstart_cpu, default)", default=None)
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
 def add_device_map_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device-map", metavar="auto|balanced|FILE",
-                   help="spread the target over devices with accelerate (config device_map): auto or balanced "
-                   "fill the GPUs, then host RAM, then disk (cap each with max_memory={0: 40GiB, cpu: 200GiB}); "
-                   "FILE is a JSON object of module names to devices (0, \"cuda:1\", \"cpu\", \"disk\"). The draft "
-                   "trains on --device, which must hold the input embedding")
+    p.add_argument(
+        "--device-map",
+        metavar="auto|balanced|FILE",
+        help="spread the target over devices with accelerate (config device_map): auto or balanced "
+        "fill the GPUs, then host RAM, then disk (cap each with max_memory={0: 40GiB, cpu: 200GiB}); "
+        'FILE is a JSON object of module names to devices (0, "cuda:1", "cpu", "disk"). The draft '
+        "trains on --device, which must hold the input embedding",
+    )
 
 
 def check_data_files(data: Path) -> None:

@@ -19,29 +19,41 @@ def add_parser(sub) -> None:
     """`draftling extract`: the teacher's outputs cached for offline training."""
     from draftling.config import EXTRACT_CHOICES
 
-    p = sub.add_parser("extract", help="run the teacher once and cache its outputs for offline training",
-                       description="Offline mode, step 1: run the target over <data>/train.jsonl (and "
-                       "val.jsonl when present) and write what the loss needs (aux hidden states, "
-                       "target logits at the draft-vocab ids, full-vocab argmax) to sharded safetensors "
-                       "under CACHE/{train,val}/shard_NNNNN.safetensors with CACHE/manifest.json. Prints a "
-                       "disk estimate first: draft_logits dominate (a 32000-token draft vocab in bf16 is "
-                       "64 KB per token). Each shard is written under a temporary name and renamed when "
-                       "complete, so after a kill just rerun the same command: finished shards are "
-                       "skipped. Then train with `draftling train --offline CACHE`.",
-                       epilog=EPILOG_OVERRIDES)
+    p = sub.add_parser(
+        "extract",
+        help="run the teacher once and cache its outputs for offline training",
+        description="Offline mode, step 1: run the target over <data>/train.jsonl (and "
+        "val.jsonl when present) and write what the loss needs (aux hidden states, "
+        "target logits at the draft-vocab ids, full-vocab argmax) to sharded safetensors "
+        "under CACHE/{train,val}/shard_NNNNN.safetensors with CACHE/manifest.json. Prints a "
+        "disk estimate first: draft_logits dominate (a 32000-token draft vocab in bf16 is "
+        "64 KB per token). Each shard is written under a temporary name and renamed when "
+        "complete, so after a kill just rerun the same command: finished shards are "
+        "skipped. Then train with `draftling train --offline CACHE`.",
+        epilog=EPILOG_OVERRIDES,
+    )
     add_common(p)
     add_device_map_flag(p)
     p.add_argument("--data", required=True, help="directory written by `draftling data`")
     p.add_argument("--out", required=True, metavar="CACHE", help="cache directory to write (or resume)")
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
     # Each sets its config key extract.<name> (this --batch-size is not plan's: its own dest).
-    p.add_argument("--shard-size", type=int, metavar="N",
-                   help="sequences per shard (default: config extract.shard_size, 256)")
-    p.add_argument("--batch-size", dest="extract_batch_size", type=int, metavar="N",
-                   help="sequences per teacher forward pass (default: config extract.batch_size, 8)")
-    p.add_argument("--logits-dtype", choices=EXTRACT_CHOICES["logits_dtype"],
-                   help="storage dtype of the draft-vocab logits (default: config extract.logits_dtype, null: "
-                   "the target's dtype, lossless)")
+    p.add_argument(
+        "--shard-size", type=int, metavar="N", help="sequences per shard (default: config extract.shard_size, 256)"
+    )
+    p.add_argument(
+        "--batch-size",
+        dest="extract_batch_size",
+        type=int,
+        metavar="N",
+        help="sequences per teacher forward pass (default: config extract.batch_size, 8)",
+    )
+    p.add_argument(
+        "--logits-dtype",
+        choices=EXTRACT_CHOICES["logits_dtype"],
+        help="storage dtype of the draft-vocab logits (default: config extract.logits_dtype, null: "
+        "the target's dtype, lossless)",
+    )
 
 
 def run(args) -> None:

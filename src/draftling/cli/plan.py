@@ -11,7 +11,8 @@ from draftling.errors import ConfigError
 def add_parser(sub) -> argparse.ArgumentParser:
     """`draftling plan`: the memory estimate of train/memory.py and train/memory_fit.py for a run, without weights."""
     p = sub.add_parser(
-        "plan", help="will a training run fit on this GPU? (reads only the target's config)",
+        "plan",
+        help="will a training run fit on this GPU? (reads only the target's config)",
         description="Estimate the peak GPU memory of `draftling train` from the target's config and "
         "the run config, without loading weights: teacher weights, draft params, grads and optimizer "
         "state, the teacher's outputs, activations and the largest transient. Prints a table and a "
@@ -21,22 +22,35 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "estimate is for one process; under torchrun every rank holds its own teacher, so pass the "
         "per-rank share of the batch as --batch-size.",
         epilog="Config overrides: trailing KEY=VALUE pairs, e.g. train.batch_size=4 "
-        "train.optimizer_offload=false vocab.size=16000.")
-    p.add_argument("--target", help="HF hub id, local model directory, or .gguf file (default: the "
-                   "config's target)")
+        "train.optimizer_offload=false vocab.size=16000.",
+    )
+    p.add_argument("--target", help="HF hub id, local model directory, or .gguf file (default: the config's target)")
     add_device_map_flag(p)
-    p.add_argument("--gpu-mem", required=True, metavar="SIZE",
-                   help="memory of one GPU, e.g. 80GiB, 24GB, 141 (a bare number is GiB)")
+    p.add_argument(
+        "--gpu-mem",
+        required=True,
+        metavar="SIZE",
+        help="memory of one GPU, e.g. 80GiB, 24GB, 141 (a bare number is GiB)",
+    )
     p.add_argument("--config", default=None, help="YAML config file or built-in name")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="sequences per step (default: train.batch_size)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, metavar="N", help="sequences per step (default: train.batch_size)"
+    )
     p.add_argument("--dtype", help="the target's dtype (default: from config)")
-    p.add_argument("--offline", action="store_true", help="plan for `train --offline` (no teacher forward; "
-                   "the target is still loaded)")
-    p.add_argument("--teacher-bits", type=float, default=None, metavar="BITS",
-                   help="bits per teacher decoder weight, e.g. 4.5 for a 4-bit quantized teacher "
-                   "(default: the dtype, or the config's quantization)")
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="plan for `train --offline` (no teacher forward; the target is still loaded)",
+    )
+    p.add_argument(
+        "--teacher-bits",
+        type=float,
+        default=None,
+        metavar="BITS",
+        help="bits per teacher decoder weight, e.g. 4.5 for a 4-bit quantized teacher "
+        "(default: the dtype, or the config's quantization)",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     return p
 
@@ -58,10 +72,10 @@ def cmd_plan(args) -> int:
     batch = args.batch_size or cfg.train.batch_size
     target_config = load_target_config(cfg.target)
     try:
-        plan = plan_run(cfg, target_config, gpu_bytes, args.seq, batch, offline=args.offline,
-                        teacher_bits=args.teacher_bits)
-        max_batch = largest_fitting_batch(cfg, target_config, gpu_bytes, args.seq, args.offline,
-                                          args.teacher_bits)
+        plan = plan_run(
+            cfg, target_config, gpu_bytes, args.seq, batch, offline=args.offline, teacher_bits=args.teacher_bits
+        )
+        max_batch = largest_fitting_batch(cfg, target_config, gpu_bytes, args.seq, args.offline, args.teacher_bits)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     print(format_plan(plan, cfg.target, max_batch), flush=True)

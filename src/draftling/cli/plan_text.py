@@ -25,18 +25,27 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
         "",
         f"  {'GiB':>43}",
     ]
-    rows = [("teacher weights", est["teacher_weights"]), ("draft params", est["draft_params"]),
-            ("draft grads", est["draft_grads"]), ("optimizer state (device)", est["optimizer_state"]),
-            ("embedding (device, beyond the teacher)", est["embedding"]),
-            ("teacher outputs", est["teacher_outputs"]), ("activations", est["activations"]),
-            ("transient", est["transient"])]
+    rows = [
+        ("teacher weights", est["teacher_weights"]),
+        ("draft params", est["draft_params"]),
+        ("draft grads", est["draft_grads"]),
+        ("optimizer state (device)", est["optimizer_state"]),
+        ("embedding (device, beyond the teacher)", est["embedding"]),
+        ("teacher outputs", est["teacher_outputs"]),
+        ("activations", est["activations"]),
+        ("transient", est["transient"]),
+    ]
     for name, value in rows:
         lines.append(f"  {name:<38}{_gib(value)}")
-    lines += [f"  {'total (peak: ' + est['peak_phase'].replace('_', ' ') + ')':<38}{_gib(est['total'])}",
-              f"  {'reserve (CUDA context, fragmentation)':<38}{_gib(plan['reserve'])}",
-              f"  {'GPU memory':<38}{_gib(plan['gpu_bytes'])}",
-              f"  {'headroom':<38}{_gib(plan['headroom'])}"]
-    lines.append("  phases (GiB): " + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in est["phases"].items()))
+    lines += [
+        f"  {'total (peak: ' + est['peak_phase'].replace('_', ' ') + ')':<38}{_gib(est['total'])}",
+        f"  {'reserve (CUDA context, fragmentation)':<38}{_gib(plan['reserve'])}",
+        f"  {'GPU memory':<38}{_gib(plan['gpu_bytes'])}",
+        f"  {'headroom':<38}{_gib(plan['headroom'])}",
+    ]
+    lines.append(
+        "  phases (GiB): " + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in est["phases"].items())
+    )
     lines.append(f"  activations saved for backward over all TTT steps: {est['activations_saved'] / GIB:.2f} GiB")
     host = est["host"]["optimizer"] + est["host"]["embedding"]
     if host:
@@ -46,16 +55,27 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
     lines.append("")
     need = (est["total"] + plan["reserve"]) / GIB
     if plan["fits"]:
-        lines.append(f"fits: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
-                     f"({plan['headroom'] / GIB:.2f} GiB headroom)")
+        lines.append(
+            f"fits: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
+            f"({plan['headroom'] / GIB:.2f} GiB headroom)"
+        )
     else:
-        lines.append(f"does NOT fit: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
-                     f"(short by {-plan['headroom'] / GIB:.2f} GiB)")
+        lines.append(
+            f"does NOT fit: {need:.2f} GiB needed of {plan['gpu_bytes'] / GIB:.2f} GiB "
+            f"(short by {-plan['headroom'] / GIB:.2f} GiB)"
+        )
     split = plan["split"]
-    if split and split.source in ("auto", "balanced") and not plan["fits"] and split.on_training_device > -plan["headroom"]:
+    if (
+        split
+        and split.source in ("auto", "balanced")
+        and not plan["fits"]
+        and split.on_training_device > -plan["headroom"]
+    ):
         cap = (split.on_training_device + plan["headroom"]) / GIB
-        lines.append(f"to fit, keep at most ~{cap:.1f} GiB of the teacher on cuda:{split.training_device}: "
-                     f"max_memory={{{split.training_device}: {cap:.1f}GiB, cpu: ...}}")
+        lines.append(
+            f"to fit, keep at most ~{cap:.1f} GiB of the teacher on cuda:{split.training_device}: "
+            f"max_memory={{{split.training_device}: {cap:.1f}GiB, cpu: ...}}"
+        )
     if max_batch == 0:
         lines.append(f"no batch size fits at seq {plan['seq']}")
     elif max_batch is not None:
@@ -65,11 +85,14 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
 
 def split_line(split: TeacherSplit) -> str:
     """The teacher's share per device, and what streams through the training GPU."""
+
     def name(device) -> str:
         return f"cuda:{device}" if isinstance(device, int) else device
 
     parts = ", ".join(f"{name(d)} {b / GIB:.2f}" for d, b in sorted(split.by_device.items(), key=lambda x: str(x[0])))
-    line = f"  teacher weights by device_map {split.source} (GiB): {parts}; cuda:{split.training_device} holds its share"
+    line = (
+        f"  teacher weights by device_map {split.source} (GiB): {parts}; cuda:{split.training_device} holds its share"
+    )
     if split.streamed:
         line += f", and streams offloaded modules through, up to {split.streamed / GIB:.2f} GiB at a time (transient)"
     return line

@@ -8,22 +8,29 @@ from draftling.errors import DraftlingError
 
 def add_parser(sub) -> None:
     """`draftling quickstart`: every stage, on the embedded default target."""
-    p = sub.add_parser("quickstart", help="run every stage on the embedded default target",
-                       description="data -> vocab -> train -> bench -> export on SmolLM2-135M-Instruct "
-                       "and the starter prompts shipped with draftling (starter:chat, starter:code, "
-                       "starter:math), with the CPU profile (configs/quickstart_cpu.yaml), inside a time "
-                       "budget. After loading the target it times one training step and a decode on this "
-                       "machine, sets the bench and validation aside, and splits the rest between "
-                       "regenerating replies (which stops at its share and keeps what is done) and "
-                       "training (whose LR schedule is fitted to what is left). Writes "
-                       "<out>/summary.json, with the plan and what each stage used, and prints a table.",
-                       epilog=EPILOG_OVERRIDES)
+    p = sub.add_parser(
+        "quickstart",
+        help="run every stage on the embedded default target",
+        description="data -> vocab -> train -> bench -> export on SmolLM2-135M-Instruct "
+        "and the starter prompts shipped with draftling (starter:chat, starter:code, "
+        "starter:math), with the CPU profile (configs/quickstart_cpu.yaml), inside a time "
+        "budget. After loading the target it times one training step and a decode on this "
+        "machine, sets the bench and validation aside, and splits the rest between "
+        "regenerating replies (which stops at its share and keeps what is done) and "
+        "training (whose LR schedule is fitted to what is left). Writes "
+        "<out>/summary.json, with the plan and what each stage used, and prints a table.",
+        epilog=EPILOG_OVERRIDES,
+    )
     add_common(p)
     p.add_argument("--out", default="runs/quickstart", help="output directory (default runs/quickstart)")
-    p.add_argument("--minutes", type=float, default=None,
-                   help="the whole run's time budget in minutes, from start to summary (default: the "
-                   "profile's wall_minutes, 13.5 in quickstart_cpu; 0 = no budget, the profile's fixed "
-                   "counts). A budget too small for training on this machine is refused after the probe.")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="the whole run's time budget in minutes, from start to summary (default: the "
+        "profile's wall_minutes, 13.5 in quickstart_cpu; 0 = no budget, the profile's fixed "
+        "counts). A budget too small for training on this machine is refused after the probe.",
+    )
 
 
 def run(args) -> None:

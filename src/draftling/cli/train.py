@@ -23,45 +23,79 @@ log = logging.getLogger(__name__)
 
 def add_parser(sub) -> None:
     """`draftling train`: online (or --offline) training of the head."""
-    p = sub.add_parser("train", help="train the EAGLE-3 head (teacher resident, TTT unroll)",
-                       description="Online training: the target stays loaded and its aux hidden states "
-                       "are recomputed for each batch. Logs per-step and conditional accuracy and a "
-                       "simulated acceptance length (sim_tau) to <run>/metrics.jsonl and stdout; "
-                       "validation also walks each sequence as a greedy chain decode over "
-                       "train.ttt_steps would (chain_tau: what benching those prompts measures); checkpoints "
-                       "atomically to <run>/checkpoints; writes the final head to <run>/draft.",
-                       epilog=EPILOG_OVERRIDES)
+    p = sub.add_parser(
+        "train",
+        help="train the EAGLE-3 head (teacher resident, TTT unroll)",
+        description="Online training: the target stays loaded and its aux hidden states "
+        "are recomputed for each batch. Logs per-step and conditional accuracy and a "
+        "simulated acceptance length (sim_tau) to <run>/metrics.jsonl and stdout; "
+        "validation also walks each sequence as a greedy chain decode over "
+        "train.ttt_steps would (chain_tau: what benching those prompts measures); checkpoints "
+        "atomically to <run>/checkpoints; writes the final head to <run>/draft.",
+        epilog=EPILOG_OVERRIDES,
+    )
     add_common(p)
     add_device_map_flag(p)
     p.add_argument("--data", required=True, help="directory written by `draftling data`")
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
     p.add_argument("--run-dir", required=True, help="run directory (config, metrics, checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    p.add_argument("--allow-change", action="append", default=[], metavar="KEY",
-                   help="with --resume: apply this config key's new value (e.g. train.lr), recorded in "
-                   "config.yaml and as a config_change record in metrics.jsonl; repeat for several. "
-                   "Without it a resume whose config differs from the run's is refused, listing the keys")
-    p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds an earlier "
-                   "run (its checkpoints, draft and metrics are removed); without it, or --resume, such a "
-                   "directory is refused")
-    p.add_argument("--init-from", metavar="DIR", help="start from this head instead of a new one: a draftling "
-                   "run, draft or checkpoint, an SGLang/EAGLE export or a speculators export (draft.init_from); "
-                   "it keeps its own vocab map and reports the map's coverage of the data; the source is never written")
-    p.add_argument("--rebuild-vocab", action="store_true", default=None, help="with --init-from: use the data's "
-                   "vocab map instead; the head rows of tokens that enter are re-initialised (draft.rebuild_vocab)")
-    p.add_argument("--offline", metavar="CACHE", help="read the teacher's outputs from a cache written by "
-                   "`draftling extract` instead of running the teacher per batch (the target is still "
-                   "loaded, for its embedding and pad id); the cache must match --data and --vocab")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="data-parallel over N processes on this host: relaunches this command under "
-                   "torchrun (same as `torchrun --nproc_per_node N -m draftling train ...`). Each rank "
-                   "loads the teacher on its own GPU (cuda:<local rank>); train.batch_size stays the "
-                   "global batch; train.parallel=ddp|fsdp picks the wrapper")
-    p.add_argument("--stop-on-convergence", action="store_true", default=None,
-                   help="stop cleanly (head written) once the smoke bench's tau has plateaued: it stays inside "
-                   "its noise band for train.convergence_checks checks, above a floor tau (train/convergence.py's "
-                   "FLOOR_TAU: a draft that accepts next to nothing never converges) (train.stop_on_convergence; needs "
-                   "train.smoke_every > 0). Without it the run only logs \"converged at X%% of epoch N\"")
+    p.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: apply this config key's new value (e.g. train.lr), recorded in "
+        "config.yaml and as a config_change record in metrics.jsonl; repeat for several. "
+        "Without it a resume whose config differs from the run's is refused, listing the keys",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a --run-dir that holds an earlier "
+        "run (its checkpoints, draft and metrics are removed); without it, or --resume, such a "
+        "directory is refused",
+    )
+    p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from this head instead of a new one: a draftling "
+        "run, draft or checkpoint, an SGLang/EAGLE export or a speculators export (draft.init_from); "
+        "it keeps its own vocab map and reports the map's coverage of the data; the source is never written",
+    )
+    p.add_argument(
+        "--rebuild-vocab",
+        action="store_true",
+        default=None,
+        help="with --init-from: use the data's "
+        "vocab map instead; the head rows of tokens that enter are re-initialised (draft.rebuild_vocab)",
+    )
+    p.add_argument(
+        "--offline",
+        metavar="CACHE",
+        help="read the teacher's outputs from a cache written by "
+        "`draftling extract` instead of running the teacher per batch (the target is still "
+        "loaded, for its embedding and pad id); the cache must match --data and --vocab",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data-parallel over N processes on this host: relaunches this command under "
+        "torchrun (same as `torchrun --nproc_per_node N -m draftling train ...`). Each rank "
+        "loads the teacher on its own GPU (cuda:<local rank>); train.batch_size stays the "
+        "global batch; train.parallel=ddp|fsdp picks the wrapper",
+    )
+    p.add_argument(
+        "--stop-on-convergence",
+        action="store_true",
+        default=None,
+        help="stop cleanly (head written) once the smoke bench's tau has plateaued: it stays inside "
+        "its noise band for train.convergence_checks checks, above a floor tau (train/convergence.py's "
+        "FLOOR_TAU: a draft that accepts next to nothing never converges) (train.stop_on_convergence; needs "
+        'train.smoke_every > 0). Without it the run only logs "converged at X%% of epoch N"',
+    )
 
 
 def run(args) -> int | None:
@@ -69,8 +103,10 @@ def run(args) -> int | None:
 
     cfg = run_config(args, (*TARGET_FLAGS, "init_from", "rebuild_vocab", "stop_on_convergence"))
     if cfg.device_map and (args.nproc is not None or launched_by_torchrun()):
-        raise DraftlingError(f"device_map {cfg.device_map}: not with data-parallel ranks (--nproc, torchrun), "
-                             "which each load a teacher on their own GPU; use one or the other")
+        raise DraftlingError(
+            f"device_map {cfg.device_map}: not with data-parallel ranks (--nproc, torchrun), "
+            "which each load a teacher on their own GPU; use one or the other"
+        )
     if args.nproc is not None:
         if args.nproc < 1:
             raise DraftlingError(f"--nproc {args.nproc}: expected a positive number of processes")
@@ -94,13 +130,24 @@ def run(args) -> int | None:
         from draftling.train.offline import OfflineTeacher
 
         vocab = load_vocab(vocab_path)
-        source = OfflineTeacher(args.offline, "train", vocab_hash=vocab.data_hash,
-                                data_hash=hash_dataset_file(data / "train.jsonl"))
+        source = OfflineTeacher(
+            args.offline, "train", vocab_hash=vocab.data_hash, data_hash=hash_dataset_file(data / "train.jsonl")
+        )
         source.check_target(target)
         log.info(f"offline teacher: {args.offline} ({source.info['num_shards']} train shards)")  # rank 0: logs.py
-    train(cfg, target, args.run_dir, data / "train.jsonl", data / "val.jsonl", vocab_path,
-          resume=args.resume, teacher_source=source, init=init, overwrite=args.overwrite,
-          allow_change=args.allow_change)
+    train(
+        cfg,
+        target,
+        args.run_dir,
+        data / "train.jsonl",
+        data / "val.jsonl",
+        vocab_path,
+        resume=args.resume,
+        teacher_source=source,
+        init=init,
+        overwrite=args.overwrite,
+        allow_change=args.allow_change,
+    )
 
 
 def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
@@ -117,8 +164,16 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "draftling", *rest]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "draftling",
+        *rest,
+    ]
     log.info("launching: " + " ".join(cmd))
     return subprocess.call(cmd, env={**os.environ, **NO_MULTICAST_ENV})
 

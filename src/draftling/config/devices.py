@@ -45,15 +45,19 @@ def device_map_value(value: str | None) -> str | dict | None:
         return value
     path = Path(value)
     if not path.is_file():
-        raise ConfigError(f"device_map={value!r}: expected auto, balanced or a JSON file mapping module "
-                          "names to devices (no such file)")
+        raise ConfigError(
+            f"device_map={value!r}: expected auto, balanced or a JSON file mapping module "
+            "names to devices (no such file)"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"device_map {path}: not valid JSON: {e}") from None
     if not isinstance(data, dict) or not data:
-        raise ConfigError(f"device_map {path}: expected a JSON object of module names to devices, e.g. "
-                          '{"model.layers.0": 0, "model.layers.1": "cpu"}')
+        raise ConfigError(
+            f"device_map {path}: expected a JSON object of module names to devices, e.g. "
+            '{"model.layers.0": 0, "model.layers.1": "cpu"}'
+        )
     return {name: device_name(device, f"device_map {path}: {name!r}") for name, device in data.items()}
 
 
@@ -62,7 +66,9 @@ def max_memory_bytes(value: dict | None) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not value:
-        raise ConfigError(f"max_memory={value!r}: expected a mapping of devices to sizes, e.g. {{0: 40GiB, cpu: 200GiB}}")
+        raise ConfigError(
+            f"max_memory={value!r}: expected a mapping of devices to sizes, e.g. {{0: 40GiB, cpu: 200GiB}}"
+        )
     out = {}
     for device, size in value.items():
         where = f"max_memory[{device!r}]"
@@ -71,4 +77,3 @@ def max_memory_bytes(value: dict | None) -> dict | None:
         except ValueError:
             raise ConfigError(f"{where}={size!r}: expected a size, e.g. 40GiB") from None
     return out
-

@@ -26,8 +26,16 @@ RESUME = ("free", "fixed")
 _MISSING = dataclasses.MISSING
 
 
-def key(default: Any = _MISSING, *, factory: Callable[[], Any] | None = None, bounds: Bounds | None = None,
-        choices: tuple | None = None, resume: str = "fixed", flag: str | None = None, help: str = ""):
+def key(
+    default: Any = _MISSING,
+    *,
+    factory: Callable[[], Any] | None = None,
+    bounds: Bounds | None = None,
+    choices: tuple | None = None,
+    resume: str = "fixed",
+    flag: str | None = None,
+    help: str = "",
+):
     """A config field. ``bounds``: (what is expected, test), checked when the config is built;
     ``choices``: the names a string field accepts; ``resume``: "free" where a ``--resume`` may
     change the key (for a section: every key in it), else "fixed"; ``flag``: the CLI flag that
@@ -57,8 +65,11 @@ def check_choices(section: str, obj, choices: dict) -> None:
 
 def bounds_of(cls, names=None) -> dict:
     """{field: bounds} of ``cls``'s fields that declare bounds (of ``names`` only, if given)."""
-    return {f.name: f.metadata["bounds"] for f in dataclasses.fields(cls)
-            if f.metadata.get("bounds") and (names is None or f.name in names)}
+    return {
+        f.name: f.metadata["bounds"]
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("bounds") and (names is None or f.name in names)
+    }
 
 
 def choices_of(cls) -> dict:
@@ -68,8 +79,11 @@ def choices_of(cls) -> dict:
 
 def validate(section: str, obj, names=None, exclude=()) -> None:
     """Check the fields' declared choices, then their bounds (of ``names``, less ``exclude``)."""
-    check_choices(section, obj, {k: v for k, v in choices_of(type(obj)).items()
-                                 if (names is None or k in names) and k not in exclude})
+    check_choices(
+        section,
+        obj,
+        {k: v for k, v in choices_of(type(obj)).items() if (names is None or k in names) and k not in exclude},
+    )
     check_bounds(section, obj, {k: v for k, v in bounds_of(type(obj), names).items() if k not in exclude})
 
 

@@ -79,6 +79,7 @@ def to_dict(cfg) -> dict:
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
         return v
+
     return plain(dataclasses.asdict(cfg))
 
 
@@ -88,10 +89,13 @@ class _Loader(yaml.SafeLoader):
     them (``_BOOL_WORDS``)."""
 
 
-_Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
-                                   for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def yaml_load(text: str):

@@ -40,8 +40,10 @@ def key_table_markdown(cls=RunConfig) -> str:
             accepts.append(meta["bounds"][0])
         free = meta.get("resume") == "free" or name.startswith(tuple(free_sections))
         flag = f"`{meta['flag']}`" if meta.get("flag") else ""
-        rows.append(f"| `{name}` | {_value(default_of(f))} | {_cell('; '.join(accepts))} | "
-                    f"{'may change' if free else 'fixed'} | {flag} | {_cell(meta.get('help', ''))} |")
+        rows.append(
+            f"| `{name}` | {_value(default_of(f))} | {_cell('; '.join(accepts))} | "
+            f"{'may change' if free else 'fixed'} | {flag} | {_cell(meta.get('help', ''))} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -53,4 +55,4 @@ def replace_section(text: str, table: str) -> str:
 
 def readme_section(text: str) -> str:
     """What lies between the markers, as ``replace_section`` writes it."""
-    return text[text.index(START) + len(START):text.index(END)].removeprefix("\n")
+    return text[text.index(START) + len(START) : text.index(END)].removeprefix("\n")

@@ -61,7 +61,7 @@ def parse_hf_spec(spec: str, key: str | None = None) -> HubSpec:
     where = f"{key}: {spec}" if key else spec
     if not spec.startswith(HF_PREFIX):
         raise ConfigError(f"{where}: not a dataset spec (expected {SPEC_SYNTAX})")
-    body, at, split = spec[len(HF_PREFIX):].partition("@")
+    body, at, split = spec[len(HF_PREFIX) :].partition("@")
     name, colon, config = body.partition(":")
     problem = None
     if not name.strip():
@@ -75,8 +75,10 @@ def parse_hf_spec(spec: str, key: str | None = None) -> HubSpec:
     elif any(c.isspace() for c in name + config):
         problem = "NAME and CONFIG cannot contain spaces"
     if problem:
-        raise ConfigError(f"{where}: bad dataset spec: {problem}; expected {SPEC_SYNTAX}, "
-                          "e.g. hf:HuggingFaceH4/ultrachat_200k@train_sft")
+        raise ConfigError(
+            f"{where}: bad dataset spec: {problem}; expected {SPEC_SYNTAX}, "
+            "e.g. hf:HuggingFaceH4/ultrachat_200k@train_sft"
+        )
     return HubSpec(name=name, config=config or None, split=split if at else DEFAULT_SPLIT)
 
 
@@ -86,8 +88,9 @@ def _import_datasets(where: str):
         import datasets
     except ImportError as e:
         if e.name not in (None, "datasets"):  # datasets is there but one of its own imports fails
-            raise ConfigError(f"{where}: the datasets library failed to import ({e}); "
-                              f"reinstall it: {INSTALL_HINT}") from None
+            raise ConfigError(
+                f"{where}: the datasets library failed to import ({e}); reinstall it: {INSTALL_HINT}"
+            ) from None
         raise ConfigError(f"{where}: needs the datasets library: {INSTALL_HINT}") from None
     return datasets
 
@@ -98,8 +101,10 @@ def _folder_problem(folder: Path) -> str | None:
         return None
     if all((folder / f).is_file() for f in DATASET_FILES):
         return None
-    return (f"folder {folder} is not a dataset written by datasets' save_to_disk: expected "
-            f"{' and '.join(DATASET_FILES)} (a Dataset) or {DATASET_DICT_FILE} (a DatasetDict) in it")
+    return (
+        f"folder {folder} is not a dataset written by datasets' save_to_disk: expected "
+        f"{' and '.join(DATASET_FILES)} (a Dataset) or {DATASET_DICT_FILE} (a DatasetDict) in it"
+    )
 
 
 def check_dataset_spec(spec: str, key: str) -> None:
@@ -118,8 +123,9 @@ def check_dataset_spec(spec: str, key: str) -> None:
 
         why = hub_unreachable()
         if why and why != "HF_HUB_OFFLINE is set":  # offline mode reads datasets' own cache
-            raise DataError(f"{where}: the Hugging Face hub is out of reach: {why} (to read a cached copy, "
-                            "set HF_HUB_OFFLINE=1)")
+            raise DataError(
+                f"{where}: the Hugging Face hub is out of reach: {why} (to read a cached copy, set HF_HUB_OFFLINE=1)"
+            )
 
 
 def load_dataset_conversations(spec: str) -> list[Conversation]:
@@ -154,9 +160,11 @@ def load_dataset_conversations(spec: str) -> list[Conversation]:
         elif len(splits) == 1:
             split = splits[0]
         else:
-            raise DataError(f"{spec}: a DatasetDict with splits {splits} and none named "
-                            f"'{DEFAULT_SPLIT}'; save the split you want on its own, e.g. "
-                            f"dd['{splits[0]}'].save_to_disk(...)")
+            raise DataError(
+                f"{spec}: a DatasetDict with splits {splits} and none named "
+                f"'{DEFAULT_SPLIT}'; save the split you want on its own, e.g. "
+                f"dd['{splits[0]}'].save_to_disk(...)"
+            )
         ds = ds[split]
         label = f"{spec} (split {split})"
     return dataset_conversations(ds, label=label, name=name, split=str(split) if split else None)
@@ -187,15 +195,20 @@ def _detect_shape(ds, label: str) -> tuple[str, str]:
     columns = list(ds.column_names)
     column = next((c for c in SHAPES if c in columns), None)
     if column is None:
-        raise DataError(f"{label}: unknown dataset shape: columns {columns}; expected a "
-                        "'conversations' (ShareGPT), 'messages' (OpenAI) or 'data' (UltraChat) column")
+        raise DataError(
+            f"{label}: unknown dataset shape: columns {columns}; expected a "
+            "'conversations' (ShareGPT), 'messages' (OpenAI) or 'data' (UltraChat) column"
+        )
     feature = (ds.features or {}).get(column)
     if column == "data":
         item = _list_item(feature)
-        if feature is not None and not (type(item).__name__ == "Value"
-                                        and str(getattr(item, "dtype", "")) in ("string", "large_string")):
-            raise DataError(f"{label}: the 'data' column is {feature}, not a list of strings "
-                            f"(UltraChat: user, assistant, user, ...); columns {columns}")
+        if feature is not None and not (
+            type(item).__name__ == "Value" and str(getattr(item, "dtype", "")) in ("string", "large_string")
+        ):
+            raise DataError(
+                f"{label}: the 'data' column is {feature}, not a list of strings "
+                f"(UltraChat: user, assistant, user, ...); columns {columns}"
+            )
         return column, "ultrachat"
     if column == "messages":
         return column, "messages"
@@ -206,8 +219,10 @@ def _detect_shape(ds, label: str) -> tuple[str, str]:
         return column, "sharegpt"
     if {"role", "content"} & keys:
         return column, "messages"
-    raise DataError(f"{label}: the 'conversations' turns have keys {sorted(keys)}; expected "
-                    "'from'/'value' (ShareGPT) or 'role'/'content' (OpenAI-style)")
+    raise DataError(
+        f"{label}: the 'conversations' turns have keys {sorted(keys)}; expected "
+        "'from'/'value' (ShareGPT) or 'role'/'content' (OpenAI-style)"
+    )
 
 
 def _turn_list(turns):
@@ -218,16 +233,14 @@ def _turn_list(turns):
         keys = list(turns)
         turns = [dict(zip(keys, values)) for values in zip(*turns.values())]
     if isinstance(turns, list):
-        return [{k: v for k, v in t.items() if v is not None} if isinstance(t, dict) else t
-                for t in turns]
+        return [{k: v for k, v in t.items() if v is not None} if isinstance(t, dict) else t for t in turns]
     return turns
 
 
 def _ultrachat_turns(data, where: str) -> list[dict]:
     if not isinstance(data, list) or not data:
         raise DataError(f"{where}: missing or empty 'data' list")
-    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
-            for i, text in enumerate(data)]
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(data)]
 
 
 def _row_messages(row: dict, column: str, style: str, where: str) -> list[dict]:

@@ -109,8 +109,13 @@ class ReplyJournal:
             tensors = {}
             for r in records:
                 ids, aux, final = r["_states"]
-                tensors.update({f"{r['id']}/ids": torch.tensor(ids, dtype=torch.long),
-                                f"{r['id']}/aux": aux.contiguous(), f"{r['id']}/final": final.contiguous()})
+                tensors.update(
+                    {
+                        f"{r['id']}/ids": torch.tensor(ids, dtype=torch.long),
+                        f"{r['id']}/aux": aux.contiguous(),
+                        f"{r['id']}/final": final.contiguous(),
+                    }
+                )
             (self.path / "states").mkdir(exist_ok=True, mode=umask_mode(directory=True))
             with atomic_path(self.path / "states" / name) as tmp:
                 save_file(tensors, str(tmp))

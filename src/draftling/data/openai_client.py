@@ -53,8 +53,14 @@ class ChatServer:
     """One OpenAI-compatible server. Safe to share between threads: each call opens its own
     connection."""
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 600.0, max_retries: int = 5):
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 5,
+    ):
         self.base_url = normalize_base_url(base_url)
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -65,8 +71,13 @@ class ChatServer:
     def from_config(cls, cfg: RegenConfig) -> ChatServer:
         if not cfg.server_url:
             raise ServerError("no server: set data.regen.server_url or pass --server URL")
-        return cls(cfg.server_url, cfg.server_model, api_key=os.environ.get(cfg.api_key_env) or None,
-                   timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
+        return cls(
+            cfg.server_url,
+            cfg.server_model,
+            api_key=os.environ.get(cfg.api_key_env) or None,
+            timeout_s=cfg.request_timeout_s,
+            max_retries=cfg.max_retries,
+        )
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         url = self.base_url + path
@@ -76,7 +87,7 @@ class ChatServer:
             headers["Authorization"] = f"Bearer {self.api_key}"
         last = ""
         for attempt in range(self.max_retries + 1):
-            wait = min(RETRY_BACKOFF_S * 2 ** attempt, RETRY_MAX_WAIT_S)
+            wait = min(RETRY_BACKOFF_S * 2**attempt, RETRY_MAX_WAIT_S)
             request = urllib.request.Request(url, data=data, headers=headers, method=method)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
@@ -96,8 +107,7 @@ class ChatServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             if attempt < self.max_retries:
-                log.warning("%s: %s; retry %d of %d in %.1fs", url, last, attempt + 1,
-                            self.max_retries, wait)
+                log.warning("%s: %s; retry %d of %d in %.1fs", url, last, attempt + 1, self.max_retries, wait)
                 time.sleep(wait)
         raise ServerError(f"{url}: no answer after {self.max_retries + 1} attempts; last: {last}")
 
@@ -106,14 +116,21 @@ class ChatServer:
         names = [m.get("id") for m in self._request("GET", "/v1/models").get("data", [])]
         names = [n for n in names if n]
         if len(names) != 1:
-            raise ServerError(f"{self.base_url}/v1/models lists {names or 'no models'}; "
-                              "name the one to use with --server-model")
+            raise ServerError(
+                f"{self.base_url}/v1/models lists {names or 'no models'}; name the one to use with --server-model"
+            )
         return names[0]
 
     def chat(self, messages: list[dict], cfg: RegenConfig, tools: list | None = None) -> dict:
         """One completion: ``{"content", "finish_reason", "tool_calls"?}``."""
-        body = {"model": self.model, "messages": messages, "max_tokens": cfg.max_new_tokens,
-                "temperature": cfg.temperature, "top_p": cfg.top_p, "n": 1}
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "n": 1,
+        }
         if cfg.temperature > 0:
             # Match the local sampler (no top-k) rather than the model's generation_config
             # default, and make a rerun reproducible where the server honours a seed.
@@ -125,8 +142,9 @@ class ChatServer:
             choice = reply["choices"][0]
             message = choice["message"]
         except (KeyError, IndexError, TypeError):
-            raise ServerError(f"{self.base_url}/v1/chat/completions: unexpected reply "
-                              f"{json.dumps(reply)[:300]}") from None
+            raise ServerError(
+                f"{self.base_url}/v1/chat/completions: unexpected reply {json.dumps(reply)[:300]}"
+            ) from None
         out = {"content": message.get("content") or "", "finish_reason": choice.get("finish_reason")}
         if message.get("tool_calls"):
             out["tool_calls"] = message["tool_calls"]
@@ -157,9 +175,15 @@ def _retry_after(e: urllib.error.HTTPError) -> float | None:
         return None
 
 
-def regenerate_via_server(tokenizer, convs: list[Conversation], cfg: RegenConfig,
-                          max_prompt_tokens: int | None = None, progress: bool = True,
-                          server: ChatServer | None = None, journal=None) -> Iterable[dict]:
+def regenerate_via_server(
+    tokenizer,
+    convs: list[Conversation],
+    cfg: RegenConfig,
+    max_prompt_tokens: int | None = None,
+    progress: bool = True,
+    server: ChatServer | None = None,
+    journal=None,
+) -> Iterable[dict]:
     """Yield one record per conversation, like ``regenerate`` does, with the replies from
     ``cfg.server_url``. The local tokenizer renders the prompts only to count (and cap) their
     tokens and to count the reply's; the server applies its own chat template.
@@ -211,6 +235,7 @@ def _ticker(bar: Progress, total: int) -> Callable[[Future], None]:
             done[0] += 1
             logged = done[0] % log_every == 0 or done[0] == total
             bar.update(1, f"regenerate: {done[0]}/{total} prompts" if logged else None)
+
     return tick
 
 
@@ -222,25 +247,37 @@ def _warner(base_url: str) -> Callable[[str], None]:
         if why not in warned:
             warned.add(why)
             log.warning("%s: %s", base_url, why)
+
     return warn_once
 
 
-def _server_record(tokenizer, server: ChatServer, cfg: RegenConfig, conv: Conversation, n_prompt: int,
-                   reply: dict, warn_once: Callable[[str], None]) -> dict:
+def _server_record(
+    tokenizer,
+    server: ChatServer,
+    cfg: RegenConfig,
+    conv: Conversation,
+    n_prompt: int,
+    reply: dict,
+    warn_once: Callable[[str], None],
+) -> dict:
     """The data record of one server reply, warning (once each) where it lost what the target wrote."""
     stopped = FINISH_REASONS.get(reply["finish_reason"], str(reply["finish_reason"]))
     if stopped not in ("eos", "length"):
         warn_once(f"finish_reason {reply['finish_reason']!r} recorded as is in provenance.stopped")
     if reply.get("split_reasoning"):
         # The local target's reply would hold the thinking text; this one does not.
-        warn_once("the server split off the reasoning; serve without a reasoning parser "
-                  "so replies keep their thinking text")
+        warn_once(
+            "the server split off the reasoning; serve without a reasoning parser so replies keep their thinking text"
+        )
     assistant = {"role": "assistant", "content": reply["content"]}
     if "tool_calls" in reply:
         # Kept in OpenAI form, which the local chat template renders (or not) its own way.
-        warn_once("the server parsed tool calls out of the reply; serve without a tool-call "
-                  "parser so they stay in the reply text as the target wrote them")
+        warn_once(
+            "the server parsed tool calls out of the reply; serve without a tool-call "
+            "parser so they stay in the reply text as the target wrote them"
+        )
         assistant["tool_calls"] = reply["tool_calls"]
     reply_tokens = len(tokenizer(reply["content"], add_special_tokens=False)["input_ids"])
-    return reply_record(conv, assistant, {"server": server.base_url, "server_model": server.model}, cfg,
-                        stopped, reply_tokens, n_prompt)
+    return reply_record(
+        conv, assistant, {"server": server.base_url, "server_model": server.model}, cfg, stopped, reply_tokens, n_prompt
+    )

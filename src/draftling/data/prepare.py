@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 
 def _user_texts(conv: Conversation) -> set[str]:
-    return {m["content"].strip() for m in conv.messages
-            if m.get("role") == "user" and isinstance(m.get("content"), str)}
+    return {
+        m["content"].strip() for m in conv.messages if m.get("role") == "user" and isinstance(m.get("content"), str)
+    }
 
 
 def load_prompt_files(cfg: RunConfig, pool: list[Conversation] | None = None) -> tuple[list[Conversation], int]:
@@ -74,8 +75,9 @@ def load_prompt_files(cfg: RunConfig, pool: list[Conversation] | None = None) ->
     return convs, excluded
 
 
-def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_tokens: int,
-                     max_tokens: int, states: list | None = None) -> tuple[list[dict], list]:
+def tokenize_records(
+    target: Target | TargetTokenizer, records: list[dict], min_tokens: int, max_tokens: int, states: list | None = None
+) -> tuple[list[dict], list]:
     """Rows {id, source, input_ids, loss_mask}, and per row the states kept for it.
 
     ``states``: per record, None or (fed ids, aux, final) from regeneration. The row is then
@@ -85,8 +87,13 @@ def tokenize_records(target: Target | TargetTokenizer, records: list[dict], min_
     template's mask (earlier assistant turns); every reply token is a loss token."""
     rows, kept = [], []
     for j, r in enumerate(records):
-        ids, mask = tokenize_conversation(target.tokenizer, r["messages"], tools=r.get("tools"),
-                                          max_length=max_tokens, last_turn_only=is_rollout_turn(r["id"]))
+        ids, mask = tokenize_conversation(
+            target.tokenizer,
+            r["messages"],
+            tools=r.get("tools"),
+            max_length=max_tokens,
+            last_turn_only=is_rollout_turn(r["id"]),
+        )
         st = states[j] if states is not None else None
         if st is not None:
             fed, aux, final = st
@@ -112,12 +119,20 @@ def pool_prompt_counts(tokenizer, pool: list[Conversation], val: list, split_key
     return count_prompt_tokens(tokenizer, kept, len(tokenizer)), len(kept)
 
 
-def write_prompt_pool_counts(tokenizer, pool: list[Conversation], val_convs: list[Conversation],
-                             split_key: str, path: Path, run: str | None = None) -> None:
+def write_prompt_pool_counts(
+    tokenizer,
+    pool: list[Conversation],
+    val_convs: list[Conversation],
+    split_key: str,
+    path: Path,
+    run: str | None = None,
+) -> None:
     counts, kept = pool_prompt_counts(tokenizer, pool, val_convs, split_key)
     write_prompt_counts(path, counts, kept, len(pool) - kept, run)
-    log.info(f"data: counted {int(counts.sum())} prompt tokens in {kept} conversations for the draft "
-             f"vocab ({len(pool) - kept} of validation's tasks left out)")
+    log.info(
+        f"data: counted {int(counts.sum())} prompt tokens in {kept} conversations for the draft "
+        f"vocab ({len(pool) - kept} of validation's tasks left out)"
+    )
 
 
 def journal_settings(cfg: RunConfig, target, budgeted: bool) -> dict:
@@ -128,9 +143,13 @@ def journal_settings(cfg: RunConfig, target, budgeted: bool) -> dict:
     model = getattr(target, "model", None)
     data = dataclasses.asdict(cfg.data)
     del data["regen"]["samples_per_prompt"]
-    return {"target": target.spec.label, "data": data, "budgeted": budgeted,
-            "dtype": str(model.dtype) if model is not None else None,
-            "device": str(getattr(target, "device", "cpu")).split(":")[0]}
+    return {
+        "target": target.spec.label,
+        "data": data,
+        "budgeted": budgeted,
+        "dtype": str(model.dtype) if model is not None else None,
+        "device": str(getattr(target, "device", "cpu")).split(":")[0],
+    }
 
 
 def check_data_dir(out_dir: Path) -> None:
@@ -139,11 +158,14 @@ def check_data_dir(out_dir: Path) -> None:
     summary.json beside train.jsonl)."""
     if not output_dir_in_use(out_dir):  # checked now, not after the minutes of regenerating
         return
-    ours = (out_dir / OUTPUT_MARKER).is_file() or ((out_dir / "summary.json").is_file()
-                                                   and (out_dir / "train.jsonl").is_file())
+    ours = (out_dir / OUTPUT_MARKER).is_file() or (
+        (out_dir / "summary.json").is_file() and (out_dir / "train.jsonl").is_file()
+    )
     if not ours:
-        raise DataError(f"--out {out_dir}: not empty and not a draftling data directory; it would be "
-                        "replaced whole, so choose an empty or new directory (nothing was changed)")
+        raise DataError(
+            f"--out {out_dir}: not empty and not a draftling data directory; it would be "
+            "replaced whole, so choose an empty or new directory (nothing was changed)"
+        )
 
 
 @dataclass
@@ -179,8 +201,13 @@ class Regenerated:
     offered: int = 0  # prompts handed to regeneration (rollouts: assistant turns)
 
 
-def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str | Path,
-                 regen_seconds: float | None = None, replies=None) -> dict:
+def prepare_data(
+    cfg: RunConfig,
+    target: Target | TargetTokenizer,
+    out_dir: str | Path,
+    regen_seconds: float | None = None,
+    replies=None,
+) -> dict:
     """With ``data.regen.server_url`` set the replies come from that server and ``target``
     may be just the tokenizer (``load_target_tokenizer``). ``replies``: RegenRun.replies, the
     batched engine's replies where data.regen.engine picks it (engine.batch.reply_engine_for).
@@ -193,13 +220,17 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     dc = cfg.data
     context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
     if context and dc.max_tokens > context:
-        raise DataError(f"data.max_tokens={dc.max_tokens} is over {target.spec.name}'s context of {context} "
-                        "positions (max_position_embeddings): its replies there would be garbage")
+        raise DataError(
+            f"data.max_tokens={dc.max_tokens} is over {target.spec.name}'s context of {context} "
+            "positions (max_position_embeddings): its replies there would be garbage"
+        )
     pool: list[Conversation] = []
     convs, excluded = load_prompt_files(cfg, pool)
     if dc.exclude or dc.exclude_ids:
-        log.info(f"data: excluded {excluded} conversations that share an id or a user turn with "
-                 f"{', '.join(dc.exclude + dc.exclude_ids)}")
+        log.info(
+            f"data: excluded {excluded} conversations that share an id or a user turn with "
+            f"{', '.join(dc.exclude + dc.exclude_ids)}"
+        )
     journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
     local = _pinned_regen(dc, target, journal)
     split_key, why = resolve_split_key(convs, dc.split_key)
@@ -207,12 +238,18 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     turns = None
     if dc.rollouts:  # after the split: every turn of a conversation stays on its task's side
         turns = {"prompt_limit": max_prompt_tokens(dc)}
-        train_convs, val_convs = (rollout_prompts(target.tokenizer, side, dc, turns) for side in (train_convs, val_convs))
-        log.info(f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate "
-                 f"({turns['over_limit']} of {turns['turns']} over the {turns['prompt_limit']}-token prompt limit"
-                 f"{', ' + str(turns['sampled_out']) + ' left out by data.rollout_max_turns' if turns['sampled_out'] else ''})")
-    log.info(f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
-             f"{len(val_convs)} val (split by {split_key}: {why})")
+        train_convs, val_convs = (
+            rollout_prompts(target.tokenizer, side, dc, turns) for side in (train_convs, val_convs)
+        )
+        log.info(
+            f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate "
+            f"({turns['over_limit']} of {turns['turns']} over the {turns['prompt_limit']}-token prompt limit"
+            f"{', ' + str(turns['sampled_out']) + ' left out by data.rollout_max_turns' if turns['sampled_out'] else ''})"
+        )
+    log.info(
+        f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
+        f"{len(val_convs)} val (split by {split_key}: {why})"
+    )
     if local is not None and replies is not None:
         local = replace(local, replies=replies)
     regenerated = _regenerate(dc, target, journal, local, (train_convs, val_convs), regen_seconds)
@@ -223,15 +260,20 @@ def prepare_data(cfg: RunConfig, target: Target | TargetTokenizer, out_dir: str 
     with atomic_dir(out_dir) as tmp:
         write_prompt_pool_counts(target.tokenizer, pool, val_convs, split_key, tmp / PROMPT_COUNTS_FILE, run)
         rows = write_splits(target, dc, tmp, replies, run)
-        summary = {"run": run, **data_summary(cfg, target, convs, excluded, regenerated, rows),
-                   "split": {"key": split_key, "set": dc.split_key, "why": why},
-                   **({"rollout_turns": turns} if turns is not None else {})}
+        summary = {
+            "run": run,
+            **data_summary(cfg, target, convs, excluded, regenerated, rows),
+            "split": {"key": split_key, "set": dc.split_key, "why": why},
+            **({"rollout_turns": turns} if turns is not None else {}),
+        }
         write_json(tmp / "summary.json", summary)
         write_json(tmp / OUTPUT_MARKER, {"kind": "data", "run": run})
     journal.remove()
-    log.info(f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
-             f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
-             f"{len(replies)} replies hit the {dc.regen.max_new_tokens}-token cap")
+    log.info(
+        f"data: {summary['train_sequences']} train / {summary['val_sequences']} val sequences, "
+        f"{summary['train_loss_tokens']} loss tokens; {summary['replies_hit_cap']} of "
+        f"{len(replies)} replies hit the {dc.regen.max_new_tokens}-token cap"
+    )
     return summary
 
 
@@ -253,8 +295,11 @@ def rollout_prompts(tokenizer, convs: list[Conversation], dc, tally: dict) -> li
         if dc.rollout_max_turns and len(fit) > dc.rollout_max_turns:
             picked = set(random.Random(f"{dc.seed}\0{conv.id}").sample(range(len(fit)), dc.rollout_max_turns))
             kept = [t for i, t in enumerate(fit) if i in picked]
-        for key, n in (("turns", len(turns)), ("over_limit", len(turns) - len(fit)),
-                       ("sampled_out", len(fit) - len(kept))):
+        for key, n in (
+            ("turns", len(turns)),
+            ("over_limit", len(turns) - len(fit)),
+            ("sampled_out", len(fit) - len(kept)),
+        ):
             tally[key] = tally.get(key, 0) + n
         out.extend(kept)
     return out
@@ -289,8 +334,14 @@ def _pin_cpu_layout(target: Target, journal: ReplyJournal, dtypes) -> None:
     kept.update(pin_cpu_layout(target, dtypes, kept))
 
 
-def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
-                splits: tuple[list[Conversation], list[Conversation]], regen_seconds: float | None) -> Regenerated:
+def _regenerate(
+    dc,
+    target,
+    journal: ReplyJournal,
+    local: _LocalRegen | None,
+    splits: tuple[list[Conversation], list[Conversation]],
+    regen_seconds: float | None,
+) -> Regenerated:
     """The replies to the (train, val) prompts of ``splits``, from data.regen.server_url's
     server or from the target itself."""
     train_convs, val_convs = splits
@@ -302,24 +353,45 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
         out.server = server = ChatServer.from_config(dc.regen)
         log.info(f"data: replies from {server.base_url} ({server.model})")
         if dc.keep_teacher_states:
-            log.info("data: data.keep_teacher_states is ignored: a server's replies come without the "
-                     "target's states, so training will run the target")
+            log.info(
+                "data: data.keep_teacher_states is ignored: a server's replies come without the "
+                "target's states, so training will run the target"
+            )
+
         def via_server(convs, cfg):
-            return regenerate_via_server(target.tokenizer, convs, cfg, max_prompt_tokens=max_prompt,
-                                         server=server, journal=journal)
+            return regenerate_via_server(
+                target.tokenizer, convs, cfg, max_prompt_tokens=max_prompt, server=server, journal=journal
+            )
+
         records = list(via_server(train_convs + val_convs, dc.regen))
         records += sampled_replies(via_server, train_convs, dc.regen)
     elif local is not None:
-        regen = partial(regenerate, target, run=RegenRun(max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states,
-                                                         journal=journal, replies=local.replies))
+        regen = partial(
+            regenerate,
+            target,
+            run=RegenRun(
+                max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states, journal=journal, replies=local.replies
+            ),
+        )
         as_served = replace(dc.regen, dtype=None)  # the target as served, for validation's replies
         if regen_seconds is not None:
             t0 = time.perf_counter()
             val_records = list(regen(val_convs, as_served))
             out.val_skipped = len(val_convs) - len(val_records)
             out.budget = budget = {"seconds": round(regen_seconds, 1), "val_s": round(time.perf_counter() - t0, 1)}
-            records = list(regenerate_within(partial(regen, cfg=local.cfg), train_convs, dc.regen.batch_size,
-                                             t0 + regen_seconds, dc.seed, budget)) + val_records
+            records = (
+                list(
+                    regenerate_within(
+                        partial(regen, cfg=local.cfg),
+                        train_convs,
+                        dc.regen.batch_size,
+                        t0 + regen_seconds,
+                        dc.seed,
+                        budget,
+                    )
+                )
+                + val_records
+            )
             budget["used_s"] = round(time.perf_counter() - t0, 1)
         elif local.one_pass:
             records = list(regen(train_convs + val_convs, local.cfg))
@@ -328,11 +400,15 @@ def _regenerate(dc, target, journal: ReplyJournal, local: _LocalRegen | None,
         if regen_seconds is None:  # a time budget spends itself on distinct prompts first
             records += sampled_replies(regen, train_convs, local.cfg)
     else:
-        raise DataError(f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
-                        "the model or a server (data.regen.server_url)")
+        raise DataError(
+            f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
+            "the model or a server (data.regen.server_url)"
+        )
     if not records:
-        raise DataError(f"no prompt of {', '.join(dc.prompts)} could be regenerated: every one is over the "
-                        f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)")
+        raise DataError(
+            f"no prompt of {', '.join(dc.prompts)} could be regenerated: every one is over the "
+            f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)"
+        )
     val_ids = {c.id for c in val_convs}
     out.replies = [Reply.of(r, "val" if r["id"] in val_ids else "train") for r in records]
     return out
@@ -361,22 +437,34 @@ def write_splits(target, dc, out_dir: Path, replies: list[Reply], run: str | Non
     for split in ("train", "val"):
         picked = [r for r in replies if r.split == split]
         rows[split], row_states = tokenize_records(
-            target, [r.record for r in picked], dc.min_tokens, dc.max_tokens,
-            [r.states for r in picked] if kept else None)
+            target,
+            [r.record for r in picked],
+            dc.min_tokens,
+            dc.max_tokens,
+            [r.states for r in picked] if kept else None,
+        )
         if run is not None:
             for row in rows[split]:
                 row[RUN_KEY] = run
         write_jsonl(out_dir / f"{split}.jsonl", rows[split])
         if kept and rows[split]:
-            size = write_states(states_path(out_dir, split), out_dir / f"{split}.jsonl", row_states,
-                                target.spec.name, target.aux_layer_ids)
-            log.info(f"data: kept the target's states for {split} ({size / 2**20:.0f} MiB): training "
-                     "will not run the target over these tokens again")
+            size = write_states(
+                states_path(out_dir, split),
+                out_dir / f"{split}.jsonl",
+                row_states,
+                target.spec.name,
+                target.aux_layer_ids,
+            )
+            log.info(
+                f"data: kept the target's states for {split} ({size / 2**20:.0f} MiB): training "
+                "will not run the target over these tokens again"
+            )
     return rows
 
 
-def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: int, regenerated: Regenerated,
-                 rows: dict) -> dict:
+def data_summary(
+    cfg: RunConfig, target, convs: list[Conversation], excluded: int, regenerated: Regenerated, rows: dict
+) -> dict:
     """summary.json: counts, tokens, caps, and the regeneration settings and budget."""
     dc = cfg.data
     replies, server, budget = regenerated.replies, regenerated.server, regenerated.budget
@@ -387,13 +475,19 @@ def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: in
         "target": target.spec.label,
         **({"server": server.base_url, "server_model": server.model} if server else {}),
         "prompts": len(convs),
-        **({"excluded": excluded, "exclude": list(dc.exclude), "exclude_ids": list(dc.exclude_ids)}
-           if dc.exclude or dc.exclude_ids else {}),
+        **(
+            {"excluded": excluded, "exclude": list(dc.exclude), "exclude_ids": list(dc.exclude_ids)}
+            if dc.exclude or dc.exclude_ids
+            else {}
+        ),
         "regenerated": len(replies),
         "sampled_replies": sampled,
         # Under a budget, prompts that were never offered are neither regenerated nor skipped.
-        "skipped_long_prompts": (regenerated.val_skipped + budget["skipped_long"] if budget is not None
-                                 else regenerated.offered - (len(replies) - sampled)),
+        "skipped_long_prompts": (
+            regenerated.val_skipped + budget["skipped_long"]
+            if budget is not None
+            else regenerated.offered - (len(replies) - sampled)
+        ),
         "train_sequences": len(train_rows),
         "val_sequences": len(val_rows),
         "train_tokens": sum(len(r["input_ids"]) for r in train_rows),
@@ -403,7 +497,9 @@ def data_summary(cfg: RunConfig, target, convs: list[Conversation], excluded: in
         "regen": json.loads(json.dumps(dc.regen.__dict__)),
         **({"regen_budget": budget} if budget is not None else {}),
         # The dtype each split's replies were written in (see data.regen.dtype).
-        "regen_dtypes": {split: sorted({r.record["provenance"].get("dtype", "server") for r in replies
-                                        if r.split == split}) for split in ("train", "val")},
+        "regen_dtypes": {
+            split: sorted({r.record["provenance"].get("dtype", "server") for r in replies if r.split == split})
+            for split in ("train", "val")
+        },
     }
     return summary

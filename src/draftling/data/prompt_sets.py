@@ -44,7 +44,7 @@ class BenchPrompt:
 
 
 def builtin_prompt_sets() -> list[str]:
-    return sorted(p.name[:-len(".jsonl")] for p in prompt_sets_dir().iterdir() if p.name.endswith(".jsonl"))
+    return sorted(p.name[: -len(".jsonl")] for p in prompt_sets_dir().iterdir() if p.name.endswith(".jsonl"))
 
 
 def resolve_prompt_set(spec: str | Path) -> tuple[str, Path]:
@@ -65,7 +65,7 @@ def resolve_prompt_set(spec: str | Path) -> tuple[str, Path]:
 def _shipped_name(s: str) -> str | None:
     """NAME of "set:NAME", or a bare "v1"/"smoke-v1" that is not also a file here."""
     if s.startswith("set:"):
-        return s[len("set:"):]
+        return s[len("set:") :]
     return s if _BUILTIN.match(s) and not Path(s).exists() else None
 
 
@@ -105,11 +105,15 @@ def _records(raw: bytes, path: Path) -> list[dict]:
 def _check_published(name: str, path: Path, sha256: str) -> None:
     published = PUBLISHED_PROMPT_SETS.get(name)
     if published is None:
-        raise DataError(f"prompt set {name} ({path}) has no published sha256 in "
-                        "prompt_sets.PUBLISHED_PROMPT_SETS: add it when the set is first released")
+        raise DataError(
+            f"prompt set {name} ({path}) has no published sha256 in "
+            "prompt_sets.PUBLISHED_PROMPT_SETS: add it when the set is first released"
+        )
     if sha256 != published:
-        raise DataError(f"prompt set {name} ({path}) was edited in place: sha256 {sha256[:12]} != "
-                        f"published {published[:12]}; restore it and put the change in a new version")
+        raise DataError(
+            f"prompt set {name} ({path}) was edited in place: sha256 {sha256[:12]} != "
+            f"published {published[:12]}; restore it and put the change in a new version"
+        )
 
 
 def tokenize_prompt_set(records: list[dict], tokenizer, notes: list[str] | None = None) -> list[BenchPrompt]:
@@ -119,7 +123,7 @@ def tokenize_prompt_set(records: list[dict], tokenizer, notes: list[str] | None 
     for rec in records:
         if "input_ids" in rec:
             ids, mask = [int(t) for t in rec["input_ids"]], rec.get("loss_mask")
-            ids = ids[:mask.index(1)] if mask and 1 in mask else ids
+            ids = ids[: mask.index(1)] if mask and 1 in mask else ids
         else:
             ids, dropped = _chat_ids(rec, tokenizer)
             if dropped is not None:
@@ -128,8 +132,10 @@ def tokenize_prompt_set(records: list[dict], tokenizer, notes: list[str] | None 
             raise DataError(f"{rec['_where']}: prompt {rec['id']} is empty after tokenization")
         out.append(BenchPrompt(rec["id"], rec["workload"], ids))
     if any(lost) and notes is not None:
-        notes.append(f"the target's chat template ignores `tools`: {sum(lost)} of {len(lost)} "
-                     "prompts with tool schemas were rendered without them")
+        notes.append(
+            f"the target's chat template ignores `tools`: {sum(lost)} of {len(lost)} "
+            "prompts with tool schemas were rendered without them"
+        )
     return out
 
 

@@ -104,8 +104,7 @@ def _with_system(messages: list[dict], system) -> list[dict]:
     return messages
 
 
-def _build_conversation(record: dict, messages: list[dict], stem: str, lineno: int,
-                        where: str) -> Conversation:
+def _build_conversation(record: dict, messages: list[dict], stem: str, lineno: int, where: str) -> Conversation:
     """A Conversation from parsed ``messages`` and the rest of ``record`` (id, source, category,
     tools; other keys go to ``meta``). Used for jsonl lines and for rows of a dataset (data/hub.py)."""
     if not any(m["role"] == "user" for m in messages):
@@ -144,14 +143,12 @@ def _parse_messages(messages, where: str) -> list[dict]:
         role = m.get("role")
         role = _OPENAI_ALIASES.get(role, role)
         if role not in ROLES:
-            raise DataError(f"{where}: unknown role {role!r} in message {n} "
-                            f"(expected {', '.join(ROLES)})")
+            raise DataError(f"{where}: unknown role {role!r} in message {n} (expected {', '.join(ROLES)})")
         content = m.get("content")
         if content is None and role == "assistant" and m.get("tool_calls"):
             content = ""
         if not isinstance(content, str):
-            raise DataError(f"{where}: message {n} ({role}) content must be a string, "
-                            f"got {type(content).__name__}")
+            raise DataError(f"{where}: message {n} ({role}) content must be a string, got {type(content).__name__}")
         out.append({**m, "role": role, "content": content})
     return out
 
@@ -166,12 +163,13 @@ def _parse_sharegpt(turns, where: str) -> list[dict]:
         speaker = t.get("from")
         role = _SHAREGPT_ROLES.get(str(speaker).lower()) if speaker is not None else None
         if role is None:
-            raise DataError(f"{where}: unknown role {speaker!r} in message {n} "
-                            f"(expected one of {', '.join(sorted(_SHAREGPT_ROLES))})")
+            raise DataError(
+                f"{where}: unknown role {speaker!r} in message {n} "
+                f"(expected one of {', '.join(sorted(_SHAREGPT_ROLES))})"
+            )
         value = t.get("value")
         if not isinstance(value, str):
-            raise DataError(f"{where}: message {n} ({speaker}) value must be a string, "
-                            f"got {type(value).__name__}")
+            raise DataError(f"{where}: message {n} ({speaker}) value must be a string, got {type(value).__name__}")
         out.append({"role": role, "content": value})
     return out
 
@@ -180,8 +178,7 @@ def has_tool_calls(conv: Conversation) -> bool:
     """True if the conversation uses tools: a tool turn, an assistant `tool_calls`, or a tool list."""
     if conv.tools:
         return True
-    return any(m["role"] == "tool" or m.get("tool_calls") or m.get("function_call")
-               for m in conv.messages)
+    return any(m["role"] == "tool" or m.get("tool_calls") or m.get("function_call") for m in conv.messages)
 
 
 ROLLOUT_TURN = "#turn"  # a rollout prompt's id: the conversation's, then this and the turn
@@ -193,9 +190,14 @@ def rollout_turns(conv: Conversation) -> list[Conversation]:
     out = []
     for i, m in enumerate(conv.messages):
         if m["role"] == "assistant" and i > 0 and any(x["role"] in ("user", "tool") for x in conv.messages[:i]):
-            out.append(dataclasses.replace(conv, id=f"{conv.id}{ROLLOUT_TURN}{len(out)}",
-                                           messages=[dict(x) for x in conv.messages[:i]],
-                                           meta={**conv.meta, "rollout_of": conv.id}))
+            out.append(
+                dataclasses.replace(
+                    conv,
+                    id=f"{conv.id}{ROLLOUT_TURN}{len(out)}",
+                    messages=[dict(x) for x in conv.messages[:i]],
+                    meta={**conv.meta, "rollout_of": conv.id},
+                )
+            )
     return out or [conv]
 
 
@@ -209,17 +211,27 @@ def prompt_messages(conv: Conversation) -> list[dict]:
     return [dict(m) for m in conv.messages[: last + 1]]
 
 
-def reply_record(conv: Conversation, assistant: dict, origin: dict, cfg, stopped: str, reply_tokens: int,
-                 prompt_tokens: int) -> dict:
+def reply_record(
+    conv: Conversation, assistant: dict, origin: dict, cfg, stopped: str, reply_tokens: int, prompt_tokens: int
+) -> dict:
     """One line of replies.jsonl: the prompt's messages with the reply as the last turn, and its
     provenance: ``origin`` (who wrote it: the local target or a server) first, then the
     generation settings of ``cfg`` (a RegenConfig) and how the reply ended. The one schema
     for every writer of replies."""
     return {
-        "id": conv.id, "source": conv.source, "category": conv.category,
+        "id": conv.id,
+        "source": conv.source,
+        "category": conv.category,
         "messages": prompt_messages(conv) + [assistant],
         **({"tools": conv.tools} if conv.tools else {}),
-        "provenance": {**origin, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-                       "top_p": cfg.top_p, "seed": cfg.seed, "stopped": stopped, "reply_tokens": reply_tokens,
-                       "prompt_tokens": prompt_tokens},
+        "provenance": {
+            **origin,
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "seed": cfg.seed,
+            "stopped": stopped,
+            "reply_tokens": reply_tokens,
+            "prompt_tokens": prompt_tokens,
+        },
     }

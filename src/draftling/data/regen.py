@@ -46,12 +46,16 @@ def regen_dtype(target: Target, cfg: RegenConfig) -> torch.dtype:
     if it is not a float dtype, or if it asks to cast a quantized target."""
     dtype = resolve_fast_dtype(cfg.dtype, target.device, target.model.dtype, "data.regen.dtype")
     if dtype != target.model.dtype and not has_plain_weights(target.model):
-        raise ConfigError(f"data.regen.dtype={cfg.dtype}: {target.spec.name} is quantized, so it cannot "
-                          "be cast; leave data.regen.dtype unset")
+        raise ConfigError(
+            f"data.regen.dtype={cfg.dtype}: {target.spec.name} is quantized, so it cannot "
+            "be cast; leave data.regen.dtype unset"
+        )
     if dtype != target.model.dtype and dispatched_devices(target.model):
-        raise ConfigError(f"data.regen.dtype={cfg.dtype}: {target.spec.name} is spread over devices by a device "
-                          "map, so it cannot be copied and cast; leave data.regen.dtype unset or load it in "
-                          "that dtype (--dtype)")
+        raise ConfigError(
+            f"data.regen.dtype={cfg.dtype}: {target.spec.name} is spread over devices by a device "
+            "map, so it cannot be copied and cast; leave data.regen.dtype unset or load it in "
+            "that dtype (--dtype)"
+        )
     return dtype
 
 
@@ -85,8 +89,9 @@ def _recording_states(model, aux_layer_ids: list[int]):
         handle.remove()
 
 
-def _fed_positions(calls: list[torch.Tensor], row: int, pad: int, fed: int,
-                   prefill_calls: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _fed_positions(
+    calls: list[torch.Tensor], row: int, pad: int, fed: int, prefill_calls: int = 1, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Row ``row``'s states over the tokens it was fed: the first ``prefill_calls`` calls are
     the left-padded prompt, in pieces along the columns (the row starts at column ``pad``);
     each later call fed one token. ``dtype``: cast to it (the target's own)."""
@@ -132,8 +137,9 @@ class RegenRun:
     replies: object = None
 
 
-def regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run: RegenRun | None = None,
-               **run_fields) -> Iterable[dict]:
+def regenerate(
+    target: Target, convs: list[Conversation], cfg: RegenConfig, run: RegenRun | None = None, **run_fields
+) -> Iterable[dict]:
     """Yield one record per conversation: the prompt messages plus the target's reply,
     with provenance (target, generation parameters, and whether the reply hit the cap).
 
@@ -147,8 +153,9 @@ def _regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run
     model = generating_model(target, cfg)
     prompts = _prompts(target.tokenizer, convs, run)
     if run.replies is not None and run.keep_states:
-        raise ConfigError("regeneration through the engine keeps no states; "
-                          "use HF generate (data.regen.engine=off) for kept states")
+        raise ConfigError(
+            "regeneration through the engine keeps no states; use HF generate (data.regen.engine=off) for kept states"
+        )
     replies = run.replies(model) if run.replies is not None else None
     batches = _BatchGenerator(target, model, cfg, target.stop_token_ids(), run.keep_states, replies)
     bar = Progress(len(prompts), "regenerate", enabled=run.progress)
@@ -157,7 +164,7 @@ def _regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run
     pace = {} if run.pace is None else run.pace
     chunk_size = cfg.batch_size * (REPLY_CHUNKS if run.replies is not None else 1)
     for start in range(0, len(prompts), chunk_size):
-        chunk = prompts[start:start + chunk_size]
+        chunk = prompts[start : start + chunk_size]
         if run.journal is not None and run.journal.has_all(c.id for c, _ in chunk):
             yield from (run.journal.get(c.id) for c, _ in chunk)
             done += len(chunk)
@@ -178,8 +185,11 @@ def _regenerate(target: Target, convs: list[Conversation], cfg: RegenConfig, run
         generated += reply_tokens
         dt = time.perf_counter() - t0
         width = max(len(ids) for _, ids in chunk)
-        bar.update(len(chunk), f"regenerate: {done}/{len(prompts)} prompts, {dt:.0f}s, {generated / dt:.1f} reply "
-                               f"tok/s (batch of {len(chunk)}, prompts up to {width} tokens)")
+        bar.update(
+            len(chunk),
+            f"regenerate: {done}/{len(prompts)} prompts, {dt:.0f}s, {generated / dt:.1f} reply "
+            f"tok/s (batch of {len(chunk)}, prompts up to {width} tokens)",
+        )
     bar.close()
 
 
@@ -192,9 +202,11 @@ def _prompts(tokenizer, convs: list[Conversation], run: RegenRun) -> list[tuple[
     if limit:
         long = [c.id for c, ids in prompts if len(ids) > limit]
         if long:
-            log.info(f"regenerate: skipping {len(long)} prompts over the {limit}-token prompt limit "
-                     f"(data.max_tokens - data.regen.max_new_tokens): {', '.join(long[:5])}"
-                     f"{' ...' if len(long) > 5 else ''}")
+            log.info(
+                f"regenerate: skipping {len(long)} prompts over the {limit}-token prompt limit "
+                f"(data.max_tokens - data.regen.max_new_tokens): {', '.join(long[:5])}"
+                f"{' ...' if len(long) > 5 else ''}"
+            )
         if run.pace is not None:
             run.pace["skipped_long"] = run.pace.get("skipped_long", 0) + len(long)
         prompts = [(c, ids) for c, ids in prompts if len(ids) <= limit]
@@ -213,8 +225,10 @@ class _Recording:
     def row(self, target: Target, row: int, pad: int, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``row``'s aux and final states over the tokens it was fed, in the target's dtype."""
         dtype = target.model.dtype
-        aux = torch.cat([_fed_positions(self.aux_calls[a], row, pad, fed, self.prefill_calls, dtype)
-                         for a in target.aux_layer_ids], dim=-1)
+        aux = torch.cat(
+            [_fed_positions(self.aux_calls[a], row, pad, fed, self.prefill_calls, dtype) for a in target.aux_layer_ids],
+            dim=-1,
+        )
         return aux, _fed_positions(self.final_calls, row, pad, fed, self.prefill_calls, dtype)
 
 
@@ -234,8 +248,9 @@ class _BatchGenerator:
         if self.replies is not None:
             cfg = self.cfg  # sampled: seeded per batch, as HF generate below
             sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed + start}
-            done = self.replies([ids for _, ids in chunk], cfg.max_new_tokens, self.eos_ids,
-                                **(sampling if cfg.temperature > 0 else {}))
+            done = self.replies(
+                [ids for _, ids in chunk], cfg.max_new_tokens, self.eos_ids, **(sampling if cfg.temperature > 0 else {})
+            )
             records = [self._record(conv, ids, reply, stopped) for (conv, ids), (reply, stopped) in zip(chunk, done)]
             return records, sum(len(reply) for reply, _ in done)
         out, width, recording = self._generate(chunk, start)
@@ -252,8 +267,9 @@ class _BatchGenerator:
             records.append(record)
         return records, reply_tokens
 
-    def _generate(self, chunk: list[tuple[Conversation, list[int]]],
-                  start: int) -> tuple[torch.Tensor, int, _Recording | None]:
+    def _generate(
+        self, chunk: list[tuple[Conversation, list[int]]], start: int
+    ) -> tuple[torch.Tensor, int, _Recording | None]:
         """generate()'s output ids (prompt columns first), the prompt columns, and with
         keep_states the states recorded on the way."""
         target, cfg, pad_id = self.target, self.cfg, self.target.tokenizer.pad_token_id
@@ -262,21 +278,30 @@ class _BatchGenerator:
         input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         attn = torch.zeros_like(input_ids)
         for i, (_, ids) in enumerate(chunk):
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attn[i, width - len(ids):] = 1
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            attn[i, width - len(ids) :] = 1
         sampling = cfg.temperature > 0
         if sampling:
             # generate() takes no generator; seed per batch so a rerun is reproducible.
             torch.manual_seed(cfg.seed + start)
         sample_kwargs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": None} if sampling else {}
         columns = prefill_chunk_columns(cfg, len(chunk), width, target.device)
-        recording = (_recording_states(self.model, target.aux_layer_ids) if self.keep_states
-                     else contextlib.nullcontext((None, None)))
+        recording = (
+            _recording_states(self.model, target.aux_layer_ids)
+            if self.keep_states
+            else contextlib.nullcontext((None, None))
+        )
         with recording as (aux_calls, final_calls):
-            out = self.model.generate(input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
-                                      max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
-                                      pad_token_id=pad_id, eos_token_id=self.eos_ids,
-                                      prefill_chunk_size=columns, **sample_kwargs)
+            out = self.model.generate(
+                input_ids=input_ids.to(target.device),
+                attention_mask=attn.to(target.device),
+                max_new_tokens=cfg.max_new_tokens,
+                do_sample=sampling,
+                pad_token_id=pad_id,
+                eos_token_id=self.eos_ids,
+                prefill_chunk_size=columns,
+                **sample_kwargs,
+            )
         if not self.keep_states:
             return out, width, None
         return out, width, _Recording(aux_calls, final_calls, 1 if columns is None else -(-width // columns))
@@ -288,8 +313,9 @@ class _BatchGenerator:
         return reply_record(conv, {"role": "assistant", "content": text}, origin, cfg, stopped, len(reply), len(ids))
 
 
-def regenerate_within(regen, convs: list[Conversation], batch_size: int, deadline: float, seed: int,
-                      report: dict, round_batches: int = 4) -> Iterable[dict]:
+def regenerate_within(
+    regen, convs: list[Conversation], batch_size: int, deadline: float, seed: int, report: dict, round_batches: int = 4
+) -> Iterable[dict]:
     """``regen(convs, deadline=..., pace=...)`` over a seeded random order of ``convs``, in
     rounds of ``round_batches`` batches, until ``deadline``. Each round is a random sample, so
     what is done when time runs out represents the whole pool; ``regenerate`` sorts a round by
@@ -302,15 +328,23 @@ def regenerate_within(regen, convs: list[Conversation], batch_size: int, deadlin
     for start in range(0, len(order), size):
         if time.perf_counter() + pace.get("slowest_batch_s", 0.0) > deadline:
             break
-        for record in regen(order[start:start + size], deadline=deadline, pace=pace):
+        for record in regen(order[start : start + size], deadline=deadline, pace=pace):
             done += 1
             yield record
     seconds, skipped = time.perf_counter() - t0, pace.get("skipped_long", 0)
     stopped = done + skipped < len(convs)
-    report.update(available=len(convs), regenerated=done, skipped_long=skipped, seconds=round(seconds, 1),
-                  rate_prompts_s=round(done / max(seconds, 1e-9), 3), stopped_by_budget=stopped)
-    log.info(f"regenerate: {done} of {len(convs)} training prompts in {seconds:.0f} s "
-             f"({done / max(seconds, 1e-9):.2f} prompts/s){'; the rest did not fit the budget' if stopped else ''}")
+    report.update(
+        available=len(convs),
+        regenerated=done,
+        skipped_long=skipped,
+        seconds=round(seconds, 1),
+        rate_prompts_s=round(done / max(seconds, 1e-9), 3),
+        stopped_by_budget=stopped,
+    )
+    log.info(
+        f"regenerate: {done} of {len(convs)} training prompts in {seconds:.0f} s "
+        f"({done / max(seconds, 1e-9):.2f} prompts/s){'; the rest did not fit the budget' if stopped else ''}"
+    )
 
 
 def _cut_at_eos(row: list[int], eos_ids: list[int]) -> tuple[list[int], str]:

@@ -20,8 +20,11 @@ RUN_KEY = "run"
 def run_id(records: list[dict], settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for r in records:
-        h.update(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}, sort_keys=True,
-                            ensure_ascii=False).encode())
+        h.update(
+            json.dumps(
+                {k: v for k, v in r.items() if not k.startswith("_")}, sort_keys=True, ensure_ascii=False
+            ).encode()
+        )
     return h.hexdigest()[:16]
 
 
@@ -51,5 +54,7 @@ def check_one_run(*paths: Path) -> None:
     runs = {p: file_run(p) for p in map(Path, paths) if p.is_file()}
     if len(set(runs.values())) > 1:  # a file without an id beside one with an id is a mix too
         listed = ", ".join(f"{p.name} from {'run ' + r if r else 'no recorded run'}" for p, r in runs.items())
-        raise DataError(f"{next(iter(runs)).parent}: files of different `draftling data` runs ({listed}); "
-                        "rerun `draftling data` into a new directory")
+        raise DataError(
+            f"{next(iter(runs)).parent}: files of different `draftling data` runs ({listed}); "
+            "rerun `draftling data` into a new directory"
+        )

@@ -63,8 +63,10 @@ def resolve_prompt_path(spec: str) -> Path:
         name = spec.split(":", 1)[1]
         path = starter_dir() / f"{name}.jsonl"
         if not path.is_file():
-            raise ConfigError(f"{spec}: no starter prompt set {name!r}; shipped: "
-                              + ", ".join(f"starter:{n}" for n in starter_names()))
+            raise ConfigError(
+                f"{spec}: no starter prompt set {name!r}; shipped: "
+                + ", ".join(f"starter:{n}" for n in starter_names())
+            )
         return path
     if spec.startswith("set:"):
         name = spec.split(":", 1)[1]
@@ -75,9 +77,11 @@ def resolve_prompt_path(spec: str) -> Path:
     if spec.startswith("shared:"):
         root = find_shared_prompts()
         if root is None:
-            raise ConfigError(f"{spec}: cannot find the shared prompt corpus; set "
-                              "DRAFTLING_SHARED_PROMPTS to its folder, or use the shipped "
-                              "starter:chat, starter:code, starter:math or your own files")
+            raise ConfigError(
+                f"{spec}: cannot find the shared prompt corpus; set "
+                "DRAFTLING_SHARED_PROMPTS to its folder, or use the shipped "
+                "starter:chat, starter:code, starter:math or your own files"
+            )
         return root / spec.split(":", 1)[1]
     return Path(spec)
 
@@ -126,7 +130,7 @@ def read_id_file(path) -> set[str]:
             try:
                 line = str(json.loads(line)["id"])
             except (ValueError, KeyError, TypeError):
-                raise DataError(f"{path.name}:{lineno}: a JSON row without an \"id\"") from None
+                raise DataError(f'{path.name}:{lineno}: a JSON row without an "id"') from None
         ids.add(line)
     return ids
 

@@ -52,8 +52,10 @@ def resolve_split_key(convs: Sequence, key: str) -> tuple[str, str]:
         return key, "data.split_key as set"
     with_task = sum(_own_task(c) is not None for c in convs)
     if with_task:
-        return "task", (f"auto: {with_task} of {len(convs)} records carry a task identity (a task field or "
-                        "NAME-TASK-TRIAL ids), so every trial of a task stays on one side")
+        return "task", (
+            f"auto: {with_task} of {len(convs)} records carry a task identity (a task field or "
+            "NAME-TASK-TRIAL ids), so every trial of a task stays on one side"
+        )
     return "id", "auto: no record carries a task identity (a task field or NAME-TASK-TRIAL ids)"
 
 
@@ -70,8 +72,7 @@ def _unit_hash(seed: int, value: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def split_by_task(convs: Sequence, val_fraction: float, seed: int = 0,
-                  key: str = "id") -> tuple[list, list]:
+def split_by_task(convs: Sequence, val_fraction: float, seed: int = 0, key: str = "id") -> tuple[list, list]:
     """Split into (train, val) by a stable hash of each conversation's task key (``auto``:
     resolved over ``convs`` by resolve_split_key).
 

@@ -32,19 +32,30 @@ def states_path(data_dir: str | Path, split: str) -> Path:
     return Path(data_dir) / f"teacher_states_{split}.safetensors"
 
 
-def write_states(path: str | Path, jsonl_path: str | Path, rows: list[tuple[torch.Tensor, torch.Tensor]],
-                 target_name: str, aux_layer_ids: list[int]) -> int:
+def write_states(
+    path: str | Path,
+    jsonl_path: str | Path,
+    rows: list[tuple[torch.Tensor, torch.Tensor]],
+    target_name: str,
+    aux_layer_ids: list[int],
+) -> int:
     """Write (aux, final) per row of ``jsonl_path``, in its order; returns the bytes written."""
     from safetensors.torch import save_file
 
     offsets = [0]
     for aux, _ in rows:
         offsets.append(offsets[-1] + aux.shape[0])
-    tensors = {"offsets": torch.tensor(offsets, dtype=torch.int64),
-               "aux": torch.cat([a for a, _ in rows]).contiguous(),
-               "final": torch.cat([f for _, f in rows]).contiguous()}
-    meta = {"format": FORMAT, "data_hash": hash_dataset_file(jsonl_path), "target": target_name,
-            "aux_layer_ids": json.dumps(list(aux_layer_ids))}
+    tensors = {
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "aux": torch.cat([a for a, _ in rows]).contiguous(),
+        "final": torch.cat([f for _, f in rows]).contiguous(),
+    }
+    meta = {
+        "format": FORMAT,
+        "data_hash": hash_dataset_file(jsonl_path),
+        "target": target_name,
+        "aux_layer_ids": json.dumps(list(aux_layer_ids)),
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -74,8 +85,7 @@ class StoredStates:
         if self.meta.get("data_hash") != hash_dataset_file(jsonl_path):
             return f"{Path(jsonl_path).name} changed since the states were kept"
         if json.loads(self.meta.get("aux_layer_ids", "null")) != list(aux_layer_ids):
-            return (f"kept for aux layers {self.meta.get('aux_layer_ids')}, the target uses "
-                    f"{list(aux_layer_ids)}")
+            return f"kept for aux layers {self.meta.get('aux_layer_ids')}, the target uses {list(aux_layer_ids)}"
         return None
 
     @property

@@ -35,21 +35,18 @@ def _name(tokenizer) -> str:
 def render(tokenizer, messages: list[dict], tools=None, add_generation_prompt: bool = False) -> str:
     """The chat template's text for `messages`."""
     if not getattr(tokenizer, "chat_template", None):
-        raise TargetError(f"target tokenizer {_name(tokenizer)} has no chat template; "
-                          "pass --chat-template FILE")
+        raise TargetError(f"target tokenizer {_name(tokenizer)} has no chat template; pass --chat-template FILE")
     kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = tools
     try:
         out = tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as e:  # jinja errors, raise_exception() in templates that forbid a role order
-        raise TargetError(
-            f"chat template of {_name(tokenizer)} failed: {type(e).__name__}: {e}") from e
+        raise TargetError(f"chat template of {_name(tokenizer)} failed: {type(e).__name__}: {e}") from e
     if isinstance(out, list) and len(out) == 1 and isinstance(out[0], str):
         out = out[0]
     if not isinstance(out, str):
-        raise TargetError(f"apply_chat_template(tokenize=False) returned {type(out).__name__}, "
-                          "expected str")
+        raise TargetError(f"apply_chat_template(tokenize=False) returned {type(out).__name__}, expected str")
     return out
 
 
@@ -60,8 +57,7 @@ def assistant_spans(tokenizer, messages: list[dict], tools=None) -> tuple[str, l
     # the span has to start at the content instead.
     probe = [{"role": "user", "content": "x"}]
     try:
-        has_gen_prompt = (render(tokenizer, probe, tools, add_generation_prompt=True)
-                          != render(tokenizer, probe, tools))
+        has_gen_prompt = render(tokenizer, probe, tools, add_generation_prompt=True) != render(tokenizer, probe, tools)
     except TargetError:
         has_gen_prompt = True
 
@@ -107,7 +103,7 @@ def _search(full: str, cursor: int, pre: str, post: str, content: str):
     """Fallback for templates whose prefixes are not prefixes of the full render."""
     # 1. The turn renders the same locally: find its text (content + end marker) in the full render.
     if post.startswith(pre):
-        turn = post[len(pre):].rstrip()
+        turn = post[len(pre) :].rstrip()
         if turn:
             pos = full.find(turn, cursor)
             if pos >= 0:
@@ -121,15 +117,16 @@ def _search(full: str, cursor: int, pre: str, post: str, content: str):
             continue
         end = pos + len(needle)
         k = post.rfind(needle)
-        marker = post[k + len(needle):].rstrip() if k >= 0 else ""
+        marker = post[k + len(needle) :].rstrip() if k >= 0 else ""
         if marker and full.startswith(marker, end):
             end += len(marker)
         return pos, end
     return None
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], tools=None, max_length: int | None = None,
-                          last_turn_only: bool = False) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tokenizer, messages: list[dict], tools=None, max_length: int | None = None, last_turn_only: bool = False
+) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a loss mask: 1 on assistant-turn tokens (on
     the last assistant turn only with ``last_turn_only``: a rollout's earlier replies were not
     written by the target)."""

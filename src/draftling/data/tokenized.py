@@ -31,8 +31,9 @@ def load_tokenized(path: str | Path, vocab_size: int | None = None) -> list[Toke
                 continue
             try:
                 r = json.loads(line)
-                ex = TokenizedExample(str(r["id"]), str(r.get("source", "")), list(r["input_ids"]),
-                                      list(r["loss_mask"]))
+                ex = TokenizedExample(
+                    str(r["id"]), str(r.get("source", "")), list(r["input_ids"]), list(r["loss_mask"])
+                )
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise DataError(f"{path.name}:{lineno}: bad tokenized row: {e}") from None
             if len(ex.input_ids) != len(ex.loss_mask):
@@ -40,8 +41,10 @@ def load_tokenized(path: str | Path, vocab_size: int | None = None) -> list[Toke
             limit = vocab_size if vocab_size is not None else float("inf")
             bad = next((t for t in ex.input_ids if not isinstance(t, int) or not 0 <= t < limit), None)
             if bad is not None:
-                raise DataError(f"{path}:{lineno}: token id {bad!r} is outside the target's vocabulary "
-                                f"(0..{limit - 1}); was this data made for another target?")
+                raise DataError(
+                    f"{path}:{lineno}: token id {bad!r} is outside the target's vocabulary "
+                    f"(0..{limit - 1}); was this data made for another target?"
+                )
             rows.append(ex)
     if not rows:
         raise DataError(f"{path}: no examples")

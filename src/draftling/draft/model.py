@@ -35,14 +35,25 @@ from draftling.target.devmap import resident_weight
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _COPIED_FROM_TARGET = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act",
-    "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+    "hidden_act",
+    "rope_parameters",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
 )
 
 
-def draft_config_from_target(target_config, draft_vocab_size: int, aux_layer_ids: list[int],
-                             window: int = 0, **overrides) -> LlamaConfig:
+def draft_config_from_target(
+    target_config, draft_vocab_size: int, aux_layer_ids: list[int], window: int = 0, **overrides
+) -> LlamaConfig:
     """Derive a one-layer Llama config for the draft from the target's config.
 
     The hidden size equals the target's so the draft can reuse the target's embedding
@@ -53,10 +64,12 @@ def draft_config_from_target(target_config, draft_vocab_size: int, aux_layer_ids
     if "rope_parameters" in fields:
         fields["rope_parameters"] = draft_rope(fields["rope_parameters"])
     head_dim = getattr(target_config, "head_dim", None) or (
-        target_config.hidden_size // target_config.num_attention_heads)
+        target_config.hidden_size // target_config.num_attention_heads
+    )
     if draft_vocab_size > target_config.vocab_size:
-        raise ConfigError(f"draft_vocab_size {draft_vocab_size} is larger than the target vocab "
-                          f"({target_config.vocab_size})")
+        raise ConfigError(
+            f"draft_vocab_size {draft_vocab_size} is larger than the target vocab ({target_config.vocab_size})"
+        )
     fields.update(
         head_dim=head_dim,
         num_hidden_layers=1,
@@ -108,8 +121,7 @@ class Eagle3Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, d)
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads, d)
         self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
@@ -172,8 +184,10 @@ class Eagle3Draft(nn.Module):
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ConfigError(f"vocab maps of shape d2t{tuple(d2t.shape)} t2d{tuple(t2d.shape)} do not "
-                              f"fit this draft (d2t{tuple(self.d2t.shape)} t2d{tuple(self.t2d.shape)})")
+            raise ConfigError(
+                f"vocab maps of shape d2t{tuple(d2t.shape)} t2d{tuple(t2d.shape)} do not "
+                f"fit this draft (d2t{tuple(self.d2t.shape)} t2d{tuple(self.t2d.shape)})"
+            )
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
@@ -183,8 +197,9 @@ class Eagle3Draft(nn.Module):
             aux_states = torch.cat(list(aux_states), dim=-1)
         return self.fc(aux_states.to(self.fc.weight.dtype))
 
-    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-             attend: Attend) -> torch.Tensor:
+    def step(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         """One draft step. Returns the pre-norm output hidden state (fed to the next step)."""
         cos, sin = self.rotary_emb(hidden, position_ids)
         return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, attend)

@@ -29,8 +29,9 @@ def save_draft(draft: Eagle3Draft, directory: str | Path) -> None:
     (directory / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
 
 
-def load_draft(directory: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+def load_draft(
+    directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Eagle3Draft:
     directory = Path(directory)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
@@ -53,6 +54,11 @@ def load_draft(directory: str | Path, device: str | torch.device = "cpu",
     if not bool(draft.t2d.any()):
         raise DraftlingError(f"{directory / WEIGHTS_FILE}: t2d is empty; the vocab maps were not saved")
     # The checks the exporters run, on every load: a zeroed or stale d2t serves garbage silently.
-    check_vocab_maps(draft.d2t, draft.t2d, int(draft.config.draft_vocab_size), int(draft.config.vocab_size),
-                     where=str(directory / WEIGHTS_FILE))
+    check_vocab_maps(
+        draft.d2t,
+        draft.t2d,
+        int(draft.config.draft_vocab_size),
+        int(draft.config.vocab_size),
+        where=str(directory / WEIGHTS_FILE),
+    )
     return draft.to(device=device, dtype=dtype).eval()

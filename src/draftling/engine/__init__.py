@@ -7,6 +7,20 @@ from draftling.engine.options import EngineOptions
 from draftling.engine.spec_round import RoundTimer, SpecRound
 from draftling.engine.target_model import CachedTarget, StaticFn, UnsupportedArchitecture, causal_mask
 
-__all__ = ["CachedTarget", "DraftRunner", "EngineOptions", "GeneralCachedTarget", "RoundTimer", "SpecOptions",
-           "SpecRound", "SpecStats", "StaticFn", "UnsupportedArchitecture", "build_target", "causal_mask",
-           "greedy_generate", "process_logits", "speculative_generate"]
+__all__ = [
+    "CachedTarget",
+    "DraftRunner",
+    "EngineOptions",
+    "GeneralCachedTarget",
+    "RoundTimer",
+    "SpecOptions",
+    "SpecRound",
+    "SpecStats",
+    "StaticFn",
+    "UnsupportedArchitecture",
+    "build_target",
+    "causal_mask",
+    "greedy_generate",
+    "process_logits",
+    "speculative_generate",
+]

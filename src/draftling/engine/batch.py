@@ -52,8 +52,14 @@ class BatchResult:
 
 
 @torch.no_grad()
-def batch_generate(target: CachedTarget, prompts, max_new_tokens, draft: DraftRunner | None = None,
-                   tree: tuple[int, int, int] | None = None, **options) -> list[BatchResult]:
+def batch_generate(
+    target: CachedTarget,
+    prompts,
+    max_new_tokens,
+    draft: DraftRunner | None = None,
+    tree: tuple[int, int, int] | None = None,
+    **options,
+) -> list[BatchResult]:
     """Decode ``prompts`` (1-D token tensors or lists) ``target.batch_size`` at a time.
     ``max_new_tokens``: one budget or one per prompt. ``tree``: (steps, topk,
     num_draft_tokens) for speculative decoding with ``draft`` (a DraftRunner with as many
@@ -89,8 +95,9 @@ def _check_batch(target, draft, tree, prompts, budgets) -> None:
         if p.numel() == 0:
             raise ConfigError(f"prompt {i} is empty")
         if p.numel() + m + headroom > target.max_seq_len:
-            raise ConfigError(f"prompt {i} ({p.numel()} tokens) + {m} new tokens do not fit the "
-                              f"target cache of {target.max_seq_len}")
+            raise ConfigError(
+                f"prompt {i} ({p.numel()} tokens) + {m} new tokens do not fit the target cache of {target.max_seq_len}"
+            )
 
 
 class _BatchRun:
@@ -118,11 +125,11 @@ class _BatchRun:
         once as PREFILL_SCORES allows. A request whose first token already ends it frees its
         row again at once."""
         while self.waiting and None in self.row_req:
-            rows = [i for i, r in enumerate(self.row_req) if r is None][:len(self.waiting)]
+            rows = [i for i, r in enumerate(self.row_req) if r is None][: len(self.waiting)]
             reqs = [self.waiting.popleft() for _ in rows]
             for group in self._prefill_groups(reqs):
-                self._prefill(rows[:len(group)], group)
-                rows = rows[len(group):]
+                self._prefill(rows[: len(group)], group)
+                rows = rows[len(group) :]
 
     def _prefill_groups(self, reqs: list[int]) -> list[list[int]]:
         """``reqs`` in runs whose padded prefill scores (rows x heads x T x T) fit PREFILL_SCORES:
@@ -220,7 +227,7 @@ class _BatchRun:
                 out = self.outs[req]
                 if out.done:
                     continue
-                k, moved, new = rows[row][0], rows[row][1], rows[row][2:2 + rows[row][0]]
+                k, moved, new = rows[row][0], rows[row][1], rows[row][2 : 2 + rows[row][0]]
                 out.stats.add_round(k)
                 if not out.emit(new):
                     out.stats.compactions += moved
@@ -255,8 +262,9 @@ class ReplyEngine:
         self.model, self.rows = model, int(rows)
         dev = model.get_input_embeddings().weight.device
         # Graphs on CUDA; no compile (a fresh shape per cache size) and no padding (plain only).
-        default = EngineOptions(cuda_graphs="auto", compile=False, query_pad=0,
-                                attention="matmul" if dev.type == "cuda" else "sdpa")
+        default = EngineOptions(
+            cuda_graphs="auto", compile=False, query_pad=0, attention="matmul" if dev.type == "cuda" else "sdpa"
+        )
         self.options = (options or default).resolve(dev)
         self.target: CachedTarget | None = None
 
@@ -269,16 +277,24 @@ class ReplyEngine:
         return self.target
 
     @torch.no_grad()
-    def __call__(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[tuple[list[int], str]]:
+    def __call__(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        eos_ids,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[tuple[list[int], str]]:
         """(reply, "eos" or "length") per prompt; above temperature 0 sampled (after top_p) from a
         generator seeded with ``seed``, so a rerun of the same prompts gives the same replies."""
         target = self._engine(max(map(len, prompts)) + max_new_tokens + 8)
         eos = _eos_set(eos_ids)
         gen = torch.Generator(target.device).manual_seed(seed) if temperature > 0 else None
         out = []
-        for r in batch_generate(target, prompts, max_new_tokens, eos_ids=eos_ids, temperature=temperature,
-                                top_p=top_p, generator=gen):
+        for r in batch_generate(
+            target, prompts, max_new_tokens, eos_ids=eos_ids, temperature=temperature, top_p=top_p, generator=gen
+        ):
             hit = bool(r.tokens) and r.tokens[-1] in eos
             out.append((r.tokens[:-1], "eos") if hit else (r.tokens, "length"))
         return out
@@ -294,18 +310,23 @@ def reply_engine_for(dc, target):
     if devices:
         spread = f"the target is spread over {', '.join(map(str, devices))} by a device map"
         if mode == "on":
-            raise ConfigError(f"data.regen.engine=on: {spread}, and the batched engine runs a target on one "
-                              "device; use data.regen.engine=auto (HF generate)")
+            raise ConfigError(
+                f"data.regen.engine=on: {spread}, and the batched engine runs a target on one "
+                "device; use data.regen.engine=auto (HF generate)"
+            )
         log.info(f"regenerate: {spread}, so replies come from HF generate (the batched engine needs one device)")
         return None
     why = "kept teacher states (data.keep_teacher_states)" if dc.keep_teacher_states else None
     if mode == "on" and why:
-        raise ConfigError(f"data.regen.engine=on: the batched engine writes replies without states; "
-                          f"this run asks for {why}")
+        raise ConfigError(
+            f"data.regen.engine=on: the batched engine writes replies without states; this run asks for {why}"
+        )
     # "auto" takes the fast path only: the general path's regeneration is unmeasured against HF.
     if mode == "auto" and target.config.model_type not in SUPPORTED_MODEL_TYPES:
-        why = (f"model_type {target.config.model_type!r} "
-               "(the general path's regeneration is unmeasured against HF generate)")
+        why = (
+            f"model_type {target.config.model_type!r} "
+            "(the general path's regeneration is unmeasured against HF generate)"
+        )
     if why or (mode == "auto" and target.device.type != "cuda"):
         return None
     engines: dict = {}

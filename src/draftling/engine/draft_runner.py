@@ -36,8 +36,9 @@ def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, us
     if use_matmul:
         o = matmul_attention(q, k_cache, v_cache, attn_mask, q.shape[-1] ** -0.5)
     else:
-        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=row_mask(attn_mask),
-                                           enable_gqa=k_cache.shape[1] != q.shape[1])
+        o = F.scaled_dot_product_attention(
+            q, k_cache, v_cache, attn_mask=row_mask(attn_mask), enable_gqa=k_cache.shape[1] != q.shape[1]
+        )
     out = draft.midlayer.attention_to_output(hidden, o)
     return out, draft.compute_logits(out)
 
@@ -46,9 +47,16 @@ class DraftRunner(nn.Module):
     """``options``: the engine's EngineOptions, resolved (the target's, so both run alike; its
     query_pad is the target's alone); its fields may also come as keywords (``compile=True``)."""
 
-    def __init__(self, draft: Eagle3Draft, embed: nn.Embedding, max_seq_len: int,
-                 max_spec_nodes: int = 64, batch_size: int = 1, options: EngineOptions | None = None,
-                 **engine):
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        embed: nn.Embedding,
+        max_seq_len: int,
+        max_spec_nodes: int = 64,
+        batch_size: int = 1,
+        options: EngineOptions | None = None,
+        **engine,
+    ):
         super().__init__()
         options = EngineOptions.of(options, **engine).check_resolved()
         self.draft = draft
@@ -58,12 +66,9 @@ class DraftRunner(nn.Module):
         cfg = draft.config
         self.window = draft_window(cfg)
         w = draft.fc.weight
-        shape = (batch_size, cfg.num_key_value_heads, self.max_seq_len + self.max_spec_nodes,
-                 cfg.head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=w.dtype, device=w.device),
-                             persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device),
-                             persistent=False)
+        shape = (batch_size, cfg.num_key_value_heads, self.max_seq_len + self.max_spec_nodes, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=w.dtype, device=w.device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device), persistent=False)
         self.register_buffer("cols", torch.arange(shape[2], device=w.device), persistent=False)
         self.graphed = options.cuda_graphs or options.compile
         # Compiled like the target's layers: the two halves around the eager cache write.
@@ -114,13 +119,13 @@ class DraftRunner(nn.Module):
         mask = attn_mask.expand(b, -1, -1) if attn_mask.dim() == 2 else attn_mask
         band = self.window + t - 1
         if band >= context:  # a short cache: the window is a mask over all of it
-            cols = self.cols[:mask.shape[-1]]
+            cols = self.cols[: mask.shape[-1]]
             near = (cols >= context) | (cols > positions[..., None] - self.window)
             return k_cache, v_cache, mask & near
         dev = positions.device
         band_cols = (positions.min(1).values - self.window + 1)[:, None] + torch.arange(band, device=dev)
         real = (band_cols >= 0) & (band_cols < context)
-        idx = torch.cat([band_cols.clamp(0, context - 1), self.cols[context:k_cache.shape[2]].expand(b, -1)], 1)
+        idx = torch.cat([band_cols.clamp(0, context - 1), self.cols[context : k_cache.shape[2]].expand(b, -1)], 1)
         near = real[:, None] & (band_cols[:, None] > positions[..., None] - self.window)  # [B,T,band]
         mask = mask.gather(2, idx[:, None].expand(-1, t, -1))
         mask = torch.cat([mask[..., :band] & near, mask[..., band:]], 2)
@@ -172,8 +177,9 @@ class DraftRunner(nn.Module):
         return hidden[:, n - 1], logits[:, n - 1]
 
     @torch.no_grad()
-    def tree_step(self, ids: torch.Tensor, hidden: torch.Tensor, position: int,
-                  slots: torch.Tensor, mask: torch.Tensor):
+    def tree_step(
+        self, ids: torch.Tensor, hidden: torch.Tensor, position: int, slots: torch.Tensor, mask: torch.Tensor
+    ):
         """Draft one level for K frontier nodes of one sequence: ``ids`` [K] (target ids),
         ``hidden`` [K,H] (each parent's output), all at ``position``; K/V go to scratch
         ``slots`` [K]; ``mask`` [K, cache_size]. Returns (hidden [K,H], logits [K,Vd])."""

@@ -52,8 +52,17 @@ ATTN_NAME = "draftling_engine"
 # None nor a flag (a bool: output_router_logits, ...) might change the result (a position
 # bias, say), so the probe refuses the model.
 APPLIED = {"sliding_window", "s_aux", "softcap"}
-IGNORED = {"dropout", "position_ids", "cache_position", "output_attentions", "use_cache", "is_causal",
-           "return_dict", "output_hidden_states", "logits_to_keep"}
+IGNORED = {
+    "dropout",
+    "position_ids",
+    "cache_position",
+    "output_attentions",
+    "use_cache",
+    "is_causal",
+    "return_dict",
+    "output_hidden_states",
+    "logits_to_keep",
+}
 _ACTIVE: list = []  # the engine whose pass runs now (innermost last)
 
 
@@ -72,8 +81,10 @@ def _check_config(model) -> None:
     name = _arch(model)
     types = set(getattr(cfg, "layer_types", None) or ())
     if types - LAYER_TYPES:
-        raise UnsupportedArchitecture(f"{name}: layer types {sorted(types - LAYER_TYPES)} (the general engine "
-                                      f"path serves {sorted(LAYER_TYPES)} only)")
+        raise UnsupportedArchitecture(
+            f"{name}: layer types {sorted(types - LAYER_TYPES)} (the general engine "
+            f"path serves {sorted(LAYER_TYPES)} only)"
+        )
     for attr in ("attention_chunk_size", "use_bidirectional_attention"):
         if getattr(cfg, attr, None):
             raise UnsupportedArchitecture(f"{name}: {attr}={getattr(cfg, attr)} is not served by the engine")
@@ -91,8 +102,15 @@ class GeneralCachedTarget(TargetEngine):
     forward with ``ATTN_NAME`` as its attention. ``kv(i)`` is layer i's (K [B,nkv,S,dk],
     V [B,nkv,S,dv]); sliding-window layers keep a full-length cache (simple, not lean)."""
 
-    def __init__(self, model, aux_layer_ids, max_seq_len: int, batch_size: int = 1, dtype=None,
-                 options: EngineOptions | None = None):
+    def __init__(
+        self,
+        model,
+        aux_layer_ids,
+        max_seq_len: int,
+        batch_size: int = 1,
+        dtype=None,
+        options: EngineOptions | None = None,
+    ):
         super().__init__()
         _check_config(model)
         options = (options or EngineOptions()).check_resolved()
@@ -102,14 +120,21 @@ class GeneralCachedTarget(TargetEngine):
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self.layers))
         self.check_dtype(self.embed.weight.dtype, dtype)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._configs = list({id(m.config): m.config for m in model.modules()
-                              if hasattr(getattr(m, "config", None), "_attn_implementation")}.values())
+        self._configs = list(
+            {
+                id(m.config): m.config
+                for m in model.modules()
+                if hasattr(getattr(m, "config", None), "_attn_implementation")
+            }.values()
+        )
         self._call, self._checking = None, False
         shapes = self._probe_shapes()
-        self.k = [torch.zeros(batch_size, nk, int(max_seq_len), dk, dtype=dt, device=dev)
-                  for nk, dk, _, _, dt, dev in shapes]
-        self.v = [torch.zeros(batch_size, nv, int(max_seq_len), dv, dtype=dt, device=dev)
-                  for _, _, nv, dv, dt, dev in shapes]
+        self.k = [
+            torch.zeros(batch_size, nk, int(max_seq_len), dk, dtype=dt, device=dev) for nk, dk, _, _, dt, dev in shapes
+        ]
+        self.v = [
+            torch.zeros(batch_size, nv, int(max_seq_len), dv, dtype=dt, device=dev) for _, _, nv, dv, dt, dev in shapes
+        ]
         self._setup(options, max_seq_len, batch_size, self.embed.weight.device)
         if self._warm_up():  # a feature was turned off: make the static functions again
             self._setup(self.options, max_seq_len, batch_size, self.device)
@@ -147,21 +172,27 @@ class GeneralCachedTarget(TargetEngine):
         if missing:
             raise UnsupportedArchitecture(
                 f"{_arch(self.model)}: decoder layers {missing} do not route attention through transformers' "
-                "AttentionInterface (recurrent or linear-attention layers, or a model without the interface)")
+                "AttentionInterface (recurrent or linear-attention layers, or a model without the interface)"
+            )
         return [probe[i] for i in range(len(self.layers))]
 
     def _record(self, i, q, k, v, kwargs):
         name = _arch(self.model)
         if not isinstance(i, int) or i in self._probe:
             raise UnsupportedArchitecture(f"{name}: an attention call without its own layer_idx ({i!r})")
-        extra = sorted(n for n, val in kwargs.items()
-                       if val is not None and not isinstance(val, bool) and n not in APPLIED | IGNORED)
+        extra = sorted(
+            n
+            for n, val in kwargs.items()
+            if val is not None and not isinstance(val, bool) and n not in APPLIED | IGNORED
+        )
         if extra:
-            raise UnsupportedArchitecture(f"{name}: layer {i}'s attention passes {extra}, which the engine "
-                                          "does not apply")
+            raise UnsupportedArchitecture(
+                f"{name}: layer {i}'s attention passes {extra}, which the engine does not apply"
+            )
         if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
-            raise UnsupportedArchitecture(f"{name}: layer {i} has {q.shape[1]} query heads over {k.shape[1]} "
-                                          f"key and {v.shape[1]} value heads")
+            raise UnsupportedArchitecture(
+                f"{name}: layer {i} has {q.shape[1]} query heads over {k.shape[1]} key and {v.shape[1]} value heads"
+            )
         self._probe[i] = (k.shape[1], k.shape[-1], v.shape[1], v.shape[-1], k.dtype, k.device)
         return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]), None
 
@@ -181,7 +212,8 @@ class GeneralCachedTarget(TargetEngine):
         sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
         if sinks is None and softcap is None and self.attention == "sdpa":
             o = torch.nn.functional.scaled_dot_product_attention(
-                q, kc, vc, attn_mask=row_mask(mask), scale=scale, enable_gqa=kc.shape[1] != q.shape[1])
+                q, kc, vc, attn_mask=row_mask(mask), scale=scale, enable_gqa=kc.shape[1] != q.shape[1]
+            )
         else:
             o = matmul_attention(q, kc, vc, mask, scale, self.attention == "exact", sinks, softcap)
         return o.transpose(1, 2), None
@@ -203,8 +235,9 @@ class GeneralCachedTarget(TargetEngine):
     def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool, kv=None, last=None):
         """As ``CachedTarget._run``; ``compiled``: the whole forward as one compiled step."""
         q = input_ids.shape[1]
-        input_ids, positions, cache_positions, attn_mask = self.pad_queries(input_ids, positions, cache_positions,
-                                                                           attn_mask)
+        input_ids, positions, cache_positions, attn_mask = self.pad_queries(
+            input_ids, positions, cache_positions, attn_mask
+        )
         ks, vs = kv if kv is not None else (self.k, self.v)
         keep = {"logits_to_keep": last} if last is not None and self._keep_logits else {}
         # A copy: callers may pass one tensor as both positions and slots (a plain step), and the
@@ -243,8 +276,14 @@ class GeneralCachedTarget(TargetEngine):
     def _without(self, feature: str, why: str, error: BaseException) -> None:
         """Turn ``feature`` ("compile" or "cuda_graphs") off for this target, saying why in one line."""
         first = (str(error).strip().splitlines() or [""])[0][:300]
-        log.warning("%s: the general engine path runs without %s: %s (%s: %s)", _arch(self.model), feature, why,
-                    type(error).__name__, first)
+        log.warning(
+            "%s: the general engine path runs without %s: %s (%s: %s)",
+            _arch(self.model),
+            feature,
+            why,
+            type(error).__name__,
+            first,
+        )
         self.options = dataclasses.replace(self.options, **{feature: False})
         self.compile, self.cuda_graphs = self.options.compile, self.options.cuda_graphs
 
@@ -277,8 +316,10 @@ class GeneralCachedTarget(TargetEngine):
         """As ``CachedTarget.prefill_rows``: through a scratch cache of the prompts' width."""
         g, t = input_ids.shape
         width = max(t, self.query_pad)
-        kv = tuple([torch.zeros(g, c.shape[1], width, c.shape[3], dtype=c.dtype, device=c.device) for c in bufs]
-                   for bufs in (self.k, self.v))
+        kv = tuple(
+            [torch.zeros(g, c.shape[1], width, c.shape[3], dtype=c.dtype, device=c.device) for c in bufs]
+            for bufs in (self.k, self.v)
+        )
         pos = torch.arange(t, device=self.device)
         logits, aux = self._run(input_ids, pos, pos, causal_mask(0, t, width, self.device), False, kv, lengths - 1)
         for bufs, scratch in zip((self.k, self.v), kv):
@@ -351,15 +392,24 @@ def fast_path_refusal(model, max_seq_len: int) -> str | None:
     return None
 
 
-def build_target(model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
-                 options: EngineOptions | None = None, **engine) -> TargetEngine:
+def build_target(
+    model,
+    aux_layer_ids,
+    max_seq_len: int,
+    dtype=None,
+    batch_size: int = 1,
+    options: EngineOptions | None = None,
+    **engine,
+) -> TargetEngine:
     """The engine for ``model``: the fast ``CachedTarget`` where it applies, else the general
     path (which raises ``UnsupportedArchitecture`` with the reason when it cannot serve either).
     Arguments as ``CachedTarget.from_hf``."""
     devices = dispatched_devices(model)
     if devices:  # its cache and graphs live on one device; accelerate's hooks would move weights per call
-        raise UnsupportedArchitecture(f"{type(model).__name__}: spread over {', '.join(map(str, devices))} by a "
-                                      "device map; the engine runs a target on one device")
+        raise UnsupportedArchitecture(
+            f"{type(model).__name__}: spread over {', '.join(map(str, devices))} by a "
+            "device map; the engine runs a target on one device"
+        )
     options = EngineOptions.of(options, **engine)
     why = fast_path_refusal(model, max_seq_len)
     if why is None:

@@ -49,14 +49,18 @@ class SpecStats:
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
 
     def as_dict(self) -> dict:
-        return {"verify_steps": self.verify_steps, "tokens": self.tokens, "tau": self.tau,
-                "accept_lengths": list(self.accept_lengths),
-                "accept_counts": list(self.accept_counts), "compactions": self.compactions,
-                "timing": self.timing}
+        return {
+            "verify_steps": self.verify_steps,
+            "tokens": self.tokens,
+            "tau": self.tau,
+            "accept_lengths": list(self.accept_lengths),
+            "accept_counts": list(self.accept_counts),
+            "compactions": self.compactions,
+            "timing": self.timing,
+        }
 
 
-def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0,
-                   top_p: float = 1.0) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Target probabilities after temperature, top-k and top-p (rows of ``logits``)."""
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:
@@ -98,8 +102,9 @@ def _prepare(target: CachedTarget, input_ids: torch.Tensor, need: int) -> torch.
     if input_ids.shape[0] != 1:
         raise ConfigError(f"the engine decodes batch size 1, got {input_ids.shape[0]}")
     if input_ids.shape[1] + need > target.max_seq_len:
-        raise ConfigError(f"prompt {input_ids.shape[1]} + {need} tokens do not fit the target "
-                          f"cache of {target.max_seq_len}")
+        raise ConfigError(
+            f"prompt {input_ids.shape[1]} + {need} tokens do not fit the target cache of {target.max_seq_len}"
+        )
     return input_ids.to(target.device)
 
 
@@ -118,9 +123,16 @@ RUN_AHEAD_ROUNDS = 4  # the same for speculative rounds (each emits up to steps 
 
 
 @torch.no_grad()
-def greedy_generate(target: CachedTarget, input_ids: torch.Tensor, max_new_tokens: int,
-                    eos_ids=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+def greedy_generate(
+    target: CachedTarget,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Decode without speculation on the same own-cache target (the speedup baseline).
     Returns the new tokens, [1, m] with m <= max_new_tokens (eos included if hit)."""
     input_ids = _prepare(target, input_ids, max_new_tokens + target.query_pad)
@@ -236,16 +248,28 @@ class _Output:
 
 def _check_tree(draft: DraftRunner, steps: int, topk: int, num_draft_tokens: int) -> None:
     if steps < 1 or topk < 1 or not 2 <= num_draft_tokens <= 1 + topk + (steps - 1) * topk * topk:
-        raise ConfigError(f"tree steps={steps} topk={topk} num_draft_tokens={num_draft_tokens}: "
-                          "need steps, topk >= 1 and 2 <= num_draft_tokens <= 1 + candidates")
+        raise ConfigError(
+            f"tree steps={steps} topk={topk} num_draft_tokens={num_draft_tokens}: "
+            "need steps, topk >= 1 and 2 <= num_draft_tokens <= 1 + candidates"
+        )
     if (steps - 1) * topk > draft.max_spec_nodes:
-        raise ConfigError(f"the draft cache has {draft.max_spec_nodes} scratch slots; "
-                          f"steps={steps} topk={topk} needs {(steps - 1) * topk}")
+        raise ConfigError(
+            f"the draft cache has {draft.max_spec_nodes} scratch slots; "
+            f"steps={steps} topk={topk} needs {(steps - 1) * topk}"
+        )
 
 
 @torch.no_grad()
-def speculative_generate(target: CachedTarget, draft: DraftRunner, input_ids: torch.Tensor,
-                         max_new_tokens: int, steps: int, topk: int, num_draft_tokens: int, **options):
+def speculative_generate(
+    target: CachedTarget,
+    draft: DraftRunner,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    steps: int,
+    topk: int,
+    num_draft_tokens: int,
+    **options,
+):
     """EAGLE speculative decoding. Returns (new tokens [1, m], SpecStats). ``options``: the
     fields of SpecOptions as keywords (``eos_ids=``, ``temperature=``, ``timing=``, ...).
 
@@ -291,7 +315,7 @@ def _device_rounds(rnd: SpecRound, state, n: int, out: _Output) -> int:
             *state, emitted = rnd.fused_round(*state)
             queued.append(emitted)
         for (row,) in torch.stack(queued).tolist():
-            k, moved, new = row[0], row[1], row[2:2 + row[0]]
+            k, moved, new = row[0], row[1], row[2 : 2 + row[0]]
             out.stats.add_round(k)
             if out.emit(new):
                 break

@@ -73,12 +73,16 @@ class EngineOptions:
         def pick(value, auto):
             return auto if value == AUTO else value
 
-        out = EngineOptions(cuda_graphs=bool(pick(self.cuda_graphs, gpu)), compile=bool(pick(self.compile, gpu)),
-                            query_pad=int(pick(self.query_pad, max_draft_tokens if gpu else 0)),
-                            attention=pick(self.attention, GPU_ATTENTION if gpu else "sdpa"))
+        out = EngineOptions(
+            cuda_graphs=bool(pick(self.cuda_graphs, gpu)),
+            compile=bool(pick(self.compile, gpu)),
+            query_pad=int(pick(self.query_pad, max_draft_tokens if gpu else 0)),
+            attention=pick(self.attention, GPU_ATTENTION if gpu else "sdpa"),
+        )
         if out.query_pad and out.query_pad < max_draft_tokens:
-            raise ConfigError(f"query_pad {out.query_pad} is below the largest config's {max_draft_tokens} "
-                              "draft tokens")
+            raise ConfigError(
+                f"query_pad {out.query_pad} is below the largest config's {max_draft_tokens} draft tokens"
+            )
         return out
 
     def unpadded(self, device) -> EngineOptions:
@@ -91,6 +95,5 @@ class EngineOptions:
 
     def check_resolved(self) -> EngineOptions:
         if not self.resolved:
-            raise ConfigError(f"{self} still holds 'auto': resolve it for a device first "
-                              "(EngineOptions.resolve)")
+            raise ConfigError(f"{self} still holds 'auto': resolve it for a device first (EngineOptions.resolve)")
         return self

@@ -32,8 +32,7 @@ from draftling.engine.target_model import CachedTarget, StaticFn
 class SpecRound:
     """The device side of speculative rounds for one engine and one (steps, topk, q)."""
 
-    def __init__(self, target: CachedTarget, draft: DraftRunner, steps: int, topk: int,
-                 num_draft_tokens: int):
+    def __init__(self, target: CachedTarget, draft: DraftRunner, steps: int, topk: int, num_draft_tokens: int):
         self.target, self.draft = target, draft
         self.steps, self.topk, self.q = steps, topk, num_draft_tokens
         self.path_len = min(steps, num_draft_tokens - 1) + 1  # root + the longest acceptable path
@@ -50,8 +49,7 @@ class SpecRound:
         # ``first[d-1]`` is the index of depth d's first candidate; the root gets index n_cand.
         self.first = [0] + [k + level * k * k for level in range(steps - 1)]
         self.n_cand = k + (steps - 1) * k * k
-        self.cand_depth = torch.cat([torch.full((k if d == 1 else k * k,), d, **long)
-                                     for d in range(1, steps + 1)])
+        self.cand_depth = torch.cat([torch.full((k if d == 1 else k * k,), d, **long) for d in range(1, steps + 1)])
         self.root_parent = torch.full((k,), self.n_cand, **long)
         # Candidate -> node index; -1 (not kept) must never be looked up: the kept set is connected.
         self.node_of_init = torch.cat([torch.full((self.n_cand,), -1, **long), torch.zeros(1, **long)])
@@ -88,8 +86,9 @@ class SpecRound:
         self._commit_fn = StaticFn(self.commit_gathered, **graphs)
 
     @classmethod
-    def cached(cls, target: CachedTarget, draft: DraftRunner, steps: int, topk: int,
-               num_draft_tokens: int) -> SpecRound:
+    def cached(
+        cls, target: CachedTarget, draft: DraftRunner, steps: int, topk: int, num_draft_tokens: int
+    ) -> SpecRound:
         """This engine's round for the config, made once: later generations replay its graphs."""
         key = (target, steps, topk, num_draft_tokens)
         if key not in draft.rounds:
@@ -141,8 +140,11 @@ class SpecRound:
         node_of.scatter_(1, sel, self.node_ids.expand(b, -1))
         parents = node_of.gather(1, c_parent.gather(1, sel))
         zero = self.zero.expand(b, 1)
-        return (torch.cat([root[:, None], c_tok.gather(1, sel)], 1), torch.cat([zero, parents], 1),
-                torch.cat([zero, self.cand_depth[sel]], 1))
+        return (
+            torch.cat([root[:, None], c_tok.gather(1, sel)], 1),
+            torch.cat([zero, parents], 1),
+            torch.cat([zero, self.cand_depth[sel]], 1),
+        )
 
     def tree_mask(self, n, parents):
         """[B, q, max_seq_len]: every node sees slots < n and the slots n+j of its ancestors and itself."""
@@ -156,8 +158,9 @@ class SpecRound:
     def verify(self, n, tokens, parents, depths):
         """The target on each row's tree (K/V to slots n..n+q-1). Returns packed [B, 3, q] =
         (tokens, parents, target argmax per node), aux [B,q,3H], logits [B,q,V]."""
-        logits, aux = self.target.decode(tokens, n[:, None] + depths, n[:, None] + self.nodes,
-                                         self.tree_mask(n, parents))
+        logits, aux = self.target.decode(
+            tokens, n[:, None] + depths, n[:, None] + self.nodes, self.tree_mask(n, parents)
+        )
         return torch.stack([tokens, parents, logits.argmax(-1)], 1), aux, logits
 
     def draft_and_verify(self, n, root, r_hidden, r_logits):
@@ -267,8 +270,8 @@ class SpecRound:
         for x in news:
             flat += x + [0] * (p - len(x))
         ctrl = self.upload(flat)
-        n_t, k_t = ctrl[:b], ctrl[b:2 * b]
-        path_t, new_t = ctrl[2 * b:2 * b + b * p].view(b, p), ctrl[2 * b + b * p:].view(b, p)
+        n_t, k_t = ctrl[:b], ctrl[b : 2 * b]
+        path_t, new_t = ctrl[2 * b : 2 * b + b * p].view(b, p), ctrl[2 * b + b * p :].view(b, p)
         self._gather_fn(n_t, path_t)
         n_next, root, r_hidden, r_logits, _ = self._commit_fn(n_t, path_t, k_t, new_t, aux)
         return [x != list(range(len(x))) for x in paths], n_next, root, r_hidden, r_logits

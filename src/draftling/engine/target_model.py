@@ -41,12 +41,16 @@ def _check_architecture(model, max_seq_len: int) -> None:
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedArchitecture(
             f"the decode engine supports {', '.join(SUPPORTED_MODEL_TYPES)} targets; "
-            f"got {arch} (model_type {cfg.model_type!r})")
+            f"got {arch} (model_type {cfg.model_type!r})"
+        )
     for i, layer in enumerate(decoder_layers(model)):
         attn = getattr(layer, "self_attn", None)
         need = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if attn is None or any(m is None for m in need) or not all(
-                hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
+        if (
+            attn is None
+            or any(m is None for m in need)
+            or not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp"))
+        ):
             raise UnsupportedArchitecture(f"{arch}: decoder layer {i} is not Llama-shaped")
     types = set(getattr(cfg, "layer_types", None) or ())
     if types - LAYER_TYPES:
@@ -56,7 +60,8 @@ def _check_architecture(model, max_seq_len: int) -> None:
     sliding = cfg.model_type == "mistral" or "sliding_attention" in types
     if window is not None and sliding and window < max_seq_len:
         raise UnsupportedArchitecture(
-            f"{arch}: sliding-window attention ({window}) shorter than max_seq_len {max_seq_len}")
+            f"{arch}: sliding-window attention ({window}) shorter than max_seq_len {max_seq_len}"
+        )
 
 
 def attention_inputs(layer, x, cos, sin):
@@ -118,9 +123,14 @@ def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str):
         o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling, exact=kind == "exact")
     else:
         # Whole static cache + boolean mask: shapes never depend on the context length.
-        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=row_mask(attn_mask),
-                                           scale=attn.scaling,
-                                           enable_gqa=k_cache.shape[1] != q.shape[1])
+        o = F.scaled_dot_product_attention(
+            q,
+            k_cache,
+            v_cache,
+            attn_mask=row_mask(attn_mask),
+            scale=attn.scaling,
+            enable_gqa=k_cache.shape[1] != q.shape[1],
+        )
     b, _, t, _ = q.shape
     x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -159,8 +169,16 @@ class TargetEngine(nn.Module):
     ``prefill_rows``, ``gather_kv`` and ``scatter_kv``."""
 
     @classmethod
-    def from_hf(cls, model, aux_layer_ids, max_seq_len: int, dtype=None, batch_size: int = 1,
-                options: EngineOptions | None = None, **engine):
+    def from_hf(
+        cls,
+        model,
+        aux_layer_ids,
+        max_seq_len: int,
+        dtype=None,
+        batch_size: int = 1,
+        options: EngineOptions | None = None,
+        **engine,
+    ):
         """``engine``: EngineOptions fields as keywords (``compile=True``, ...), over ``options``."""
         return cls(model, aux_layer_ids, max_seq_len, batch_size, dtype, EngineOptions.of(options, **engine))
 
@@ -168,8 +186,10 @@ class TargetEngine(nn.Module):
     def check_dtype(weights_dtype: torch.dtype, dtype) -> None:
         """The engine shares the target's weights: it cannot run them in another dtype."""
         if dtype is not None and dtype != weights_dtype:
-            raise ConfigError(f"the engine shares the target's {weights_dtype} weights; convert the model "
-                              f"with model.to({dtype}) instead of asking for dtype={dtype}")
+            raise ConfigError(
+                f"the engine shares the target's {weights_dtype} weights; convert the model "
+                f"with model.to({dtype}) instead of asking for dtype={dtype}"
+            )
 
     def _setup(self, options: EngineOptions, max_seq_len: int, batch_size: int, device) -> None:
         self.max_seq_len, self.batch_size = int(max_seq_len), int(batch_size)
@@ -200,8 +220,9 @@ class TargetEngine(nn.Module):
         (the argmax next token [B,1], position + 1). No host value goes in or out, so the host
         can queue many steps before it reads any token back. A batch row that has finished
         keeps stepping at the cache's last slot until the host refills it."""
-        logits, _ = self.decode(token, position[:, None], position[:, None],
-                                self.cols[None, None] <= position[:, None, None])
+        logits, _ = self.decode(
+            token, position[:, None], position[:, None], self.cols[None, None] <= position[:, None, None]
+        )
         return logits[:, -1].argmax(-1, keepdim=True), (position + 1).clamp(max=self.max_seq_len - 1)
 
     def pad_queries(self, input_ids, positions, cache_positions, attn_mask):
@@ -253,8 +274,15 @@ class CachedTarget(TargetEngine):
     free at the end of the cache).
     """
 
-    def __init__(self, model, aux_layer_ids, max_seq_len: int, batch_size: int = 1, dtype=None,
-                 options: EngineOptions | None = None):
+    def __init__(
+        self,
+        model,
+        aux_layer_ids,
+        max_seq_len: int,
+        batch_size: int = 1,
+        dtype=None,
+        options: EngineOptions | None = None,
+    ):
         super().__init__()
         _check_architecture(model, max_seq_len)
         options = (options or EngineOptions()).check_resolved()
@@ -289,8 +317,9 @@ class CachedTarget(TargetEngine):
         ``kv``: (K, V) buffers to use instead of the cache (a prefill's scratch). ``last`` [B]:
         the logits of that query only per row, [B,1,V] (a ragged prefill's last real token)."""
         q = input_ids.shape[1]
-        input_ids, positions, cache_positions, attn_mask = self.pad_queries(input_ids, positions, cache_positions,
-                                                                           attn_mask)
+        input_ids, positions, cache_positions, attn_mask = self.pad_queries(
+            input_ids, positions, cache_positions, attn_mask
+        )
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(x, positions)
         attn_in = compile_once(attention_inputs) if compiled else attention_inputs
@@ -348,6 +377,7 @@ class CachedTarget(TargetEngine):
         """[B,p] slots -> a gather/scatter index into [layers, B, nkv, S, d]."""
         layers, _, nkv, _, d = self.k_all.shape
         return slots[None, :, None, :, None].expand(layers, -1, nkv, -1, d)
+
 
 def causal_mask(start, q: int, size: int, device) -> torch.Tensor:
     """[q, size] bool: query i (at slot start+i) sees slots 0..start+i (start: int or [1] tensor)."""

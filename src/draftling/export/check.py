@@ -28,7 +28,10 @@ def check_export(path, config, tokenizer=None, weights=None) -> list[str]:
     ids = [int(i) for i in dc.eagle_aux_hidden_state_layer_ids]
     hidden = int(getattr(dc, "target_hidden_size", dc.hidden_size))
     wrong, ok = [], []
-    for what, have, want in (("hidden size", hidden, config.hidden_size), ("vocab", draft.t2d.numel(), config.vocab_size)):
+    for what, have, want in (
+        ("hidden size", hidden, config.hidden_size),
+        ("vocab", draft.t2d.numel(), config.vocab_size),
+    ):
         (ok if have == want else wrong).append(f"{what}: head {have}, target {want}")
     in_range = all(1 <= i <= layers for i in ids)
     (ok if in_range else wrong).append(f"aux layers {ids} (HF hidden_states indices) of a {layers}-layer target")

@@ -25,14 +25,15 @@ _DEFAULT_NAMES = ("", "default", DEFAULT_TARGET)
 # A Hugging Face repo id, "org/name" (huggingface_hub's rules: no "--" or "..", no leading or
 # trailing "-" or ".").
 _HUB_ID = re.compile(r"^[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/[A-Za-z0-9_](?:[\w.-]*[A-Za-z0-9_])?$")
-NEEDS_TARGET = ("--format speculators needs --target: the export names the verifier (the target "
-                "model's hub id and architectures) in its config.json")
+NEEDS_TARGET = (
+    "--format speculators needs --target: the export names the verifier (the target "
+    "model's hub id and architectures) in its config.json"
+)
 
 
 def is_hub_id(name: str) -> bool:
     """``name`` has the form of a hub repo id ("org/name") and is not a local path."""
-    return (bool(_HUB_ID.match(name)) and "--" not in name and ".." not in name
-            and not Path(name).expanduser().exists())
+    return bool(_HUB_ID.match(name)) and "--" not in name and ".." not in name and not Path(name).expanduser().exists()
 
 
 def _hub_cache_repo_id(path: str) -> str | None:
@@ -41,7 +42,7 @@ def _hub_cache_repo_id(path: str) -> str | None:
     parts = Path(path).expanduser().absolute().parts
     for i, part in enumerate(parts[:-2]):
         if part.startswith("models--") and parts[i + 1] == "snapshots":
-            repo = part[len("models--"):].replace("--", "/", 1)
+            repo = part[len("models--") :].replace("--", "/", 1)
             return repo if _HUB_ID.match(repo) else None
     return None
 
@@ -79,8 +80,9 @@ def verifier_hub_id(spec: TargetSpec | None, verifier_id: str | None = None) -> 
     is refused: a local path would not resolve where the export is served."""
     if verifier_id:
         if not is_hub_id(verifier_id):
-            raise DraftlingError(f"--verifier-id {verifier_id}: expected a Hugging Face hub id "
-                                 "(ORG/NAME), not a local path")
+            raise DraftlingError(
+                f"--verifier-id {verifier_id}: expected a Hugging Face hub id (ORG/NAME), not a local path"
+            )
         return verifier_id
     if spec is None:
         raise DraftlingError(NEEDS_TARGET)
@@ -91,9 +93,11 @@ def verifier_hub_id(spec: TargetSpec | None, verifier_id: str | None = None) -> 
     cached = None if spec.gguf_file else _hub_cache_repo_id(spec.path)
     if cached:
         return cached
-    raise DraftlingError(f"--target {spec.name} is not a hub id, and a local path in the export would "
-                         "not resolve where it is served: pass --verifier-id ORG/NAME, the target's "
-                         f"Hugging Face hub id{_name_or_path_hint(spec)}")
+    raise DraftlingError(
+        f"--target {spec.name} is not a hub id, and a local path in the export would "
+        "not resolve where it is served: pass --verifier-id ORG/NAME, the target's "
+        f"Hugging Face hub id{_name_or_path_hint(spec)}"
+    )
 
 
 def verifier_architectures(model) -> list[str]:
@@ -112,14 +116,24 @@ def verifier_architectures(model) -> list[str]:
     by_type = CAUSAL_LMS.get(getattr(config, "model_type", None) or "")
     if isinstance(by_type, str) and by_type:
         return [by_type]
-    raise DraftlingError(f"cannot tell the target's architecture: its config has no architectures, "
-                         f"its class is {cls} and its model_type {getattr(config, 'model_type', None)!r} "
-                         "has no causal-LM class in transformers")
+    raise DraftlingError(
+        f"cannot tell the target's architecture: its config has no architectures, "
+        f"its class is {cls} and its model_type {getattr(config, 'model_type', None)!r} "
+        "has no causal-LM class in transformers"
+    )
 
 
-def export_draft(draft_dir, out, fmt: str = "sglang", with_embedding: bool = False,
-                 target=None, dtype: str = "bfloat16", overwrite: bool = False,
-                 verifier_id: str | None = None, weight_fingerprint: bool = False) -> Path:
+def export_draft(
+    draft_dir,
+    out,
+    fmt: str = "sglang",
+    with_embedding: bool = False,
+    target=None,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    verifier_id: str | None = None,
+    weight_fingerprint: bool = False,
+) -> Path:
     """Export a draftling draft directory. ``target`` is a loaded Target (needed for the
     embedding, and for the verifier of the speculators format) or None. ``out`` must be new,
     empty, or (with ``overwrite``) an earlier export, whose own files are then replaced;
@@ -153,16 +167,25 @@ def export_draft(draft_dir, out, fmt: str = "sglang", with_embedding: bool = Fal
             model = target.model if weight_fingerprint else None
             record_fingerprint(out, fingerprint(target.config, target.tokenizer, model))
         return out
-    return export_speculators(draft, out, verifier_name_or_path=verifier, verifier_architectures=archs,
-                              include_embedding=with_embedding, embedding=embedding, dtype=dtype,
-                              target_config=target_config)
+    return export_speculators(
+        draft,
+        out,
+        verifier_name_or_path=verifier,
+        verifier_architectures=archs,
+        include_embedding=with_embedding,
+        embedding=embedding,
+        dtype=dtype,
+        target_config=target_config,
+    )
 
 
 def check_weight_fingerprint(wanted: bool, fmt: str, has_target: bool) -> None:
     """--weight-fingerprint: refused (before any work) where no fingerprint would carry it."""
     if wanted and fmt != "sglang":
-        raise DraftlingError("--weight-fingerprint: only the sglang format records the target fingerprint "
-                             "(the speculators config names its verifier by hub id instead)")
+        raise DraftlingError(
+            "--weight-fingerprint: only the sglang format records the target fingerprint "
+            "(the speculators config names its verifier by hub id instead)"
+        )
     if wanted and not has_target:
         raise DraftlingError("--weight-fingerprint needs --target: the weights it hashes are the target's")
 
@@ -178,12 +201,21 @@ def record_fingerprint(out: Path, fp: dict) -> None:
 
 def _export_sglang(draft, out, with_embedding, embedding, default, dtype, target_config):
     if not default:
-        log.warning("the head uses non-default aux layer ids %s (HF hidden_states indices); the SGLang export "
-                    "writes them, but `speculators convert` does not read them and would silently fall back "
-                    "to the default layers: for vLLM export with --format speculators instead",
-                    list(draft.config.eagle_aux_hidden_state_layer_ids))
-    return export_sglang(draft, out, include_embedding=with_embedding, embedding=embedding,
-                         trained_on_default_layers=default, dtype=dtype, target_config=target_config)
+        log.warning(
+            "the head uses non-default aux layer ids %s (HF hidden_states indices); the SGLang export "
+            "writes them, but `speculators convert` does not read them and would silently fall back "
+            "to the default layers: for vLLM export with --format speculators instead",
+            list(draft.config.eagle_aux_hidden_state_layer_ids),
+        )
+    return export_sglang(
+        draft,
+        out,
+        include_embedding=with_embedding,
+        embedding=embedding,
+        trained_on_default_layers=default,
+        dtype=dtype,
+        target_config=target_config,
+    )
 
 
 def export_from_cli(args, cfg) -> None:
@@ -204,6 +236,15 @@ def export_from_cli(args, cfg) -> None:
         from draftling.target import load_target_from_config
 
         target = load_target_from_config(cfg)
-    out = export_draft(args.draft, args.out, args.format, args.with_embedding, target, args.export_dtype,
-                       args.overwrite, verifier_id=verifier_id, weight_fingerprint=args.weight_fingerprint)
+    out = export_draft(
+        args.draft,
+        args.out,
+        args.format,
+        args.with_embedding,
+        target,
+        args.export_dtype,
+        args.overwrite,
+        verifier_id=verifier_id,
+        weight_fingerprint=args.weight_fingerprint,
+    )
     log.info(f"exported {args.format} format to {out}")

@@ -57,8 +57,10 @@ def to_engine_aux_layer_ids(ids: list[int], engine: str) -> list[int]:
     off = _offset(engine)
     out = [int(i) + off for i in ids]
     if any(i < 0 for i in out):
-        raise DraftlingError(f"aux layer ids {list(ids)} cannot be expressed for {engine} "
-                             f"(would be {out}); EAGLE-3 never uses hidden_states[0]")
+        raise DraftlingError(
+            f"aux layer ids {list(ids)} cannot be expressed for {engine} "
+            f"(would be {out}); EAGLE-3 never uses hidden_states[0]"
+        )
     return out
 
 

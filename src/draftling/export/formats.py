@@ -46,16 +46,32 @@ SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 # Keys of a transformers config dict that mean nothing to a serving engine.
 _CONFIG_NOISE = (
-    "id2label", "label2id", "output_hidden_states", "output_attentions", "return_dict",
-    "chunk_size_feed_forward", "is_encoder_decoder", "problem_type", "_name_or_path",
-    "dtype", "torch_dtype", "use_cache",
+    "id2label",
+    "label2id",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "problem_type",
+    "_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
 )
 # Keys only an EAGLE-3 wrapper config carries; removed from the nested layer config.
-_EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
-               "eagle_config", "architectures", "draftling")
+_EAGLE_KEYS = (
+    "draft_vocab_size",
+    "target_hidden_size",
+    "eagle_aux_hidden_state_layer_ids",
+    "eagle_config",
+    "architectures",
+    "draftling",
+)
 
 
 # ----------------------------------------------------------------------------------- utils
+
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """``"keep"``/None -> None (keep each tensor's dtype); names like "bfloat16" -> dtype."""
@@ -68,7 +84,6 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise DraftlingError(f"export dtype must be a floating torch dtype or 'keep', got {dtype!r}")
     return resolved
-
 
 
 def _rope_fields(config) -> dict[str, Any]:
@@ -112,37 +127,48 @@ def _max_positions(draft: Eagle3Draft, target_config=None) -> int:
     return out
 
 
-def check_draft(draft: Eagle3Draft, target_config, include_embedding: bool,
-                 embedding: torch.Tensor | None) -> None:
+def check_draft(draft: Eagle3Draft, target_config, include_embedding: bool, embedding: torch.Tensor | None) -> None:
     cfg = draft.config
     check_vocab_maps(draft.d2t, draft.t2d, int(cfg.draft_vocab_size), int(cfg.vocab_size))
     hidden = int(cfg.hidden_size)
     target_hidden = int(getattr(cfg, "target_hidden_size", hidden) or hidden)
     if target_config is not None:
         if int(target_config.vocab_size) != int(cfg.vocab_size):
-            raise DraftlingError(f"draft vocab_size {cfg.vocab_size} != target vocab_size "
-                                 f"{target_config.vocab_size}; the config must carry the TARGET vocab")
+            raise DraftlingError(
+                f"draft vocab_size {cfg.vocab_size} != target vocab_size "
+                f"{target_config.vocab_size}; the config must carry the TARGET vocab"
+            )
         if int(target_config.hidden_size) != target_hidden:
-            raise DraftlingError(f"draft target_hidden_size {target_hidden} != target hidden_size "
-                                 f"{target_config.hidden_size}")
+            raise DraftlingError(
+                f"draft target_hidden_size {target_hidden} != target hidden_size {target_config.hidden_size}"
+            )
     if include_embedding:
         if embedding is None:
-            raise DraftlingError("include_embedding=True needs the target's embedding matrix "
-                                 "(embedding=target.get_input_embeddings().weight)")
+            raise DraftlingError(
+                "include_embedding=True needs the target's embedding matrix "
+                "(embedding=target.get_input_embeddings().weight)"
+            )
         if tuple(embedding.shape) != (int(cfg.vocab_size), hidden):
-            raise DraftlingError(f"embedding has shape {tuple(embedding.shape)}, expected "
-                                 f"({cfg.vocab_size}, {hidden})")
+            raise DraftlingError(f"embedding has shape {tuple(embedding.shape)}, expected ({cfg.vocab_size}, {hidden})")
     elif hidden != target_hidden:
         # Engines share the target's embedding only when the widths match (SGLang's set_embed
         # silently skips otherwise and serves a random embedding).
-        raise DraftlingError(f"draft hidden_size {hidden} != target hidden size {target_hidden}: "
-                             "an embedding-free export cannot borrow the target's embedding; "
-                             "pass include_embedding=True")
+        raise DraftlingError(
+            f"draft hidden_size {hidden} != target hidden size {target_hidden}: "
+            "an embedding-free export cannot borrow the target's embedding; "
+            "pass include_embedding=True"
+        )
 
 
-def draft_tensors(draft: Eagle3Draft, dtype: torch.dtype | None, *, layer_prefix: str,
-             include_embedding: bool, embedding: torch.Tensor | None,
-             include_vocab_maps: bool = True) -> dict[str, torch.Tensor]:
+def draft_tensors(
+    draft: Eagle3Draft,
+    dtype: torch.dtype | None,
+    *,
+    layer_prefix: str,
+    include_embedding: bool,
+    embedding: torch.Tensor | None,
+    include_vocab_maps: bool = True,
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, t in draft.trainable_state_dict().items():
         t = t.detach().cpu()
@@ -155,7 +181,7 @@ def draft_tensors(draft: Eagle3Draft, dtype: torch.dtype | None, *, layer_prefix
         if name in ("d2t", "t2d") and not include_vocab_maps:
             continue
         if name.startswith("midlayer."):
-            name = layer_prefix + name[len("midlayer."):]
+            name = layer_prefix + name[len("midlayer.") :]
         out[name] = t.contiguous().clone()
     if include_embedding:
         e = embedding.detach().cpu()
@@ -179,11 +205,17 @@ def write_export(out_dir, config: dict[str, Any], tensors: dict[str, torch.Tenso
 
 # ---------------------------------------------------------------------------------- SGLang
 
-def export_sglang(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
-                  include_embedding: bool = False, embedding: torch.Tensor | None = None,
-                  trained_on_default_layers: bool,
-                  dtype: torch.dtype | str = torch.bfloat16,
-                  target_config=None) -> Path:
+
+def export_sglang(
+    draft: Eagle3Draft,
+    out_dir: str | os.PathLike,
+    *,
+    include_embedding: bool = False,
+    embedding: torch.Tensor | None = None,
+    trained_on_default_layers: bool,
+    dtype: torch.dtype | str = torch.bfloat16,
+    target_config=None,
+) -> Path:
     """Write ``draft`` as an SGLang / EAGLE-3 checkpoint directory and return its path.
 
     ``trained_on_default_layers``: the head was trained on HF hidden_states [2, L//2, L-3].
@@ -201,10 +233,12 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
         want = default_aux_layer_ids(num_layers) if num_layers else "[2, L//2, L-3]"
         raise DraftlingError(
             f"trained_on_default_layers=True but the head's aux layer ids are {ids}, not the "
-            f"default {want}; omitting them would make engines feed the wrong layers")
+            f"default {want}; omitting them would make engines feed the wrong layers"
+        )
     dt = resolve_dtype(dtype)
-    tensors = draft_tensors(draft, dt, layer_prefix="midlayer.", include_embedding=include_embedding,
-                       embedding=embedding)
+    tensors = draft_tensors(
+        draft, dt, layer_prefix="midlayer.", include_embedding=include_embedding, embedding=embedding
+    )
 
     cfg = llama_layer_fields(draft, target_config)
     cfg["architectures"] = [SGLANG_ARCHITECTURE]
@@ -218,8 +252,11 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
     cfg["torch_dtype"] = weights_dtype_name(tensors)
     # draftling's own record (engines ignore unknown keys): lets load_sglang_export rebuild
     # the head even when the ids were omitted for the engines.
-    cfg["draftling"] = {"aux_layer_ids": ids, "aux_layer_ids_convention": "hf_output_hidden_states",
-                        "trained_on_default_layers": bool(trained_on_default_layers)}
+    cfg["draftling"] = {
+        "aux_layer_ids": ids,
+        "aux_layer_ids_convention": "hf_output_hidden_states",
+        "trained_on_default_layers": bool(trained_on_default_layers),
+    }
     return write_export(out_dir, cfg, tensors)
 
 
@@ -236,8 +273,11 @@ def _read_config(path: Path) -> dict[str, Any]:
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise DraftlingError(f"{path / CONFIG_NAME}: a speculators config without transformer_layer_config")
-        top = {k: cfg[k] for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
-               if k in cfg}
+        top = {
+            k: cfg[k]
+            for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
+            if k in cfg
+        }
         cfg = {**{k: v for k, v in layer.items() if k != "architectures"}, **top}
     return cfg
 
@@ -301,18 +341,25 @@ def _aux_ids_from_config(cfg: dict[str, Any], path: Path, target_num_layers: int
     if candidates:
         distinct = {tuple(v) for v in candidates.values()}
         if len(distinct) > 1:
-            raise DraftlingError(f"{path / CONFIG_NAME}: aux layer ids disagree "
-                                 f"(as HF hidden_states indices): {candidates}")
+            raise DraftlingError(
+                f"{path / CONFIG_NAME}: aux layer ids disagree (as HF hidden_states indices): {candidates}"
+            )
         return list(distinct.pop())
     if target_num_layers is None:
-        raise DraftlingError(f"{path / CONFIG_NAME}: no aux layer ids (the head uses the engine "
-                             "defaults); pass target_num_layers to rebuild them")
+        raise DraftlingError(
+            f"{path / CONFIG_NAME}: no aux layer ids (the head uses the engine "
+            "defaults); pass target_num_layers to rebuild them"
+        )
     return default_aux_layer_ids(int(target_num_layers))
 
 
-def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None = None, *,
-                       target_num_layers: int | None = None,
-                       dtype: torch.dtype | str | None = None) -> Eagle3Draft:
+def load_sglang_export(
+    path: str | os.PathLike,
+    embedding: torch.Tensor | None = None,
+    *,
+    target_num_layers: int | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> Eagle3Draft:
     """Rebuild an :class:`Eagle3Draft` from an SGLang-layout export directory.
 
     Aux-layer ids come back in draftling's numbering. When the config omits them (a head
@@ -333,10 +380,14 @@ def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None =
     expected = set(draft.trainable_state_dict())
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
-        raise DraftlingError(f"{path}: weights do not fit an EAGLE-3 head "
-                             f"(missing {missing}, unexpected {unexpected})")
-    check_vocab_maps(sd["d2t"], sd["t2d"], draft_vocab, vocab,
-                     where=f"{path} (vocab maps from {', '.join(npy)})" if npy else str(path))
+        raise DraftlingError(f"{path}: weights do not fit an EAGLE-3 head (missing {missing}, unexpected {unexpected})")
+    check_vocab_maps(
+        sd["d2t"],
+        sd["t2d"],
+        draft_vocab,
+        vocab,
+        where=f"{path} (vocab maps from {', '.join(npy)})" if npy else str(path),
+    )
     try:
         draft.load_state_dict(sd, strict=False)
     except RuntimeError as e:
@@ -350,16 +401,14 @@ def load_sglang_export(path: str | os.PathLike, embedding: torch.Tensor | None =
     if embed is None:
         embed = embedding
     if embed is not None and tuple(embed.shape) != (vocab, int(config.hidden_size)):
-        raise DraftlingError(f"embedding has shape {tuple(embed.shape)}, expected "
-                             f"({vocab}, {config.hidden_size})")
+        raise DraftlingError(f"embedding has shape {tuple(embed.shape)}, expected ({vocab}, {config.hidden_size})")
     draft.embedding = embed
     return draft
 
 
 def _export_config(cfg: dict[str, Any], path: Path, ids: list[int]) -> LlamaConfig:
     """The draft's config from an SGLang-layout config.json, the EAGLE-3 keys in draftling's form."""
-    fields = {k: v for k, v in cfg.items()
-              if k not in _EAGLE_KEYS + _CONFIG_NOISE + ("transformers_version",)}
+    fields = {k: v for k, v in cfg.items() if k not in _EAGLE_KEYS + _CONFIG_NOISE + ("transformers_version",)}
     vocab = int(cfg["vocab_size"])
     fields["draft_vocab_size"] = int(cfg.get("draft_vocab_size") or vocab)
     fields["target_hidden_size"] = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
@@ -368,40 +417,47 @@ def _export_config(cfg: dict[str, Any], path: Path, ids: list[int]) -> LlamaConf
     fields["num_hidden_layers"] = 1
     fields["tie_word_embeddings"] = False
     if int(cfg.get("num_hidden_layers", 1)) != 1:
-        raise DraftlingError(f"{path / CONFIG_NAME}: num_hidden_layers={cfg['num_hidden_layers']}; "
-                             "draftling loads one-layer EAGLE-3 heads only")
+        raise DraftlingError(
+            f"{path / CONFIG_NAME}: num_hidden_layers={cfg['num_hidden_layers']}; "
+            "draftling loads one-layer EAGLE-3 heads only"
+        )
     try:
         return LlamaConfig(**fields)
     except (TypeError, ValueError) as e:
         raise DraftlingError(f"{path / CONFIG_NAME}: not a usable Llama config ({e})") from None
 
 
-def _export_state_dict(tensors: dict[str, torch.Tensor], vocab: int, draft_vocab: int,
-                       path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def _export_state_dict(
+    tensors: dict[str, torch.Tensor], vocab: int, draft_vocab: int, path: Path
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """(the head's state dict under draftling's names, the exported embedding or None). Vocab
     maps an export leaves out are rebuilt: an identity d2t, and t2d from d2t."""
     sd: dict[str, torch.Tensor] = {}
     embed = None
     for name, t in tensors.items():
         if name.startswith("model."):
-            name = name[len("model."):]
+            name = name[len("model.") :]
         if name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
+            name = "midlayer." + name[len("layers.0.") :]
         if name == "embed_tokens.weight":
             embed = t
             continue
         sd[name] = t
     if "d2t" not in sd:
         if draft_vocab != vocab:
-            raise DraftlingError(f"{path}: no d2t in the weights but draft_vocab_size {draft_vocab} "
-                                 f"< vocab_size {vocab}; the draft ids cannot be mapped")
+            raise DraftlingError(
+                f"{path}: no d2t in the weights but draft_vocab_size {draft_vocab} "
+                f"< vocab_size {vocab}; the draft ids cannot be mapped"
+            )
         sd["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
     if "t2d" not in sd:
         if draft_vocab < vocab and not bool(sd["d2t"].any()):
             # t2d rebuilt from this d2t would agree with it whatever it is: nothing to check.
-            raise DraftlingError(f"{path}: d2t is all zeros and there is no t2d while draft_vocab_size "
-                                 f"{draft_vocab} < vocab_size {vocab}; the vocab maps look unset "
-                                 f"(draft ids would map to target ids 0..{draft_vocab - 1})")
+            raise DraftlingError(
+                f"{path}: d2t is all zeros and there is no t2d while draft_vocab_size "
+                f"{draft_vocab} < vocab_size {vocab}; the vocab maps look unset "
+                f"(draft ids would map to target ids 0..{draft_vocab - 1})"
+            )
         t2d = torch.zeros(vocab, dtype=torch.bool)
         targets = torch.arange(draft_vocab) + sd["d2t"].long()
         if int(targets.min()) >= 0 and int(targets.max()) < vocab:

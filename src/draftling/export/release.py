@@ -50,8 +50,11 @@ def shipped_head(run: Path, checkpoint: str | None) -> tuple[Path, dict | None]:
         checkpoint = selection["selection"]["winner"]
     head = run / "draft" if checkpoint in (None, "final") else run / "checkpoints" / checkpoint
     if not (head / WEIGHTS_FILE).is_file():
-        what = "no final draft (run/draft); finish or --resume the training first" if head.name == "draft" \
+        what = (
+            "no final draft (run/draft); finish or --resume the training first"
+            if head.name == "draft"
             else f"no checkpoint {checkpoint} (checkpoints/{checkpoint}/{WEIGHTS_FILE})"
+        )
         raise DraftlingError(f"{run}: {what}")
     return head, selection
 
@@ -64,11 +67,19 @@ def release(spec: ReleaseSpec, target) -> Path:
     check_output_dir(spec.out, "release", spec.overwrite)
     check_weight_fingerprint(spec.weight_fingerprint, spec.fmt, target is not None)
     with atomic_dir(spec.out) as tmp:
-        export_draft(draft_dir, tmp / "export", spec.fmt, False, target, "bfloat16",
-                     verifier_id=spec.target_id if spec.fmt == "speculators" else None,
-                     weight_fingerprint=spec.weight_fingerprint)
+        export_draft(
+            draft_dir,
+            tmp / "export",
+            spec.fmt,
+            False,
+            target,
+            "bfloat16",
+            verifier_id=spec.target_id if spec.fmt == "speculators" else None,
+            weight_fingerprint=spec.weight_fingerprint,
+        )
         recorded = (json.loads((tmp / "export" / "config.json").read_text()).get("draftling") or {}).get(
-            "target_fingerprint")
+            "target_fingerprint"
+        )
         for f in (tmp / "export").iterdir():  # the export's files at the folder's top, as hubs serve them
             f.rename(tmp / f.name)
         (tmp / "export").rmdir()
@@ -95,11 +106,15 @@ def chosen_config(bench: dict | None) -> tuple[tuple[int, int, int], str]:
     release bench's best mean speedup, else DEFAULT_CONFIG."""
     configs = [c for c in (bench or {}).get("configs", []) if c.get("mean_speedup") is not None]
     if not configs:
-        return DEFAULT_CONFIG, ("no release bench was given: draftling's default tree-3-4-8, the best mean "
-                                "speedup of the v1 release bench of the GPU recipe head (BENCHMARKS.md)")
+        return DEFAULT_CONFIG, (
+            "no release bench was given: draftling's default tree-3-4-8, the best mean "
+            "speedup of the v1 release bench of the GPU recipe head (BENCHMARKS.md)"
+        )
     best = max(configs, key=lambda c: c["mean_speedup"])
-    why = (f"the best mean speedup ({best['mean_speedup']:.2f}x) of the release bench of {bench.get('date')} "
-           f"({_engine_words(bench)}, prompt set {(bench.get('prompt_set') or {}).get('name')})")
+    why = (
+        f"the best mean speedup ({best['mean_speedup']:.2f}x) of the release bench of {bench.get('date')} "
+        f"({_engine_words(bench)}, prompt set {(bench.get('prompt_set') or {}).get('name')})"
+    )
     return (int(best["steps"]), int(best["topk"]), int(best["draft_tokens"])), f"{best['name']}: {why}"
 
 
@@ -113,42 +128,99 @@ def serving_configs(spec: ReleaseSpec, draft_config, bench: dict | None = None) 
     draft = spec.repo or "<path to this folder>"
     # vLLM's EAGLE-3 proposes a chain: the chosen config's depth; the tree's width is SGLang's.
     vllm = {"method": "eagle3", "model": draft, "num_speculative_tokens": steps}
-    return {"target": spec.target_id, "draft": draft, "format": spec.fmt, "chosen_by": why,
-            "max_position_embeddings": int(getattr(draft_config, "max_position_embeddings", 0)),
-            "vllm": {"speculative_config": vllm,
-                     "command": f"vllm serve {spec.target_id} --speculative-config '{json.dumps(vllm)}'"},
-            "sglang": {"command": (f"python -m sglang.launch_server --model-path {spec.target_id} "
-                                   f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} "
-                                   f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} "
-                                   f"--speculative-num-draft-tokens {tokens}")}}
+    return {
+        "target": spec.target_id,
+        "draft": draft,
+        "format": spec.fmt,
+        "chosen_by": why,
+        "max_position_embeddings": int(getattr(draft_config, "max_position_embeddings", 0)),
+        "vllm": {
+            "speculative_config": vllm,
+            "command": f"vllm serve {spec.target_id} --speculative-config '{json.dumps(vllm)}'",
+        },
+        "sglang": {
+            "command": (
+                f"python -m sglang.launch_server --model-path {spec.target_id} "
+                f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} "
+                f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} "
+                f"--speculative-num-draft-tokens {tokens}"
+            )
+        },
+    }
 
 
-def model_card(spec: ReleaseSpec, run: Path, fp: dict | None, serving: dict, bench: dict | None,
-               served: dict | None = None) -> str:
+def model_card(
+    spec: ReleaseSpec, run: Path, fp: dict | None, serving: dict, bench: dict | None, served: dict | None = None
+) -> str:
     """``fp``: the target fingerprint the export records (None: it records none)."""
     result = json.loads((run / "train_result.json").read_text()) if (run / "train_result.json").is_file() else {}
-    lines = ["---", f"base_model: {spec.target_id}", "library_name: draftling", "license: apache-2.0",
-             "tags:", "- speculative-decoding", "- eagle3", "- draft-model", "---", "",
-             f"# EAGLE-3 draft head for {spec.target_id}", "",
-             f"A one-layer EAGLE-3 draft head ({spec.fmt} format) trained with draftling to speed up "
-             f"{spec.target_id} by speculative decoding. Output is the target's: verification is lossless.", "",
-             "The export omits the embedding: serving engines share the target's own. It holds the fused "
-             "feature layer, one decoder layer, the norm, the draft-vocabulary output head and the d2t/t2d "
-             "vocabulary maps.", "",
-             "## Target", "", f"- {spec.target_id}; " + (f"the export's checkpoint fingerprint: {describe(fp)} "
-                                                        "(`draftling check` compares them)." if fp else
-                                                        "the export records no checkpoint fingerprint."),
-             f"- context length of the head's config: {serving['max_position_embeddings']} positions", "",
-             "## Training", "", *_data_lines(run), f"- steps: {result.get('steps', '?')}; validation: "
-             + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in (result.get('val') or {}).items() if isinstance(v, (int, float))), ""]
+    lines = [
+        "---",
+        f"base_model: {spec.target_id}",
+        "library_name: draftling",
+        "license: apache-2.0",
+        "tags:",
+        "- speculative-decoding",
+        "- eagle3",
+        "- draft-model",
+        "---",
+        "",
+        f"# EAGLE-3 draft head for {spec.target_id}",
+        "",
+        f"A one-layer EAGLE-3 draft head ({spec.fmt} format) trained with draftling to speed up "
+        f"{spec.target_id} by speculative decoding. Output is the target's: verification is lossless.",
+        "",
+        "The export omits the embedding: serving engines share the target's own. It holds the fused "
+        "feature layer, one decoder layer, the norm, the draft-vocabulary output head and the d2t/t2d "
+        "vocabulary maps.",
+        "",
+        "## Target",
+        "",
+        f"- {spec.target_id}; "
+        + (
+            f"the export's checkpoint fingerprint: {describe(fp)} (`draftling check` compares them)."
+            if fp
+            else "the export records no checkpoint fingerprint."
+        ),
+        f"- context length of the head's config: {serving['max_position_embeddings']} positions",
+        "",
+        "## Training",
+        "",
+        *_data_lines(run),
+        f"- steps: {result.get('steps', '?')}; validation: "
+        + ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in (result.get("val") or {}).items()
+            if isinstance(v, (int, float))
+        ),
+        "",
+    ]
     lines += _bench_section(bench) + _served_section(served)
-    lines += ["## Serving", "", f"Config: {serving['chosen_by']}. vLLM's EAGLE-3 drafts a chain, so its line "
-              "takes the config's depth; SGLang's takes the whole tree.", "",
-              "vLLM:", "", "```bash", serving["vllm"]["command"], "```", "",
-              "`speculative_config` for frameworks that embed vLLM:", "", "```json",
-              json.dumps(serving["vllm"]["speculative_config"], indent=2), "```", "", "SGLang:", "", "```bash",
-              serving["sglang"]["command"], "```", ""]
+    lines += [
+        "## Serving",
+        "",
+        f"Config: {serving['chosen_by']}. vLLM's EAGLE-3 drafts a chain, so its line "
+        "takes the config's depth; SGLang's takes the whole tree.",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        serving["vllm"]["command"],
+        "```",
+        "",
+        "`speculative_config` for frameworks that embed vLLM:",
+        "",
+        "```json",
+        json.dumps(serving["vllm"]["speculative_config"], indent=2),
+        "```",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        serving["sglang"]["command"],
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -160,33 +232,48 @@ def _data_lines(run: Path) -> list[str]:
     dc, tc = cfg.data, cfg.train
     how = "; agent rollouts (each assistant turn a prompt, the target's reply its only loss)" if dc.rollouts else ""
     held = f"; ids of {', '.join(Path(f).name for f in dc.exclude_ids)} kept out" if dc.exclude_ids else ""
-    split = ("task when the records carry a task identity, else id" if dc.split_key == "auto" else dc.split_key)
-    return [f"- data: replies the target wrote to {', '.join(dc.prompts)}{how}, up to {dc.max_tokens} tokens "
-            f"a sequence; split by {split}, {dc.val_fraction:.0%} of tasks to validation{held}",
-            f"- recipe: {tc.epochs:g} epochs, batch {tc.batch_size}, lr {tc.lr:g}, {tc.ttt_steps} TTT steps"
-            + (f", warm-started from {Path(cfg.draft.init_from).name}" if cfg.draft.init_from else "")]
+    split = "task when the records carry a task identity, else id" if dc.split_key == "auto" else dc.split_key
+    return [
+        f"- data: replies the target wrote to {', '.join(dc.prompts)}{how}, up to {dc.max_tokens} tokens "
+        f"a sequence; split by {split}, {dc.val_fraction:.0%} of tasks to validation{held}",
+        f"- recipe: {tc.epochs:g} epochs, batch {tc.batch_size}, lr {tc.lr:g}, {tc.ttt_steps} TTT steps"
+        + (f", warm-started from {Path(cfg.draft.init_from).name}" if cfg.draft.init_from else ""),
+    ]
 
 
 def _selection_section(head: Path, selection: dict | None) -> str:
     """Which head ships, and the served-speed selection that picked it."""
-    lines = ["## Checkpoint", "", f"This folder holds `{head.parent.name}/{head.name}`"
-             + (" (the final head)." if head.name == "draft" else ".")]
+    lines = [
+        "## Checkpoint",
+        "",
+        f"This folder holds `{head.parent.name}/{head.name}`" + (" (the final head)." if head.name == "draft" else "."),
+    ]
     if selection:
         sel = selection["selection"]
         tested = selection.get("protocol", {}).get("max_prompt_tokens")
         proto, machine = selection.get("protocol", {}), (selection.get("manifest") or {}).get("machine", "?")
-        lines += [f"`draftling select` chose it by served speed: {sel['reason']}"
-                  + (f" Context length tested: prompts of up to {tested} tokens." if tested else ""), "",
-                  f"Speeds measured by draftling's batched engine ({machine}), {proto.get('config', '?')}, "
-                  f"concurrency {proto.get('concurrency', '?')}; not vLLM's or SGLang's.", "",
-                  "| checkpoint | val loss | tau | tok/s |", "|---|---|---|---|"]
-        lines += [f"| {c['checkpoint']} | {c['val_loss']:.4f} | {c['tau']:.2f} | {c['tok_s']:.1f} |"
-                  for c in sel["candidates"]]
+        lines += [
+            f"`draftling select` chose it by served speed: {sel['reason']}"
+            + (f" Context length tested: prompts of up to {tested} tokens." if tested else ""),
+            "",
+            f"Speeds measured by draftling's batched engine ({machine}), {proto.get('config', '?')}, "
+            f"concurrency {proto.get('concurrency', '?')}; not vLLM's or SGLang's.",
+            "",
+            "| checkpoint | val loss | tau | tok/s |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c['checkpoint']} | {c['val_loss']:.4f} | {c['tau']:.2f} | {c['tok_s']:.1f} |"
+            for c in sel["candidates"]
+        ]
         if selection.get("adaptation"):
             a = selection["adaptation"]
-            lines += ["", f"Adapted to {a['workload']} ({a['prompts']} held-out prompts): tau {a['base']['tau']:.2f} -> "
-                      f"{a['adapted']['tau']:.2f}, {a['base']['tok_s']:.1f} -> {a['adapted']['tok_s']:.1f} tok/s "
-                      "against the base head."]
+            lines += [
+                "",
+                f"Adapted to {a['workload']} ({a['prompts']} held-out prompts): tau {a['base']['tau']:.2f} -> "
+                f"{a['adapted']['tau']:.2f}, {a['base']['tok_s']:.1f} -> {a['adapted']['tok_s']:.1f} tok/s "
+                "against the base head.",
+            ]
     return "\n".join(lines + [""])
 
 
@@ -195,35 +282,66 @@ def _bench_section(bench: dict | None) -> list[str]:
         return ["## Speed", "", "No release bench was given (`draftling bench --release`, then `--bench FILE`).", ""]
     rows = ["| config | mean speedup | mean tau |", "|---|---|---|"]
     rows += [f"| {c['name']} | {c['mean_speedup']:.2f}x | {c['mean_tau']:.2f} |" for c in bench.get("configs", [])]
-    return (["## Speed", "", f"Release bench, {bench.get('date')}, measured by {_engine_words(bench)} (one "
-             f"request at a time), prompt set {(bench.get('prompt_set') or {}).get('name')}; speedup over the same "
-             "engine without speculation, tau counting the bonus token. These are not vLLM's or SGLang's speeds:",
-             ""] + rows + ["", "Caveats:", ""] + [f"- {c}" for c in bench.get("caveats", [])] + [""])
+    return (
+        [
+            "## Speed",
+            "",
+            f"Release bench, {bench.get('date')}, measured by {_engine_words(bench)} (one "
+            f"request at a time), prompt set {(bench.get('prompt_set') or {}).get('name')}; speedup over the same "
+            "engine without speculation, tau counting the bonus token. These are not vLLM's or SGLang's speeds:",
+            "",
+        ]
+        + rows
+        + ["", "Caveats:", ""]
+        + [f"- {c}" for c in bench.get("caveats", [])]
+        + [""]
+    )
 
 
 def _served_section(served: dict | None) -> list[str]:
     """vLLM's own acceptance of the export beside draftling's engine's (`draftling serve-check`)."""
     if not served:
-        return ["## Served by vLLM", "", "Not checked: `draftling serve-check EXPORT --out FILE`, then "
-                "`release --serve-check FILE`.", ""]
-    rows = ["| format | config | engine (device) | tau | draftling's engine tau | ratio | within band |",
-            "|---|---|---|---|---|---|---|"]
-    rows += [f"| {r['format']} | {r['config']} | vLLM {r['vllm_version']} ({r['device']}) | {r['tau_vllm']:.2f} | "
-             f"{r['tau_draftling']:.2f} ({r.get('draftling_device', '?')}) | {r['ratio']:.3f} | "
-             f"{'yes' if r['within_band'] else 'NO'} (+-{r['band']:.0%}) |" for r in served.get("vllm_check", [])]
+        return [
+            "## Served by vLLM",
+            "",
+            "Not checked: `draftling serve-check EXPORT --out FILE`, then `release --serve-check FILE`.",
+            "",
+        ]
+    rows = [
+        "| format | config | engine (device) | tau | draftling's engine tau | ratio | within band |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows += [
+        f"| {r['format']} | {r['config']} | vLLM {r['vllm_version']} ({r['device']}) | {r['tau_vllm']:.2f} | "
+        f"{r['tau_draftling']:.2f} ({r.get('draftling_device', '?')}) | {r['ratio']:.3f} | "
+        f"{'yes' if r['within_band'] else 'NO'} (+-{r['band']:.0%}) |"
+        for r in served.get("vllm_check", [])
+    ]
     versions = sorted({f"vLLM {r['vllm_version']} ({r['device']})" for r in served.get("vllm_check", [])})
-    return (["## Served by vLLM", "", f"`draftling serve-check`, {served.get('date')}: the export loaded as vLLM's "
-             "EAGLE-3 speculator, greedy, tau from vLLM's own spec-decode counters (bonus token counted), beside "
-             f"draftling's engine on the same prompts. Engine versions checked: {', '.join(versions)}.", ""]
-            + rows + [""] + [f"- {c}" for c in served.get("caveats", [])] + [""])
+    return (
+        [
+            "## Served by vLLM",
+            "",
+            f"`draftling serve-check`, {served.get('date')}: the export loaded as vLLM's "
+            "EAGLE-3 speculator, greedy, tau from vLLM's own spec-decode counters (bonus token counted), beside "
+            f"draftling's engine on the same prompts. Engine versions checked: {', '.join(versions)}.",
+            "",
+        ]
+        + rows
+        + [""]
+        + [f"- {c}" for c in served.get("caveats", [])]
+        + [""]
+    )
 
 
 def push(folder: Path, repo: str) -> str:
     """Upload the release folder with huggingface_hub; one clear line where no hub is reachable."""
     why = hub_unreachable()
     if why:
-        raise DraftlingError(f"--push {repo}: the hub is out of reach ({why}); the release is in {folder}, "
-                             "upload it from a machine with network access")
+        raise DraftlingError(
+            f"--push {repo}: the hub is out of reach ({why}); the release is in {folder}, "
+            "upload it from a machine with network access"
+        )
     from huggingface_hub import HfApi
 
     api = HfApi()

@@ -53,9 +53,16 @@ class ExportWeights:
     dtype: torch.dtype | str = torch.bfloat16  # floating tensors cast to it ("keep" keeps them)
 
 
-def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
-                       verifier_name_or_path: str, verifier_architectures: list[str],
-                       speculative_tokens: int = 3, target_config=None, **weights) -> Path:
+def export_speculators(
+    draft: Eagle3Draft,
+    out_dir: str | os.PathLike,
+    *,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str],
+    speculative_tokens: int = 3,
+    target_config=None,
+    **weights,
+) -> Path:
     """Write ``draft`` in the vLLM "speculators" layout (``Eagle3Speculator``).
 
     Tensor names follow speculators' Eagle3 model and its EAGLE-3 converter
@@ -68,10 +75,14 @@ def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
     w = ExportWeights(**weights)
     if not verifier_name_or_path:
         raise DraftlingError("export_speculators needs verifier_name_or_path (the target model)")
-    if (not isinstance(verifier_architectures, (list, tuple)) or not verifier_architectures
-            or not all(isinstance(a, str) and a for a in verifier_architectures)):
-        raise DraftlingError(f"verifier_architectures must be a non-empty list of names, "
-                             f"got {verifier_architectures!r}")
+    if (
+        not isinstance(verifier_architectures, (list, tuple))
+        or not verifier_architectures
+        or not all(isinstance(a, str) and a for a in verifier_architectures)
+    ):
+        raise DraftlingError(
+            f"verifier_architectures must be a non-empty list of names, got {verifier_architectures!r}"
+        )
     if int(speculative_tokens) < 1:
         raise DraftlingError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
     check_draft(draft, target_config, w.include_embedding, w.embedding)
@@ -79,8 +90,14 @@ def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
     dt = resolve_dtype(w.dtype)
     full_vocab = int(draft.config.draft_vocab_size) == int(draft.config.vocab_size)
     # speculators registers d2t/t2d only when draft_vocab_size != the verifier's vocab.
-    tensors = draft_tensors(draft, dt, layer_prefix="layers.0.", include_embedding=w.include_embedding,
-                       embedding=w.embedding, include_vocab_maps=not full_vocab)
+    tensors = draft_tensors(
+        draft,
+        dt,
+        layer_prefix="layers.0.",
+        include_embedding=w.include_embedding,
+        embedding=w.embedding,
+        include_vocab_maps=not full_vocab,
+    )
 
     weights_dtype = weights_dtype_name(tensors)
     layer_cfg = llama_layer_fields(draft, target_config)
@@ -93,11 +110,12 @@ def export_speculators(draft: Eagle3Draft, out_dir: str | os.PathLike, *,
         "transformer_layer_config": layer_cfg,
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": int(speculative_tokens)}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier_name_or_path),
-                         "architectures": [str(a) for a in verifier_architectures]},
+            "verifier": {
+                "name_or_path": str(verifier_name_or_path),
+                "architectures": [str(a) for a in verifier_architectures],
+            },
         },
         "draft_vocab_size": int(draft.config.draft_vocab_size),
         "norm_before_residual": NORM_BEFORE_RESIDUAL,

@@ -50,8 +50,9 @@ class BudgetPlan:
         return max(left, MIN_TRAIN_STEPS * self.step_s)
 
 
-def plan_budget(minutes: float, elapsed_s: float, step_s: float, decode_token_s: float, bench_s: float,
-                val_batches: int) -> BudgetPlan:
+def plan_budget(
+    minutes: float, elapsed_s: float, step_s: float, decode_token_s: float, bench_s: float, val_batches: int
+) -> BudgetPlan:
     """Split ``minutes`` from the measurements; a ConfigError if training would not get
     ``MIN_TRAIN_STEPS`` steps, naming the measured step time and the budget that would."""
     total = 60 * minutes
@@ -66,7 +67,8 @@ def plan_budget(minutes: float, elapsed_s: float, step_s: float, decode_token_s:
             f"--minutes {minutes:g} is too little on this machine: one training step takes {step_s:.2f} s "
             f"(measured), so {MIN_TRAIN_STEPS} steps need {need:.0f} s, but after loading ({elapsed_s:.0f} s), "
             f"the bench (~{bench_s:.0f} s), validation (~{val_s:.0f} s) and data, training would get "
-            f"{max(train_s, 0):.0f} s; ask for at least {math.ceil(enough * 2) / 2:g} minutes")
+            f"{max(train_s, 0):.0f} s; ask for at least {math.ceil(enough * 2) / 2:g} minutes"
+        )
     return BudgetPlan(total, elapsed_s, step_s, decode_token_s, bench_s, val_s, data_s, train_s)
 
 
@@ -87,18 +89,28 @@ def plan_smoke(plan: BudgetPlan, train_s: float, tc, prompts: int, ceiling: int 
     if capped:
         steps, train_s = ceiling, ceiling * plan.step_s
     need_s = checks * check_s
-    info = {"checks_needed": checks, "check_s_estimate": round(check_s, 1), "train_s": round(train_s, 1),
-            "share": round(need_s / train_s, 3), "max_share": tc.smoke_max_share}
+    info = {
+        "checks_needed": checks,
+        "check_s_estimate": round(check_s, 1),
+        "train_s": round(train_s, 1),
+        "share": round(need_s / train_s, 3),
+        "max_share": tc.smoke_max_share,
+    }
     if tc.smoke_max_share > 0 and need_s <= tc.smoke_max_share * train_s and steps >= checks:
         return steps // checks, {**info, "smoke_every": steps // checks}
     # Training's share of a larger budget grows with (1 - DATA_SHARE) of each added second.
     fixed = plan.planned_at_s + plan.bench_s + plan.val_s + RESERVE_S
     minutes = (fixed + need_s / max(tc.smoke_max_share, 1e-9) / (1 - DATA_SHARE)) / 60
-    more = ("more steps (train.max_steps, train.epochs) would afford it" if capped
-            else f"about --minutes {math.ceil(minutes)} would afford it")
-    info["why"] = (f"a convergence verdict needs {checks} smoke checks of ~{check_s:.0f} s each ({prompts} prompts x "
-                   f"{tc.smoke_max_new_tokens} tokens at {plan.decode_token_s * 1000:.0f} ms a token, measured here): "
-                   f"{need_s / train_s:.0%} of the {train_s:.0f} s of training"
-                   f"{f' ({steps} steps, its ceiling)' if capped else ''}, over train.smoke_max_share="
-                   f"{tc.smoke_max_share:g}; {more}")
+    more = (
+        "more steps (train.max_steps, train.epochs) would afford it"
+        if capped
+        else f"about --minutes {math.ceil(minutes)} would afford it"
+    )
+    info["why"] = (
+        f"a convergence verdict needs {checks} smoke checks of ~{check_s:.0f} s each ({prompts} prompts x "
+        f"{tc.smoke_max_new_tokens} tokens at {plan.decode_token_s * 1000:.0f} ms a token, measured here): "
+        f"{need_s / train_s:.0%} of the {train_s:.0f} s of training"
+        f"{f' ({steps} steps, its ceiling)' if capped else ''}, over train.smoke_max_share="
+        f"{tc.smoke_max_share:g}; {more}"
+    )
     return 0, info

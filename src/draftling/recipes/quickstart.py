@@ -30,11 +30,14 @@ def measure_and_plan(cfg, target, elapsed_s: float) -> BudgetPlan:
     # A typical training row: about two thirds of the sequence cap (prompt plus reply).
     step_s = measure_step_seconds(cfg, target, seq_len=max(16, 2 * cfg.data.max_tokens // 3))
     bench = estimate_bench_seconds(cfg, target)
-    plan = plan_budget(cfg.wall_minutes, elapsed_s, step_s, bench["per_token_s"], bench["seconds"],
-                       cfg.train.max_val_batches)
-    log.info(f"budget: {cfg.wall_minutes:g} minutes; measured here: a training step {step_s:.2f} s, a decode "
-             f"token {bench['per_token_s'] * 1000:.0f} ms; plan: data {plan.data_s:.0f} s, training "
-             f"{plan.train_s:.0f} s, validation ~{plan.val_s:.0f} s, bench ~{plan.bench_s:.0f} s")
+    plan = plan_budget(
+        cfg.wall_minutes, elapsed_s, step_s, bench["per_token_s"], bench["seconds"], cfg.train.max_val_batches
+    )
+    log.info(
+        f"budget: {cfg.wall_minutes:g} minutes; measured here: a training step {step_s:.2f} s, a decode "
+        f"token {bench['per_token_s'] * 1000:.0f} ms; plan: data {plan.data_s:.0f} s, training "
+        f"{plan.train_s:.0f} s, validation ~{plan.val_s:.0f} s, bench ~{plan.bench_s:.0f} s"
+    )
     return plan
 
 
@@ -49,8 +52,11 @@ def _plan_smoke(cfg, target, plan: BudgetPlan, train_s: float, sequences: int) -
     prompts = load_smoke_prompts(tc.smoke_prompts, target.tokenizer, target.config.vocab_size)
     ceiling = tc.max_steps or int(tc.epochs * math.ceil(sequences / tc.batch_size))
     tc.smoke_every, smoke = plan_smoke(plan, train_s, tc, len(prompts), ceiling)
-    log.info(f"train: smoke checks every {tc.smoke_every} steps for a convergence verdict" if tc.smoke_every
-             else f"train: no smoke checks: {smoke['why']}")
+    log.info(
+        f"train: smoke checks every {tc.smoke_every} steps for a convergence verdict"
+        if tc.smoke_every
+        else f"train: no smoke checks: {smoke['why']}"
+    )
     return smoke
 
 
@@ -83,8 +89,9 @@ def _start(out: Path, config: str, overrides: list[str] | None):
     return cfg
 
 
-def _train(cfg, target, plan: BudgetPlan | None, t0: float, run_dir: Path, data_dir: Path,
-           sequences: int) -> tuple[dict, dict | None]:
+def _train(
+    cfg, target, plan: BudgetPlan | None, t0: float, run_dir: Path, data_dir: Path, sequences: int
+) -> tuple[dict, dict | None]:
     """The training stage: with a budget, its share of the minutes left and the smoke checks
     that fit it. Returns the training result and the smoke plan (None without one)."""
     from draftling.train.trainer import train
@@ -93,11 +100,20 @@ def _train(cfg, target, plan: BudgetPlan | None, t0: float, run_dir: Path, data_
     if plan:
         train_s = plan.train_seconds(time.perf_counter() - t0)
         cfg.train.max_minutes, cfg.train.fit_schedule = round(train_s / 60, 2), True
-        log.info(f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
-                 f"fitted to it from the measured step time")
+        log.info(
+            f"train: {train_s:.0f} s of the budget (planned {plan.train_s:.0f} s); the LR schedule is "
+            f"fitted to it from the measured step time"
+        )
         smoke = _plan_smoke(cfg, target, plan, train_s, sequences)
-    train_result = train(cfg, target, run_dir, data_dir / "train.jsonl", data_dir / "val.jsonl",
-                         data_dir / "vocab.safetensors", overwrite=True)  # the quickstart owns its --out
+    train_result = train(
+        cfg,
+        target,
+        run_dir,
+        data_dir / "train.jsonl",
+        data_dir / "val.jsonl",
+        data_dir / "vocab.safetensors",
+        overwrite=True,
+    )  # the quickstart owns its --out
     return train_result, smoke
 
 
@@ -132,13 +148,19 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
 
     stage("data")
     data_dir, run_dir = out / "data", out / "run"
-    data_summary = prepare_data(cfg, target, data_dir, regen_seconds=plan.data_s if plan else None,
-                                replies=reply_engine_for(cfg.data, target))
+    data_summary = prepare_data(
+        cfg, target, data_dir, regen_seconds=plan.data_s if plan else None, replies=reply_engine_for(cfg.data, target)
+    )
     done("data")
 
     stage("vocab")
-    vocab = build_vocab_file(data_dir / "train.jsonl", target.config.vocab_size, cfg.vocab.size,
-                             data_dir / "vocab.safetensors", prompt_weight=cfg.vocab.prompt_weight)
+    vocab = build_vocab_file(
+        data_dir / "train.jsonl",
+        target.config.vocab_size,
+        cfg.vocab.size,
+        data_dir / "vocab.safetensors",
+        prompt_weight=cfg.vocab.prompt_weight,
+    )
     log.info(f"vocab: {vocab.size} tokens, coverage {vocab.coverage:.1%} of loss tokens")
     done("vocab")
 
@@ -162,8 +184,18 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     return summary
 
 
-def _summary(cfg, config: str, bench: dict, train_result: dict, data_summary: dict, smoke: dict | None,
-             plan: BudgetPlan | None, export_dir: Path, timings: dict, t0: float) -> dict:
+def _summary(
+    cfg,
+    config: str,
+    bench: dict,
+    train_result: dict,
+    data_summary: dict,
+    smoke: dict | None,
+    plan: BudgetPlan | None,
+    export_dir: Path,
+    timings: dict,
+    t0: float,
+) -> dict:
     """summary.json: the chain-3 bench figures, validation, training, the budget and the stages."""
     chain3 = next((c for c in bench["configs"] if (c["steps"], c["topk"]) == (3, 1)), bench["configs"][0])
     val = train_result.get("val", {})
@@ -189,17 +221,29 @@ def _summary(cfg, config: str, bench: dict, train_result: dict, data_summary: di
         "train_sequences": data_summary["train_sequences"],
         # Where the profile lets the CPU pick bf16 (data.regen.dtype, train.compute_dtype):
         # what it picked. The bench always runs the target in its own dtype.
-        "dtypes": {"target": cfg.dtype, "regen": data_summary.get("regen_dtypes"),
-                   "train_compute": train_result.get("compute_dtype")},
+        "dtypes": {
+            "target": cfg.dtype,
+            "regen": data_summary.get("regen_dtypes"),
+            "train_compute": train_result.get("compute_dtype"),
+        },
         "export_dir": str(export_dir),
         "stage_seconds": timings,
         "wall_s": round(time.perf_counter() - t0, 1),
         # What the budget planned from this machine's measurements, against what was used.
-        **({"budget": {"minutes": cfg.wall_minutes, "plan": plan.as_dict(),
-                       "regen": data_summary.get("regen_budget"),
-                       "train_max_s": round(60 * cfg.train.max_minutes, 1),
-                       "train_used_s": round(train_result["train_wall_s"], 1),
-                       "train_steps_ceiling": train_result.get("steps_ceiling")}} if plan else {}),
+        **(
+            {
+                "budget": {
+                    "minutes": cfg.wall_minutes,
+                    "plan": plan.as_dict(),
+                    "regen": data_summary.get("regen_budget"),
+                    "train_max_s": round(60 * cfg.train.max_minutes, 1),
+                    "train_used_s": round(train_result["train_wall_s"], 1),
+                    "train_steps_ceiling": train_result.get("steps_ceiling"),
+                }
+            }
+            if plan
+            else {}
+        ),
         "config": config,
         "caveats": bench["caveats"],
     }

@@ -67,8 +67,10 @@ def recording_aux_states(model: nn.Module, layer_ids: list[int]):
     calls: dict[int, list[torch.Tensor]] = {i: [] for i in sorted(set(layer_ids))}
     handles = []
     for hs_index in calls:
+
         def hook(_module, _inputs, output, hs_index=hs_index):
             calls[hs_index].append(output[0] if isinstance(output, tuple) else output)
+
         handles.append(layers[hs_index - 1].register_forward_hook(hook))
     try:
         yield calls

@@ -36,8 +36,9 @@ class Placement:
     def from_config(cls, cfg) -> Placement | None:
         if cfg.device_map is None:
             return None
-        return cls(device_map_value(cfg.device_map), cfg.device_map, max_memory_bytes(cfg.max_memory),
-                   cfg.offload_folder)
+        return cls(
+            device_map_value(cfg.device_map), cfg.device_map, max_memory_bytes(cfg.max_memory), cfg.offload_folder
+        )
 
     def load_kwargs(self, folder: tempfile.TemporaryDirectory) -> dict:
         """from_pretrained's placement arguments, disk offload into ``folder``."""
@@ -91,8 +92,10 @@ def check_placement(model, device, placement: Placement) -> None:
     weight = embed.weight
     if weight.device.type == "meta" or not same_device(execution_device(embed), device):
         where = "offloaded" if weight.device.type == "meta" else f"on {execution_device(embed)}"
-        raise TargetError(f"device_map {placement.source}: the input embedding is {where}, but the draft trains "
-                          f"on {device} and embeds with it; map the embedding module to {device}")
+        raise TargetError(
+            f"device_map {placement.source}: the input embedding is {where}, but the draft trains "
+            f"on {device} and embeds with it; map the embedding module to {device}"
+        )
 
 
 def empty_model(config, dtype: torch.dtype = torch.float32):
@@ -112,21 +115,23 @@ def expand_device_map(model, device_map: dict, where: str) -> dict[str, int | st
     names = {name for name, _ in model.named_modules()} | {name for name, _ in model.named_parameters()}
     unknown = [key for key in device_map if key and key not in names]
     if unknown:
-        raise TargetError(f"device_map {where}: {unknown[0]!r} is not a module of the target "
-                          f"({type(model).__name__})")
+        raise TargetError(f"device_map {where}: {unknown[0]!r} is not a module of the target ({type(model).__name__})")
     out, missing, first = {}, [], {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        owner = max((key for key in device_map if key == "" or name == key or name.startswith(key + ".")),
-                    key=len, default=None)
+        owner = max(
+            (key for key in device_map if key == "" or name == key or name.startswith(key + ".")), key=len, default=None
+        )
         alias = first.setdefault(id(param), name)
         if alias != name:  # a tied weight (the output head sharing the input embedding's): one tensor
             # accelerate keeps it where its first name is, except on disk, where the second name
             # is then missing from the offload index at the first forward
             here, there = (device_map[owner] if owner is not None else None), out.get(alias)
             if None not in (here, there) and here != there and "disk" in (here, there):
-                raise TargetError(f"device_map {where}: {name!r} is tied to {alias!r} (one tensor), but the "
-                                  f"map puts them on {' and '.join(sorted(map(str, (here, there))))}; "
-                                  "map both to one device")
+                raise TargetError(
+                    f"device_map {where}: {name!r} is tied to {alias!r} (one tensor), but the "
+                    f"map puts them on {' and '.join(sorted(map(str, (here, there))))}; "
+                    "map both to one device"
+                )
         elif owner is None:
             missing.append(name)
         else:
@@ -142,8 +147,9 @@ def infer_device_map(model, mode: str, max_memory: dict | None) -> dict:
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     no_split = getattr(model, "_no_split_modules", None) or []
-    budget = get_balanced_memory(model, max_memory=dict(max_memory) if max_memory else None,
-                                 no_split_module_classes=no_split)
+    budget = get_balanced_memory(
+        model, max_memory=dict(max_memory) if max_memory else None, no_split_module_classes=no_split
+    )
     return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split)
 
 

@@ -28,9 +28,19 @@ import torch
 
 from draftling.errors import DraftlingError
 
-CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "intermediate_size", "head_dim", "rope_theta", "max_position_embeddings",
-                 "tie_word_embeddings")
+CONFIG_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 WEIGHT_SAMPLE = 64  # elements from a tensor's start, its end, and evenly spaced between
 HASHED = ("config", "tokenizer", "weights")  # compared as hashes; ``rope`` is compared as read
 
@@ -53,8 +63,10 @@ def _rope_entry(params: dict, theta) -> dict:
     """One RoPE parameter set: the type under either key ("rope_type", legacy "type"), theta, and
     every other scalar or list (factor, low/high_freq_factor, original_max_position_embeddings,
     beta_fast/slow, mrope_section, ...), numbers as floats so 1e4 and 10000 read the same."""
-    out = {"rope_type": params.get("rope_type") or params.get("type") or "default",
-           "rope_theta": params.get("rope_theta", theta)}
+    out = {
+        "rope_type": params.get("rope_type") or params.get("type") or "default",
+        "rope_theta": params.get("rope_theta", theta),
+    }
     for k, v in params.items():
         if k not in ("rope_type", "type", "rope_theta") and isinstance(v, (int, float, str, list, type(None))):
             out[k] = v
@@ -89,8 +101,10 @@ def weight_hash(model) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if t.device.type == "meta":
-            raise DraftlingError(f"weight fingerprint: {name} is offloaded (device meta); load the target "
-                                 "without a device map that offloads it")
+            raise DraftlingError(
+                f"weight fingerprint: {name} is offloaded (device meta); load the target "
+                "without a device map that offloads it"
+            )
         h.update(f"{name}{tuple(t.shape)}".encode())
         h.update(_sample(t).view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
@@ -111,6 +125,9 @@ def describe(fp: dict) -> str:
     parts = [f"config `{fp.get('config', '?')}`", f"tokenizer `{fp.get('tokenizer', '?')}`"]
     if "rope" in fp:
         parts.append(f"RoPE `{json.dumps(fp['rope'], sort_keys=True)}`")
-    parts.append(f"weights `{fp['weights']}` (sha256 of a fixed sample of every weight tensor)" if "weights" in fp
-                 else "no weight fingerprint (`release --weight-fingerprint` adds one)")
+    parts.append(
+        f"weights `{fp['weights']}` (sha256 of a fixed sample of every weight tensor)"
+        if "weights" in fp
+        else "no weight fingerprint (`release --weight-fingerprint` adds one)"
+    )
     return ", ".join(parts)

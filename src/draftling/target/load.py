@@ -94,8 +94,10 @@ def resolve_target(target: str | None) -> TargetSpec:
 
         why = None if hub_model_cached(target) else hub_unreachable()
         if why:
-            raise TargetError(f"--target {target}: not a local file or directory, not in the Hugging Face "
-                              f"cache, and the hub is out of reach: {why}")
+            raise TargetError(
+                f"--target {target}: not a local file or directory, not in the Hugging Face "
+                f"cache, and the hub is out of reach: {why}"
+            )
         return TargetSpec(target, target)  # a hub id; from_pretrained reports if it cannot be fetched
     raise TargetError(f"--target {target}: not a GGUF file, a model directory or a hub id")
 
@@ -145,19 +147,30 @@ class Target:
             elif isinstance(value, (list, tuple)):
                 ids.update(int(v) for v in value)
         vocab = self.tokenizer.get_vocab()
-        ids.update(vocab[name] for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
-                   if name in vocab)
+        ids.update(vocab[name] for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>") if name in vocab)
         return sorted(ids)
 
     def describe(self) -> dict:
-        return {"target": self.spec.name, "path": self.spec.path, "gguf_file": self.spec.gguf_file,
-                "num_layers": self.num_layers, "hidden_size": self.config.hidden_size,
-                "vocab_size": self.config.vocab_size, "aux_layer_ids": list(self.aux_layer_ids)}
+        return {
+            "target": self.spec.name,
+            "path": self.spec.path,
+            "gguf_file": self.spec.gguf_file,
+            "num_layers": self.num_layers,
+            "hidden_size": self.config.hidden_size,
+            "vocab_size": self.config.vocab_size,
+            "aux_layer_ids": list(self.aux_layer_ids),
+        }
 
 
-def load_target(target: str | None = None, dtype: str = "float32", device: str = "cpu",
-                aux_layer_ids: list[int] | None = None, chat_template: str | None = None,
-                quantization: str | None = None, placement: Placement | None = None) -> Target:
+def load_target(
+    target: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    aux_layer_ids: list[int] | None = None,
+    chat_template: str | None = None,
+    quantization: str | None = None,
+    placement: Placement | None = None,
+) -> Target:
     """Load a target model and tokenizer for any of the accepted ``--target`` forms.
 
     ``quantization`` names an on-the-fly method of :mod:`draftling.target.quant`. A GGUF
@@ -174,17 +187,21 @@ def load_target(target: str | None = None, dtype: str = "float32", device: str =
     except DraftlingError:
         raise
     except Exception as e:  # a truncated or garbage GGUF, a folder with only config.json, ...
-        raise TargetError(f"{spec.gguf_file or spec.path}: cannot load the target {spec.name!r}: "
-                          f"{one_line(e)}") from e
-
+        raise TargetError(f"{spec.gguf_file or spec.path}: cannot load the target {spec.name!r}: {one_line(e)}") from e
 
 
 def load_target_from_config(cfg: RunConfig) -> Target:
     """The target a run config names (``target``, ``dtype``, ``device``, ``aux_layer_ids``,
     ``chat_template``, ``quantization``, ``device_map``): how every command and recipe loads it."""
-    return load_target(cfg.target, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                       aux_layer_ids=cfg.aux_layer_ids, chat_template=cfg.chat_template,
-                       quantization=cfg.quantization, placement=Placement.from_config(cfg))
+    return load_target(
+        cfg.target,
+        dtype=cfg.dtype,
+        device=resolve_device(cfg.device),
+        aux_layer_ids=cfg.aux_layer_ids,
+        chat_template=cfg.chat_template,
+        quantization=cfg.quantization,
+        placement=Placement.from_config(cfg),
+    )
 
 
 def resolve_device(device: str | None) -> str:
@@ -193,13 +210,16 @@ def resolve_device(device: str | None) -> str:
     if device in (None, "", "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise DraftlingError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}"
-                             f"{'' if torch.version.cuda else ', a CPU-only build'}); use --device cpu")
+        raise DraftlingError(
+            f"--device {device}: this machine has no CUDA device (torch {torch.__version__}"
+            f"{'' if torch.version.cuda else ', a CPU-only build'}); use --device cpu"
+        )
     return device
 
 
-def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_template,
-                 quantization, placement: Placement | None) -> Target:
+def _load_target(
+    spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_template, quantization, placement: Placement | None
+) -> Target:
     tokenizer = _load_tokenizer(spec, chat_template)
     kwargs = {"dtype": DTYPES[dtype]}
     if quantization:
@@ -226,8 +246,10 @@ def _load_target(spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_
         # A quantization backend that is missing a kernel for this device fails deep inside
         # transformers; say which method and device it was.
         what = quantization or "its quantized checkpoint"
-        raise TargetError(f"loading {spec.name} with {what} on {device} failed: "
-                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise TargetError(
+            f"loading {spec.name} with {what} on {device} failed: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
     if placement:
         model = _placed(model, spec, placement, offload, device)
     elif not place_on_load:
@@ -245,14 +267,15 @@ def _placement_kwargs(spec: TargetSpec, placement: Placement, offload, quantizat
     loading (transformers refuses to offload GGUF weights to disk)."""
     if spec.gguf_file:
         if quantization:
-            raise TargetError(f"device_map {placement.source}: not supported with an on-load quantized "
-                              "GGUF target; drop quantization or the device map")
+            raise TargetError(
+                f"device_map {placement.source}: not supported with an on-load quantized "
+                "GGUF target; drop quantization or the device map"
+            )
         return {}
     if isinstance(placement.device_map, dict):  # a FILE: its names checked before any weight loads
         from transformers import AutoConfig
 
-        expand_device_map(empty_model(AutoConfig.from_pretrained(spec.path)), placement.device_map,
-                          placement.source)
+        expand_device_map(empty_model(AutoConfig.from_pretrained(spec.path)), placement.device_map, placement.source)
     return placement.load_kwargs(offload)
 
 
@@ -317,8 +340,7 @@ def _quantize_gguf(spec: TargetSpec, kwargs: dict):
     Costs its full-precision size on disk (under $TMPDIR) for the duration of the load."""
     import tempfile
 
-    log.info("%s: GGUF is dequantized on load; writing a %s copy to quantize it",
-             spec.name, kwargs["dtype"])
+    log.info("%s: GGUF is dequantized on load; writing a %s copy to quantize it", spec.name, kwargs["dtype"])
     with tempfile.TemporaryDirectory(prefix="draftling-gguf-") as tmp:
         _save_dequantized(spec, kwargs["dtype"], Path(tmp))
         return _from_pretrained(tmp, **kwargs)
@@ -341,8 +363,10 @@ def plain_checkpoint_dir(spec: TargetSpec, cache_root: str | os.PathLike | None 
     the file's sha256 and reused after."""
     if spec.gguf_file is None:
         if not Path(spec.path).is_dir():
-            raise TargetError(f"--target {spec.name}: give a local model directory or a GGUF file "
-                              "(a hub id is loaded by the serving engine itself)")
+            raise TargetError(
+                f"--target {spec.name}: give a local model directory or a GGUF file "
+                "(a hub id is loaded by the serving engine itself)"
+            )
         return Path(spec.path)
     digest = hash_dataset_file(spec.gguf_file)[:16]  # the file's sha256, read in chunks
     root = Path(cache_root or os.environ.get("DRAFTLING_CACHE") or Path.home() / ".cache" / "draftling")

@@ -28,25 +28,29 @@ class QuantMethod:
 
 
 QUANT_METHODS: dict[str, QuantMethod] = {
-    "bnb-4bit": QuantMethod("BitsAndBytesConfig", {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-                            package="bitsandbytes", extra="bnb",
-                            compute_dtype_arg="bnb_4bit_compute_dtype"),
-    "bnb-8bit": QuantMethod("BitsAndBytesConfig", {"load_in_8bit": True}, package="bitsandbytes",
-                            extra="bnb"),
-    "quanto-int8": QuantMethod("QuantoConfig", {"weights": "int8"}, package="optimum.quanto",
-                               extra="quanto"),
-    "quanto-int4": QuantMethod("QuantoConfig", {"weights": "int4"}, package="optimum.quanto",
-                               extra="quanto"),
-    "torchao-int8": QuantMethod("TorchAoConfig", package="torchao", extra="torchao",
-                                torchao_type="Int8WeightOnlyConfig"),
+    "bnb-4bit": QuantMethod(
+        "BitsAndBytesConfig",
+        {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+        package="bitsandbytes",
+        extra="bnb",
+        compute_dtype_arg="bnb_4bit_compute_dtype",
+    ),
+    "bnb-8bit": QuantMethod("BitsAndBytesConfig", {"load_in_8bit": True}, package="bitsandbytes", extra="bnb"),
+    "quanto-int8": QuantMethod("QuantoConfig", {"weights": "int8"}, package="optimum.quanto", extra="quanto"),
+    "quanto-int4": QuantMethod("QuantoConfig", {"weights": "int4"}, package="optimum.quanto", extra="quanto"),
+    "torchao-int8": QuantMethod(
+        "TorchAoConfig", package="torchao", extra="torchao", torchao_type="Int8WeightOnlyConfig"
+    ),
 }
 
 
 def _quant_method(name: str) -> QuantMethod:
     method = QUANT_METHODS.get(name)
     if method is None:
-        raise TargetError(f"quantization {name!r}: unknown method; expected one of "
-                          f"{', '.join(QUANT_METHODS)} (or null to load the target as stored)")
+        raise TargetError(
+            f"quantization {name!r}: unknown method; expected one of "
+            f"{', '.join(QUANT_METHODS)} (or null to load the target as stored)"
+        )
     return method
 
 
@@ -63,8 +67,10 @@ def quantization_config(name: str, dtype: torch.dtype):
 
     method = _quant_method(name)
     if not _package_present(method.package):
-        raise TargetError(f"quantization {name}: needs the {method.package.split('.')[0]} package; "
-                          f"install it with: pip install 'draftling[{method.extra}]'")
+        raise TargetError(
+            f"quantization {name}: needs the {method.package.split('.')[0]} package; "
+            f"install it with: pip install 'draftling[{method.extra}]'"
+        )
     kwargs = dict(method.kwargs)
     if method.compute_dtype_arg:
         kwargs[method.compute_dtype_arg] = dtype

@@ -21,8 +21,14 @@ from draftling.draft.model import repeat_kv
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
 
-def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  backend: str = "sdpa", window: int = 0) -> torch.Tensor:
+
+def ttt_attention(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    backend: str = "sdpa",
+    window: int = 0,
+) -> torch.Tensor:
     """Attention of TTT step j = len(keys) - 1, stateless.
 
     q: [B, nh, T, d]; keys[0]/values[0]: the step-0 keys/values [B, nkv, T, d] (causal);
@@ -70,14 +76,14 @@ def banded_ttt_attention(q, keys, values, window: int) -> torch.Tensor:
     outs = []
     for i, (qb, sdb, dvb) in enumerate(zip(qs, sds, dvs)):
         a, e = i * block, i * block + qb.shape[2]
-        kb, vb = (ks[0], vs[0]) if i == 0 else (torch.cat(ks[i - 1:i + 1], 2), torch.cat(vs[i - 1:i + 1], 2))
+        kb, vb = (ks[0], vs[0]) if i == 0 else (torch.cat(ks[i - 1 : i + 1], 2), torch.cat(vs[i - 1 : i + 1], 2))
         rows = torch.arange(a, e, device=q.device)[:, None]
         cols = torch.arange(e - kb.shape[2], e, device=q.device)[None]
         seen = (cols <= rows) & (cols > rows + j - window)  # the query at row t sits at position t+j
         s = (qb @ kb.transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
         p = (s if sdb is None else torch.cat([s, sdb], dim=-1)).float().softmax(-1).to(q.dtype)
-        out = p[..., :kb.shape[2]] @ vb
-        outs.append(out if dvb is None else out + (p[..., kb.shape[2]:, None] * dvb).sum(-2))
+        out = p[..., : kb.shape[2]] @ vb
+        outs.append(out if dvb is None else out + (p[..., kb.shape[2] :, None] * dvb).sum(-2))
     return torch.cat(outs, dim=2)
 
 
@@ -93,10 +99,12 @@ def ttt_mask_mod(t: int | torch.Tensor, window: int = 0, n_blocks: int = 1):
         def mask_mod(b, h, q_idx, kv_idx):
             step0 = (kv_idx <= q_idx) & (kv_idx > q_idx + reach)
             return step0 | ((kv_idx >= t) & (kv_idx % t == q_idx))
+
         return mask_mod
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) | ((kv_idx >= t) & (kv_idx % t == q_idx))
+
     return mask_mod
 
 
@@ -117,8 +125,16 @@ def ttt_block_mask(t: int, n_blocks: int, device: torch.device, window: int = 0)
             _BLOCK_MASKS.clear()
         t_value = torch.tensor(t, device=device)
         mask_mod = ttt_mask_mod(t_value, window, n_blocks)
-        mask = create_block_mask(mask_mod, None, None, t, n_blocks * t, device=device,
-                                 BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=torch.device(device).type == "cuda")
+        mask = create_block_mask(
+            mask_mod,
+            None,
+            None,
+            t,
+            n_blocks * t,
+            device=device,
+            BLOCK_SIZE=FLEX_BLOCK_SIZE,
+            _compile=torch.device(device).type == "cuda",
+        )
         _BLOCK_MASKS[key] = mask
     return mask
 

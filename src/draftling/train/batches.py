@@ -69,8 +69,11 @@ class RankBatch:
 def batch_multiple(source: BatchSource) -> int:
     """What a batch's length is padded up to a multiple of (settings.pad_multiple)."""
     tc = source.cfg.train
-    attention = (source.unroll.attention if source.unroll is not None
-                 else memory_options(tc, source.device, torch.is_grad_enabled())["attention"])
+    attention = (
+        source.unroll.attention
+        if source.unroll is not None
+        else memory_options(tc, source.device, torch.is_grad_enabled())["attention"]
+    )
     return pad_multiple(tc, attention)
 
 
@@ -94,12 +97,14 @@ def load_batch(source: BatchSource, keys: list[int], t2d: torch.Tensor) -> RankB
     lengths = [len(e.input_ids) for e in chunk]
     host, bounds = host_batch(source, chunk, stand_in)
     batch = {k: to_device(v, source.device) for k, v in host.items()}
-    return RankBatch(batch, teacher_outputs(source, share, lengths, batch, t2d), stand_in,
-                     0 if stand_in else sum(lengths), bounds)
+    return RankBatch(
+        batch, teacher_outputs(source, share, lengths, batch, t2d), stand_in, 0 if stand_in else sum(lengths), bounds
+    )
 
 
-def teacher_outputs(source: BatchSource, share: list[int], lengths: list[int], batch: dict,
-                    t2d: torch.Tensor) -> TeacherBatch:
+def teacher_outputs(
+    source: BatchSource, share: list[int], lengths: list[int], batch: dict, t2d: torch.Tensor
+) -> TeacherBatch:
     """The teacher's outputs for this rank's ``share`` of a batch, collated (and padded) as
     ``batch``: the target runs on the padded batch; stored outputs are padded after."""
     cache, device, teacher_source = source.cache, source.device, source.teacher
@@ -112,8 +117,13 @@ def teacher_outputs(source: BatchSource, share: list[int], lengths: list[int], b
             teacher = teacher_source.get(share, lengths, device)
         else:
             target = source.target
-            teacher = teacher_forward(target, batch["input_ids"], batch["attention_mask"], t2d,
-                                      compile=compile_teacher(source.cfg.train, device, target.model))
+            teacher = teacher_forward(
+                target,
+                batch["input_ids"],
+                batch["attention_mask"],
+                t2d,
+                compile=compile_teacher(source.cfg.train, device, target.model),
+            )
         if cache:
             teacher = cache.put(share, lengths, teacher)
     return teacher.padded(batch["input_ids"].shape[1])
@@ -127,12 +137,21 @@ def unroll_batch(objective, source: BatchSource, batch: RankBatch):
     draft = unwrap(objective)
     denominators = None
     if ctx.active:  # on the device: the unroll divides by them there
-        valid = step_valid_counts(b["loss_mask"], b["attention_mask"], batch.teacher.in_draft,
-                                  tc.ttt_steps).to(torch.float64)
+        valid = step_valid_counts(b["loss_mask"], b["attention_mask"], batch.teacher.in_draft, tc.ttt_steps).to(
+            torch.float64
+        )
         denominators = all_reduce_sum(valid, ctx) / ctx.world_size
     options = source.unroll or unroll_options(tc, device, torch.is_grad_enabled(), next(draft.parameters()).dtype)
-    loss, counts = objective(draft_embedding(source.cfg, source.target, device), batch.teacher, b["input_ids"],
-                             b["loss_mask"], b["attention_mask"], options, denominators, batch.row_bounds)
+    loss, counts = objective(
+        draft_embedding(source.cfg, source.target, device),
+        batch.teacher,
+        b["input_ids"],
+        b["loss_mask"],
+        b["attention_mask"],
+        options,
+        denominators,
+        batch.row_bounds,
+    )
     return loss, counts, batch.tokens
 
 
@@ -143,8 +162,16 @@ def run_batch(objective, source: BatchSource, keys: list[int]):
 
 
 @torch.no_grad()
-def evaluate(objective, target: Target, examples, cfg: RunConfig, device, max_batches: int,
-             teacher_source: TeacherSource | None = None, ctx: DistContext | None = None) -> dict:
+def evaluate(
+    objective,
+    target: Target,
+    examples,
+    cfg: RunConfig,
+    device,
+    max_batches: int,
+    teacher_source: TeacherSource | None = None,
+    ctx: DistContext | None = None,
+) -> dict:
     """Validation metrics over the first ``max_batches`` batches, exact over any world size.
     ``objective`` is what ``distributed.wrap`` returns, or a bare draft."""
     ctx = ctx or current()

@@ -49,12 +49,21 @@ class KeepPolicy:
     def spares(self, ckpt: Path) -> bool:
         meta = json.loads((ckpt / "meta.json").read_text()) if (ckpt / "meta.json").is_file() else {}
         step = int(meta.get("step", -1))
-        return ((self.epoch_ends and meta.get("batch_index") == 0 and step > 0)
-                or (self.every_steps > 0 and step > 0 and step % self.every_steps == 0))
+        return (self.epoch_ends and meta.get("batch_index") == 0 and step > 0) or (
+            self.every_steps > 0 and step > 0 and step % self.every_steps == 0
+        )
 
 
-def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step: int,
-                    position: tuple[int, int], keep: KeepPolicy | int, extra: dict | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    draft,
+    optimizer_state: dict,
+    scheduler,
+    step: int,
+    position: tuple[int, int],
+    keep: KeepPolicy | int,
+    extra: dict | None = None,
+) -> Path:
     """``draft``: a plain draft with full weights; ``optimizer_state``: the full optimizer
     state in the single-process layout (see distributed.full_optimizer_state); ``position``:
     the data position (epoch, batch index) of the next batch, as EpochBatches.position gives it.
@@ -64,16 +73,25 @@ def save_checkpoint(run_dir: Path, draft, optimizer_state: dict, scheduler, step
     final = Path(run_dir) / "checkpoints" / f"step_{step:07d}"
     with atomic_dir(final) as tmp:
         save_draft(draft, tmp)
-        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                    "step": step, "epoch": epoch, "batch_index": batch_index, "rng": rng_state()},
-                   tmp / STATE_FILE)
-        write_json(tmp / "meta.json", {"step": step, "epoch": epoch, "batch_index": batch_index,
-                                       **(extra or {})})
+        torch.save(
+            {
+                "optimizer": optimizer_state,
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "epoch": epoch,
+                "batch_index": batch_index,
+                "rng": rng_state(),
+            },
+            tmp / STATE_FILE,
+        )
+        write_json(tmp / "meta.json", {"step": step, "epoch": epoch, "batch_index": batch_index, **(extra or {})})
         # Written last, over every other file: resume checks it before trusting the checkpoint.
-        write_json(tmp / MANIFEST_FILE, {p.name: {"bytes": p.stat().st_size, "sha256": hash_dataset_file(p)}
-                                         for p in sorted(tmp.iterdir())})
+        write_json(
+            tmp / MANIFEST_FILE,
+            {p.name: {"bytes": p.stat().st_size, "sha256": hash_dataset_file(p)} for p in sorted(tmp.iterdir())},
+        )
         fault_point("checkpoint.written")
-    for old in list_checkpoints(run_dir)[:-keep.newest] if keep.newest > 0 else []:
+    for old in list_checkpoints(run_dir)[: -keep.newest] if keep.newest > 0 else []:
         if keep.spares(old):
             continue
         # Renamed out of the list first: a kill while deleting leaves a temporary, never a
@@ -103,8 +121,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and all((p / f).is_file() for f in (STATE_FILE, WEIGHTS_FILE))]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and all((p / f).is_file() for f in (STATE_FILE, WEIGHTS_FILE))
+    ]
     return [p for _, p in sorted(found)]
 
 

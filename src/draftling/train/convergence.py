@@ -79,8 +79,10 @@ class SmokeBench:
     @classmethod
     def load(cls, tc, target) -> SmokeBench:
         if dispatched_devices(target.model):  # found before training, not at the first check
-            raise ConfigError("train.smoke_every: the decode engine runs a target on one device, and this one is "
-                              "spread over devices by a device map; set train.smoke_every=0")
+            raise ConfigError(
+                "train.smoke_every: the decode engine runs a target on one device, and this one is "
+                "spread over devices by a device map; set train.smoke_every=0"
+            )
         prompts = load_smoke_prompts(tc.smoke_prompts, target.tokenizer, target.config.vocab_size)
         return cls(target, prompts, tc.smoke_max_new_tokens, tc.smoke_prompts, tc.smoke_rows)
 
@@ -91,8 +93,9 @@ class SmokeBench:
             try:
                 self._engine = ids, build_target(self.target.model, list(ids), self.max_len, batch_size=self.rows)
             except UnsupportedArchitecture as e:
-                raise ConfigError(f"train.smoke_every: the decode engine cannot run this target ({e}); "
-                                  "set train.smoke_every=0") from None
+                raise ConfigError(
+                    f"train.smoke_every: the decode engine cannot run this target ({e}); set train.smoke_every=0"
+                ) from None
         return self._engine[1]
 
     @torch.no_grad()
@@ -104,8 +107,14 @@ class SmokeBench:
             frozen = copy.deepcopy(draft).to(device=device, dtype=self.target.input_embeddings().weight.dtype).eval()
             engine = self.engine(frozen.config.eagle_aux_hidden_state_layer_ids)
             runner = DraftRunner(frozen, self.target.input_embeddings(), self.max_len, batch_size=self.rows)
-            results = batch_generate(engine, [p.input_ids for p in self.prompts], self.max_new_tokens, draft=runner,
-                                     tree=SMOKE_TREE, eos_ids=self.eos)
+            results = batch_generate(
+                engine,
+                [p.input_ids for p in self.prompts],
+                self.max_new_tokens,
+                draft=runner,
+                tree=SMOKE_TREE,
+                eos_ids=self.eos,
+            )
         # done at prefill: one token, one pass
         return {p.id: r.stats.tau if r.stats.verify_steps else 1.0 for p, r in zip(self.prompts, results)}
 
@@ -159,14 +168,21 @@ class ConvergenceDetector:
         self.history.append(check)
         if self.verdict is not None or len(self.history) <= self.checks:
             return None
-        anchor, later = self.history[-1 - self.checks], self.history[-self.checks:]
+        anchor, later = self.history[-1 - self.checks], self.history[-self.checks :]
         changes = [paired_change(anchor, c, self.z) for c in later]
         if anchor.step < self.min_step or anchor.mean <= FLOOR_TAU or not all(abs(d) <= band for d, band in changes):
             return None
-        self.verdict = {"converged": True, "step": check.step, "epoch_fraction": check.epoch_fraction,
-                        "since_step": anchor.step, "level": anchor.mean, "mean_tau": check.mean,
-                        "checks": self.checks, "max_change": max(abs(d) for d, _ in changes),
-                        "band": changes[-1][1]}
+        self.verdict = {
+            "converged": True,
+            "step": check.step,
+            "epoch_fraction": check.epoch_fraction,
+            "since_step": anchor.step,
+            "level": anchor.mean,
+            "mean_tau": check.mean,
+            "checks": self.checks,
+            "max_change": max(abs(d) for d, _ in changes),
+            "band": changes[-1][1],
+        }
         return self.verdict
 
     def summary(self) -> dict:
@@ -181,9 +197,11 @@ def epoch_phrase(fraction: float) -> str:
 
 
 def verdict_line(v: dict) -> str:
-    return (f"converged at {epoch_phrase(v['epoch_fraction'])} (step {v['step']}): smoke tau "
-            f"{v['mean_tau']:.2f} stayed within its noise band of step {v['since_step']}'s {v['level']:.2f} "
-            f"for {v['checks']} checks (largest change {v['max_change']:.3f})")
+    return (
+        f"converged at {epoch_phrase(v['epoch_fraction'])} (step {v['step']}): smoke tau "
+        f"{v['mean_tau']:.2f} stayed within its noise band of step {v['since_step']}'s {v['level']:.2f} "
+        f"for {v['checks']} checks (largest change {v['max_change']:.3f})"
+    )
 
 
 class SmokeMonitor:
@@ -215,12 +233,25 @@ class SmokeMonitor:
     def _record(self, check: SmokeCheck, prev: SmokeCheck | None, epoch: int) -> tuple[dict, str]:
         delta, band = paired_change(prev, check, self.detector.z) if prev else (None, None)
         delta, band = (None if v is None or math.isnan(v) else v for v in (delta, band))  # JSON has no NaN
-        record = {"split": "smoke", "step": check.step, "epoch": epoch, "epoch_fraction": check.epoch_fraction,
-                  "prompt_set": self.bench.name, "config": SMOKE_CONFIG, "mean_tau": check.mean,
-                  "tau": check.by_workload, "delta": delta, "band": band, "vs_step": prev and prev.step,
-                  "per_prompt": check.taus, "seconds": check.seconds}
+        record = {
+            "split": "smoke",
+            "step": check.step,
+            "epoch": epoch,
+            "epoch_fraction": check.epoch_fraction,
+            "prompt_set": self.bench.name,
+            "config": SMOKE_CONFIG,
+            "mean_tau": check.mean,
+            "tau": check.by_workload,
+            "delta": delta,
+            "band": band,
+            "vs_step": prev and prev.step,
+            "per_prompt": check.taus,
+            "seconds": check.seconds,
+        }
         workloads = " ".join(f"{w} {t:.2f}" for w, t in check.by_workload.items())
         change = f" | {delta:+.3f} ± {band:.3f} vs step {prev.step}" if band is not None else ""
-        line = (f"smoke @ {check.step} ({epoch_phrase(check.epoch_fraction)}): tau {check.mean:.2f} "
-                f"[{workloads}]{change} | {check.seconds:.1f}s")
+        line = (
+            f"smoke @ {check.step} ({epoch_phrase(check.epoch_fraction)}): tau {check.mean:.2f} "
+            f"[{workloads}]{change} | {check.seconds:.1f}s"
+        )
         return record, line

@@ -42,7 +42,7 @@ def fraction_pool(n: int, fraction: float, seed: int) -> list[int]:
     if fraction >= 1.0:
         return list(range(n))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 17)).tolist()
-    return sorted(perm[:max(1, round(n * fraction))])
+    return sorted(perm[: max(1, round(n * fraction))])
 
 
 class EpochBatches:
@@ -57,8 +57,14 @@ class EpochBatches:
 
     GROUP_BATCHES = 16
 
-    def __init__(self, examples: list[TokenizedExample], batch_size: int, seed: int,
-                 group_by_length: bool = False, fraction: float = 1.0):
+    def __init__(
+        self,
+        examples: list[TokenizedExample],
+        batch_size: int,
+        seed: int,
+        group_by_length: bool = False,
+        fraction: float = 1.0,
+    ):
         if batch_size < 1:
             raise DataError(f"train.batch_size must be >= 1, got {batch_size}")
         self.examples, self.batch_size, self.seed = examples, batch_size, seed
@@ -79,12 +85,12 @@ class EpochBatches:
         perm = [self.pool[i] for i in torch.randperm(len(self.pool), generator=g).tolist()]
         bs, n = self.batch_size, self.batches_per_epoch
         if not self.group_by_length:
-            return [perm[i * bs:(i + 1) * bs] for i in range(n)]
-        used, group = perm[:n * bs], bs * self.GROUP_BATCHES
+            return [perm[i * bs : (i + 1) * bs] for i in range(n)]
+        used, group = perm[: n * bs], bs * self.GROUP_BATCHES
         batches = []
         for start in range(0, len(used), group):
-            chunk = sorted(used[start:start + group], key=lambda i: -len(self.examples[i].input_ids))
-            batches += [chunk[j:j + bs] for j in range(0, len(chunk), bs)]
+            chunk = sorted(used[start : start + group], key=lambda i: -len(self.examples[i].input_ids))
+            batches += [chunk[j : j + bs] for j in range(0, len(chunk), bs)]
         return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
     def batch(self, epoch: int, index: int) -> list[TokenizedExample]:

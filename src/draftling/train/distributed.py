@@ -26,8 +26,7 @@ if TYPE_CHECKING:
 
 PARALLEL_MODES = ("ddp", "fsdp")
 # Never NVLink multicast (NVLS): it is off in every launch draftling makes.
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                    "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,7 @@ def init_distributed(device: str) -> tuple[DistContext, str]:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if on_cuda else "gloo",
-                                device_id=torch.device(device) if on_cuda else None)
+        dist.init_process_group("nccl" if on_cuda else "gloo", device_id=torch.device(device) if on_cuda else None)
     return current(), device
 
 
@@ -77,7 +75,7 @@ def rank_share(items: list, ctx: DistContext) -> tuple[list, bool]:
     """This rank's part of a global batch: items[rank::world]. A rank left with nothing
     (a short last batch) gets the first item as a stand-in, flagged so the caller zeroes
     its loss mask: every rank must still run the collective forward and backward."""
-    part = items[ctx.rank::ctx.world_size]
+    part = items[ctx.rank :: ctx.world_size]
     if part or not items:
         return part, False
     return items[:1], True
@@ -111,16 +109,35 @@ class TTTObjective(torch.nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, embed, teacher, input_ids, loss_mask, attention_mask, options: UnrollOptions,
-                loss_denominators=None, row_bounds=None):
+    def forward(
+        self,
+        embed,
+        teacher,
+        input_ids,
+        loss_mask,
+        attention_mask,
+        options: UnrollOptions,
+        loss_denominators=None,
+        row_bounds=None,
+    ):
         from draftling.train.ttt import ttt_unroll  # looked up per call: a script may wrap it
 
-        return ttt_unroll(self.draft, embed, teacher, input_ids, loss_mask, attention_mask, options,
-                          loss_denominators=loss_denominators, row_bounds=row_bounds)
+        return ttt_unroll(
+            self.draft,
+            embed,
+            teacher,
+            input_ids,
+            loss_mask,
+            attention_mask,
+            options,
+            loss_denominators=loss_denominators,
+            row_bounds=row_bounds,
+        )
 
 
-def wrap(draft: torch.nn.Module, ctx: DistContext, mode: str, param_dtype: torch.dtype,
-         offload: bool) -> torch.nn.Module:
+def wrap(
+    draft: torch.nn.Module, ctx: DistContext, mode: str, param_dtype: torch.dtype, offload: bool
+) -> torch.nn.Module:
     """The module the training step calls. At world size 1 it is the bare objective: no
     wrapper, so no gradient buckets or hooks (and nothing for frozen params)."""
     objective = TTTObjective(draft)
@@ -129,7 +146,8 @@ def wrap(draft: torch.nn.Module, ctx: DistContext, mode: str, param_dtype: torch
     if mode == "ddp":
         device = next(draft.parameters()).device
         return torch.nn.parallel.DistributedDataParallel(
-            objective, device_ids=[device.index] if device.type == "cuda" else None)
+            objective, device_ids=[device.index] if device.type == "cuda" else None
+        )
     return shard(objective, param_dtype, offload)
 
 
@@ -141,9 +159,11 @@ def shard(objective: TTTObjective, param_dtype: torch.dtype, offload: bool) -> T
 
     # cast_forward_inputs off: the teacher's logits (fp32 from an fp32 teacher) must reach the
     # loss unrounded.
-    fully_shard(objective, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                                          cast_forward_inputs=False),
-                offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    fully_shard(
+        objective,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False),
+        offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+    )
     return objective
 
 
@@ -171,7 +191,7 @@ def full_model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     prefix = "draft."
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def full_optimizer_state(module: torch.nn.Module, optimizer) -> dict:
@@ -182,14 +202,16 @@ def full_optimizer_state(module: torch.nn.Module, optimizer) -> dict:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(module, optimizer,
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_optimizer_state_dict(
+        module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if not state:  # with cpu_offload only rank 0 receives the full state
         return {}
     index = {f"draft.{n}": i for i, n in enumerate(_param_names(draft))}
-    return {"state": {index[k]: v for k, v in state["state"].items()},
-            "param_groups": [dict(g, params=[index[k] for k in g["params"]])
-                             for g in state["param_groups"]]}
+    return {
+        "state": {index[k]: v for k, v in state["state"].items()},
+        "param_groups": [dict(g, params=[index[k] for k in g["params"]]) for g in state["param_groups"]],
+    }
 
 
 def load_optimizer_state(module: torch.nn.Module, optimizer, state: dict) -> None:
@@ -200,8 +222,10 @@ def load_optimizer_state(module: torch.nn.Module, optimizer, state: dict) -> Non
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     names = [f"draft.{n}" for n in _param_names(draft)]
-    by_name = {"state": {names[i]: v for i, v in state["state"].items()},
-               "param_groups": [dict(g, params=[names[i] for i in g["params"]])
-                                for g in state["param_groups"]]}
-    set_optimizer_state_dict(module, optimizer, by_name,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+    by_name = {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in state["param_groups"]],
+    }
+    set_optimizer_state_dict(
+        module, optimizer, by_name, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    )

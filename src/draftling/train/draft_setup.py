@@ -30,8 +30,10 @@ def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = 
     overrides = {}
     if cfg.draft.intermediate_size is not None:
         if cfg.draft.intermediate_size < 1:
-            raise ConfigError(f"draft.intermediate_size={cfg.draft.intermediate_size}: expected a positive "
-                              "width or null (the target's)")
+            raise ConfigError(
+                f"draft.intermediate_size={cfg.draft.intermediate_size}: expected a positive "
+                "width or null (the target's)"
+            )
         overrides["intermediate_size"] = cfg.draft.intermediate_size
     config = draft_config_from_target(target.config, vocab.size, target.aux_layer_ids, cfg.draft.window, **overrides)
     draft = Eagle3Draft(config)
@@ -41,8 +43,16 @@ def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = 
     return draft
 
 
-def resolve_memory_policy(tc: TrainConfig, device, shape: DraftShape, batch: int, seq: int,
-                          param_dtype: torch.dtype, offload: bool, embed_dtype) -> tuple[TrainConfig, str]:
+def resolve_memory_policy(
+    tc: TrainConfig,
+    device,
+    shape: DraftShape,
+    batch: int,
+    seq: int,
+    param_dtype: torch.dtype,
+    offload: bool,
+    embed_dtype,
+) -> tuple[TrainConfig, str]:
     """The TrainConfig to train with, and why: memory_fit.fast_settings_fit over the memory free on
     the device. ``shape``: the draft's; ``batch``: sequences per process and step; ``seq``: the
     longest sequence; ``embed_dtype``: the target's (a dtype or its name)."""
@@ -52,19 +62,28 @@ def resolve_memory_policy(tc: TrainConfig, device, shape: DraftShape, batch: int
 
     def options_for(fast: TrainConfig) -> tuple[MemoryOptions, int]:
         mem = memory_options(fast, device, param_dtype=param_dtype)
-        options = MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=param_dtype,
-                                                    embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
+        options = MemoryOptions.from_unroll_options(
+            mem,
+            optimizer_offload=offload,
+            draft_dtype=param_dtype,
+            embed_dtype=embed_dtype,
+            embedding_on_host=tc.embedding_on_host,
+        )
         multiple = pad_multiple(fast, mem["attention"])  # batches are padded up to it
         return options, -(-seq // multiple) * multiple
 
     free = torch.cuda.mem_get_info(device)[0]
     fit = fast_settings_fit(tc, shape, batch, free, options_for)
-    need, gib = fit.need, 2 ** 30
+    need, gib = fit.need, 2**30
     if fit.fits:
-        return fit.config, (f"fast: estimated draft peak {need / gib:.1f} GiB of {free / gib:.1f} GiB free, so no "
-                            f"recompute and loss chunks of {fit.config.loss_chunk_tokens}")
-    return tc, (f"as configured: the fast settings would need ~{need / gib:.1f} GiB, over "
-                f"{FAST_MEMORY_SHARE:.0%} of the {free / gib:.1f} GiB free")
+        return fit.config, (
+            f"fast: estimated draft peak {need / gib:.1f} GiB of {free / gib:.1f} GiB free, so no "
+            f"recompute and loss chunks of {fit.config.loss_chunk_tokens}"
+        )
+    return tc, (
+        f"as configured: the fast settings would need ~{need / gib:.1f} GiB, over "
+        f"{FAST_MEMORY_SHARE:.0%} of the {free / gib:.1f} GiB free"
+    )
 
 
 def place_draft(draft: Eagle3Draft, device, dtype: torch.dtype) -> Eagle3Draft:
@@ -75,8 +94,7 @@ def place_draft(draft: Eagle3Draft, device, dtype: torch.dtype) -> Eagle3Draft:
     return draft.to(device)
 
 
-def prepare_draft(cfg: RunConfig, target: Target, vocab, device, sharded: bool = False,
-                  warm: WarmStart | None = None):
+def prepare_draft(cfg: RunConfig, target: Target, vocab, device, sharded: bool = False, warm: WarmStart | None = None):
     """Build the draft and place it on the device as training needs it. Returns
     (draft, optimizer offload on?, the draft's compute dtype).
 
@@ -116,11 +134,17 @@ def param_counts(draft: torch.nn.Module, target: Target) -> dict:
     frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
     frozen += target.input_embeddings().weight.numel()
     total = sum(p.numel() for p in target.model.parameters())
-    return {"trainable": trainable, "frozen": frozen, "target": total,
-            "share_of_target": trainable / total if total else None}
+    return {
+        "trainable": trainable,
+        "frozen": frozen,
+        "target": total,
+        "share_of_target": trainable / total if total else None,
+    }
 
 
 def params_line(p: dict) -> str:
     share = f" ({p['share_of_target']:.1%} of the target's {p['target'] / 1e6:.2f}M)" if p["share_of_target"] else ""
-    return (f"{p['trainable'] / 1e6:.2f}M trainable params{share}, {p['frozen'] / 1e6:.2f}M frozen "
-            "(the target's embedding included)")
+    return (
+        f"{p['trainable'] / 1e6:.2f}M trainable params{share}, {p['frozen'] / 1e6:.2f}M frozen "
+        "(the target's embedding included)"
+    )

@@ -36,6 +36,7 @@ def kept_states_teacher(target: Target, jsonl_path, t2d, say) -> KeptStatesTeach
 @dataclasses.dataclass
 class RunInputs:
     """What a run reads before it touches its directory: a bad input leaves nothing behind."""
+
     examples: list
     val_examples: list
     vocab: object
@@ -44,8 +45,15 @@ class RunInputs:
     warm: WarmStart | None = None  # --init-from: the head training starts from, and its maps
 
 
-def load_run_inputs(target: Target, train_path, val_path, vocab_path, teacher_source: TeacherSource | None,
-                    say, init: InitDraft | None = None) -> RunInputs:
+def load_run_inputs(
+    target: Target,
+    train_path,
+    val_path,
+    vocab_path,
+    teacher_source: TeacherSource | None,
+    say,
+    init: InitDraft | None = None,
+) -> RunInputs:
     """The examples, the vocab and the teachers of both splits. A given ``teacher_source`` serves
     validation through its ``for_split("val", hash)``; without one, the states kept beside each
     jsonl file (if any) are the teacher of its split."""
@@ -61,13 +69,21 @@ def load_run_inputs(target: Target, train_path, val_path, vocab_path, teacher_so
     if init is not None:
         warm = warm_start(init, target, vocab, examples)
         r = warm.report
-        say(f"init from {init.where}: " + (f"vocab map rebuilt from the data, {r['tokens_entered']} tokens entered "
-            f"with the target's head rows; coverage {r['new_map_coverage']:.3f}" if init.rebuild_vocab else
-            f"its own vocab map kept, covering {r['kept_map_coverage']:.3f} of the data's loss tokens (a map "
-            f"from the data: {r['new_map_coverage']:.3f}; --rebuild-vocab switches to it)"))
+        say(
+            f"init from {init.where}: "
+            + (
+                f"vocab map rebuilt from the data, {r['tokens_entered']} tokens entered "
+                f"with the target's head rows; coverage {r['new_map_coverage']:.3f}"
+                if init.rebuild_vocab
+                else f"its own vocab map kept, covering {r['kept_map_coverage']:.3f} of the data's loss tokens (a map "
+                f"from the data: {r['new_map_coverage']:.3f}; --rebuild-vocab switches to it)"
+            )
+        )
         if teacher_source is not None and not torch.equal(warm.vocab.t2d, vocab.t2d):
-            raise ConfigError(f"--init-from {init.where}: the head keeps its own vocab map, but the teacher cache "
-                              "holds logits over the data's map; pass --rebuild-vocab or train online")
+            raise ConfigError(
+                f"--init-from {init.where}: the head keeps its own vocab map, but the teacher cache "
+                "holds logits over the data's map; pass --rebuild-vocab or train online"
+            )
         vocab = warm.vocab
     if teacher_source is None:
         teacher_source = kept_states_teacher(target, train_path, vocab.t2d, say)

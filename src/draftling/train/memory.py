@@ -71,10 +71,16 @@ class DraftShape:
         config = getattr(config, "text_config", None) or config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(hidden=config.hidden_size, intermediate=config.intermediate_size, heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                   vocab=config.vocab_size, draft_vocab=min(int(draft_vocab), config.vocab_size),
-                   window=int(window))
+        return cls(
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab=config.vocab_size,
+            draft_vocab=min(int(draft_vocab), config.vocab_size),
+            window=int(window),
+        )
 
     @property
     def ht(self) -> int:
@@ -119,19 +125,36 @@ class MemoryOptions:
     embed_dtype: str = "bfloat16"  # the target's dtype: aux states and embedding rows
 
     @classmethod
-    def from_unroll_options(cls, mem: dict, *, optimizer_offload: bool, draft_dtype, embed_dtype,
-                            embedding_on_host: bool, fsdp: bool = False,
-                            build_on_cpu: bool = True) -> MemoryOptions:
+    def from_unroll_options(
+        cls,
+        mem: dict,
+        *,
+        optimizer_offload: bool,
+        draft_dtype,
+        embed_dtype,
+        embedding_on_host: bool,
+        fsdp: bool = False,
+        build_on_cpu: bool = True,
+    ) -> MemoryOptions:
         """From ``settings.memory_options``'s dict plus the choices made outside the unroll;
         dtypes may be torch dtypes or their names."""
+
         def name(dtype) -> str:
             return str(dtype).replace("torch.", "")
 
-        return cls(optimizer_offload=bool(optimizer_offload), build_on_cpu=build_on_cpu, fsdp=fsdp,
-                   embedding_on_host=embedding_on_host, loss_chunk_tokens=mem["loss_chunk_tokens"],
-                   grad_checkpoint=mem["grad_checkpoint"], attention=mem["attention"],
-                   compile=mem.get("compile", False), compile_layer=mem.get("compile_layer", False),
-                   draft_dtype=name(draft_dtype), embed_dtype=name(embed_dtype))
+        return cls(
+            optimizer_offload=bool(optimizer_offload),
+            build_on_cpu=build_on_cpu,
+            fsdp=fsdp,
+            embedding_on_host=embedding_on_host,
+            loss_chunk_tokens=mem["loss_chunk_tokens"],
+            grad_checkpoint=mem["grad_checkpoint"],
+            attention=mem["attention"],
+            compile=mem.get("compile", False),
+            compile_layer=mem.get("compile_layer", False),
+            draft_dtype=name(draft_dtype),
+            embed_dtype=name(embed_dtype),
+        )
 
 
 @dataclass(frozen=True)
@@ -150,12 +173,21 @@ class TrainStep:
 
 
 # The phases of a step, in order; _phases drops those the options do not have.
-PHASES = ("build", "fsdp_unshard", "teacher_forward", "loss_backward", "layer_backward",
-          "layer_backward_2", "fsdp_reduce", "optimizer_step")
+PHASES = (
+    "build",
+    "fsdp_unshard",
+    "teacher_forward",
+    "loss_backward",
+    "layer_backward",
+    "layer_backward_2",
+    "fsdp_reduce",
+    "optimizer_step",
+)
 
 
-def estimate_train_memory(shape: DraftShape, batch: int, seq: int, ttt_steps: int,
-                          options: MemoryOptions = MemoryOptions(), **step) -> dict:
+def estimate_train_memory(
+    shape: DraftShape, batch: int, seq: int, ttt_steps: int, options: MemoryOptions = MemoryOptions(), **step
+) -> dict:
     """``estimate_step_memory`` of ``TrainStep(shape, batch, seq, ttt_steps, **step)``: ``step``
     takes TrainStep's optional fields by name (valid_fraction, teacher_weight_bytes, ...)."""
     return estimate_step_memory(TrainStep(shape, batch, seq, ttt_steps, **step), options)
@@ -179,22 +211,32 @@ def estimate_step_memory(step: TrainStep, options: MemoryOptions = MemoryOptions
     opt_state, opt_step = _optimizer(z)
     embedding = 0 if (o.embedding_on_host or step.embedding_in_teacher) else z.s.vocab * z.H * z.e
     # Each component's bytes by phase (absent: 0), in the result's order.
-    columns = {"draft_params": _draft_params(z), "draft_grads": _draft_grads(z),
-               "optimizer_state": {p: opt_state for p in PHASES if p != "build"},
-               "embedding": dict.fromkeys(PHASES, embedding),
-               "teacher_weights": dict.fromkeys(PHASES, step.teacher_weight_bytes),
-               "teacher_outputs": _teacher_outputs(z), "activations": _activations_by_phase(z, saved),
-               "transient": _transients(z, opt_step)}
+    columns = {
+        "draft_params": _draft_params(z),
+        "draft_grads": _draft_grads(z),
+        "optimizer_state": {p: opt_state for p in PHASES if p != "build"},
+        "embedding": dict.fromkeys(PHASES, embedding),
+        "teacher_weights": dict.fromkeys(PHASES, step.teacher_weight_bytes),
+        "teacher_outputs": _teacher_outputs(z),
+        "activations": _activations_by_phase(z, saved),
+        "transient": _transients(z, opt_step),
+    }
     phases = {}
     for name in _phases(z):
         parts = {k: int(column.get(name, 0)) for k, column in columns.items()}
         phases[name] = {**parts, "total": sum(parts.values())}
     peak_phase = max(phases, key=lambda k: phases[k]["total"])
-    return {**phases[peak_phase], "peak_phase": peak_phase,
-            "activations_saved": int(saved.total),  # all steps' saved state at the end of forward
-            "phases": {k: v["total"] for k, v in phases.items()}, "num_params": z.P,
-            "host": {"optimizer": 16 * z.P if o.optimizer_offload else 0,
-                     "embedding": z.s.vocab * z.H * z.e if o.embedding_on_host else 0}}
+    return {
+        **phases[peak_phase],
+        "peak_phase": peak_phase,
+        "activations_saved": int(saved.total),  # all steps' saved state at the end of forward
+        "phases": {k: v["total"] for k, v in phases.items()},
+        "num_params": z.P,
+        "host": {
+            "optimizer": 16 * z.P if o.optimizer_offload else 0,
+            "embedding": z.s.vocab * z.H * z.e if o.embedding_on_host else 0,
+        },
+    }
 
 
 class _Sizes:
@@ -216,12 +258,17 @@ class _Sizes:
 
 
 def _phases(z: _Sizes) -> list[str]:
-    present = {"fsdp_unshard": z.o.fsdp, "fsdp_reduce": z.o.fsdp,
-               "teacher_forward": bool(z.step.teacher_forward_bytes), "layer_backward_2": z.S > 1}
+    present = {
+        "fsdp_unshard": z.o.fsdp,
+        "fsdp_reduce": z.o.fsdp,
+        "teacher_forward": bool(z.step.teacher_forward_bytes),
+        "layer_backward_2": z.S > 1,
+    }
     return [p for p in PHASES if present.get(p, True)]
 
 
 # --- the components, by phase ----------------------------------------------------------------
+
 
 def _draft_params(z: _Sizes) -> dict[str, int]:
     """Placed in fp32 (then cast, or sharded with FSDP), then in the draft dtype; FSDP frees
@@ -237,11 +284,14 @@ def _draft_params(z: _Sizes) -> dict[str, int]:
 def _draft_grads(z: _Sizes) -> dict[str, int]:
     a, P, counts = z.a, z.P, z.counts
     head = counts["lm_head"] + counts["norm"]
-    return {"loss_backward": a * head,
-            # The last step's layer: of its grads the MLP's exist once its backward is under way.
-            "layer_backward": a * (head + counts["mlp"]),
-            "layer_backward_2": a * (P - counts["fc"]),  # the next one down: every layer grad exists
-            "fsdp_reduce": a * P, "optimizer_step": 0 if z.o.fsdp else a * P}
+    return {
+        "loss_backward": a * head,
+        # The last step's layer: of its grads the MLP's exist once its backward is under way.
+        "layer_backward": a * (head + counts["mlp"]),
+        "layer_backward_2": a * (P - counts["fc"]),  # the next one down: every layer grad exists
+        "fsdp_reduce": a * P,
+        "optimizer_step": 0 if z.o.fsdp else a * P,
+    }
 
 
 def _optimizer(z: _Sizes) -> tuple[int, int]:
@@ -303,8 +353,12 @@ def _activations_by_phase(z: _Sizes, saved: _Saved) -> dict[str, float]:
 def _transients(z: _Sizes, optimizer_step: int) -> dict[str, float]:
     """Working memory of each phase, on top of what is resident."""
     o, a, P, largest = z.o, z.a, z.P, z.s.largest_param()
-    out = {"teacher_forward": z.step.teacher_forward_bytes, "loss_backward": _loss_transient(z),
-           "layer_backward": _layer_transient(z, z.S - 1), "optimizer_step": optimizer_step}
+    out = {
+        "teacher_forward": z.step.teacher_forward_bytes,
+        "loss_backward": _loss_transient(z),
+        "layer_backward": _layer_transient(z, z.S - 1),
+        "optimizer_step": optimizer_step,
+    }
     if z.S > 1:
         out["layer_backward_2"] = _layer_transient(z, z.S - 2)
     if o.fsdp:
@@ -342,8 +396,9 @@ def _layer_transient(z: _Sizes, j: int) -> float:
         attn_grads = (8 + a) * z.nh * (_score_columns(z) + S) + a * (q + 2 * S * q)
     freed_by_attention = 4 * a * I + 4 * H + 2 * a * H
     weight_grad = a * max(H * I, 2 * H * q)
-    grad_flow = max(z.tok * (2 * a * H + 2 * a * I) + weight_grad,
-                    z.tok * (2 * a * H + attn_grads - freed_by_attention))
+    grad_flow = max(
+        z.tok * (2 * a * H + 2 * a * I) + weight_grad, z.tok * (2 * a * H + attn_grads - freed_by_attention)
+    )
     return grad_flow + (_layer_saved(z, j) * z.tok if z.o.grad_checkpoint else 0)
 
 
@@ -395,6 +450,12 @@ def options_dict(options: MemoryOptions) -> dict:
     return dataclasses.asdict(options)
 
 
-
-__all__ = ["DraftShape", "MemoryOptions", "TrainStep", "estimate_train_memory", "estimate_step_memory", "GIB",
-           "DTYPE_BYTES"]
+__all__ = [
+    "DraftShape",
+    "MemoryOptions",
+    "TrainStep",
+    "estimate_train_memory",
+    "estimate_step_memory",
+    "GIB",
+    "DTYPE_BYTES",
+]

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from draftling.train.memory import DTYPE_BYTES, GIB, DraftShape, MemoryOptions, _dtype_bytes, estimate_train_memory
 
 # Bits per quantized weight including scales (e.g. nf4 with blockwise absmax ~ 4.5).
-QUANT_BITS = {"bnb-4bit": 4.5, "quanto-int4": 4.5, "bnb-8bit": 8.5, "quanto-int8": 8.5,
-              "torchao-int8": 8.5}
+QUANT_BITS = {"bnb-4bit": 4.5, "quanto-int4": 4.5, "bnb-8bit": 8.5, "quanto-int8": 8.5, "torchao-int8": 8.5}
 # What max_memory_allocated does not see but the device still needs: the CUDA context and
 # the caching allocator's fragmentation.
 RESERVE_FIXED_BYTES = int(0.5 * GIB)
@@ -27,6 +26,7 @@ RESERVE_SHARE = 0.05
 
 
 # --- the teacher -----------------------------------------------------------------------------
+
 
 def _first(config, *names, default=None):
     for name in names:
@@ -64,12 +64,15 @@ def target_param_counts(config) -> dict[str, int]:
     else:
         mlp = layers * dense_mlp
     tied = getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))
-    return {"embedding": v * h, "lm_head": 0 if tied else v * h,
-            "layers": layers * (attn + 2 * h) + mlp, "final_norm": h}
+    return {
+        "embedding": v * h,
+        "lm_head": 0 if tied else v * h,
+        "layers": layers * (attn + 2 * h) + mlp,
+        "final_norm": h,
+    }
 
 
-def teacher_weight_bytes(config, dtype: str, quantization: str | None = None,
-                         bits: float | None = None) -> int:
+def teacher_weight_bytes(config, dtype: str, quantization: str | None = None, bits: float | None = None) -> int:
     """Device bytes of the teacher's weights. A GGUF target is dequantized by transformers on
     load, so it takes ``dtype`` bytes per param like any other. ``quantization`` (the run's
     on-load quantization) or ``bits`` set the bits of the decoder weights; the embedding and
@@ -145,8 +148,7 @@ def teacher_split(cfg, target_config, gpu_bytes: int, bits: float | None = None)
     return TeacherSplit(cfg.device_map, by_device, gpu, max(by_module.values(), default=0) if runs_on_gpu else 0)
 
 
-def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype: str,
-                          chunk_tokens: int = 2048) -> int:
+def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype: str, chunk_tokens: int = 2048) -> int:
     """Working memory of ``teacher_forward`` (no grad, no KV cache): one decoder layer's
     temporaries, or the output head's chunk of full-vocab logits and the draft-vocab rows."""
     c = getattr(config, "text_config", None) or config
@@ -155,8 +157,11 @@ def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype:
     nh = c.num_attention_heads
     d = _first(c, "head_dim", default=c.hidden_size // nh)
     nkv = _first(c, "num_key_value_heads", default=nh)
-    inter = _first(c, "moe_intermediate_size", default=c.intermediate_size) \
-        if _first(c, "num_local_experts", "num_experts", "n_routed_experts") else c.intermediate_size
+    inter = (
+        _first(c, "moe_intermediate_size", default=c.intermediate_size)
+        if _first(c, "num_local_experts", "num_experts", "n_routed_experts")
+        else c.intermediate_size
+    )
     layer = tok * e * (3 * c.hidden_size + 2 * nh * d + 2 * nkv * d + 3 * inter)
     head = min(chunk_tokens, tok) * (c.vocab_size * e + 8) + draft_vocab * c.hidden_size * e
     assemble = tok * draft_vocab * 2 * e  # chunks, then their concatenation
@@ -165,6 +170,7 @@ def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype:
 
 
 # --- resolving a run config ------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class FastFit:
@@ -199,12 +205,26 @@ def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> Memo
     dtype = draft_param_dtype(tc, "cuda", n_params, device_bytes=gpu_bytes)
     mem = memory_options(tc, "cuda", param_dtype=dtype)
     draft_dtype = str(dtype).removeprefix("torch.")
-    return MemoryOptions.from_unroll_options(mem, optimizer_offload=offload, draft_dtype=draft_dtype,
-                                             embed_dtype=embed_dtype, embedding_on_host=tc.embedding_on_host)
+    return MemoryOptions.from_unroll_options(
+        mem,
+        optimizer_offload=offload,
+        draft_dtype=draft_dtype,
+        embed_dtype=embed_dtype,
+        embedding_on_host=tc.embedding_on_host,
+    )
 
 
-def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offline: bool = False,
-             teacher_bits: float | None = None, split: TeacherSplit | None = None) -> dict:
+def plan_run(
+    cfg,
+    target_config,
+    gpu_bytes: int,
+    seq: int,
+    batch: int,
+    *,
+    offline: bool = False,
+    teacher_bits: float | None = None,
+    split: TeacherSplit | None = None,
+) -> dict:
     """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``. With
     ``cfg.device_map`` only the teacher's share on that GPU counts (``split``: computed if None)."""
     embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
@@ -214,38 +234,72 @@ def plan_run(cfg, target_config, gpu_bytes: int, seq: int, batch: int, *, offlin
     quantization = getattr(cfg, "quantization", None)
     if cfg.device_map and split is None:
         split = teacher_split(cfg, target_config, gpu_bytes, teacher_bits)
-    weights = split.on_training_device if split else teacher_weight_bytes(target_config, embed_dtype,
-                                                                          quantization, teacher_bits)
+    weights = (
+        split.on_training_device
+        if split
+        else teacher_weight_bytes(target_config, embed_dtype, quantization, teacher_bits)
+    )
     tc, policy, options = cfg.train, "as configured", None
     if tc.memory_policy == "auto":
         # The trainer's rule, with the memory free after loading the teacher taken as the GPU's
         # size less the teacher's weights.
-        fast = fast_settings_fit(tc, shape, batch, gpu_bytes - weights - RESERVE_FIXED_BYTES,
-                                 lambda fast: (resolve_options(fast, gpu_bytes, shape.num_params(), embed_dtype), seq))
+        fast = fast_settings_fit(
+            tc,
+            shape,
+            batch,
+            gpu_bytes - weights - RESERVE_FIXED_BYTES,
+            lambda fast: (resolve_options(fast, gpu_bytes, shape.num_params(), embed_dtype), seq),
+        )
         if fast.fits:
             tc, policy, options = fast.config, "fast (memory_policy auto: it fits without recompute)", fast.options
     options = options or resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
     forward = 0 if offline else teacher_forward_bytes(target_config, batch, seq, shape.draft_vocab, embed_dtype)
     forward += split.streamed if split and not offline else 0
-    est = estimate_train_memory(shape, batch, seq, cfg.train.ttt_steps, options,
-                                teacher_weight_bytes=weights, teacher_forward_bytes=forward,
-                                embedding_in_teacher=True)
+    est = estimate_train_memory(
+        shape,
+        batch,
+        seq,
+        cfg.train.ttt_steps,
+        options,
+        teacher_weight_bytes=weights,
+        teacher_forward_bytes=forward,
+        embedding_in_teacher=True,
+    )
     reserve = RESERVE_FIXED_BYTES + int(RESERVE_SHARE * est["total"])
-    return {"shape": shape, "options": options, "estimate": est, "reserve": reserve,
-            "gpu_bytes": gpu_bytes, "headroom": gpu_bytes - est["total"] - reserve,
-            "fits": est["total"] + reserve <= gpu_bytes, "batch": batch, "seq": seq,
-            "teacher_params": sum(target_param_counts(target_config).values()), "policy": policy,
-            "quantization": quantization, "teacher_dtype": embed_dtype, "split": split}
+    return {
+        "shape": shape,
+        "options": options,
+        "estimate": est,
+        "reserve": reserve,
+        "gpu_bytes": gpu_bytes,
+        "headroom": gpu_bytes - est["total"] - reserve,
+        "fits": est["total"] + reserve <= gpu_bytes,
+        "batch": batch,
+        "seq": seq,
+        "teacher_params": sum(target_param_counts(target_config).values()),
+        "policy": policy,
+        "quantization": quantization,
+        "teacher_dtype": embed_dtype,
+        "split": split,
+    }
 
 
-def largest_fitting_batch(cfg, target_config, gpu_bytes: int, seq: int, offline: bool = False,
-                          teacher_bits: float | None = None, limit: int = 4096) -> int:
+def largest_fitting_batch(
+    cfg,
+    target_config,
+    gpu_bytes: int,
+    seq: int,
+    offline: bool = False,
+    teacher_bits: float | None = None,
+    limit: int = 4096,
+) -> int:
     """The largest batch size that fits at this sequence length (0 if none)."""
     split = teacher_split(cfg, target_config, gpu_bytes, teacher_bits) if cfg.device_map else None
 
     def fits(b: int) -> bool:
-        return plan_run(cfg, target_config, gpu_bytes, seq, b, offline=offline, teacher_bits=teacher_bits,
-                        split=split)["fits"]
+        return plan_run(cfg, target_config, gpu_bytes, seq, b, offline=offline, teacher_bits=teacher_bits, split=split)[
+            "fits"
+        ]
 
     if not fits(1):
         return 0
@@ -259,5 +313,14 @@ def largest_fitting_batch(cfg, target_config, gpu_bytes: int, seq: int, offline:
     return lo
 
 
-__all__ = ["teacher_weight_bytes", "teacher_split", "TeacherSplit", "target_param_counts", "teacher_forward_bytes",
-           "plan_run", "largest_fitting_batch", "fast_settings_fit", "resolve_options"]
+__all__ = [
+    "teacher_weight_bytes",
+    "teacher_split",
+    "TeacherSplit",
+    "target_param_counts",
+    "teacher_forward_bytes",
+    "plan_run",
+    "largest_fitting_batch",
+    "fast_settings_fit",
+    "resolve_options",
+]

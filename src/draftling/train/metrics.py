@@ -37,6 +37,7 @@ class MetricsLog:
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(str(path.parent / "tensorboard"))
         except ImportError:
             pass
@@ -76,13 +77,19 @@ def read_counts(counts: StepCounts, extras: list, ctx: DistContext) -> tuple[Ste
     """``counts`` and ``extras`` (device scalars or host numbers) summed over ranks and read to
     the host: one collective and one read, once per log line (every rank calls it there)."""
     steps, device = counts.steps, counts.sums.device
-    tail = [torch.as_tensor(x, dtype=torch.float64, device=device).reshape(1)
-            for x in (counts.walk_rounds, counts.walk_accepted, *extras)]
+    tail = [
+        torch.as_tensor(x, dtype=torch.float64, device=device).reshape(1)
+        for x in (counts.walk_rounds, counts.walk_accepted, *extras)
+    ]
     values = all_reduce_sum(torch.cat([counts.sums.flatten(), *tail]), ctx).tolist()
     n = len(StepCounts.FIELDS) * steps
-    out = StepCounts(steps, torch.tensor(values[:n], dtype=torch.float64).view(-1, steps),
-                     walk_rounds=int(round(values[n])), walk_accepted=int(round(values[n + 1])))
-    return out, values[n + 2:]
+    out = StepCounts(
+        steps,
+        torch.tensor(values[:n], dtype=torch.float64).view(-1, steps),
+        walk_rounds=int(round(values[n])),
+        walk_accepted=int(round(values[n + 1])),
+    )
+    return out, values[n + 2 :]
 
 
 class StepWindow:
@@ -111,11 +118,22 @@ class StepWindow:
         n_logged = every if step % every == 0 else step % every
         now = time.perf_counter()  # after the read: the window's steps have finished on the device
         tokens = int(tokens)
-        m.update(step=step, epoch=run.batches.position(step - 1)[0], loss=loss / world / n_logged,
-                 lr=run.scheduler.get_last_lr()[0], tok_s=tokens / (now - self.t0), window_tokens=tokens,
-                 segment=run.segment_step, wall_s=now - run.segment_start, split="train")
+        m.update(
+            step=step,
+            epoch=run.batches.position(step - 1)[0],
+            loss=loss / world / n_logged,
+            lr=run.scheduler.get_last_lr()[0],
+            tok_s=tokens / (now - self.t0),
+            window_tokens=tokens,
+            segment=run.segment_step,
+            wall_s=now - run.segment_start,
+            split="train",
+        )
         if run.metrics_log:
             timing = f" | {run.progress.timing()}" if run.progress is not None else ""
-            run.metrics_log.write(m, format_line(f"step {step}/{run.total_steps}", m)
-                                  + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s{timing}")
+            run.metrics_log.write(
+                m,
+                format_line(f"step {step}/{run.total_steps}", m)
+                + f" | lr {m['lr']:.2e} | {m['tok_s']:.0f} tok/s{timing}",
+            )
         self.reset()

@@ -58,8 +58,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.int64: "I64", torch.bool: "BOOL"}
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.bool: "BOOL"}
 _DTYPE_NAMES = {n: DTYPES[n] for n in CANONICAL}  # a cache's header names its dtype in full
 
 
@@ -71,7 +70,6 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
@@ -80,8 +78,7 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPE_NAMES[name]
 
 
-def bytes_per_token(hidden: int, aux_dtype: torch.dtype, draft_vocab: int,
-                    logits_dtype: torch.dtype) -> int:
+def bytes_per_token(hidden: int, aux_dtype: torch.dtype, draft_vocab: int, logits_dtype: torch.dtype) -> int:
     """aux (3*H) + draft_logits (V_d) + target_argmax (int64) + in_draft (bool)."""
     return 3 * hidden * _itemsize(aux_dtype) + draft_vocab * _itemsize(logits_dtype) + 8 + 1
 
@@ -90,8 +87,7 @@ class _ShardWriter:
     """Write a safetensors file whose tensor shapes are known in advance, filling the data
     region piecewise (seek + write) so a shard never has to sit in memory whole."""
 
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]],
-                 metadata: dict[str, str]):
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]):
         header: dict = {}
         self.base: dict[str, int] = {}
         self.row_bytes: dict[str, int] = {}
@@ -99,8 +95,7 @@ class _ShardWriter:
         off = 0
         for name, dtype, shape in specs:
             size = math.prod(shape) * _itemsize(dtype)
-            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
-                            "data_offsets": [off, off + size]}
+            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + size]}
             self.base[name] = off
             self.row_bytes[name] = math.prod(shape[1:]) * _itemsize(dtype)
             self.dtype[name] = dtype
@@ -127,10 +122,18 @@ class _ShardWriter:
         self.f.close()
 
 
-def _shard_metadata(split: str, index: int, n_seq: int, n_tokens: int, data_hash: str,
-                    vocab_hash: str) -> dict[str, str]:
-    return {"format": str(FORMAT), "split": split, "shard": str(index), "num_sequences": str(n_seq),
-            "num_tokens": str(n_tokens), "data_hash": data_hash, "vocab_data_hash": vocab_hash}
+def _shard_metadata(
+    split: str, index: int, n_seq: int, n_tokens: int, data_hash: str, vocab_hash: str
+) -> dict[str, str]:
+    return {
+        "format": str(FORMAT),
+        "split": split,
+        "shard": str(index),
+        "num_sequences": str(n_seq),
+        "num_tokens": str(n_tokens),
+        "data_hash": data_hash,
+        "vocab_data_hash": vocab_hash,
+    }
 
 
 def _shard_ok(path: Path, expected: dict[str, str]) -> bool:
@@ -151,8 +154,10 @@ def _shard_ok(path: Path, expected: dict[str, str]) -> bool:
 def check_cache_dir(out_dir: Path) -> None:
     """A cache directory is new, empty, or an earlier extract's (which this run resumes)."""
     if output_dir_in_use(out_dir) and not (out_dir / MANIFEST).is_file():
-        raise DataError(f"--out {out_dir}: not empty and not a cache written by `draftling extract`; choose "
-                        "an empty or new directory (nothing was changed)")
+        raise DataError(
+            f"--out {out_dir}: not empty and not a cache written by `draftling extract`; choose "
+            "an empty or new directory (nothing was changed)"
+        )
 
 
 @dataclass(frozen=True)
@@ -176,8 +181,12 @@ class ExtractOptions:
         """The options of ``cfg.extract`` (the CLI's flags set its keys), with the teacher
         compiled as the trainer's is (``train.compile_teacher``; auto: on CUDA)."""
         e = cfg.extract
-        return cls(shard_size=e.shard_size, batch_size=e.batch_size, dtype=e.logits_dtype,
-                   compile_teacher=resolve_compile_teacher(cfg.train, target.device, target.model))
+        return cls(
+            shard_size=e.shard_size,
+            batch_size=e.batch_size,
+            dtype=e.logits_dtype,
+            compile_teacher=resolve_compile_teacher(cfg.train, target.device, target.model),
+        )
 
 
 @dataclass(frozen=True)
@@ -190,9 +199,14 @@ class _ShardLayout:
     logits_dtype: torch.dtype
 
     def specs(self, n_seq: int, n_tok: int) -> list[tuple[str, torch.dtype, list[int]]]:
-        return [("offsets", torch.int64, [n_seq + 1]), ("example_index", torch.int64, [n_seq]),
-                ("target_argmax", torch.int64, [n_tok]), ("aux", self.aux_dtype, [n_tok, 3 * self.hidden]),
-                ("draft_logits", self.logits_dtype, [n_tok, self.draft_vocab]), ("in_draft", torch.bool, [n_tok])]
+        return [
+            ("offsets", torch.int64, [n_seq + 1]),
+            ("example_index", torch.int64, [n_seq]),
+            ("target_argmax", torch.int64, [n_tok]),
+            ("aux", self.aux_dtype, [n_tok, 3 * self.hidden]),
+            ("draft_logits", self.logits_dtype, [n_tok, self.draft_vocab]),
+            ("in_draft", torch.bool, [n_tok]),
+        ]
 
     def bytes_per_token(self) -> int:
         return bytes_per_token(self.hidden, self.aux_dtype, self.draft_vocab, self.logits_dtype)
@@ -230,8 +244,16 @@ class _Shard:
         return cls(ids, lens, offsets)
 
 
-def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str | Path | None = None,
-            options: ExtractOptions | None = None, *, echo=None, **option_fields) -> dict:
+def extract(
+    target,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    vocab_path: str | Path | None = None,
+    options: ExtractOptions | None = None,
+    *,
+    echo=None,
+    **option_fields,
+) -> dict:
     """Run the teacher over <data_dir>/train.jsonl (and val.jsonl) and write the shards.
 
     ``option_fields``: ExtractOptions' fields by name (shard_size=..., dtype=...), over
@@ -245,15 +267,22 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
     vocab_path = Path(vocab_path) if vocab_path else data_dir / "vocab.safetensors"
     files, examples = _read_splits(data_dir)
     hashes = {s: hash_dataset_file(files[s]) for s in examples}
-    vocab = load_vocab(vocab_path, expect_data_hash=hashes["train"],
-                       target_vocab_size=target.config.vocab_size)
+    vocab = load_vocab(vocab_path, expect_data_hash=hashes["train"], target_vocab_size=target.config.vocab_size)
     aux_dtype = target.output_head().weight.dtype
-    layout = _ShardLayout(target.input_embeddings().weight.shape[1], aux_dtype, vocab.size,
-                          parse_dtype(options.dtype) or aux_dtype)
-    splits = {s: {"file": files[s].name, "data_hash": hashes[s], "num_examples": len(rows),
-                  "num_tokens": sum(len(e.input_ids) for e in rows),
-                  "num_shards": math.ceil(len(rows) / options.shard_size), "complete": []}
-              for s, rows in examples.items()}
+    layout = _ShardLayout(
+        target.input_embeddings().weight.shape[1], aux_dtype, vocab.size, parse_dtype(options.dtype) or aux_dtype
+    )
+    splits = {
+        s: {
+            "file": files[s].name,
+            "data_hash": hashes[s],
+            "num_examples": len(rows),
+            "num_tokens": sum(len(e.input_ids) for e in rows),
+            "num_shards": math.ceil(len(rows) / options.shard_size),
+            "complete": [],
+        }
+        for s, rows in examples.items()
+    }
     manifest = _manifest(target, vocab, layout, options.shard_size, splits)
     resuming = (out_dir / MANIFEST).is_file()
     old = json.loads((out_dir / MANIFEST).read_text()) if resuming else {}
@@ -272,11 +301,12 @@ def extract(target, data_dir: str | Path, out_dir: str | Path, vocab_path: str |
     for s, rows in examples.items():
         _extract_split(run, s, rows, written[s], skipped[s])
     actual = sum(p.stat().st_size for s in splits for p in (out_dir / s).glob("shard_*.safetensors"))
-    echo(f"extract: done, {actual / 2**30:.2f} GiB in {out_dir} "
-         f"({sum(map(len, written.values()))} shards written, {sum(map(len, skipped.values()))} "
-         "already there)")
-    return {"manifest": manifest, "written": written, "skipped": skipped, "estimate_bytes": estimate,
-            "bytes": actual}
+    echo(
+        f"extract: done, {actual / 2**30:.2f} GiB in {out_dir} "
+        f"({sum(map(len, written.values()))} shards written, {sum(map(len, skipped.values()))} "
+        "already there)"
+    )
+    return {"manifest": manifest, "written": written, "skipped": skipped, "estimate_bytes": estimate, "bytes": actual}
 
 
 def _read_splits(data_dir: Path) -> tuple[dict[str, Path], dict[str, list]]:
@@ -290,16 +320,34 @@ def _read_splits(data_dir: Path) -> tuple[dict[str, Path], dict[str, list]]:
 
 
 # A cache is resumed only if these match; the splits' data hashes are checked one by one.
-_MANIFEST_KEYS = ("format", "target", "aux_layer_ids", "hidden_size", "target_vocab_size", "draft_vocab_size",
-                  "vocab_data_hash", "aux_dtype", "logits_dtype", "shard_size")
+_MANIFEST_KEYS = (
+    "format",
+    "target",
+    "aux_layer_ids",
+    "hidden_size",
+    "target_vocab_size",
+    "draft_vocab_size",
+    "vocab_data_hash",
+    "aux_dtype",
+    "logits_dtype",
+    "shard_size",
+)
 
 
 def _manifest(target, vocab, layout: _ShardLayout, shard_size: int, splits: dict) -> dict:
-    return {"format": FORMAT, "target": target.spec.name, "aux_layer_ids": list(target.aux_layer_ids),
-            "hidden_size": int(layout.hidden), "target_vocab_size": int(target.config.vocab_size),
-            "draft_vocab_size": vocab.size, "vocab_data_hash": vocab.data_hash,
-            "aux_dtype": dtype_name(layout.aux_dtype), "logits_dtype": dtype_name(layout.logits_dtype),
-            "shard_size": shard_size, "splits": splits}
+    return {
+        "format": FORMAT,
+        "target": target.spec.name,
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "hidden_size": int(layout.hidden),
+        "target_vocab_size": int(target.config.vocab_size),
+        "draft_vocab_size": vocab.size,
+        "vocab_data_hash": vocab.data_hash,
+        "aux_dtype": dtype_name(layout.aux_dtype),
+        "logits_dtype": dtype_name(layout.logits_dtype),
+        "shard_size": shard_size,
+        "splits": splits,
+    }
 
 
 def _resume(manifest_path: Path, old: dict, manifest: dict) -> None:
@@ -308,13 +356,17 @@ def _resume(manifest_path: Path, old: dict, manifest: dict) -> None:
     out_dir = manifest_path.parent
     for key in _MANIFEST_KEYS:
         if old.get(key) != manifest[key]:
-            raise DataError(f"{manifest_path}: this cache was extracted with {key}={old.get(key)!r}, "
-                            f"now {manifest[key]!r}; delete {out_dir} or choose another --out")
+            raise DataError(
+                f"{manifest_path}: this cache was extracted with {key}={old.get(key)!r}, "
+                f"now {manifest[key]!r}; delete {out_dir} or choose another --out"
+            )
     for s, info in manifest["splits"].items():
         prev = old.get("splits", {}).get(s)
         if prev is not None and prev.get("data_hash") != info["data_hash"]:
-            raise DataError(f"{manifest_path}: {info['file']} changed since this cache was "
-                            f"extracted; delete {out_dir} or choose another --out")
+            raise DataError(
+                f"{manifest_path}: {info['file']} changed since this cache was "
+                f"extracted; delete {out_dir} or choose another --out"
+            )
         if prev is not None:
             info["complete"] = sorted(int(i) for i in prev.get("complete", []))
 
@@ -327,10 +379,12 @@ def _echo_estimate(echo, splits: dict, layout: _ShardLayout) -> int:
     estimate = tokens * per_token + 16 * n_seq
     aux, logits = dtype_name(layout.aux_dtype), dtype_name(layout.logits_dtype)
     logits_kb = layout.draft_vocab * _itemsize(layout.logits_dtype) / 1024
-    echo(f"extract: estimated disk {estimate / 2**30:.2f} GiB ({estimate} bytes) = {tokens} tokens x "
-         f"{per_token} bytes/token [aux 3x{layout.hidden} {aux}, draft_logits {layout.draft_vocab} "
-         f"{logits} = {logits_kb:.1f} KB/token]; draft_logits dominate at a large "
-         f"draft vocab (32000 x bf16 = 64 KB/token); top-k logit storage is not implemented yet")
+    echo(
+        f"extract: estimated disk {estimate / 2**30:.2f} GiB ({estimate} bytes) = {tokens} tokens x "
+        f"{per_token} bytes/token [aux 3x{layout.hidden} {aux}, draft_logits {layout.draft_vocab} "
+        f"{logits} = {logits_kb:.1f} KB/token]; draft_logits dominate at a large "
+        f"draft vocab (32000 x bf16 = 64 KB/token); top-k logit storage is not implemented yet"
+    )
     return estimate
 
 
@@ -344,8 +398,9 @@ def _extract_split(run: _Extraction, split: str, rows: list, written: list, skip
         tmp.unlink()
     for k in range(info["num_shards"]):
         shard = _Shard.of(rows, k, run.options.shard_size)
-        meta = _shard_metadata(split, k, len(shard.ids), shard.offsets[-1], info["data_hash"],
-                               run.manifest["vocab_data_hash"])
+        meta = _shard_metadata(
+            split, k, len(shard.ids), shard.offsets[-1], info["data_hash"], run.manifest["vocab_data_hash"]
+        )
         path = split_dir / shard_name(k)
         if _shard_ok(path, meta):
             skipped.append(k)
@@ -354,9 +409,12 @@ def _extract_split(run: _Extraction, split: str, rows: list, written: list, skip
             t0 = time.perf_counter()
             _write_shard(path, meta, rows, shard, run)
             written.append(k)
-            run.progress.update(shard.offsets[-1], f"extract {split} shard {k + 1}/{info['num_shards']}: "
-                                f"{len(shard.ids)} sequences, {shard.offsets[-1]} tokens, "
-                                f"{time.perf_counter() - t0:.1f}s")
+            run.progress.update(
+                shard.offsets[-1],
+                f"extract {split} shard {k + 1}/{info['num_shards']}: "
+                f"{len(shard.ids)} sequences, {shard.offsets[-1]} tokens, "
+                f"{time.perf_counter() - t0:.1f}s",
+            )
         if k not in info["complete"]:
             info["complete"] = sorted(info["complete"] + [k])
             write_json(run.out_dir / MANIFEST, run.manifest)
@@ -372,13 +430,17 @@ def _write_shard(path: Path, meta: dict[str, str], rows: list, shard: _Shard, ru
             w.write("example_index", 0, torch.tensor(ids, dtype=torch.int64))
             order = sorted(range(len(ids)), key=lambda j: lens[j])  # less padding per batch
             for b in range(0, len(order), batch_size):
-                js = [j for j in order[b:b + batch_size] if lens[j] > 0]
+                js = [j for j in order[b : b + batch_size] if lens[j] > 0]
                 if not js:
                     continue
                 batch = collate([rows[ids[j]] for j in js], target.tokenizer.pad_token_id)
-                tb = teacher_forward(target, batch["input_ids"].to(target.device),
-                                     batch["attention_mask"].to(target.device), run.t2d,
-                                     compile=run.options.compile_teacher)
+                tb = teacher_forward(
+                    target,
+                    batch["input_ids"].to(target.device),
+                    batch["attention_mask"].to(target.device),
+                    run.t2d,
+                    compile=run.options.compile_teacher,
+                )
                 for r, j in enumerate(js):
                     a, n = offsets[j], lens[j]
                     w.write("aux", a, tb.aux[r, :n])
@@ -401,36 +463,43 @@ class OfflineTeacher:
 
     cacheable = False
 
-    def __init__(self, cache_dir: str | Path, split: str = "train", vocab_hash: str | None = None,
-                 data_hash: str | None = None):
+    def __init__(
+        self, cache_dir: str | Path, split: str = "train", vocab_hash: str | None = None, data_hash: str | None = None
+    ):
         self.dir = Path(cache_dir)
         self.split = split
         self.manifest_path = self.dir / MANIFEST
         if not self.manifest_path.is_file():
-            raise DataError(f"{self.manifest_path}: no offline teacher cache here "
-                            "(run `draftling extract` first)")
+            raise DataError(f"{self.manifest_path}: no offline teacher cache here (run `draftling extract` first)")
         try:
             m = json.loads(self.manifest_path.read_text())
         except json.JSONDecodeError as e:
             raise DataError(f"{self.manifest_path}: unreadable manifest: {e}") from None
         if m.get("format") != FORMAT:
-            raise DataError(f"{self.manifest_path}: cache format {m.get('format')!r}, expected {FORMAT}; "
-                            "re-run `draftling extract`")
+            raise DataError(
+                f"{self.manifest_path}: cache format {m.get('format')!r}, expected {FORMAT}; re-run `draftling extract`"
+            )
         info = m.get("splits", {}).get(split)
         if info is None:
             raise DataError(f"{self.manifest_path}: no {split!r} split in this cache")
         if vocab_hash is not None and m.get("vocab_data_hash") != vocab_hash:
-            raise DataError(f"{self.manifest_path}: stale offline cache: it was extracted with a vocab built "
-                            f"from different data (hash {str(m.get('vocab_data_hash'))[:12]} != "
-                            f"{vocab_hash[:12]}); re-run `draftling extract` into a fresh directory")
+            raise DataError(
+                f"{self.manifest_path}: stale offline cache: it was extracted with a vocab built "
+                f"from different data (hash {str(m.get('vocab_data_hash'))[:12]} != "
+                f"{vocab_hash[:12]}); re-run `draftling extract` into a fresh directory"
+            )
         if data_hash is not None and info.get("data_hash") != data_hash:
-            raise DataError(f"{self.manifest_path}: stale offline cache: {info.get('file')} changed since "
-                            "extraction; re-run `draftling extract` into a fresh directory")
+            raise DataError(
+                f"{self.manifest_path}: stale offline cache: {info.get('file')} changed since "
+                "extraction; re-run `draftling extract` into a fresh directory"
+            )
         missing = sorted(set(range(info["num_shards"])) - set(info.get("complete", [])))
         if missing:
-            raise DataError(f"{self.manifest_path}: extraction of {split!r} is incomplete "
-                            f"({len(missing)} of {info['num_shards']} shards missing); re-run "
-                            "`draftling extract` to finish it")
+            raise DataError(
+                f"{self.manifest_path}: extraction of {split!r} is incomplete "
+                f"({len(missing)} of {info['num_shards']} shards missing); re-run "
+                "`draftling extract` to finish it"
+            )
         self.manifest = m
         self.info = info
         self.shard_size = int(m["shard_size"])
@@ -453,9 +522,11 @@ class OfflineTeacher:
         m = self.manifest
         hidden = target.input_embeddings().weight.shape[1]
         if list(m.get("aux_layer_ids", [])) != list(target.aux_layer_ids) or m.get("hidden_size") != hidden:
-            raise DataError(f"{self.manifest_path}: cache was extracted from {m.get('target')!r} with aux "
-                            f"layers {m.get('aux_layer_ids')} and hidden size {m.get('hidden_size')}; this "
-                            f"target has aux layers {list(target.aux_layer_ids)} and hidden size {hidden}")
+            raise DataError(
+                f"{self.manifest_path}: cache was extracted from {m.get('target')!r} with aux "
+                f"layers {m.get('aux_layer_ids')} and hidden size {m.get('hidden_size')}; this "
+                f"target has aux layers {list(target.aux_layer_ids)} and hidden size {hidden}"
+            )
 
     def _shard(self, k: int):
         if k not in self._shards:
@@ -473,8 +544,10 @@ class OfflineTeacher:
 
     def rows(self, key: int) -> tuple[Path, dict, int, int]:
         if not 0 <= key < self.info["num_examples"]:
-            raise DataError(f"{self.manifest_path}: example {key} is outside the {self.split!r} split "
-                            f"({self.info['num_examples']} examples)")
+            raise DataError(
+                f"{self.manifest_path}: example {key} is outside the {self.split!r} split "
+                f"({self.info['num_examples']} examples)"
+            )
         k, j = divmod(key, self.shard_size)
         path, _, offsets, index, slices = self._shard(k)
         if index[j] != key:
@@ -491,13 +564,19 @@ class OfflineTeacher:
         for i, (key, n) in enumerate(zip(keys, lengths)):
             path, sl, start, end = self.rows(key)
             if end - start != n:
-                raise DataError(f"{path}: example {key} has {end - start} tokens in the cache but {n} in "
-                                "the data; the cache is stale, re-run `draftling extract`")
+                raise DataError(
+                    f"{path}: example {key} has {end - start} tokens in the cache but {n} in "
+                    "the data; the cache is stale, re-run `draftling extract`"
+                )
             if n == 0:
                 continue
             aux[i, :n] = sl["aux"][start:end]
             logits[i, :n] = sl["draft_logits"][start:end]
             argmax[i, :n] = sl["target_argmax"][start:end]
             in_draft[i, :n] = sl["in_draft"][start:end]
-        return TeacherBatch(aux=aux.to(device), draft_logits=logits.to(device),
-                            target_argmax=argmax.to(device), in_draft=in_draft.to(device))
+        return TeacherBatch(
+            aux=aux.to(device),
+            draft_logits=logits.to(device),
+            target_argmax=argmax.to(device),
+            in_draft=in_draft.to(device),
+        )

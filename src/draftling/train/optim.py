@@ -20,8 +20,15 @@ from draftling.timing import sync
 
 
 class OffloadedAdamW:
-    def __init__(self, params, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
-                 eps: float = 1e-8, pin: bool | None = None):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas=(0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        pin: bool | None = None,
+    ):
         self.params = [p for p in params]
         if pin is None:
             pin = torch.cuda.is_available() and any(p.device.type == "cuda" for p in self.params)
@@ -30,8 +37,9 @@ class OffloadedAdamW:
         self._grads = [self._host_buffer(p) for p in self.params]
         self.sync_masters_from_params()
         # fused: one multi-threaded kernel over all host masters, not a loop of small ops.
-        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=tuple(betas),
-                                           weight_decay=weight_decay, eps=eps, fused=True)
+        self.optimizer = torch.optim.AdamW(
+            self.masters, lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, fused=True
+        )
 
     def _host_buffer(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=self.pinned)

@@ -55,8 +55,10 @@ def measure_step_seconds(cfg: RunConfig, target: Target, seq_len: int, repeats: 
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda _: 1.0)
-    examples = [TokenizedExample(str(i), "probe", torch.randint(0, vocab.size, (seq_len,)).tolist(),
-                                 [1] * seq_len) for i in range(tc.batch_size)]
+    examples = [
+        TokenizedExample(str(i), "probe", torch.randint(0, vocab.size, (seq_len,)).tolist(), [1] * seq_len)
+        for i in range(tc.batch_size)
+    ]
     teacher = RandomStates(target, vocab.t2d.to(device)) if cfg.data.keep_teacher_states else None
     source = BatchSource(cfg, target, examples, device, current(), teacher)
     keys = list(range(tc.batch_size))

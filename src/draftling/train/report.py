@@ -49,9 +49,15 @@ def segments(records: list[dict]) -> list[dict]:
     for start, train in groups.items():
         tokens = sum(r.get("window_tokens", 0) for r in train)  # what tok_s counted (runs before it: none)
         seconds = sum(r["window_tokens"] / r["tok_s"] for r in train if r.get("window_tokens") and r.get("tok_s"))
-        rows.append({"from_step": start, "first_step": train[0]["step"], "last_step": train[-1]["step"],
-                     "wall_s": train[-1].get("wall_s"),
-                     "tok_s": tokens / seconds if seconds else sum(r["tok_s"] for r in train) / len(train)})
+        rows.append(
+            {
+                "from_step": start,
+                "first_step": train[0]["step"],
+                "last_step": train[-1]["step"],
+                "wall_s": train[-1].get("wall_s"),
+                "tok_s": tokens / seconds if seconds else sum(r["tok_s"] for r in train) / len(train),
+            }
+        )
     return rows
 
 
@@ -84,10 +90,17 @@ def write_report(run_dir, out=None) -> Path:
 
 def report_markdown(run_dir: Path, records: list[dict], result: dict | None, plots: list[str]) -> str:
     train = [r for r in records if r.get("split") == "train"]
-    lines = [f"# Training report: {run_dir.name}", "",
-             f"{train[-1]['step']} steps logged, last loss {train[-1]['loss']:.3f}, "
-             f"step accuracy {' '.join(f'{a:.2f}' for a in train[-1]['acc'])}.", "",
-             "## Convergence", "", verdict_text(records, result), ""]
+    lines = [
+        f"# Training report: {run_dir.name}",
+        "",
+        f"{train[-1]['step']} steps logged, last loss {train[-1]['loss']:.3f}, "
+        f"step accuracy {' '.join(f'{a:.2f}' for a in train[-1]['acc'])}.",
+        "",
+        "## Convergence",
+        "",
+        verdict_text(records, result),
+        "",
+    ]
     lines += smoke_section(records, plots)
     lines += ["## Training", ""] + [f"![{p[:-4]}]({p})" for p in plots if p != "smoke_tau.png"] + [""]
     lines += segment_section(records)
@@ -99,22 +112,37 @@ def smoke_section(records: list[dict], plots: list[str]) -> list[str]:
     if not smoke:
         return []
     workloads = list(dict.fromkeys(w for r in smoke for w in r["tau"]))
-    lines = ["## Smoke tau", "", f"{SMOKE_CONFIG}, greedy, on {smoke[-1]['prompt_set']}: a trend of this run, "
-             "not a release number. The change is against the check before, with its noise band.", ""]
+    lines = [
+        "## Smoke tau",
+        "",
+        f"{SMOKE_CONFIG}, greedy, on {smoke[-1]['prompt_set']}: a trend of this run, "
+        "not a release number. The change is against the check before, with its noise band.",
+        "",
+    ]
     lines += ["![smoke tau](smoke_tau.png)", ""] if "smoke_tau.png" in plots else []
-    lines += ["| step | epoch | tau | " + " | ".join(workloads) + " | change ± band |",
-              "|---" * (len(workloads) + 4) + "|"]
+    lines += [
+        "| step | epoch | tau | " + " | ".join(workloads) + " | change ± band |",
+        "|---" * (len(workloads) + 4) + "|",
+    ]
     for r in smoke:
         change = f"{r['delta']:+.3f} ± {r['band']:.3f}" if r.get("band") is not None else ""
         cells = " | ".join(f"{r['tau'][w]:.2f}" if w in r["tau"] else "" for w in workloads)
-        lines.append(f"| {r['step']} | {epoch_phrase(r['epoch_fraction'])} | {r['mean_tau']:.2f} | {cells} | {change} |")
+        lines.append(
+            f"| {r['step']} | {epoch_phrase(r['epoch_fraction'])} | {r['mean_tau']:.2f} | {cells} | {change} |"
+        )
     return lines + [""]
 
 
 def segment_section(records: list[dict]) -> list[str]:
-    lines = ["## Segments", "", "The run's start, then each resume. Wall time runs to the segment's last logged "
-             "step (smoke and validation included); tok/s is training throughput.", "",
-             "| # | steps | started as | wall | tok/s |", "|---|---|---|---|---|"]
+    lines = [
+        "## Segments",
+        "",
+        "The run's start, then each resume. Wall time runs to the segment's last logged "
+        "step (smoke and validation included); tok/s is training throughput.",
+        "",
+        "| # | steps | started as | wall | tok/s |",
+        "|---|---|---|---|---|",
+    ]
     for i, s in enumerate(segments(records), start=1):
         started = f"resume from step {s['from_step']}" if s["from_step"] else "new run"
         wall = f"{s['wall_s']:.1f} s" if s["wall_s"] is not None else ""
@@ -127,7 +155,9 @@ def draw_plots(records: list[dict], out: Path) -> list[str]:
     try:
         import matplotlib
     except ImportError:
-        raise DraftlingError("draftling report draws its plots with matplotlib: pip install 'draftling[plots]'") from None
+        raise DraftlingError(
+            "draftling report draws its plots with matplotlib: pip install 'draftling[plots]'"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -25,8 +25,7 @@ def resume_free(key: str) -> bool:
     """Whether a resume may change the flattened config key ``key``: a key RESUME_FREE_KEYS
     names (or an entry of a mapping it names, e.g. max_memory.0), or any key of a section it
     names ("data.")."""
-    return any(key == free or key.startswith(free if free.endswith(".") else free + ".")
-               for free in RESUME_FREE_KEYS)
+    return any(key == free or key.startswith(free if free.endswith(".") else free + ".") for free in RESUME_FREE_KEYS)
 
 
 def resume_config_changes(run_dir: Path, cfg: RunConfig, allow_change) -> dict:
@@ -38,13 +37,18 @@ def resume_config_changes(run_dir: Path, cfg: RunConfig, allow_change) -> dict:
     if not saved.is_file():
         return {}
     old, new = _flatten(to_dict(load_config(saved))), _flatten(to_dict(cfg))
-    differ = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-              if old.get(k) != new.get(k) and not resume_free(k)}
+    differ = {
+        k: (old.get(k), new.get(k))
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k) and not resume_free(k)
+    }
     refused = [k for k in differ if k not in set(allow_change)]
     if refused:
         listed = "; ".join(f"{k}: {differ[k][0]!r} -> {differ[k][1]!r}" for k in refused)
-        raise ConfigError(f"--resume {run_dir}: the config differs from the run's ({listed}); resume with the "
-                          f"run's values, or apply the change with --allow-change {refused[0]}")
+        raise ConfigError(
+            f"--resume {run_dir}: the config differs from the run's ({listed}); resume with the "
+            f"run's values, or apply the change with --allow-change {refused[0]}"
+        )
     return differ
 
 
@@ -67,8 +71,10 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> list[Path]:
         raise ConfigError(f"--run-dir {run_dir}: is a file, not a directory")
     earlier = [run_dir / n for n in ("checkpoints", "draft", "metrics.jsonl") if (run_dir / n).exists()]
     if earlier and not resume and not overwrite:
-        raise ConfigError(f"--run-dir {run_dir}: holds an earlier run ({', '.join(p.name for p in earlier)}); "
-                          "pass --resume to continue it or --overwrite to start over")
+        raise ConfigError(
+            f"--run-dir {run_dir}: holds an earlier run ({', '.join(p.name for p in earlier)}); "
+            "pass --resume to continue it or --overwrite to start over"
+        )
     return [] if resume else earlier
 
 
@@ -86,8 +92,10 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, ctx: DistContext
     if ctx.is_main:
         stale = remove_stale_temporaries(run_dir)
         if stale:
-            log.info(f"removed {len(stale)} temporaries that interrupted writes left in {run_dir}: "
-                     f"{', '.join(sorted(stale)[:4])}{' ...' if len(stale) > 4 else ''}")
+            log.info(
+                f"removed {len(stale)} temporaries that interrupted writes left in {run_dir}: "
+                f"{', '.join(sorted(stale)[:4])}{' ...' if len(stale) > 4 else ''}"
+            )
     barrier(ctx)
 
 

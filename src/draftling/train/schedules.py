@@ -41,8 +41,9 @@ class FitToTime:
 
     FIRST_FIT = 10
 
-    def __init__(self, tc: TrainConfig, cap: int, t_start: float, step: int, ctx: DistContext, device,
-                 clock=time.perf_counter):
+    def __init__(
+        self, tc: TrainConfig, cap: int, t_start: float, step: int, ctx: DistContext, device, clock=time.perf_counter
+    ):
         if tc.max_minutes <= 0:
             raise ConfigError("train.fit_schedule needs a time budget: set train.max_minutes")
         self.budget_s, self.cap, self.t_start = 60 * tc.max_minutes, cap, t_start

@@ -31,16 +31,17 @@ OFFLOAD_AUTO_SHARE = 0.02
 DRAFT_DTYPES = {n: DTYPES[n] for n in ("float32", "bfloat16")}  # what train.draft_dtype allows
 
 
-def unroll_options(tc: TrainConfig, device, training: bool = True,
-                   param_dtype: torch.dtype = torch.float32) -> UnrollOptions:
+def unroll_options(
+    tc: TrainConfig, device, training: bool = True, param_dtype: torch.dtype = torch.float32
+) -> UnrollOptions:
     """What ``ttt_unroll`` runs with on this device: the config's TTT depth and step weights
     and its memory options (``memory_options``)."""
-    return UnrollOptions(steps=tc.ttt_steps, step_weight_decay=tc.step_weight_decay,
-                         **memory_options(tc, device, training, param_dtype))
+    return UnrollOptions(
+        steps=tc.ttt_steps, step_weight_decay=tc.step_weight_decay, **memory_options(tc, device, training, param_dtype)
+    )
 
 
-def memory_options(tc: TrainConfig, device, training: bool = True,
-                   param_dtype: torch.dtype = torch.float32) -> dict:
+def memory_options(tc: TrainConfig, device, training: bool = True, param_dtype: torch.dtype = torch.float32) -> dict:
     """The unroll's memory options (those fields of ``UnrollOptions``) for this device, with the
     config's auto values (null / "auto") resolved: see TrainConfig for what each one does.
     ``param_dtype``: the draft's device params (autocast only pays over fp32 params)."""
@@ -63,10 +64,14 @@ def memory_options(tc: TrainConfig, device, training: bool = True,
         compute = "bfloat16" if cuda and param_dtype == torch.float32 else "float32"
     elif compute == BF16_IF_FAST:
         compute = "bfloat16" if bf16_matmul_is_faster(device.type) else "float32"
-    return {"loss_chunk_tokens": tc.loss_chunk_tokens, "grad_checkpoint": grad_checkpoint,
-            "attention": attention, "compile": bool(compile and tc.loss_chunk_tokens > 0),
-            "compile_layer": bool(compile),
-            "autocast": None if compute == "float32" else compute}
+    return {
+        "loss_chunk_tokens": tc.loss_chunk_tokens,
+        "grad_checkpoint": grad_checkpoint,
+        "attention": attention,
+        "compile": bool(compile and tc.loss_chunk_tokens > 0),
+        "compile_layer": bool(compile),
+        "autocast": None if compute == "float32" else compute,
+    }
 
 
 def pad_multiple(tc: TrainConfig, attention: str) -> int:
@@ -93,12 +98,13 @@ def fast_train_config(tc: TrainConfig) -> TrainConfig:
     """What ``train.memory_policy=auto`` trains with when it fits: no recompute unless asked
     for, and large loss chunks."""
     return dataclasses.replace(
-        tc, grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
-        loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0)
+        tc,
+        grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
+        loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0,
+    )
 
 
-def optimizer_offload(tc: TrainConfig, device, n_params: int | None = None,
-                      device_bytes: int | None = None) -> bool:
+def optimizer_offload(tc: TrainConfig, device, n_params: int | None = None, device_bytes: int | None = None) -> bool:
     """``train.optimizer_offload``, null resolved: on CUDA when the optimizer's fp32 state
     would take over OFFLOAD_AUTO_SHARE of the device (``device_bytes``: its size, else queried)."""
     if tc.optimizer_offload is not None:
@@ -111,8 +117,9 @@ def optimizer_offload(tc: TrainConfig, device, n_params: int | None = None,
     return 12 * n_params > OFFLOAD_AUTO_SHARE * total
 
 
-def draft_param_dtype(tc: TrainConfig, device, n_params: int | None = None,
-                      device_bytes: int | None = None) -> torch.dtype:
+def draft_param_dtype(
+    tc: TrainConfig, device, n_params: int | None = None, device_bytes: int | None = None
+) -> torch.dtype:
     """The dtype of the draft's device params (``train.draft_dtype``, "auto" resolved: bf16
     exactly when the optimizer is offloaded, which keeps fp32 masters on the host)."""
     if tc.draft_dtype == "auto":

@@ -23,8 +23,16 @@ class StepCounts:
     # Without gradients (validation): the chain decode walked over each sequence (chain_walk).
     WALK_FIELDS = ("walk_rounds", "walk_accepted")
 
-    def __init__(self, steps: int, sums: torch.Tensor | None = None, *, device=None, walk_rounds: int = 0,
-                 walk_accepted: int = 0, **per_step: Sequence[float]):
+    def __init__(
+        self,
+        steps: int,
+        sums: torch.Tensor | None = None,
+        *,
+        device=None,
+        walk_rounds: int = 0,
+        walk_accepted: int = 0,
+        **per_step: Sequence[float],
+    ):
         if sums is None:
             sums = torch.zeros(len(self.FIELDS), steps, dtype=torch.float64, device=device)
             for name, values in per_step.items():
@@ -59,8 +67,14 @@ class StepCounts:
         loss = [s / v if v else 0.0 for s, v in zip(loss_sum, valid)]
         # The share of step-0 positions whose target argmax the draft vocab holds: acc's ceiling.
         coverage = valid[0] / scored[0] if scored and scored[0] else 0.0
-        out = {"loss_per_step": loss, "acc": acc, "cond_acc": cond, "sim_tau": tau,
-               "vocab_coverage": coverage, "tokens": valid[0] if valid else 0}
+        out = {
+            "loss_per_step": loss,
+            "acc": acc,
+            "cond_acc": cond,
+            "sim_tau": tau,
+            "vocab_coverage": coverage,
+            "tokens": valid[0] if valid else 0,
+        }
         if self.walk_rounds:
             # What a greedy chain-`steps` decode of these sequences measures (bonus counted).
             out["chain_tau"] = (self.walk_rounds + self.walk_accepted) / self.walk_rounds

@@ -42,17 +42,27 @@ class TeacherBatch:
 
 
 @torch.no_grad()
-def teacher_forward(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    t2d: torch.Tensor, chunk_tokens: int = 2048, compile=False) -> TeacherBatch:
+def teacher_forward(
+    target: Target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    t2d: torch.Tensor,
+    chunk_tokens: int = 2048,
+    compile=False,
+) -> TeacherBatch:
     """``compile``: False, True (inductor) or a torch.compile backend for the decoder layers
     (see ``compiled_decoder_layers``); the fused elementwise work is most of a small
     target's forward time on a GPU."""
     decoder = target.model.get_decoder()
-    layers = (compiled_decoder_layers(decoder, "inductor" if compile is True else compile)
-              if compile else contextlib.nullcontext())
+    layers = (
+        compiled_decoder_layers(decoder, "inductor" if compile is True else compile)
+        if compile
+        else contextlib.nullcontext()
+    )
     with layers:
-        out, aux = aux_hidden_states(decoder, target.aux_layer_ids, input_ids=input_ids,
-                                     attention_mask=attention_mask, use_cache=False)
+        out, aux = aux_hidden_states(
+            decoder, target.aux_layer_ids, input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        )
     # A target dispatched over devices (device_map) leaves each state where its layer ran.
     aux = torch.cat([a.to(input_ids.device) for a in aux], dim=-1)  # the draft's device
     # last_hidden_state is already final-normed.
@@ -73,8 +83,9 @@ def draft_token_ids(t2d: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: torch.Tensor,
-                 chunk_tokens: int = 2048) -> TeacherBatch:
+def head_outputs(
+    target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: torch.Tensor, chunk_tokens: int = 2048
+) -> TeacherBatch:
     """The TeacherBatch for aux states [B,T,3H] and final-normed states [B,T,H]: the output
     head's draft-vocab logits and full-vocab argmax, on ``aux``'s device."""
     head = target.output_head()
@@ -90,7 +101,7 @@ def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: to
     flat = final.reshape(-1, h)
     draft_logits, argmax = [], []
     for start in range(0, flat.shape[0], chunk_tokens):
-        part = flat[start:start + chunk_tokens]
+        part = flat[start : start + chunk_tokens]
         logits = head(part)
         argmax.append(logits.argmax(-1))
         draft_logits.append(part @ draft_rows.T if draft_rows is not None else logits[:, ids])
@@ -107,8 +118,9 @@ def head_outputs(target: Target, aux: torch.Tensor, final: torch.Tensor, t2d: to
 
 def pad_stack(rows: list[torch.Tensor], length: int, fill=0) -> torch.Tensor:
     """Stack unpadded per-sequence rows [n_i, ...] into [B, length, ...], padding with ``fill``."""
-    return torch.stack([torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1) + [0, length - x.shape[0]],
-                                                value=fill) for x in rows])
+    return torch.stack(
+        [torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1) + [0, length - x.shape[0]], value=fill) for x in rows]
+    )
 
 
 @runtime_checkable
@@ -150,8 +162,15 @@ class TeacherCache:
 
     def put(self, keys: list[int], lengths: list[int], batch: TeacherBatch) -> TeacherBatch:
         """Keep the rows that fit the budget; return the whole batch as a cache hit would."""
-        rows = [(batch.aux[i, :n].cpu(), batch.draft_logits[i, :n].to(torch.bfloat16).cpu(),
-                 batch.target_argmax[i, :n].cpu(), batch.in_draft[i, :n].cpu()) for i, n in enumerate(lengths)]
+        rows = [
+            (
+                batch.aux[i, :n].cpu(),
+                batch.draft_logits[i, :n].to(torch.bfloat16).cpu(),
+                batch.target_argmax[i, :n].cpu(),
+                batch.in_draft[i, :n].cpu(),
+            )
+            for i, n in enumerate(lengths)
+        ]
         for k, row in zip(keys, rows):
             size = sum(x.numel() * x.element_size() for x in row)
             if k in self.rows or self.used + size > self.budget:
@@ -165,8 +184,9 @@ class TeacherCache:
         def stack(i, fill=0):
             return pad_stack([p[i] for p in parts], t, fill).to(device)
 
-        return TeacherBatch(aux=stack(0), draft_logits=stack(1).float(), target_argmax=stack(2),
-                            in_draft=stack(3, False))
+        return TeacherBatch(
+            aux=stack(0), draft_logits=stack(1).float(), target_argmax=stack(2), in_draft=stack(3, False)
+        )
 
 
 class KeptStatesTeacher:
@@ -192,8 +212,10 @@ class KeptStatesTeacher:
         rows = [self.states.rows(k) for k in keys]
         for k, n, (aux, _) in zip(keys, lengths, rows):
             if aux.shape[0] != n:
-                raise DataError(f"{self.states.path}: row {k} has states for {aux.shape[0]} tokens but "
-                                f"{n} tokens in the data; regenerate the data")
+                raise DataError(
+                    f"{self.states.path}: row {k} has states for {aux.shape[0]} tokens but "
+                    f"{n} tokens in the data; regenerate the data"
+                )
         aux, final = (pad_stack([r[i] for r in rows], t).to(device) for i in (0, 1))
         self.t2d = self.t2d.to(device)  # once: head_outputs finds the draft ids once per t2d tensor
         return head_outputs(self.target, aux, final, self.t2d)

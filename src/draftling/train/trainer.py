@@ -101,8 +101,9 @@ class TrainRun:
     @property
     def source(self) -> BatchSource:
         """Where the training batches come from."""
-        return BatchSource(self.cfg, self.target, self.inputs.examples, self.target.device, self.ctx,
-                           self.inputs.teacher, self.cache)
+        return BatchSource(
+            self.cfg, self.target, self.inputs.examples, self.target.device, self.ctx, self.inputs.teacher, self.cache
+        )
 
     def train_step(self, keys: list[int] | None = None, phase_end=None) -> tuple:
         """One optimizer step (see ``train_step``) on the global batch ``keys`` of the run's
@@ -115,8 +116,16 @@ class TrainRun:
 
     def validate(self, prefix: str, final: bool = False) -> dict:
         tc = self.cfg.train
-        vm = evaluate(self.objective, self.target, self.inputs.val_examples, self.cfg, self.target.device,
-                      tc.max_val_batches, self.inputs.val_teacher, self.ctx)
+        vm = evaluate(
+            self.objective,
+            self.target,
+            self.inputs.val_examples,
+            self.cfg,
+            self.target.device,
+            tc.max_val_batches,
+            self.inputs.val_teacher,
+            self.ctx,
+        )
         vm.update(step=self.step, split="val", **({"final": True} if final else {}))
         if self.metrics_log:
             self.metrics_log.write(vm, format_line(prefix, vm))
@@ -131,10 +140,16 @@ class TrainRun:
         weights = host_draft(self.objective, self.draft.config)
         opt_state = full_optimizer_state(self.objective, self.optimizer)
         if self.ctx.is_main:
-            save_checkpoint(self.run_dir, weights, opt_state, self.scheduler, self.step,
-                            self.batches.position(self.step),
-                            KeepPolicy(tc.keep_checkpoints, tc.ckpt_every_epoch, tc.keep_every_steps),
-                            {"total_steps": self.total_steps, "compute_dtype": recorded_compute_dtype(self.unroll)})
+            save_checkpoint(
+                self.run_dir,
+                weights,
+                opt_state,
+                self.scheduler,
+                self.step,
+                self.batches.position(self.step),
+                KeepPolicy(tc.keep_checkpoints, tc.ckpt_every_epoch, tc.keep_every_steps),
+                {"total_steps": self.total_steps, "compute_dtype": recorded_compute_dtype(self.unroll)},
+            )
         barrier(self.ctx)
 
     def restore(self, ckpt: Path, changes: dict) -> None:
@@ -149,28 +164,38 @@ class TrainRun:
         self.step = state["step"]
         if tc.fit_schedule:  # the schedule as the interrupted run had fitted it
             self.total_steps = self.schedule.total = json.loads((ckpt / "meta.json").read_text()).get(
-                "total_steps", self.total_steps)
+                "total_steps", self.total_steps
+            )
         if "train.lr" in changes:  # the scheduler's state holds the old base lr
             self.scheduler.base_lrs = [tc.lr] * len(self.scheduler.base_lrs)
             for group in self.scheduled.param_groups:
                 group["initial_lr"], group["lr"] = tc.lr, tc.lr * self.schedule(self.step)
-        self.say(f"resumed from {ckpt} at step {self.step}"
-                 + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else ""))
+        self.say(
+            f"resumed from {ckpt} at step {self.step}"
+            + (f", with {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}" if changes else "")
+        )
 
     def describe(self) -> None:
         tc, ctx, inputs = self.cfg.train, self.ctx, self.inputs
-        parallel = (f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ "
-                    f"sequences per rank" if ctx.active else "")
+        parallel = (
+            f", {ctx.world_size} ranks ({tc.parallel}), {tc.batch_size // ctx.world_size}+ sequences per rank"
+            if ctx.active
+            else ""
+        )
         m = self.unroll
-        self.say(f"training draft: {params_line(param_counts(self.draft, self.target))}, {len(inputs.examples)} train / "
-                 f"{len(inputs.val_examples)} val sequences, {self.total_steps} steps of {tc.batch_size}, "
-                 f"TTT {tc.ttt_steps}, device {self.target.device}{parallel}")
-        self.say(f"memory: loss_chunk_tokens {m.loss_chunk_tokens}, grad_checkpoint {m.grad_checkpoint}, "
-                 f"attention {m.attention}, optimizer_offload {self.offload}, draft_dtype "
-                 f"{str(self.param_dtype).replace('torch.', '')}, embedding_on_host {tc.embedding_on_host}, compile "
-                 f"{m.compile} (layer {m.compile_layer}, teacher "
-                 f"{compile_teacher(tc, self.target.device, self.target.model)}), autocast {m.autocast or 'off'}, "
-                 f"pad_to_multiple {pad_multiple(tc, m.attention)}")
+        self.say(
+            f"training draft: {params_line(param_counts(self.draft, self.target))}, {len(inputs.examples)} train / "
+            f"{len(inputs.val_examples)} val sequences, {self.total_steps} steps of {tc.batch_size}, "
+            f"TTT {tc.ttt_steps}, device {self.target.device}{parallel}"
+        )
+        self.say(
+            f"memory: loss_chunk_tokens {m.loss_chunk_tokens}, grad_checkpoint {m.grad_checkpoint}, "
+            f"attention {m.attention}, optimizer_offload {self.offload}, draft_dtype "
+            f"{str(self.param_dtype).replace('torch.', '')}, embedding_on_host {tc.embedding_on_host}, compile "
+            f"{m.compile} (layer {m.compile_layer}, teacher "
+            f"{compile_teacher(tc, self.target.device, self.target.model)}), autocast {m.autocast or 'off'}, "
+            f"pad_to_multiple {pad_multiple(tc, m.attention)}"
+        )
 
     def loop(self) -> float:
         """Steps to ``self.total_steps``, logging, validating and checkpointing on the way. Returns
@@ -216,8 +241,11 @@ class TrainRun:
             return None
         tc = self.cfg.train
         self.smoke_every = tc.smoke_every
-        monitor = SmokeMonitor(bench, ConvergenceDetector(tc.convergence_checks, tc.warmup_steps),
-                               self.metrics_log.write if self.metrics_log else None)
+        monitor = SmokeMonitor(
+            bench,
+            ConvergenceDetector(tc.convergence_checks, tc.warmup_steps),
+            self.metrics_log.write if self.metrics_log else None,
+        )
         log = self.run_dir / "metrics.jsonl"
         if resumed and log.is_file():
             records = read_metrics(log)
@@ -235,12 +263,17 @@ class TrainRun:
         """The smoke bench at this step, on every rank (the same weights give the same verdict); with
         train.stop_on_convergence a convergence ends the run here. Returns the seconds it took."""
         t0 = time.perf_counter()
-        verdict = self.smoke.check(host_draft(self.objective, self.draft.config), self.step,
-                                   self.step / self.batches.batches_per_epoch, self.batches.position(self.step - 1)[0])
+        verdict = self.smoke.check(
+            host_draft(self.objective, self.draft.config),
+            self.step,
+            self.step / self.batches.batches_per_epoch,
+            self.batches.position(self.step - 1)[0],
+        )
         converged = any_rank(verdict is not None, self.ctx, self.target.device)
         if converged and self.cfg.train.stop_on_convergence and self.step < self.total_steps:
-            self.say(f"stopping at step {self.step}/{self.total_steps}: the smoke tau converged "
-                     "(train.stop_on_convergence)")
+            self.say(
+                f"stopping at step {self.step}/{self.total_steps}: the smoke tau converged (train.stop_on_convergence)"
+            )
             self.stop("converged")
         return time.perf_counter() - t0
 
@@ -267,29 +300,50 @@ class TrainRun:
         if every == self.smoke_every:
             return
         share = seconds / (seconds + self.smoke_every * step_s)
-        self.say(f"smoke bench: a check took {seconds:.1f} s against {step_s:.3f} s a training step, {share:.0%} of the "
-                 f"time at every {self.smoke_every} steps, over train.smoke_max_share={tc.smoke_max_share:g}: checking "
-                 f"every {every} steps from here")
+        self.say(
+            f"smoke bench: a check took {seconds:.1f} s against {step_s:.3f} s a training step, {share:.0%} of the "
+            f"time at every {self.smoke_every} steps, over train.smoke_max_share={tc.smoke_max_share:g}: checking "
+            f"every {every} steps from here"
+        )
         if self.metrics_log:
-            self.metrics_log.write({"split": "smoke_interval", "step": self.step, "every": every, "check_s": seconds,
-                                    "step_s": step_s, "share": share, "max_share": tc.smoke_max_share})
+            self.metrics_log.write(
+                {
+                    "split": "smoke_interval",
+                    "step": self.step,
+                    "every": every,
+                    "check_s": seconds,
+                    "step_s": step_s,
+                    "share": share,
+                    "max_share": tc.smoke_max_share,
+                }
+            )
         self.smoke_every = every
 
     def data_used(self) -> dict:
         """The training sequences this run drew from (train.data_fraction) and their loss tokens."""
         pool = self.batches.pool
-        return {"fraction": self.cfg.train.data_fraction, "sequences": len(pool),
-                "loss_tokens": sum(sum(self.inputs.examples[i].loss_mask) for i in pool)}
+        return {
+            "fraction": self.cfg.train.data_fraction,
+            "sequences": len(pool),
+            "loss_tokens": sum(sum(self.inputs.examples[i].loss_mask) for i in pool),
+        }
 
     def finish(self, t_start: float) -> dict:
         """The final validation, the head in ``<run>/draft`` and ``train_result.json``."""
         ctx, device = self.ctx, self.target.device
         # train_wall_s is this segment's: a resumed run started at segment_from_step (the earlier
         # segments' times are in metrics.jsonl; `draftling report` lists them).
-        result = {"steps": self.total_steps, "steps_ceiling": self.ceiling, "train_wall_s": time.perf_counter() - t_start,
-                  "segment_from_step": self.segment_step, "stop_reason": self.stop_reason, "world_size": ctx.world_size, "data": self.data_used(),
-                  "compute_dtype": recorded_compute_dtype(self.unroll, self.param_dtype),
-                  "params": param_counts(self.draft, self.target)}
+        result = {
+            "steps": self.total_steps,
+            "steps_ceiling": self.ceiling,
+            "train_wall_s": time.perf_counter() - t_start,
+            "segment_from_step": self.segment_step,
+            "stop_reason": self.stop_reason,
+            "world_size": ctx.world_size,
+            "data": self.data_used(),
+            "compute_dtype": recorded_compute_dtype(self.unroll, self.param_dtype),
+            "params": param_counts(self.draft, self.target),
+        }
         if self.smoke is not None:
             result["convergence"] = self.smoke.detector.summary()
         if torch.cuda.is_available() and device.type == "cuda":
@@ -307,8 +361,9 @@ class TrainRun:
         return result
 
 
-def build_run(cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, ckpt: Path | None,
-              ctx: DistContext, say) -> TrainRun:
+def build_run(
+    cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, ckpt: Path | None, ctx: DistContext, say
+) -> TrainRun:
     """The draft (with the checkpoint's weights, before wrapping: DDP broadcasts them, FSDP
     shards them), its wrapper, optimizer and schedule, with the memory policy resolved."""
     tc, device = cfg.train, target.device
@@ -330,26 +385,61 @@ def build_run(cfg: RunConfig, target: Target, inputs: RunInputs, run_dir: Path, 
     optimizer, scheduled = build_optimizer(params, tc.lr, tc.betas, tc.weight_decay, offload and not sharded)
     batches = EpochBatches(inputs.examples, tc.batch_size, tc.seed, tc.group_by_length, tc.data_fraction)
     if tc.data_fraction < 1:
-        say(f"data: training on {len(batches.pool)} of {len(inputs.examples)} sequences (train.data_fraction="
-            f"{tc.data_fraction:g})")
+        say(
+            f"data: training on {len(batches.pool)} of {len(inputs.examples)} sequences (train.data_fraction="
+            f"{tc.data_fraction:g})"
+        )
     total_steps = tc.max_steps or max(1, math.ceil(tc.epochs * batches.batches_per_epoch))
     schedule = CosineSchedule(tc.warmup_steps, total_steps, tc.min_lr_ratio)
     # Through a lambda: LambdaLR would save a callable object's fields in its state and a resume
     # would restore them over the config's; the fitted length is restored from meta.json instead.
     scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: schedule(step))
-    return TrainRun(cfg, target, ctx, run_dir, inputs, draft, objective, optimizer, scheduled, scheduler, schedule,
-                    batches, unroll_options(tc, device, param_dtype=param_dtype), offload, param_dtype,
-                    total_steps, total_steps, say, policy)
+    return TrainRun(
+        cfg,
+        target,
+        ctx,
+        run_dir,
+        inputs,
+        draft,
+        objective,
+        optimizer,
+        scheduled,
+        scheduler,
+        schedule,
+        batches,
+        unroll_options(tc, device, param_dtype=param_dtype),
+        offload,
+        param_dtype,
+        total_steps,
+        total_steps,
+        say,
+        policy,
+    )
 
 
-def run_memory_policy(tc: TrainConfig, target: Target, inputs: RunInputs, draft: Eagle3Draft, ctx: DistContext,
-                      param_dtype: torch.dtype, offload: bool) -> tuple[TrainConfig, str]:
+def run_memory_policy(
+    tc: TrainConfig,
+    target: Target,
+    inputs: RunInputs,
+    draft: Eagle3Draft,
+    ctx: DistContext,
+    param_dtype: torch.dtype,
+    offload: bool,
+) -> tuple[TrainConfig, str]:
     """resolve_memory_policy for the built draft, this process's share of a batch and the longest
     sequence of either split."""
     longest = max((len(e.input_ids) for e in inputs.examples + inputs.val_examples), default=1)
     shape = DraftShape.from_config(draft.config, inputs.vocab.size, draft_window(draft.config))  # the built draft's
-    return resolve_memory_policy(tc, target.device, shape, -(-tc.batch_size // ctx.world_size), longest,
-                                 param_dtype, offload, target.input_embeddings().weight.dtype)
+    return resolve_memory_policy(
+        tc,
+        target.device,
+        shape,
+        -(-tc.batch_size // ctx.world_size),
+        longest,
+        param_dtype,
+        offload,
+        target.input_embeddings().weight.dtype,
+    )
 
 
 def resumed_compute_dtype(tc: TrainConfig, ckpt: Path) -> TrainConfig:
@@ -359,9 +449,17 @@ def resumed_compute_dtype(tc: TrainConfig, ckpt: Path) -> TrainConfig:
     return dataclasses.replace(tc, compute_dtype=resolved) if resolved else tc
 
 
-def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str | Path,
-          val_path: str | Path | None, vocab_path: str | Path, teacher_source: TeacherSource | None = None,
-          init: InitDraft | None = None, **claim) -> dict:
+def train(
+    cfg: RunConfig,
+    target: Target,
+    run_dir: str | Path,
+    train_path: str | Path,
+    val_path: str | Path | None,
+    vocab_path: str | Path,
+    teacher_source: TeacherSource | None = None,
+    init: InitDraft | None = None,
+    **claim,
+) -> dict:
     """``teacher_source``: a TeacherSource (e.g. an offline.OfflineTeacher) used instead of running
     the teacher; its ``for_split("val", hash)``, when not None, serves validation. ``claim``:
     RunDirClaim's fields (resume, overwrite, allow_change). ``init``: the head to start from
@@ -377,13 +475,16 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 draft trains against a bf16 teacher
     allow_recompiles()  # batches of many lengths: flex and the loss chunks must stay compiled
     if tc.batch_size < ctx.world_size:
-        raise ConfigError(f"train.batch_size={tc.batch_size} is the global batch; it must be at least "
-                          f"the world size ({ctx.world_size})")
+        raise ConfigError(
+            f"train.batch_size={tc.batch_size} is the global batch; it must be at least "
+            f"the world size ({ctx.world_size})"
+        )
 
     say = log.info  # info lines: rank 0 only, by logs.RankZeroFilter (warnings come from every rank)
     if cfg.draft.init_from and init is None:
-        raise ConfigError(f"draft.init_from={cfg.draft.init_from}: load that draft and pass it as init= "
-                          "(the `train` command does)")
+        raise ConfigError(
+            f"draft.init_from={cfg.draft.init_from}: load that draft and pass it as init= (the `train` command does)"
+        )
     trackers = tracker_names(tc.trackers)  # an unknown or uninstalled one fails before any work
     inputs = load_run_inputs(target, train_path, val_path, vocab_path, teacher_source, say, init)
     smoke_bench = SmokeBench.load(tc, target) if tc.smoke_every else None  # a bad set fails here
@@ -397,12 +498,23 @@ def train(cfg: RunConfig, target: Target, run_dir: str | Path, train_path: str |
     run = build_run(cfg, target, inputs, run_dir, ckpt, ctx, say)
     if ckpt is not None:
         run.restore(ckpt, changes)
-    run.metrics_log = (MetricsLog(run_dir / "metrics.jsonl", run.step if ckpt is not None else None,
-                                  open_trackers(trackers, str(run_dir), dataclasses.asdict(cfg)))
-                       if ctx.is_main else None)
+    run.metrics_log = (
+        MetricsLog(
+            run_dir / "metrics.jsonl",
+            run.step if ckpt is not None else None,
+            open_trackers(trackers, str(run_dir), dataclasses.asdict(cfg)),
+        )
+        if ctx.is_main
+        else None
+    )
     if run.metrics_log and changes and ckpt is not None:
-        run.metrics_log.write({"step": run.step, "split": "config_change",
-                               "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}})
+        run.metrics_log.write(
+            {
+                "step": run.step,
+                "split": "config_change",
+                "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()},
+            }
+        )
     run.smoke = run.start_smoke(smoke_bench, ckpt is not None)
     run.describe()
     run.cache = TeacherCache(int(tc.teacher_cache_gb * 2**30)) if tc.teacher_cache_gb > 0 else None

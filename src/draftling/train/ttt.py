@@ -69,14 +69,15 @@ def compiled_layer_halves(backend="inductor"):
     entry serves every draft (dynamo guards on the module it is given)."""
     fns = _COMPILED_HALVES.get(backend)
     if fns is None:
-        fns = tuple(torch.compile(f, backend=backend, dynamic=None)
-                    for f in (Eagle3DecoderLayer.attention_inputs, Eagle3DecoderLayer.attention_to_output))
+        fns = tuple(
+            torch.compile(f, backend=backend, dynamic=None)
+            for f in (Eagle3DecoderLayer.attention_inputs, Eagle3DecoderLayer.attention_to_output)
+        )
         _COMPILED_HALVES[backend] = fns
     return fns
 
 
-def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, positions,
-                keys: tuple, values: tuple):
+def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, positions, keys: tuple, values: tuple):
     """One TTT step as a pure function of its inputs: returns (hidden, k, v) of this step.
     ``compile``: False, or a torch.compile backend (True = inductor) for the layer's halves."""
     window = draft_window(draft.config)
@@ -104,18 +105,25 @@ def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, posit
 
 # --- loss and metrics ------------------------------------------------------------------
 
+
 def teacher_logsumexp(teacher_logits: torch.Tensor, rows_per_pass: int = 1024) -> torch.Tensor:
     """[B, T] fp32 log-sum-exp of the teacher's draft-vocab logits, once per batch: every
     TTT step reads the same teacher rows (shifted), so the loss chunks need not each redo
     the teacher's max and sum passes. In row blocks, so no [B*T, V] fp32 copy exists."""
     flat = teacher_logits.reshape(-1, teacher_logits.shape[-1])
-    out = torch.cat([flat[s:s + rows_per_pass].float().logsumexp(-1)
-                     for s in range(0, flat.shape[0], rows_per_pass)])
+    out = torch.cat([flat[s : s + rows_per_pass].float().logsumexp(-1) for s in range(0, flat.shape[0], rows_per_pass)])
     return out.view(teacher_logits.shape[:-1])
 
 
-def _soft_ce_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
-                   hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor, keep: torch.Tensor):
+def _soft_ce_chunk(
+    draft: Eagle3Draft,
+    teacher_logits: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    hidden: torch.Tensor,
+    rows_b: torch.Tensor,
+    rows_t: torch.Tensor,
+    keep: torch.Tensor,
+):
     """Summed soft cross-entropy of the draft head on ``hidden`` [C, H] against
     softmax(teacher_logits[rows_b, rows_t]) (= exp(logits - teacher_lse)) over the rows
     where ``keep`` (the others only fill a fixed-size chunk), plus the draft argmax per row.
@@ -129,8 +137,15 @@ def _soft_ce_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse
     return torch.where(keep, token_loss, 0.0).sum(), logits.argmax(-1)
 
 
-def _checkpointed_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
-                        hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor, keep: torch.Tensor):
+def _checkpointed_chunk(
+    draft: Eagle3Draft,
+    teacher_logits: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    hidden: torch.Tensor,
+    rows_b: torch.Tensor,
+    rows_t: torch.Tensor,
+    keep: torch.Tensor,
+):
     """One loss chunk recomputed in backward: only its inputs (and indices) stay alive. The
     teacher logits are bound, not passed, so the checkpoint does not count them as saved."""
     chunk = functools.partial(_soft_ce_chunk, draft, teacher_logits, teacher_lse)
@@ -150,8 +165,16 @@ def compiled_chunk_fn(backend="inductor"):
     return fn
 
 
-def _loss_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor,
-                hidden: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor, keep: torch.Tensor, compile):
+def _loss_chunk(
+    draft: Eagle3Draft,
+    teacher_logits: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    hidden: torch.Tensor,
+    rows_b: torch.Tensor,
+    rows_t: torch.Tensor,
+    keep: torch.Tensor,
+    compile,
+):
     if not torch.is_grad_enabled():
         return _soft_ce_chunk(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t, keep)
     # Sizes 0 and 1 would each get a specialised graph; such chunks are rare and tiny.
@@ -167,8 +190,6 @@ def _loss_chunk(draft: Eagle3Draft, teacher_logits: torch.Tensor, teacher_lse: t
         backend = "inductor" if compile is True else compile
         return compiled_chunk_fn(backend)(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t, keep)
     return _checkpointed_chunk(draft, teacher_logits, teacher_lse, hidden, rows_b, rows_t, keep)
-
-
 
 
 def chain_walk(correct: Sequence[Sequence[bool]], loss_mask: Sequence[int]) -> list[int]:
@@ -210,8 +231,9 @@ def step_masks(loss_mask: torch.Tensor, in_draft: torch.Tensor, steps: int) -> t
     return scored, scored & in_vocab
 
 
-def step_valid_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor,
-                      in_draft: torch.Tensor, steps: int) -> torch.Tensor:
+def step_valid_counts(
+    loss_mask: torch.Tensor, attention_mask: torch.Tensor, in_draft: torch.Tensor, steps: int
+) -> torch.Tensor:
     """[steps] int64: how many positions carry a loss at each TTT step (as ttt_unroll counts)."""
     return step_masks(loss_mask.bool() & attention_mask.bool(), in_draft, steps)[1].sum((1, 2))
 
@@ -255,11 +277,19 @@ class UnrollOptions:
     autocast: torch.dtype | str | None = None
 
 
-def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
-               input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor,
-               options: UnrollOptions | int | None = None, *,
-               loss_denominators: Sequence[float] | torch.Tensor | None = None,
-               row_bounds: Sequence[int] | None = None, **overrides) -> tuple[torch.Tensor, StepCounts]:
+def ttt_unroll(
+    draft: Eagle3Draft,
+    embed,
+    teacher: TeacherBatch,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    options: UnrollOptions | int | None = None,
+    *,
+    loss_denominators: Sequence[float] | torch.Tensor | None = None,
+    row_bounds: Sequence[int] | None = None,
+    **overrides,
+) -> tuple[torch.Tensor, StepCounts]:
     """Run the k-step unroll. Returns the weighted loss (mean over valid tokens per step)
     and the counts behind the per-step and conditional accuracies.
 
@@ -287,8 +317,9 @@ def ttt_unroll(draft: Eagle3Draft, embed, teacher: TeacherBatch,
     if isinstance(autocast, str):
         autocast = getattr(torch, autocast)
     with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        return _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options, loss_denominators,
-                       row_bounds)
+        return _unroll(
+            draft, embed, teacher, input_ids, loss_mask, attention_mask, options, loss_denominators, row_bounds
+        )
 
 
 def _with_overrides(options: UnrollOptions | int | None, overrides: dict) -> UnrollOptions:
@@ -303,8 +334,9 @@ def _with_overrides(options: UnrollOptions | int | None, overrides: dict) -> Unr
     return UnrollOptions(**overrides)
 
 
-def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options: UnrollOptions,
-            loss_denominators, row_bounds):
+def _unroll(
+    draft, embed, teacher, input_ids, loss_mask, attention_mask, options: UnrollOptions, loss_denominators, row_bounds
+):
     loss_mask = loss_mask.bool() & attention_mask.bool()
     scored_steps, valid_steps = step_masks(loss_mask, teacher.in_draft, options.steps)
     layer = _LayerSteps(draft, embed, teacher, input_ids, options)
@@ -314,7 +346,7 @@ def _unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options
     for j in range(options.steps):
         hidden = layer(j)
         loss_sum, n_valid, correct, weighted = step_loss(j, hidden)
-        total = total + (options.step_weight_decay ** j) * weighted
+        total = total + (options.step_weight_decay**j) * weighted
         tally.add(j, loss_sum, n_valid, correct)
     return total, tally.counts(loss_mask)
 
@@ -323,8 +355,9 @@ class _LayerSteps:
     """The TTT steps' decoder-layer forwards. The attention state (every earlier step's keys
     and values) is explicit, so a step recomputed under checkpointing appends nothing twice."""
 
-    def __init__(self, draft: Eagle3Draft, embed, teacher: TeacherBatch, input_ids: torch.Tensor,
-                 options: UnrollOptions):
+    def __init__(
+        self, draft: Eagle3Draft, embed, teacher: TeacherBatch, input_ids: torch.Tensor, options: UnrollOptions
+    ):
         b, t = input_ids.shape
         self.draft, self.input_ids, self.options = draft, input_ids, options
         self.positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
@@ -338,8 +371,16 @@ class _LayerSteps:
         """Step j's hidden states [B, T, H]; its keys and values join the state."""
         with torch.no_grad():
             embeds = self.lookup(shift_left(self.input_ids, 1 + j))
-        args = (self.draft, self.options.attention, self.options.compile_layer, embeds, self.hidden,
-                self.positions + j, tuple(self.keys), tuple(self.values))
+        args = (
+            self.draft,
+            self.options.attention,
+            self.options.compile_layer,
+            embeds,
+            self.hidden,
+            self.positions + j,
+            tuple(self.keys),
+            tuple(self.values),
+        )
         if self.checkpointed:
             self.hidden, k, v = checkpoint(_draft_step, *args, use_reentrant=False)
         else:
@@ -355,16 +396,24 @@ class _StepLoss:
     valid rows with ``loss_chunk_tokens``, else over the whole batch's logits. Nothing is read
     back from the device when the chunked loss has its row bounds."""
 
-    def __init__(self, draft: Eagle3Draft, teacher: TeacherBatch, valid_steps: torch.Tensor,
-                 options: UnrollOptions, denominators, row_bounds: Sequence[int] | None):
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        teacher: TeacherBatch,
+        valid_steps: torch.Tensor,
+        options: UnrollOptions,
+        denominators,
+        row_bounds: Sequence[int] | None,
+    ):
         self.draft, self.teacher, self.valid_steps = draft, teacher, valid_steps
         self.chunk, self.denominators = options.loss_chunk_tokens, denominators
         self.draft_argmax = teacher.draft_logits.argmax(-1)
         if self.chunk > 0:
             with torch.no_grad():
                 teacher_lse = teacher_logsumexp(teacher.draft_logits)
-            self.chunk_fn = functools.partial(_loss_chunk, draft, teacher.draft_logits, teacher_lse,
-                                              compile=options.compile)
+            self.chunk_fn = functools.partial(
+                _loss_chunk, draft, teacher.draft_logits, teacher_lse, compile=options.compile
+            )
             # Without bounds from the host: the exact counts, read once before the step loop.
             self.bounds = list(row_bounds) if row_bounds is not None else valid_steps.sum((1, 2)).tolist()
 
@@ -386,7 +435,7 @@ class _StepLoss:
         argmax = []
         # At least one (possibly empty) chunk, so the head always joins the graph.
         for s in range(0, max(n, 1), c):
-            part, am = self.chunk_fn(rows[s:s + c], vb[s:s + c], label_t[s:s + c], keep[s:s + c])
+            part, am = self.chunk_fn(rows[s : s + c], vb[s : s + c], label_t[s : s + c], keep[s : s + c])
             loss_sum = loss_sum + part
             argmax.append(am)
         n_valid = self.valid_steps[j].sum()
@@ -428,9 +477,18 @@ class _StepTally:
             scored = self.scored_steps[j]
             chain_valid = self.chain_ok & scored
             self.chain_ok = chain_valid & correct
-            self.per_step.append(torch.stack([loss_sum.detach().double(), n_valid.double(), correct.sum().double(),
-                                              chain_valid.sum().double(), self.chain_ok.sum().double(),
-                                              scored.sum().double()]))
+            self.per_step.append(
+                torch.stack(
+                    [
+                        loss_sum.detach().double(),
+                        n_valid.double(),
+                        correct.sum().double(),
+                        chain_valid.sum().double(),
+                        self.chain_ok.sum().double(),
+                        scored.sum().double(),
+                    ]
+                )
+            )
 
     def counts(self, loss_mask: torch.Tensor) -> StepCounts:
         counts = StepCounts(len(self.per_step), torch.stack(self.per_step, dim=1))  # [field, step]

@@ -61,8 +61,10 @@ def keep_window(draft: Eagle3Draft, window: int, where: str) -> None:
     was trained for its own, and which one is meant is not ours to guess."""
     own = draft_window(draft.config)
     if window and own and window != own:
-        raise ConfigError(f"--init-from {where}: the head was trained with a window of {own} but "
-                          f"draft.window={window}; set draft.window={own} (or 0 to keep the head's)")
+        raise ConfigError(
+            f"--init-from {where}: the head was trained with a window of {own} but "
+            f"draft.window={window}; set draft.window={own} (or 0 to keep the head's)"
+        )
     if window:
         set_window(draft.config, window)
 
@@ -78,11 +80,14 @@ def warm_start(init: InitDraft, target: Target, data_vocab: DraftVocab, examples
     check_fits(init.draft, target, init.where)
     source = copy.deepcopy(init.draft).float().cpu()
     kept = coverage(source.t2d, examples)
-    report = {"init_from": init.where, "kept_map_coverage": kept,
-              "new_map_coverage": coverage(data_vocab.t2d, examples), "rebuild_vocab": init.rebuild_vocab}
+    report = {
+        "init_from": init.where,
+        "kept_map_coverage": kept,
+        "new_map_coverage": coverage(data_vocab.t2d, examples),
+        "rebuild_vocab": init.rebuild_vocab,
+    }
     if not init.rebuild_vocab:
-        vocab = DraftVocab(source.d2t.clone(), source.t2d.clone(), data_vocab.data_hash,
-                           int(source.t2d.sum()), kept)
+        vocab = DraftVocab(source.d2t.clone(), source.t2d.clone(), data_vocab.data_hash, int(source.t2d.sum()), kept)
         return WarmStart(source, vocab, report)
     draft, entered = rebuilt(source, target, data_vocab)
     report["tokens_entered"] = entered
