@@ -13,7 +13,8 @@ from draftling.draft.vocab import build_vocab_file, hash_dataset_file, load_voca
 from draftling.errors import DataError
 from draftling.io import write_jsonl
 from draftling.train import offline
-from draftling.train.offline import OfflineTeacher, extract
+from draftling.train.offline import extract
+from draftling.train.offline_teacher import OfflineTeacher
 from draftling.train.trainer import train
 from tests.conftest import random_batch, setup_data
 

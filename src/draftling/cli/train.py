@@ -127,7 +127,7 @@ def run(args) -> int | None:
     source = None
     if args.offline:
         from draftling.draft.vocab import hash_dataset_file, load_vocab
-        from draftling.train.offline import OfflineTeacher
+        from draftling.train.offline_teacher import OfflineTeacher
 
         vocab = load_vocab(vocab_path)
         source = OfflineTeacher(

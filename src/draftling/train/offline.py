@@ -22,6 +22,8 @@ A shard is written to a temporary name beside it and renamed only when complete,
 never leaves a half-written shard under a shard name; rerunning `extract` skips the shards
 that exist and recomputes the rest. Shards are streamed to disk batch by batch (the header is
 known up front from the token counts), so host memory stays at one batch, not one shard.
+
+The cache is read back by train/offline_teacher.py's OfflineTeacher.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from draftling.progress import Progress
 from draftling.target.load import pin_cpu_layout
 from draftling.train.dataset import collate
 from draftling.train.settings import compile_teacher as resolve_compile_teacher
-from draftling.train.teacher import TeacherBatch, teacher_forward
+from draftling.train.teacher import teacher_forward
 
 log = logging.getLogger(__name__)
 
@@ -268,21 +270,8 @@ def extract(
     files, examples = _read_splits(data_dir)
     hashes = {s: hash_dataset_file(files[s]) for s in examples}
     vocab = load_vocab(vocab_path, expect_data_hash=hashes["train"], target_vocab_size=target.config.vocab_size)
-    aux_dtype = target.output_head().weight.dtype
-    layout = _ShardLayout(
-        target.input_embeddings().weight.shape[1], aux_dtype, vocab.size, parse_dtype(options.dtype) or aux_dtype
-    )
-    splits = {
-        s: {
-            "file": files[s].name,
-            "data_hash": hashes[s],
-            "num_examples": len(rows),
-            "num_tokens": sum(len(e.input_ids) for e in rows),
-            "num_shards": math.ceil(len(rows) / options.shard_size),
-            "complete": [],
-        }
-        for s, rows in examples.items()
-    }
+    layout = _layout(target, vocab, options)
+    splits = _split_infos(files, hashes, examples, options.shard_size)
     manifest = _manifest(target, vocab, layout, options.shard_size, splits)
     resuming = (out_dir / MANIFEST).is_file()
     old = json.loads((out_dir / MANIFEST).read_text()) if resuming else {}
@@ -307,6 +296,28 @@ def extract(
         "already there)"
     )
     return {"manifest": manifest, "written": written, "skipped": skipped, "estimate_bytes": estimate, "bytes": actual}
+
+
+def _layout(target, vocab, options: ExtractOptions) -> _ShardLayout:
+    aux_dtype = target.output_head().weight.dtype
+    return _ShardLayout(
+        target.input_embeddings().weight.shape[1], aux_dtype, vocab.size, parse_dtype(options.dtype) or aux_dtype
+    )
+
+
+def _split_infos(files: dict[str, Path], hashes: dict, examples: dict[str, list], shard_size: int) -> dict:
+    """The manifest's entry per split, before any shard is complete."""
+    return {
+        s: {
+            "file": files[s].name,
+            "data_hash": hashes[s],
+            "num_examples": len(rows),
+            "num_tokens": sum(len(e.input_ids) for e in rows),
+            "num_shards": math.ceil(len(rows) / shard_size),
+            "complete": [],
+        }
+        for s, rows in examples.items()
+    }
 
 
 def _read_splits(data_dir: Path) -> tuple[dict[str, Path], dict[str, list]]:
@@ -450,133 +461,3 @@ def _write_shard(path: Path, meta: dict[str, str], rows: list, shard: _Shard, ru
             fault_point("extract.shard")
         finally:
             w.close()
-
-
-class OfflineTeacher:
-    """Teacher outputs read back from an `extract` cache, in the shape of TeacherCache.get.
-
-    Shards are memory-mapped on first use (safetensors safe_open) and only the rows of the
-    requested examples are read. ``vocab_hash`` is the draft vocab's data hash and
-    ``data_hash`` the hash of this split's jsonl; both are checked against the manifest.
-    A TeacherSource; ``cacheable`` is False: the cache already holds the final outputs.
-    """
-
-    cacheable = False
-
-    def __init__(
-        self, cache_dir: str | Path, split: str = "train", vocab_hash: str | None = None, data_hash: str | None = None
-    ):
-        self.dir = Path(cache_dir)
-        self.split = split
-        self.manifest_path = self.dir / MANIFEST
-        if not self.manifest_path.is_file():
-            raise DataError(f"{self.manifest_path}: no offline teacher cache here (run `draftling extract` first)")
-        try:
-            m = json.loads(self.manifest_path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{self.manifest_path}: unreadable manifest: {e}") from None
-        if m.get("format") != FORMAT:
-            raise DataError(
-                f"{self.manifest_path}: cache format {m.get('format')!r}, expected {FORMAT}; re-run `draftling extract`"
-            )
-        info = m.get("splits", {}).get(split)
-        if info is None:
-            raise DataError(f"{self.manifest_path}: no {split!r} split in this cache")
-        if vocab_hash is not None and m.get("vocab_data_hash") != vocab_hash:
-            raise DataError(
-                f"{self.manifest_path}: stale offline cache: it was extracted with a vocab built "
-                f"from different data (hash {str(m.get('vocab_data_hash'))[:12]} != "
-                f"{vocab_hash[:12]}); re-run `draftling extract` into a fresh directory"
-            )
-        if data_hash is not None and info.get("data_hash") != data_hash:
-            raise DataError(
-                f"{self.manifest_path}: stale offline cache: {info.get('file')} changed since "
-                "extraction; re-run `draftling extract` into a fresh directory"
-            )
-        missing = sorted(set(range(info["num_shards"])) - set(info.get("complete", [])))
-        if missing:
-            raise DataError(
-                f"{self.manifest_path}: extraction of {split!r} is incomplete "
-                f"({len(missing)} of {info['num_shards']} shards missing); re-run "
-                "`draftling extract` to finish it"
-            )
-        self.manifest = m
-        self.info = info
-        self.shard_size = int(m["shard_size"])
-        self.aux_dtype = parse_dtype(m["aux_dtype"])
-        self.aux_width = 3 * int(m["hidden_size"])
-        self.draft_vocab = int(m["draft_vocab_size"])
-        self._shards: dict[int, tuple] = {}
-
-    def __repr__(self) -> str:
-        return f"OfflineTeacher({str(self.dir)!r}, split={self.split!r})"
-
-    def for_split(self, split: str, data_hash: str | None = None) -> OfflineTeacher | None:
-        """The same cache's other split (e.g. val), or None when it was not extracted."""
-        if split not in self.manifest.get("splits", {}):
-            return None
-        return OfflineTeacher(self.dir, split, self.manifest.get("vocab_data_hash"), data_hash)
-
-    def check_target(self, target) -> None:
-        """Refuse a cache made with other aux layers or another hidden size than `target`."""
-        m = self.manifest
-        hidden = target.input_embeddings().weight.shape[1]
-        if list(m.get("aux_layer_ids", [])) != list(target.aux_layer_ids) or m.get("hidden_size") != hidden:
-            raise DataError(
-                f"{self.manifest_path}: cache was extracted from {m.get('target')!r} with aux "
-                f"layers {m.get('aux_layer_ids')} and hidden size {m.get('hidden_size')}; this "
-                f"target has aux layers {list(target.aux_layer_ids)} and hidden size {hidden}"
-            )
-
-    def _shard(self, k: int):
-        if k not in self._shards:
-            from safetensors import safe_open
-
-            path = self.dir / self.split / shard_name(k)
-            if not path.is_file():
-                raise DataError(f"{path}: shard missing from the offline cache; re-run `draftling extract`")
-            f = safe_open(str(path), "pt")
-            offsets = f.get_tensor("offsets").tolist()
-            index = f.get_tensor("example_index").tolist()
-            slices = {n: f.get_slice(n) for n in ("aux", "draft_logits", "target_argmax", "in_draft")}
-            self._shards[k] = (path, f, offsets, index, slices)
-        return self._shards[k]
-
-    def rows(self, key: int) -> tuple[Path, dict, int, int]:
-        if not 0 <= key < self.info["num_examples"]:
-            raise DataError(
-                f"{self.manifest_path}: example {key} is outside the {self.split!r} split "
-                f"({self.info['num_examples']} examples)"
-            )
-        k, j = divmod(key, self.shard_size)
-        path, _, offsets, index, slices = self._shard(k)
-        if index[j] != key:
-            raise DataError(f"{path}: row {j} holds example {index[j]}, expected {key}; the cache is corrupt")
-        return path, slices, offsets[j], offsets[j + 1]
-
-    def get(self, keys: list[int], lengths: list[int], device) -> TeacherBatch:
-        t = max(lengths)
-        b = len(keys)
-        aux = torch.zeros(b, t, self.aux_width, dtype=self.aux_dtype)
-        logits = torch.zeros(b, t, self.draft_vocab, dtype=torch.float32)
-        argmax = torch.zeros(b, t, dtype=torch.long)
-        in_draft = torch.zeros(b, t, dtype=torch.bool)
-        for i, (key, n) in enumerate(zip(keys, lengths)):
-            path, sl, start, end = self.rows(key)
-            if end - start != n:
-                raise DataError(
-                    f"{path}: example {key} has {end - start} tokens in the cache but {n} in "
-                    "the data; the cache is stale, re-run `draftling extract`"
-                )
-            if n == 0:
-                continue
-            aux[i, :n] = sl["aux"][start:end]
-            logits[i, :n] = sl["draft_logits"][start:end]
-            argmax[i, :n] = sl["target_argmax"][start:end]
-            in_draft[i, :n] = sl["in_draft"][start:end]
-        return TeacherBatch(
-            aux=aux.to(device),
-            draft_logits=logits.to(device),
-            target_argmax=argmax.to(device),
-            in_draft=in_draft.to(device),
-        )
