@@ -105,14 +105,15 @@ def test_a_regen_copy_in_another_dtype_is_laid_out_for_that_dtype(tiny_target, m
 def test_a_gguf_target_is_asked_for_as_a_plain_dequantized_model():
     """transformers keeps GGUF weights packed where a kernel for them is installed; the engine
     and the CPU layout need plain Linear weights, so load_target asks for dequantization."""
-    from draftling.target.load import TargetSpec, _gguf_model_kwargs
+    from draftling.target.gguf import gguf_model_kwargs
+    from draftling.target.load import TargetSpec
 
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "GgufConfig"):
         pytest.skip("this transformers always dequantizes GGUF weights")
-    kwargs = _gguf_model_kwargs(TargetSpec("t", "/models", gguf_file="/models/t.gguf"))
+    kwargs = gguf_model_kwargs(TargetSpec("t", "/models", gguf_file="/models/t.gguf"))
     assert kwargs["gguf_file"] == "/models/t.gguf" and kwargs["quantization_config"].dequantize is True
-    assert _gguf_model_kwargs(TargetSpec("t", "/models/t")) == {}
+    assert gguf_model_kwargs(TargetSpec("t", "/models/t")) == {}
 
 
 def test_gguf_parsed_once_reads_the_file_once_and_changes_nothing():
@@ -121,7 +122,8 @@ def test_gguf_parsed_once_reads_the_file_once_and_changes_nothing():
     import gguf
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    from draftling.target.load import TargetSpec, gguf_parsed_once
+    from draftling.target.gguf import gguf_parsed_once
+    from draftling.target.load import TargetSpec
     from tests.conftest import smollm2_gguf
 
     path = smollm2_gguf()
@@ -160,7 +162,8 @@ def test_gguf_parsed_once_leaves_a_non_gguf_target_alone():
     import gguf
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    from draftling.target.load import TargetSpec, gguf_parsed_once
+    from draftling.target.gguf import gguf_parsed_once
+    from draftling.target.load import TargetSpec
 
     reader, checkpoint = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
     with gguf_parsed_once(TargetSpec(name="m", path="/some/hf/dir")):

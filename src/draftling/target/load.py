@@ -6,9 +6,6 @@ The default target is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI p
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
 import importlib.util
 import logging
 import os
@@ -34,6 +31,7 @@ from draftling.target.devmap import (
     expand_device_map,
     placement_summary,
 )
+from draftling.target.gguf import gguf_kwargs, gguf_model_kwargs, gguf_parsed_once, quiet_gguf_progress
 
 if TYPE_CHECKING:
     from draftling.config import RunConfig
@@ -239,7 +237,7 @@ def _load_target(
         if quantization and spec.gguf_file:
             model = _quantize_gguf(spec, kwargs)
         else:
-            model = _from_pretrained(spec.path, **kwargs, **_gguf_model_kwargs(spec))
+            model = _from_pretrained(spec.path, **kwargs, **gguf_model_kwargs(spec))
     except (ImportError, ValueError, RuntimeError, NotImplementedError) as e:
         if not place_on_load:
             raise
@@ -348,7 +346,7 @@ def _quantize_gguf(spec: TargetSpec, kwargs: dict):
 
 def _save_dequantized(spec: TargetSpec, dtype, out: Path) -> None:
     """The GGUF target as a plain safetensors checkpoint in ``out`` (weights and config)."""
-    plain = _from_pretrained(spec.path, dtype=dtype, **_gguf_model_kwargs(spec))
+    plain = _from_pretrained(spec.path, dtype=dtype, **gguf_model_kwargs(spec))
     # The weights are plain tensors by now; only the GGUF marker stops save_pretrained.
     plain.hf_quantizer = None
     if hasattr(plain.config, "quantization_config"):
@@ -396,28 +394,12 @@ def load_target_tokenizer(target: str | None = None, chat_template: str | None =
         return TargetTokenizer(spec, _load_tokenizer(spec, chat_template))
 
 
-def _gguf_kwargs(spec: TargetSpec) -> dict:
-    return {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-
-
-def _gguf_model_kwargs(spec: TargetSpec) -> dict:
-    """The model's GGUF arguments. transformers from about 5.24 keeps a GGUF's weights in their
-    quantized blocks where a matmul kernel for them is installed, which the engine's static-cache
-    forward and the CPU weight layout cannot use; ask for the plain dequantized model there."""
-    kwargs = _gguf_kwargs(spec)
-    try:
-        from transformers import GgufConfig
-    except ImportError:  # older: GGUF weights are always dequantized on load
-        return kwargs
-    return dict(kwargs, quantization_config=GgufConfig(dequantize=True)) if kwargs else kwargs
-
-
 def _load_tokenizer(spec: TargetSpec, chat_template: str | None):
     from transformers import AutoTokenizer
 
     if spec.gguf_file and not sys.stderr.isatty():
-        _quiet_gguf_progress()
-    tokenizer = AutoTokenizer.from_pretrained(spec.path, **_gguf_kwargs(spec))
+        quiet_gguf_progress()
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, **gguf_kwargs(spec))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template:
@@ -441,73 +423,12 @@ def _checkpoint_is_quantized(spec: TargetSpec) -> bool:
     return getattr(config, "quantization_config", None) is not None
 
 
-@contextlib.contextmanager
-def gguf_parsed_once(spec: TargetSpec):
-    """While loading a GGUF target, parse the file once instead of three times. For a spec
-    that is not a GGUF file this does nothing.
-
-    transformers reads the GGUF separately for the tokenizer, the config and the weights, and
-    each read rebuilds a ``GGUFReader`` (tens of seconds of pure-Python field parsing for
-    SmolLM2's 49k-token vocab) and, per tensor, a ``TensorNameMap``. Inside this context both
-    are memoized: the reader per path (it only reads its memory map), the name map per
-    (arch, layers), and the metadata-only read (tokenizer and config both ask for it). Same
-    results; the default target loaded in 9.3 s instead of 23.8 s on a 2-core CPU
-    (lab/experiments/gguf_load_and_chunked_prefill.py). Without the ``gguf`` package
-    this does nothing."""
-    if spec.gguf_file is None:
-        yield
-        return
-    try:
-        import gguf
-    except ImportError:
-        yield
-        return
-    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
-
-    def shared_reader(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = original_reader(path, mode)
-        return readers[key]
-
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    original_checkpoint = gguf_utils.load_gguf_checkpoint
-    metadata: dict = {}
-
-    def checkpoint_metadata_once(path, return_tensors=False, **kwargs):
-        if return_tensors or kwargs:
-            return original_checkpoint(path, return_tensors, **kwargs)
-        key = str(Path(path).resolve())
-        if key not in metadata:
-            metadata[key] = original_checkpoint(path, False)
-        return copy.deepcopy(metadata[key])  # callers pop keys from what they get
-
-    gguf.GGUFReader = shared_reader
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
-    gguf_utils.load_gguf_checkpoint = checkpoint_metadata_once
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
-        gguf_utils.load_gguf_checkpoint = original_checkpoint
-
-
-def _quiet_gguf_progress() -> None:
-    # transformers' per-tensor GGUF bar is carriage-return noise in a log file.
-    from tqdm.auto import tqdm
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    gguf_utils.tqdm = functools.partial(tqdm, disable=True)
-
-
 def load_target_config(target: str | None = None):
     """The target's config alone (vocab size, layers), without loading weights."""
     from transformers import AutoConfig
 
     spec = resolve_target(target)
-    return AutoConfig.from_pretrained(spec.path, **_gguf_kwargs(spec))
+    return AutoConfig.from_pretrained(spec.path, **gguf_kwargs(spec))
 
 
 def wrap_target(model, tokenizer, name: str = "in-memory", aux_layer_ids=None) -> Target:
