@@ -167,7 +167,7 @@ def test_a_rerun_takes_the_journals_cpu_weight_layout_not_its_own_timing(tmp_pat
     timed pick a busy machine may answer otherwise: a data rerun lays the target out as the
     journal's first run did."""
     from draftling import hardware
-    from draftling.data.prepare import _pin_cpu_layout
+    from draftling.data.replies import pin_journal_cpu_layout
 
     monkeypatch.setattr(hardware, "_PINNED_LAYOUT", {})
     target = tiny_target
@@ -178,14 +178,14 @@ def test_a_rerun_takes_the_journals_cpu_weight_layout_not_its_own_timing(tmp_pat
     ]
     measured = hardware.column_major_linear_is_faster(torch.float32)
     first = ReplyJournal(tmp_path / ".data.journal", {"a": 1})
-    _pin_cpu_layout(target, first, {torch.float32})
+    pin_journal_cpu_layout(target, first, {torch.float32})
     first.add([{"id": "x", "v": 1}])  # the pick is written with the first reply
     assert all(m.weight.is_contiguous() != measured for m in linears)
     hardware._PINNED_LAYOUT.clear()
     monkeypatch.setattr(hardware, "_time_column_major", lambda dtype: not measured)  # a rerun that times otherwise
-    _pin_cpu_layout(target, ReplyJournal(tmp_path / ".data.journal", {"a": 1}), {torch.float32})
+    pin_journal_cpu_layout(target, ReplyJournal(tmp_path / ".data.journal", {"a": 1}), {torch.float32})
     assert hardware.column_major_linear_is_faster(torch.float32) == measured
     assert all(m.weight.is_contiguous() != measured for m in linears)
     hardware._PINNED_LAYOUT.clear()
-    _pin_cpu_layout(target, ReplyJournal(tmp_path / ".other.journal", {"a": 1}), {torch.float32})
+    pin_journal_cpu_layout(target, ReplyJournal(tmp_path / ".other.journal", {"a": 1}), {torch.float32})
     assert all(m.weight.is_contiguous() == measured for m in linears)  # a new journal: this process's pick

@@ -16,27 +16,32 @@ import dataclasses
 import json
 import logging
 import random
-import time
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 
-from draftling.config import RegenConfig, RunConfig
+from draftling.config import RunConfig
 from draftling.data.journal import ReplyJournal, journal_path
 from draftling.data.prompt_counts import FILE_NAME as PROMPT_COUNTS_FILE
 from draftling.data.prompt_counts import count_prompt_tokens, write_prompt_counts
 from draftling.data.prompts import Conversation, has_tool_calls, is_rollout_turn, rollout_turns
-from draftling.data.regen import RegenRun, regen_dtype, regenerate, regenerate_within, render_prompt_ids
+from draftling.data.regen import render_prompt_ids
+from draftling.data.replies import (
+    SAMPLE_TAG,
+    Regenerated,
+    Reply,
+    max_prompt_tokens,
+    pinned_regen,
+    regenerate_replies,
+)
 from draftling.data.runs import RUN_KEY, run_id
 from draftling.data.sources import load_prompt_spec, read_id_file
 from draftling.data.split import resolve_split_key, split_by_task, task_of
 from draftling.data.states import states_path, write_states
 from draftling.data.template import tokenize_conversation
-from draftling.dtypes import dtype_name
 from draftling.errors import DataError
 from draftling.io import OUTPUT_MARKER, atomic_dir, output_dir_in_use, write_json, write_jsonl
 from draftling.target import Target
-from draftling.target.load import TargetTokenizer, pin_cpu_layout
+from draftling.target.load import TargetTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -168,39 +173,6 @@ def check_data_dir(out_dir: Path) -> None:
         )
 
 
-@dataclass
-class Reply:
-    """One regenerated conversation: its record (replies.jsonl's line, less the split and the
-    run), the split it went to, and, where regeneration kept them, the target's states at the
-    tokens it was fed: (fed ids, aux, final)."""
-
-    record: dict
-    split: str
-    states: tuple | None = None
-
-    @classmethod
-    def of(cls, record: dict, split: str) -> Reply:
-        """From a record as regenerate() (or the journal) yields it: states under "_states"."""
-        record = dict(record)
-        states = record.pop("_states", None)
-        return cls(record, split, states)
-
-    def line(self, run: str | None) -> dict:
-        return {**self.record, "split": self.split, **({RUN_KEY: run} if run is not None else {})}
-
-
-@dataclass
-class Regenerated:
-    """The replies, and how they were made: by ``server`` (None: the target itself); under a
-    time budget, the budget's report and how many validation prompts were too long."""
-
-    replies: list[Reply]
-    server: object = None
-    budget: dict | None = None
-    val_skipped: int | None = None
-    offered: int = 0  # prompts handed to regeneration (rollouts: assistant turns)
-
-
 def prepare_data(
     cfg: RunConfig,
     target: Target | TargetTokenizer,
@@ -218,41 +190,24 @@ def prepare_data(
     out_dir = Path(out_dir)
     check_data_dir(out_dir)
     dc = cfg.data
-    context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
-    if context and dc.max_tokens > context:
-        raise DataError(
-            f"data.max_tokens={dc.max_tokens} is over {target.spec.name}'s context of {context} "
-            "positions (max_position_embeddings): its replies there would be garbage"
-        )
+    _check_context(dc, target)
     pool: list[Conversation] = []
     convs, excluded = load_prompt_files(cfg, pool)
-    if dc.exclude or dc.exclude_ids:
-        log.info(
-            f"data: excluded {excluded} conversations that share an id or a user turn with "
-            f"{', '.join(dc.exclude + dc.exclude_ids)}"
-        )
+    _log_excluded(dc, excluded)
     journal = ReplyJournal(journal_path(out_dir), journal_settings(cfg, target, regen_seconds is not None))
-    local = _pinned_regen(dc, target, journal)
+    local = pinned_regen(dc, target, journal)
     split_key, why = resolve_split_key(convs, dc.split_key)
     train_convs, val_convs = split_by_task(convs, dc.val_fraction, seed=dc.seed, key=split_key)
     turns = None
     if dc.rollouts:  # after the split: every turn of a conversation stays on its task's side
-        turns = {"prompt_limit": max_prompt_tokens(dc)}
-        train_convs, val_convs = (
-            rollout_prompts(target.tokenizer, side, dc, turns) for side in (train_convs, val_convs)
-        )
-        log.info(
-            f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate "
-            f"({turns['over_limit']} of {turns['turns']} over the {turns['prompt_limit']}-token prompt limit"
-            f"{', ' + str(turns['sampled_out']) + ' left out by data.rollout_max_turns' if turns['sampled_out'] else ''})"
-        )
+        train_convs, val_convs, turns = _rollouts(target, dc, train_convs, val_convs)
     log.info(
         f"data: {len(convs)} prompts from {len(dc.prompts)} files -> {len(train_convs)} train / "
         f"{len(val_convs)} val (split by {split_key}: {why})"
     )
     if local is not None and replies is not None:
         local = replace(local, replies=replies)
-    regenerated = _regenerate(dc, target, journal, local, (train_convs, val_convs), regen_seconds)
+    regenerated = regenerate_replies(dc, target, journal, local, (train_convs, val_convs), regen_seconds)
     replies = regenerated.replies
     run = run_id([r.record for r in replies], journal.settings)
     # The directory is built aside and swapped in whole: a killed rerun leaves the earlier
@@ -277,9 +232,34 @@ def prepare_data(
     return summary
 
 
-def max_prompt_tokens(dc) -> int:
-    """The longest prompt regenerated: room is left for a reply inside the sequence cap."""
-    return max(1, dc.max_tokens - dc.regen.max_new_tokens)
+def _log_excluded(dc, excluded: int) -> None:
+    if dc.exclude or dc.exclude_ids:
+        log.info(
+            f"data: excluded {excluded} conversations that share an id or a user turn with "
+            f"{', '.join(dc.exclude + dc.exclude_ids)}"
+        )
+
+
+def _check_context(dc, target) -> None:
+    """Refuse data.max_tokens over the target's context (where its config says it)."""
+    context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if context and dc.max_tokens > context:
+        raise DataError(
+            f"data.max_tokens={dc.max_tokens} is over {target.spec.name}'s context of {context} "
+            "positions (max_position_embeddings): its replies there would be garbage"
+        )
+
+
+def _rollouts(target, dc, train_convs: list[Conversation], val_convs: list[Conversation]):
+    """Each side's prompts as rollout turns (rollout_prompts), and the tally of turns."""
+    turns = {"prompt_limit": max_prompt_tokens(dc)}
+    train_convs, val_convs = (rollout_prompts(target.tokenizer, side, dc, turns) for side in (train_convs, val_convs))
+    log.info(
+        f"data: rollouts: {len(train_convs)} train / {len(val_convs)} val assistant turns to regenerate "
+        f"({turns['over_limit']} of {turns['turns']} over the {turns['prompt_limit']}-token prompt limit"
+        f"{', ' + str(turns['sampled_out']) + ' left out by data.rollout_max_turns' if turns['sampled_out'] else ''})"
+    )
+    return train_convs, val_convs, turns
 
 
 def rollout_prompts(tokenizer, convs: list[Conversation], dc, tally: dict) -> list[Conversation]:
@@ -302,129 +282,6 @@ def rollout_prompts(tokenizer, convs: list[Conversation], dc, tally: dict) -> li
         ):
             tally[key] = tally.get(key, 0) + n
         out.extend(kept)
-    return out
-
-
-@dataclass(frozen=True)
-class _LocalRegen:
-    """data.regen for the loaded target, its dtype resolved and pinned in the journal."""
-
-    cfg: RegenConfig
-    one_pass: bool  # that dtype is the target's own: validation's replies need no pass of their own
-    replies: object = None  # RegenRun.replies: the batched engine's, or None for HF generate
-
-
-def _pinned_regen(dc, target, journal: ReplyJournal) -> _LocalRegen | None:
-    """None when the replies come from a server or there is no model to write them.
-
-    Resolved once and pinned in the journal: bfloat16_if_fast is a timed probe, which a busy
-    machine could answer otherwise on a rerun, and replies of two dtypes must not mix. A bad
-    data.regen.dtype fails here, before anything is written."""
-    if not isinstance(target, Target) or dc.regen.server_url:
-        return None
-    name = journal.pinned("regen_dtype", lambda: dtype_name(regen_dtype(target, dc.regen)))
-    regen_cfg = replace(dc.regen, dtype=name)
-    _pin_cpu_layout(target, journal, {target.model.dtype, regen_dtype(target, regen_cfg)})
-    return _LocalRegen(regen_cfg, regen_dtype(target, regen_cfg) == target.model.dtype)
-
-
-def _pin_cpu_layout(target: Target, journal: ReplyJournal, dtypes) -> None:
-    """The CPU weight layouts (target.load.pin_cpu_layout), pinned in the journal like the dtype."""
-    kept = journal.pinned("cpu_column_major", dict)
-    kept.update(pin_cpu_layout(target, dtypes, kept))
-
-
-def _regenerate(
-    dc,
-    target,
-    journal: ReplyJournal,
-    local: _LocalRegen | None,
-    splits: tuple[list[Conversation], list[Conversation]],
-    regen_seconds: float | None,
-) -> Regenerated:
-    """The replies to the (train, val) prompts of ``splits``, from data.regen.server_url's
-    server or from the target itself."""
-    train_convs, val_convs = splits
-    max_prompt = max_prompt_tokens(dc)
-    out = Regenerated([], offered=len(train_convs) + len(val_convs))
-    if dc.regen.server_url:
-        from draftling.data.openai_client import ChatServer, regenerate_via_server
-
-        out.server = server = ChatServer.from_config(dc.regen)
-        log.info(f"data: replies from {server.base_url} ({server.model})")
-        if dc.keep_teacher_states:
-            log.info(
-                "data: data.keep_teacher_states is ignored: a server's replies come without the "
-                "target's states, so training will run the target"
-            )
-
-        def via_server(convs, cfg):
-            return regenerate_via_server(
-                target.tokenizer, convs, cfg, max_prompt_tokens=max_prompt, server=server, journal=journal
-            )
-
-        records = list(via_server(train_convs + val_convs, dc.regen))
-        records += sampled_replies(via_server, train_convs, dc.regen)
-    elif local is not None:
-        regen = partial(
-            regenerate,
-            target,
-            run=RegenRun(
-                max_prompt_tokens=max_prompt, keep_states=dc.keep_teacher_states, journal=journal, replies=local.replies
-            ),
-        )
-        as_served = replace(dc.regen, dtype=None)  # the target as served, for validation's replies
-        if regen_seconds is not None:
-            t0 = time.perf_counter()
-            val_records = list(regen(val_convs, as_served))
-            out.val_skipped = len(val_convs) - len(val_records)
-            out.budget = budget = {"seconds": round(regen_seconds, 1), "val_s": round(time.perf_counter() - t0, 1)}
-            records = (
-                list(
-                    regenerate_within(
-                        partial(regen, cfg=local.cfg),
-                        train_convs,
-                        dc.regen.batch_size,
-                        t0 + regen_seconds,
-                        dc.seed,
-                        budget,
-                    )
-                )
-                + val_records
-            )
-            budget["used_s"] = round(time.perf_counter() - t0, 1)
-        elif local.one_pass:
-            records = list(regen(train_convs + val_convs, local.cfg))
-        else:  # training replies from the faster copy
-            records = list(regen(train_convs, local.cfg)) + list(regen(val_convs, as_served))
-        if regen_seconds is None:  # a time budget spends itself on distinct prompts first
-            records += sampled_replies(regen, train_convs, local.cfg)
-    else:
-        raise DataError(
-            f"{target.spec.name}: only its tokenizer is loaded; regenerating replies needs "
-            "the model or a server (data.regen.server_url)"
-        )
-    if not records:
-        raise DataError(
-            f"no prompt of {', '.join(dc.prompts)} could be regenerated: every one is over the "
-            f"{max_prompt}-token prompt limit (data.max_tokens - data.regen.max_new_tokens)"
-        )
-    val_ids = {c.id for c in val_convs}
-    out.replies = [Reply.of(r, "val" if r["id"] in val_ids else "train") for r in records]
-    return out
-
-
-SAMPLE_TAG = "#sample"  # a sampled reply's id: the prompt's, then this and k
-
-
-def sampled_replies(regen, convs: list[Conversation], cfg: RegenConfig) -> list[dict]:
-    """The further replies of data.regen.samples_per_prompt: pass k (1..N-1) samples every prompt
-    of ``convs`` again at sample_temperature with seed + k, under the id PROMPT#samplek.
-    ``regen(convs, cfg)``: the replies of one pass."""
-    out: list[dict] = []
-    for k in range(1, cfg.samples_per_prompt):
-        copies = [dataclasses.replace(c, id=f"{c.id}{SAMPLE_TAG}{k}") for c in convs]
-        out += regen(copies, replace(cfg, temperature=cfg.sample_temperature, seed=cfg.seed + k))
     return out
 
 
