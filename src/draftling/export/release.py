@@ -155,6 +155,26 @@ def model_card(
     """``fp``: the target fingerprint the export records (None: it records none)."""
     result = json.loads((run / "train_result.json").read_text()) if (run / "train_result.json").is_file() else {}
     lines = [
+        *_card_head(spec, fp, serving),
+        "## Training",
+        "",
+        *_data_lines(run),
+        f"- steps: {result.get('steps', '?')}; validation: "
+        + ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in (result.get("val") or {}).items()
+            if isinstance(v, (int, float))
+        ),
+        "",
+    ]
+    lines += _bench_section(bench) + _served_section(served)
+    lines += _serving_section(serving)
+    return "\n".join(lines)
+
+
+def _card_head(spec: ReleaseSpec, fp: dict | None, serving: dict) -> list[str]:
+    """The card's front matter, what the head is, and its target."""
+    return [
         "---",
         f"base_model: {spec.target_id}",
         "library_name: draftling",
@@ -184,19 +204,12 @@ def model_card(
         ),
         f"- context length of the head's config: {serving['max_position_embeddings']} positions",
         "",
-        "## Training",
-        "",
-        *_data_lines(run),
-        f"- steps: {result.get('steps', '?')}; validation: "
-        + ", ".join(
-            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in (result.get("val") or {}).items()
-            if isinstance(v, (int, float))
-        ),
-        "",
     ]
-    lines += _bench_section(bench) + _served_section(served)
-    lines += [
+
+
+def _serving_section(serving: dict) -> list[str]:
+    """How to serve it: vLLM's command and speculative_config, SGLang's command."""
+    return [
         "## Serving",
         "",
         f"Config: {serving['chosen_by']}. vLLM's EAGLE-3 drafts a chain, so its line "
@@ -221,7 +234,6 @@ def model_card(
         "```",
         "",
     ]
-    return "\n".join(lines)
 
 
 def _data_lines(run: Path) -> list[str]:

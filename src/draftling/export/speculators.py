@@ -73,18 +73,7 @@ def export_speculators(
     export_sglang takes them.
     """
     w = ExportWeights(**weights)
-    if not verifier_name_or_path:
-        raise DraftlingError("export_speculators needs verifier_name_or_path (the target model)")
-    if (
-        not isinstance(verifier_architectures, (list, tuple))
-        or not verifier_architectures
-        or not all(isinstance(a, str) and a for a in verifier_architectures)
-    ):
-        raise DraftlingError(
-            f"verifier_architectures must be a non-empty list of names, got {verifier_architectures!r}"
-        )
-    if int(speculative_tokens) < 1:
-        raise DraftlingError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    _check_verifier(verifier_name_or_path, verifier_architectures, speculative_tokens)
     check_draft(draft, target_config, w.include_embedding, w.embedding)
     ids = [int(i) for i in draft.config.eagle_aux_hidden_state_layer_ids]
     dt = resolve_dtype(w.dtype)
@@ -124,3 +113,19 @@ def export_speculators(
         "torch_dtype": weights_dtype,
     }
     return write_export(out_dir, cfg, tensors)
+
+
+def _check_verifier(verifier_name_or_path: str, verifier_architectures, speculative_tokens) -> None:
+    """Refuse a missing verifier, architectures that are not a list of names, or < 1 token."""
+    if not verifier_name_or_path:
+        raise DraftlingError("export_speculators needs verifier_name_or_path (the target model)")
+    if (
+        not isinstance(verifier_architectures, (list, tuple))
+        or not verifier_architectures
+        or not all(isinstance(a, str) and a for a in verifier_architectures)
+    ):
+        raise DraftlingError(
+            f"verifier_architectures must be a non-empty list of names, got {verifier_architectures!r}"
+        )
+    if int(speculative_tokens) < 1:
+        raise DraftlingError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
