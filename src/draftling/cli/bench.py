@@ -57,8 +57,6 @@ def add_parser(sub) -> None:
 
 def _release_group(p: argparse.ArgumentParser) -> list[argparse.Action]:
     """The release bench's flags, --release first; returns those that apply only with it."""
-    from draftling.config import BENCH_CHOICES
-
     r = p.add_argument_group(
         "release bench",
         "per-workload speedup on a fixed prompt set, with HF "
@@ -71,6 +69,13 @@ def _release_group(p: argparse.ArgumentParser) -> list[argparse.Action]:
         help="run the release bench instead of the simple "
         "one (default configs chain-3-1-4,tree-3-4-8,tree-5-8-16; 256 new tokens)",
     )
+    return [*_release_run_flags(r), *_release_output_flags(r)]
+
+
+def _release_run_flags(r) -> list[argparse.Action]:
+    """What the release bench runs: the prompt set, the baselines and the engine."""
+    from draftling.config import BENCH_CHOICES
+
     return [
         r.add_argument("--prompt-set", help="built-in prompt set name (v1, the default) or a jsonl path"),
         r.add_argument(
@@ -101,6 +106,12 @@ def _release_group(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "plain output). Default auto: exact on CUDA (the unpadded plain reference: matmul), "
             "sdpa on CPU",
         ),
+    ]
+
+
+def _release_output_flags(r) -> list[argparse.Action]:
+    """The concurrency sweep and where the results go."""
+    return [
         r.add_argument(
             "--concurrency",
             metavar="LEVELS",

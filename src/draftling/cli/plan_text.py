@@ -25,6 +25,19 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
         "",
         f"  {'GiB':>43}",
     ]
+    lines += _estimate_table(plan)
+    lines += _verdict_lines(plan)
+    if max_batch == 0:
+        lines.append(f"no batch size fits at seq {plan['seq']}")
+    elif max_batch is not None:
+        lines.append(f"largest batch size that fits at seq {plan['seq']}: {max_batch}")
+    return "\n".join(lines)
+
+
+def _estimate_table(plan: dict) -> list[str]:
+    """The estimate's rows in GiB, its total against the GPU's memory, phases and host state."""
+    est = plan["estimate"]
+    lines: list[str] = []
     rows = [
         ("teacher weights", est["teacher_weights"]),
         ("draft params", est["draft_params"]),
@@ -53,6 +66,13 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
     if plan["split"]:
         lines.append(split_line(plan["split"]))
     lines.append("")
+    return lines
+
+
+def _verdict_lines(plan: dict) -> list[str]:
+    """Whether it fits, and with a split teacher that does not, what would."""
+    est = plan["estimate"]
+    lines: list[str] = []
     need = (est["total"] + plan["reserve"]) / GIB
     if plan["fits"]:
         lines.append(
@@ -76,11 +96,7 @@ def format_plan(plan: dict, target_name: str, max_batch: int | None = None) -> s
             f"to fit, keep at most ~{cap:.1f} GiB of the teacher on cuda:{split.training_device}: "
             f"max_memory={{{split.training_device}: {cap:.1f}GiB, cpu: ...}}"
         )
-    if max_batch == 0:
-        lines.append(f"no batch size fits at seq {plan['seq']}")
-    elif max_batch is not None:
-        lines.append(f"largest batch size that fits at seq {plan['seq']}: {max_batch}")
-    return "\n".join(lines)
+    return lines
 
 
 def split_line(split: TeacherSplit) -> str:

@@ -36,6 +36,12 @@ def add_parser(sub) -> None:
     )
     add_common(p)
     add_device_map_flag(p)
+    _add_run_dir_flags(p)
+    _add_start_flags(p)
+
+
+def _add_run_dir_flags(p) -> None:
+    """The data it trains on and the run directory: where, and resumed or started over."""
     p.add_argument("--data", required=True, help="directory written by `draftling data`")
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
     p.add_argument("--run-dir", required=True, help="run directory (config, metrics, checkpoints)")
@@ -56,6 +62,10 @@ def add_parser(sub) -> None:
         "run (its checkpoints, draft and metrics are removed); without it, or --resume, such a "
         "directory is refused",
     )
+
+
+def _add_start_flags(p) -> None:
+    """What the head starts from, where the teacher's outputs come from, processes, stopping."""
     p.add_argument(
         "--init-from",
         metavar="DIR",

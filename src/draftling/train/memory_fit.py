@@ -239,20 +239,7 @@ def plan_run(
         if split
         else teacher_weight_bytes(target_config, embed_dtype, quantization, teacher_bits)
     )
-    tc, policy, options = cfg.train, "as configured", None
-    if tc.memory_policy == "auto":
-        # The trainer's rule, with the memory free after loading the teacher taken as the GPU's
-        # size less the teacher's weights.
-        fast = fast_settings_fit(
-            tc,
-            shape,
-            batch,
-            gpu_bytes - weights - RESERVE_FIXED_BYTES,
-            lambda fast: (resolve_options(fast, gpu_bytes, shape.num_params(), embed_dtype), seq),
-        )
-        if fast.fits:
-            tc, policy, options = fast.config, "fast (memory_policy auto: it fits without recompute)", fast.options
-    options = options or resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
+    policy, options = _planned_options(cfg.train, shape, batch, seq, gpu_bytes, weights, embed_dtype)
     forward = 0 if offline else teacher_forward_bytes(target_config, batch, seq, shape.draft_vocab, embed_dtype)
     forward += split.streamed if split and not offline else 0
     est = estimate_train_memory(
@@ -282,6 +269,25 @@ def plan_run(
         "teacher_dtype": embed_dtype,
         "split": split,
     }
+
+
+def _planned_options(tc, shape: DraftShape, batch: int, seq: int, gpu_bytes: int, weights: int, embed_dtype: str):
+    """The memory policy's name and the resolved memory options the run would train with."""
+    policy, options = "as configured", None
+    if tc.memory_policy == "auto":
+        # The trainer's rule, with the memory free after loading the teacher taken as the GPU's
+        # size less the teacher's weights.
+        fast = fast_settings_fit(
+            tc,
+            shape,
+            batch,
+            gpu_bytes - weights - RESERVE_FIXED_BYTES,
+            lambda fast: (resolve_options(fast, gpu_bytes, shape.num_params(), embed_dtype), seq),
+        )
+        if fast.fits:
+            tc, policy, options = fast.config, "fast (memory_policy auto: it fits without recompute)", fast.options
+    options = options or resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
+    return policy, options
 
 
 def largest_fitting_batch(
