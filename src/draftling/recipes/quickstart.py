@@ -154,14 +154,7 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     done("data")
 
     stage("vocab")
-    vocab = build_vocab_file(
-        data_dir / "train.jsonl",
-        target.config.vocab_size,
-        cfg.vocab.size,
-        data_dir / "vocab.safetensors",
-        prompt_weight=cfg.vocab.prompt_weight,
-    )
-    log.info(f"vocab: {vocab.size} tokens, coverage {vocab.coverage:.1%} of loss tokens")
+    _vocab(cfg, target, data_dir)
     done("vocab")
 
     stage("train")
@@ -182,6 +175,18 @@ def quickstart(out: str | Path, config: str = "quickstart_cpu", overrides: list[
     write_json(out / "summary.json", summary)
     print("\n" + "\n".join(f"{k:<20} {v}" for k, v in summary.items() if k not in ("caveats",)))
     return summary
+
+
+def _vocab(cfg, target, data_dir: Path) -> None:
+    """The draft vocab from the training split, written beside the data."""
+    vocab = build_vocab_file(
+        data_dir / "train.jsonl",
+        target.config.vocab_size,
+        cfg.vocab.size,
+        data_dir / "vocab.safetensors",
+        prompt_weight=cfg.vocab.prompt_weight,
+    )
+    log.info(f"vocab: {vocab.size} tokens, coverage {vocab.coverage:.1%} of loss tokens")
 
 
 def _summary(
@@ -230,20 +235,18 @@ def _summary(
         "stage_seconds": timings,
         "wall_s": round(time.perf_counter() - t0, 1),
         # What the budget planned from this machine's measurements, against what was used.
-        **(
-            {
-                "budget": {
-                    "minutes": cfg.wall_minutes,
-                    "plan": plan.as_dict(),
-                    "regen": data_summary.get("regen_budget"),
-                    "train_max_s": round(60 * cfg.train.max_minutes, 1),
-                    "train_used_s": round(train_result["train_wall_s"], 1),
-                    "train_steps_ceiling": train_result.get("steps_ceiling"),
-                }
-            }
-            if plan
-            else {}
-        ),
+        **({"budget": _budget(cfg, plan, data_summary, train_result)} if plan else {}),
         "config": config,
         "caveats": bench["caveats"],
+    }
+
+
+def _budget(cfg, plan: BudgetPlan, data_summary: dict, train_result: dict) -> dict:
+    return {
+        "minutes": cfg.wall_minutes,
+        "plan": plan.as_dict(),
+        "regen": data_summary.get("regen_budget"),
+        "train_max_s": round(60 * cfg.train.max_minutes, 1),
+        "train_used_s": round(train_result["train_wall_s"], 1),
+        "train_steps_ceiling": train_result.get("steps_ceiling"),
     }
