@@ -1,11 +1,11 @@
 """The release bench's results: the JSON contract (see bench/release.py's docstring) assembled
-from what a run measured, with the cost account and the per-round phase split."""
+from what a run measured, with the cost account and the per-round phase split. ``run`` is
+bench/release.py's _Run (not imported here: release.py imports this module)."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from draftling import __version__
 from draftling.bench.manifest import command_line, device_slug, draft_label
@@ -13,9 +13,6 @@ from draftling.bench.release_options import BASELINES
 from draftling.bench.report import ROUND_PHASES, release_caveats
 from draftling.bench.simple import DecodeConfig
 from draftling.dtypes import dtype_name
-
-if TYPE_CHECKING:
-    from draftling.bench.release import _Run
 
 RESULT_KEYS = (
     "date",
@@ -44,7 +41,7 @@ class Measured:
     sampled: dict = field(default_factory=dict)  # temperature -> config -> per-workload figures
 
 
-def sampled_config(run: _Run, rows: list[dict], name: str) -> dict:
+def sampled_config(run, rows: list[dict], name: str) -> dict:
     per_w = {}
     for w in run.workloads:
         rs = [r for r in rows if r["workload"] == w]
@@ -85,7 +82,7 @@ def _tok_s(rows: list[dict], key: str) -> float:
     return tokens / secs
 
 
-def assemble_results(run: _Run, m: Measured) -> dict:
+def assemble_results(run, m: Measured) -> dict:
     """The results dict (the JSON contract) of a run and what it measured."""
     # Speedups are against the faster plain engine: padded (the identity reference) or not.
     both = "engine_plain_unpadded" in m.rows[0]
@@ -113,7 +110,7 @@ def assemble_results(run: _Run, m: Measured) -> dict:
     return results
 
 
-def _baselines(run: _Run, m: Measured, ref: str) -> tuple[dict, dict]:
+def _baselines(run, m: Measured, ref: str) -> tuple[dict, dict]:
     """tok/s and details per baseline; None for those not run."""
     rows, cap = m.rows, run.opts.max_new_tokens
     base, details = dict.fromkeys(BASELINES), dict.fromkeys(BASELINES)
@@ -155,7 +152,7 @@ def _baselines(run: _Run, m: Measured, ref: str) -> tuple[dict, dict]:
     return base, details
 
 
-def _config_results(run: _Run, m: Measured, c: DecodeConfig, ref: str, plain_tok_s: dict) -> dict:
+def _config_results(run, m: Measured, c: DecodeConfig, ref: str, plain_tok_s: dict) -> dict:
     rows, name = m.rows, c.name
     per_w = {}
     for w in run.workloads:

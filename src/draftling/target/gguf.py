@@ -1,5 +1,6 @@
 """GGUF targets in transformers: the loading arguments of a GGUF file, and the file parsed once
-per load instead of three times (``gguf_parsed_once``). target/load.py loads them."""
+per load instead of three times (``gguf_parsed_once``). target/load.py loads them; ``spec`` is its
+TargetSpec (not imported here: load.py imports this module)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,13 @@ import contextlib
 import copy
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from draftling.target.load import TargetSpec
 
 
-def gguf_kwargs(spec: TargetSpec) -> dict:
+def gguf_kwargs(spec) -> dict:
     return {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
 
 
-def gguf_model_kwargs(spec: TargetSpec) -> dict:
+def gguf_model_kwargs(spec) -> dict:
     """The model's GGUF arguments. transformers from about 5.24 keeps a GGUF's weights in their
     quantized blocks where a matmul kernel for them is installed, which the engine's static-cache
     forward and the CPU weight layout cannot use; ask for the plain dequantized model there."""
@@ -30,7 +27,7 @@ def gguf_model_kwargs(spec: TargetSpec) -> dict:
 
 
 @contextlib.contextmanager
-def gguf_parsed_once(spec: TargetSpec):
+def gguf_parsed_once(spec):
     """While loading a GGUF target, parse the file once instead of three times. For a spec
     that is not a GGUF file this does nothing.
 
