@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 ${PYTHON:-python3} -m ruff check src tests scripts lab
+${PYTHON:-python3} -m ruff format --check src tests scripts lab
+# Types on the package (pyproject's [tool.mypy]: modules listed there are not yet checked).
+${PYTHON:-python3} -m mypy
 # One worker per core, a test module to a worker (its module fixtures built once): on a 2-core
 # EPYC without AVX512 the suite took 21.5 min in one process and 13.1 min in two (2026-12-03).
 rc=0
