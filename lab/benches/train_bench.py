@@ -52,6 +52,7 @@ from draftling.bench.manifest import device_name, manifest_fields
 from draftling.config import RunConfig, TrainConfig
 from draftling.data.tokenized import TokenizedExample
 from draftling.draft.vocab import build_vocab
+from draftling.dtypes import dtype_name
 from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
 from draftling.train.batches import BatchSource, train_step
@@ -577,7 +578,7 @@ def throughput_path(
     profiled = profile_step(lambda: timed_step(run, batch_keys[-1], []), device) if profile else None
     split_step_s = sum(mean[:3])
     about = {
-        "draft_dtype": str(dtype).replace("torch.", ""),
+        "draft_dtype": dtype_name(dtype),
         "optimizer_offload": run.offload,
         "memory_options": mem_opts,
         "teacher_compiled": compile_teacher(tc, device, target.model),
@@ -717,7 +718,7 @@ def manifest_config(settings: Settings, device: torch.device, target, phases) ->
     out: they are the results'), the phases, the device and the throughput teacher."""
     record = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name != "caveats"}
     record["shape"] = dataclasses.asdict(settings.shape)
-    record["aux_dtype"] = str(settings.aux_dtype).removeprefix("torch.")
+    record["aux_dtype"] = dtype_name(settings.aux_dtype)
     spec = getattr(target, "spec", None)
     return {
         "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in record.items()},

@@ -36,19 +36,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from draftling.dtypes import dtype_bytes, dtype_name
+
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 # Bytes per (row x draft-vocab entry) of one loss chunk at its widest: eager, four fp32
 # [C, V_draft] tensors (logits, log-softmax, teacher softmax, product); compiled, the head's
 # logits and their gradient in the draft dtype plus one fp32 buffer (EXTRA).
 EAGER_CHUNK_BYTES = 16
 COMPILED_CHUNK_EXTRA_BYTES = 4
-
-
-def _dtype_bytes(name: str) -> int:
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
 
 
 @dataclass(frozen=True)
@@ -140,7 +135,7 @@ class MemoryOptions:
         dtypes may be torch dtypes or their names."""
 
         def name(dtype) -> str:
-            return str(dtype).replace("torch.", "")
+            return dtype if isinstance(dtype, str) else dtype_name(dtype)
 
         return cls(
             optimizer_offload=bool(optimizer_offload),
@@ -247,7 +242,7 @@ class _Sizes:
     def __init__(self, step: TrainStep, options: MemoryOptions):
         s = self.s = step.shape
         self.step, self.o = step, options
-        self.a, self.e = _dtype_bytes(options.draft_dtype), _dtype_bytes(options.embed_dtype)
+        self.a, self.e = dtype_bytes(options.draft_dtype), dtype_bytes(options.embed_dtype)
         self.S, self.T, self.batch = step.ttt_steps, step.seq, step.batch
         self.H, self.I, self.Ht, self.Vd = s.hidden, s.intermediate, s.ht, s.draft_vocab
         self.nh, self.q, self.kv = s.heads, s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -457,5 +452,4 @@ __all__ = [
     "estimate_train_memory",
     "estimate_step_memory",
     "GIB",
-    "DTYPE_BYTES",
 ]

@@ -15,7 +15,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from draftling.train.memory import DTYPE_BYTES, GIB, DraftShape, MemoryOptions, _dtype_bytes, estimate_train_memory
+from draftling.dtypes import DTYPES, dtype_bytes, dtype_name
+from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
 
 # Bits per quantized weight including scales (e.g. nf4 with blockwise absmax ~ 4.5).
 QUANT_BITS = {"bnb-4bit": 4.5, "quanto-int4": 4.5, "bnb-8bit": 8.5, "quanto-int8": 8.5, "torchao-int8": 8.5}
@@ -78,7 +79,7 @@ def teacher_weight_bytes(config, dtype: str, quantization: str | None = None, bi
     on-load quantization) or ``bits`` set the bits of the decoder weights; the embedding and
     output head stay in ``dtype`` (the quantizers skip them)."""
     counts = target_param_counts(config)
-    dense = _dtype_bytes(dtype)
+    dense = dtype_bytes(dtype)
     bits = _decoder_bits(quantization, bits)
     if bits is None:
         return sum(counts.values()) * dense
@@ -121,7 +122,7 @@ def teacher_split(cfg, target_config, gpu_bytes: int, bits: float | None = None)
     from draftling.target.devmap import empty_model, expand_device_map, infer_device_map
     from draftling.target.load import DTYPES
 
-    dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
+    dtype = cfg.dtype if cfg.dtype in DTYPES else "float32"
     gpu = device_name(cfg.device, "device") if str(cfg.device).startswith("cuda") else 0
     model = empty_model(target_config, DTYPES[dtype])
     device_map = device_map_value(cfg.device_map)
@@ -140,7 +141,7 @@ def teacher_split(cfg, target_config, gpu_bytes: int, bits: float | None = None)
     by_device: dict = {}
     by_module: dict = {}
     for name, p in model.named_parameters():
-        size = int(p.numel() * (bits / 8 if bits is not None and id(p) in layers else _dtype_bytes(dtype)))
+        size = int(p.numel() * (bits / 8 if bits is not None and id(p) in layers else dtype_bytes(dtype)))
         by_device[placed[name]] = by_device.get(placed[name], 0) + size
         if placed[name] in ("cpu", "disk"):
             by_module[name.rpartition(".")[0]] = by_module.get(name.rpartition(".")[0], 0) + size
@@ -152,7 +153,7 @@ def teacher_forward_bytes(config, batch: int, seq: int, draft_vocab: int, dtype:
     """Working memory of ``teacher_forward`` (no grad, no KV cache): one decoder layer's
     temporaries, or the output head's chunk of full-vocab logits and the draft-vocab rows."""
     c = getattr(config, "text_config", None) or config
-    e = _dtype_bytes(dtype)
+    e = dtype_bytes(dtype)
     tok = batch * seq
     nh = c.num_attention_heads
     d = _first(c, "head_dim", default=c.hidden_size // nh)
@@ -204,7 +205,7 @@ def resolve_options(tc, gpu_bytes: int, n_params: int, embed_dtype: str) -> Memo
     offload = optimizer_offload(tc, "cuda", n_params, device_bytes=gpu_bytes)
     dtype = draft_param_dtype(tc, "cuda", n_params, device_bytes=gpu_bytes)
     mem = memory_options(tc, "cuda", param_dtype=dtype)
-    draft_dtype = str(dtype).removeprefix("torch.")
+    draft_dtype = dtype_name(dtype)
     return MemoryOptions.from_unroll_options(
         mem,
         optimizer_offload=offload,
@@ -227,7 +228,7 @@ def plan_run(
 ) -> dict:
     """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``. With
     ``cfg.device_map`` only the teacher's share on that GPU counts (``split``: computed if None)."""
-    embed_dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"
+    embed_dtype = cfg.dtype if cfg.dtype in DTYPES else "float32"
     shape = DraftShape.from_config(target_config, cfg.vocab.size, cfg.draft.window)
     if cfg.draft.intermediate_size:  # the draft's own MLP width (lab/configs/gpu_smollm2.yaml: 4096)
         shape = dataclasses.replace(shape, intermediate=cfg.draft.intermediate_size)

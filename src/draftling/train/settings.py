@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from draftling.config import TrainConfig
-from draftling.dtypes import DTYPES
+from draftling.dtypes import DTYPES, dtype_name
 from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.target.quant import has_plain_weights
 from draftling.train.attention import FLEX_BLOCK_SIZE, flex_usable
@@ -135,4 +135,4 @@ def recorded_compute_dtype(unroll: UnrollOptions, param_dtype: torch.dtype | Non
     without autocast computes in bfloat16 while its resolved setting reads "float32")."""
     if unroll.autocast:
         return unroll.autocast
-    return "float32" if param_dtype is None else str(param_dtype).replace("torch.", "")
+    return "float32" if param_dtype is None else dtype_name(param_dtype)
