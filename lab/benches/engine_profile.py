@@ -41,6 +41,7 @@ from draftling.engine import (
     speculative_generate,
 )
 from draftling.io import write_json
+from draftling.timing import timed
 
 # SmolLM2-135M-Instruct's shape (its config.json).
 SMOLLM2 = dict(
@@ -90,26 +91,13 @@ def random_models(device, dtype, shape=SMOLLM2, draft_vocab=32000, seed=0):
     return model, draft.to(device=device, dtype=dtype).eval(), aux
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(device, fn):
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - t0
-
-
 def forward_ms(target, q, ctx, device, reps):
     ids = torch.full((1, q), 17, dtype=torch.long, device=device)
     pos = ctx + torch.arange(q, device=device)
     mask = causal_mask(ctx, q, target.max_seq_len, device)
     for _ in range(3):
         target.fast(ids, pos, pos, mask)
-    times = [timed(device, lambda: target.fast(ids, pos, pos, mask))[1] for _ in range(reps)]
+    times = [timed(lambda: target.fast(ids, pos, pos, mask), device)[1] for _ in range(reps)]
     return statistics.median(times) * 1e3
 
 
@@ -131,7 +119,7 @@ def profile_variant(model, draft, aux, variant, device, prompts, new_tokens, max
     }
     plain_tokens, plain_s, refs = 0, 0.0, []
     for x in prompts:
-        out, s = timed(device, lambda: greedy_generate(target, x, new_tokens))
+        out, s = timed(lambda: greedy_generate(target, x, new_tokens), device)
         refs.append(out[0].tolist())
         plain_tokens += out.shape[1]
         plain_s += s
@@ -141,7 +129,7 @@ def profile_variant(model, draft, aux, variant, device, prompts, new_tokens, max
     for steps, topk, q in CONFIGS:
         same, rounds, secs = 0, 0, 0.0
         for x, ref in zip(prompts, refs):
-            (out, stats), s = timed(device, lambda: speculative_generate(target, runner, x, new_tokens, steps, topk, q))
+            (out, stats), s = timed(lambda: speculative_generate(target, runner, x, new_tokens, steps, topk, q), device)
             same += out[0].tolist() == ref
             rounds += stats.verify_steps
             secs += s

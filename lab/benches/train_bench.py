@@ -55,6 +55,7 @@ from draftling.draft.vocab import build_vocab
 from draftling.dtypes import dtype_name
 from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
+from draftling.timing import sync
 from draftling.train.batches import BatchSource, train_step
 from draftling.train.distributed import DistContext, TTTObjective, shard, wrap
 from draftling.train.draft_setup import build_draft, place_draft
@@ -155,11 +156,6 @@ def all_on_config(ttt_steps: int, **changes) -> TrainConfig:
 
 def _cuda(device: torch.device) -> bool:
     return device.type == "cuda"
-
-
-def _sync(device: torch.device) -> None:
-    if _cuda(device):
-        torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
@@ -423,7 +419,7 @@ class MemoryBench:
             _reset_peak(dev)
             t = time.perf_counter()
             loss, _counts, _tokens = train_step(objective, optimizer, scheduler, source, list(range(s.batch)))
-            _sync(dev)
+            sync(dev)
             m["step_s"].append(time.perf_counter() - t)
             m["step_peaks"].append(_peak_gib(dev))
             m["reserved"].append(_reserved_gib(dev))
@@ -475,12 +471,12 @@ def profile_step(step, device: torch.device, top: int = 15) -> dict:
     step's wall time the device is busy (the rest is host overhead and syncs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda(device) else [])
     with profile(activities=activities) as prof:
         step()
-        _sync(device)
+        sync(device)
     wall = time.perf_counter() - t0
     events = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
     busy_us = sum(e.self_device_time_total for e in events)
@@ -510,7 +506,7 @@ def timed_step(run: TrainRun, keys: list[int], times: list[float]):
     device = run.target.device
 
     def phase_end(_phase: str) -> None:
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter())
 
     times.append(time.perf_counter())
@@ -522,7 +518,7 @@ def phase_split(name: str, run: TrainRun, batch_keys: list[list[int]], warmup: i
     draft fwd) seconds] and the last step's share of positions with a loss at TTT step 0."""
     split, valid = [], 0.0
     for i, keys in enumerate(batch_keys):
-        _sync(run.target.device)
+        sync(run.target.device)
         t = []
         counts = timed_step(run, keys, t)
         t0, t1, t_fwd, t2, t3 = t
@@ -539,11 +535,11 @@ def phase_split(name: str, run: TrainRun, batch_keys: list[list[int]], warmup: i
 def flow_step_seconds(run: TrainRun, batch_keys: list[list[int]]) -> float:
     """Seconds per step as training runs: the steps back to back, one sync at the end."""
     device = run.target.device
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for keys in batch_keys:
         run.train_step(keys)
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / len(batch_keys)
 
 

@@ -62,9 +62,9 @@ from draftling.io import write_json, write_jsonl
 from draftling.target import load_target_from_config
 from draftling.target.devmap import dispatched_devices, execution_device
 from draftling.target.load import load_target_config
+from draftling.timing import sync
 from draftling.train.teacher import teacher_forward
 from draftling.train.trainer import train
-from lab.benches.train_bench import _sync
 
 TOL = {"forward_rel": 1e-3, "argmax_agreement_min": 0.999, "loss_abs_floor": 1e-3, "weights_rel_floor": 1e-3}
 NOISE_FACTOR = 2.0
@@ -186,10 +186,10 @@ def forward_pass(target, prompts: list[list[int]], t2d: torch.Tensor) -> tuple[l
     device = target.device
     ids = [torch.tensor([p], device=device) for p in prompts]
     teacher_forward(target, ids[0], torch.ones_like(ids[0]), t2d)  # warm-up
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     outs = [(teacher_forward(target, x, torch.ones_like(x), t2d), target.model(input_ids=x).logits) for x in ids]
-    _sync(device)
+    sync(device)
     return outs, sum(map(len, prompts)) / (time.perf_counter() - t0)
 
 

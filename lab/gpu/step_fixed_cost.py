@@ -44,13 +44,14 @@ from draftling.config import RunConfig, load_config
 from draftling.data.tokenized import TokenizedExample
 from draftling.dynamo import allow_recompiles
 from draftling.io import write_json
+from draftling.timing import sync
 from draftling.train import attention, trainer, ttt
 from draftling.train import batches as batches_mod
 from draftling.train import teacher as teacher_mod
 from draftling.train.distributed import DistContext
 from draftling.train.inputs import RunInputs
 from lab.benches.ddp_scaling import line_fit
-from lab.benches.train_bench import _sync, synthetic_vocab
+from lab.benches.train_bench import synthetic_vocab
 
 MODES = ("before", "after")
 
@@ -171,13 +172,13 @@ def time_point(target, vocab, cfg: RunConfig, s: Settings, mode: str, batch: int
     with old_reads() if mode == "before" else contextlib.nullcontext():
         for k in keys[: s.warmup]:
             run.train_step(k)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for k in keys[s.warmup :]:
             loss = run.train_step(k)[0]
             if mode == "before":
                 loss.item()  # the loop read the loss after every step
-        _sync(device)
+        sync(device)
         step_s = (time.perf_counter() - t0) / s.measured
     tokens = sum(sum(step) for step in lengths[s.warmup :]) / s.measured
     pad = batches_mod.batch_multiple(run.source)

@@ -3,12 +3,11 @@ data (``measure_step_seconds``), which recipes/budget.py prices a run's time bud
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from draftling.config import RunConfig
 from draftling.target import Target
+from draftling.timing import timed
 from draftling.train.batches import BatchSource, train_step
 from draftling.train.distributed import current, wrap
 from draftling.train.draft_setup import prepare_draft
@@ -64,10 +63,6 @@ def measure_step_seconds(cfg: RunConfig, target: Target, seq_len: int, repeats: 
     keys = list(range(tc.batch_size))
     times = []
     for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        train_step(objective, optimizer, scheduler, source, keys)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append(timed(lambda: train_step(objective, optimizer, scheduler, source, keys), device)[1])
     torch.set_rng_state(rng)
     return min(times[1:])
