@@ -92,7 +92,7 @@ def prefix(a: list[int], b: list[int]) -> int:
 def identity(target_path: str, per_file: int) -> dict:
     from draftling.data.prompts import load_conversations
     from draftling.data.regen import render_prompt_ids
-    from draftling.engine.batch import ReplyEngine
+    from draftling.engine.replies import ReplyEngine
     from draftling.target import load_target
 
     target = load_target(target_path, dtype="bfloat16", device="cuda")

@@ -25,7 +25,8 @@ from draftling.config import DataConfig, RegenConfig
 from draftling.data.prompts import load_conversations
 from draftling.data.regen import regenerate
 from draftling.engine import CachedTarget, EngineOptions, greedy_generate
-from draftling.engine.batch import batch_generate, reply_engine_for
+from draftling.engine.generate import batch_generate
+from draftling.engine.replies import reply_engine_for
 from draftling.io import write_json
 from draftling.target import load_target
 

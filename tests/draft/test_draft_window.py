@@ -19,7 +19,7 @@ from draftling.config import DraftConfig, RunConfig, load_config
 from draftling.draft.model import Eagle3Draft, draft_config_from_target, draft_window, repeat_kv, set_window
 from draftling.draft.store import load_draft, save_draft
 from draftling.engine import causal_mask, draft_runner, greedy_generate, speculative_generate
-from draftling.engine.batch import batch_generate
+from draftling.engine.generate import batch_generate
 from draftling.errors import ConfigError
 from draftling.export.formats import export_sglang, load_any_draft
 from draftling.export.speculators import export_speculators
@@ -229,8 +229,9 @@ def test_speculative_with_a_window_equals_greedy():
 
 
 def test_engine_draft_attends_to_as_many_slots_whatever_the_cache(monkeypatch):
-    """The draft's attention reads W + T - 1 context slots and the scratch per pass (T queries),
-    the same for a cache of 160 or 400 positions: its cost does not grow with the context."""
+    """After the prompt, the draft's attention reads W + T - 1 context slots and the scratch
+    per pass (T queries), the same for a cache of 160 or 400 positions: its cost does not grow
+    with the context."""
     model = tiny(LlamaForCausalLM, LlamaConfig)
     draft = random_draft(model)
     set_window(draft.config, 5)
@@ -247,7 +248,8 @@ def test_engine_draft_attends_to_as_many_slots_whatever_the_cache(monkeypatch):
         seen.clear()
         target, dr = runners(model, draft, size)
         speculative_generate(target, dr, prompt(n=24), 30, 3, 4, 8)
-        assert all(k == 5 + t - 1 + dr.max_spec_nodes for t, k in seen)
+        assert seen[0] == (24, 24)  # the prompt: its own scratch cache, as wide as the prompt
+        assert all(k == 5 + t - 1 + dr.max_spec_nodes for t, k in seen[1:])
         keys[size] = sorted(set(seen))
     assert keys[160] == keys[400]
 

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from draftling.engine import DraftRunner, GeneralCachedTarget, build_target, greedy_generate, speculative_generate
-from draftling.engine.batch import batch_generate
+from draftling.engine.generate import batch_generate
 from draftling.engine.target_model import CachedTarget, UnsupportedArchitecture, causal_mask
 from draftling.export import export_sglang, load_sglang_export
 from draftling.target.aux import aux_hidden_states
@@ -241,7 +241,7 @@ def test_regeneration_engine_serves_a_general_path_target():
     """data.regen.engine=on takes any architecture the engine serves; auto keeps HF generate
     for the general path (its regeneration speed is not yet measured against HF generate)."""
     from draftling.config import DataConfig, RegenConfig
-    from draftling.engine.batch import reply_engine_for
+    from draftling.engine.replies import reply_engine_for
 
     model, _, _ = model_and_plain("gemma3")
     target = wrap_target(model, types.SimpleNamespace(pad_token_id=0, eos_token_id=1), name="tiny-gemma3")

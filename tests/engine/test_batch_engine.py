@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.engine import process_logits
-from draftling.engine.batch import batch_generate
+from draftling.engine.generate import batch_generate
 from tests.helpers import LENGTHS, SLOTS, TREES, oracle_draft, perm_target, random_draft, tiny
 from tests.helpers import batch_engines as engines
 from tests.helpers import batch_prompts as prompts
@@ -170,7 +170,7 @@ def test_regeneration_through_the_engine_equals_hf_greedy(tmp_path):
     from draftling.config import DataConfig, RegenConfig
     from draftling.data.prompts import Conversation
     from draftling.data.regen import regenerate
-    from draftling.engine.batch import reply_engine_for
+    from draftling.engine.replies import reply_engine_for
     from draftling.errors import ConfigError
     from tests.helpers import tiny_bench_target
 
@@ -201,7 +201,7 @@ def test_sampled_regeneration_through_the_engine_is_seeded_and_processed():
     from draftling.config import DataConfig, RegenConfig
     from draftling.data.prompts import Conversation
     from draftling.data.regen import regenerate
-    from draftling.engine.batch import reply_engine_for
+    from draftling.engine.replies import reply_engine_for
     from tests.helpers import tiny_bench_target
 
     target = tiny_bench_target()
@@ -253,18 +253,18 @@ def test_concurrency_levels_are_checked_when_the_config_loads():
 def test_prefills_are_grouped_under_the_score_budget(monkeypatch):
     """Long prompts are prefilled a few rows at a time (their scores are materialised); the
     tokens are those of one prefill for all, which equal each request decoded alone."""
-    from draftling.engine import batch
+    from draftling.engine import generate as gen
 
     model = tiny(LlamaForCausalLM, LlamaConfig)
     ps, budgets = prompts(), [6] * len(LENGTHS)
     want = alone(model, ps, budgets)
     groups = []
-    real = batch._BatchRun._prefill
+    real = gen._Run._prefill
     monkeypatch.setattr(
-        batch._BatchRun, "_prefill", lambda self, rows, reqs: (groups.append(len(reqs)), real(self, rows, reqs))[1]
+        gen._Run, "_prefill", lambda self, rows, reqs: (groups.append(len(reqs)), real(self, rows, reqs))[1]
     )
     heads = model.config.num_attention_heads
-    monkeypatch.setattr(batch, "PREFILL_SCORES", 2 * heads * 11**2)  # two rows of up to 11 tokens
+    monkeypatch.setattr(gen, "PREFILL_SCORES", 2 * heads * 11**2)  # two rows of up to 11 tokens
     target, _ = engines(model, slots=SLOTS)
     assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
     assert max(groups) == 2 and groups.count(1) >= 1  # the 20-token prompt alone, never three at once

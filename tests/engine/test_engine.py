@@ -32,7 +32,7 @@ from draftling.engine import (
     process_logits,
     speculative_generate,
 )
-from draftling.engine import generate as gen_mod
+from draftling.engine import accept as gen_mod
 from tests.helpers import AUX, TREES, H, oracle_draft, perm_target, prompt, random_draft, runners, tiny
 from tests.helpers import chi2_p_value as _chi2_p_value
 
@@ -177,7 +177,9 @@ def ref_tree_mask(parents, n, size, steps):
 def ref_speculative_rounds(target, draft, input_ids, max_new_tokens, steps, topk, q):
     """The original greedy loop; returns (tokens, per-round (n, tokens, parents, depths,
     target argmax, mask))."""
-    logits, aux = gen_mod._prefill(target, input_ids)
+    t = input_ids.shape[1]
+    pos = torch.arange(t)
+    logits, aux = target(input_ids, pos, pos, causal_mask(0, t, target.max_seq_len, "cpu"))
     root, n, out, rounds = int(logits[0, -1].argmax()), input_ids.shape[1], [], []
     out.append(root)
     r_hidden, r_logits = draft.extend(torch.cat([input_ids[:, 1:], torch.tensor([[root]])], 1), aux, 0)

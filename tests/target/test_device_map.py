@@ -166,7 +166,7 @@ def test_regeneration_uses_hf_generate_and_keeps_the_same_states(tiny_dir, tmp_p
     from draftling.data.prompts import Conversation
     from draftling.data.regen import regenerate
     from draftling.engine import UnsupportedArchitecture, build_target
-    from draftling.engine.batch import reply_engine_for
+    from draftling.engine.replies import reply_engine_for
 
     plain, split = load_both(tiny_dir, tmp_path)
     assert reply_engine_for(DataConfig(regen=RegenConfig(engine="auto")), split) is None

@@ -1,6 +1,6 @@
 """`draftling bench --concurrency 1,2,4,...`: where speculation stops paying under load.
 
-At each concurrency level C the batched engine (engine/batch.py) decodes the same requests,
+At each concurrency level C the decode loop (engine/generate.py) decodes the same requests,
 C at a time with continuous batching, once without speculation and once per decode config,
 on one engine per level (the same weights, caches and graphs for all of them). Per level and
 config it reports aggregate tok/s, per-stream tok/s (aggregate / C), tau (bonus included),
@@ -33,7 +33,7 @@ from draftling.bench.simple import build_engine, parse_decode_config
 from draftling.config import CONCURRENCY_LEVELS, RELEASE_CONFIGS, BenchConfig
 from draftling.dtypes import dtype_name
 from draftling.engine import EngineOptions
-from draftling.engine.batch import batch_generate
+from draftling.engine.generate import batch_generate
 from draftling.errors import ConfigError
 from draftling.export.formats import load_any_draft
 from draftling.io import write_json

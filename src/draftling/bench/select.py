@@ -25,7 +25,7 @@ from draftling.bench.simple import build_engine, parse_decode_config
 from draftling.config import load_config
 from draftling.data.tokenized import load_tokenized
 from draftling.engine import EngineOptions
-from draftling.engine.batch import batch_generate
+from draftling.engine.generate import batch_generate
 from draftling.errors import DraftlingError
 from draftling.export.formats import load_any_draft
 from draftling.io import write_json, write_text

@@ -112,7 +112,7 @@ def build_engine(
 ):
     """The decode engine for a target and a draft, both with ``options`` (resolved; default the
     plain eager engine), or its fields as keywords (see engine/options.py); ``batch_size`` rows
-    for engine/batch.py's ragged batches."""
+    for engine/generate.py's ragged batches."""
     from draftling.engine import DraftRunner, EngineOptions, build_target
 
     options = EngineOptions.of(options, **engine)

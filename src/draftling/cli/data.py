@@ -73,6 +73,6 @@ def run(args) -> None:
         from draftling.target import load_target_from_config
 
         target = load_target_from_config(cfg)
-    from draftling.engine.batch import reply_engine_for
+    from draftling.engine.replies import reply_engine_for
 
     prepare_data(cfg, target, args.out, replies=reply_engine_for(cfg.data, target))

@@ -57,7 +57,7 @@ class RegenConfig:
         "auto",
         choices=("auto", "on", "off"),
         help=(
-            "Write replies (greedy or sampled) with the batched plain engine (engine/batch.py) instead of HF generate: "
+            "Write replies (greedy or sampled) with the batched plain engine (engine/generate.py) instead of HF generate: "
             "data.regen.batch_size engine rows, finished rows refilled. auto = on with CUDA, without kept teacher "
             "states, for an architecture the engine serves; on = the same but refused (with the reason) where it cannot;"
             " off = HF generate."

@@ -182,7 +182,7 @@ def prepare_data(
 ) -> dict:
     """With ``data.regen.server_url`` set the replies come from that server and ``target``
     may be just the tokenizer (``load_target_tokenizer``). ``replies``: RegenRun.replies, the
-    batched engine's replies where data.regen.engine picks it (engine.batch.reply_engine_for).
+    batched engine's replies where data.regen.engine picks it (engine.replies.reply_engine_for).
 
     ``regen_seconds``: a time budget for local regeneration. Validation's replies are all
     written first; the training replies are then a random sample of the training prompts,

@@ -132,7 +132,7 @@ class RegenRun:
     journal: object = None
     # Replies from a batched engine instead of HF generate: ``replies(model)`` gives
     # ``fn(prompt_ids, max_new_tokens, eos_ids[, temperature, top_p, seed]) -> [(reply, "eos" | "length")]`` for the model
-    # that writes the replies (engine.batch.reply_engine_for). A batch then holds REPLY_CHUNKS x
+    # that writes the replies (engine.replies.reply_engine_for). A batch then holds REPLY_CHUNKS x
     # data.regen.batch_size prompts, so finished rows are refilled.
     replies: object = None
 

@@ -1,130 +1,105 @@
-"""Plain and speculative (EAGLE-3, EAGLE-2 dynamic tree) decoding, batch size 1.
+"""The decode loop: plain and speculative (EAGLE-3, EAGLE-2 dynamic tree), greedy or
+sampled, for B independent requests at once, each in its own cache row. One request is a
+batch of one row: ``greedy_generate`` and ``speculative_generate`` are that case.
 
-Layout of one speculative round, with ``n`` = tokens in the target cache:
+Every request keeps its own KV length, positions and accepted length: the target and the
+draft write per-row slots (``write_kv``) and a round's tree, mask and commit are per row
+(``SpecRound`` works on [B] rows). When a request finishes, its row takes the next waiting one
+(continuous batching): the newcomers' prompts are prefilled into their rows alone, through a
+scratch cache, and the static-shape steps go on replaying the same graphs. A row without a
+request keeps stepping on what it holds; nothing reads it and the host drops what it emits.
+
+Layout of one speculative round, with ``n`` = tokens in a row's target cache:
   root = the last emitted token, at position n, not yet in either cache;
   depth-d tree nodes are candidates for position n+d; the draft step that expands a
   depth-d node runs at position n+d-1 (EAGLE: position t sees embed(x_{t+1})).
   Verify feeds [root, nodes...] (``num_draft_tokens`` queries) at positions n+depth, writing
   K/V to slots n, n+1, ... in node order; the accepted path is then moved to n, n+1, ...
 The device side of a round (drafting, tree, verify, commit) is ``spec_round.SpecRound``;
-this loop holds the host side: one read of the tree per round, acceptance, stopping.
-
-SGLang names: ``steps`` = tree depth, ``topk`` = children per frontier node,
-``num_draft_tokens`` = verified tokens including the root (chain 3-1-4).
+this loop holds the host side. Plain greedy steps and greedy speculative rounds run on the
+device, several queued per read; sampling reads each step (plain) or each round's trees
+(speculative) back to the host, where ``accept.accept_tree`` accepts them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
+from draftling.engine.accept import (
+    RUN_AHEAD,
+    RUN_AHEAD_ROUNDS,
+    Output,
+    SpecOptions,
+    SpecStats,
+    accept_tree,
+    check_tree,
+    eos_set,
+    pick_tokens,
+)
+from draftling.engine.adaptive import AdaptivePolicy
 from draftling.engine.draft_runner import DraftRunner
 from draftling.engine.spec_round import RoundTimer, SpecRound
-from draftling.engine.target_model import CachedTarget, causal_mask
+from draftling.engine.target_model import TargetEngine
 from draftling.errors import ConfigError
+
+# Attention-score elements one eager prefill may hold (rows x heads x T x T; 4 GiB in fp32).
+PREFILL_SCORES = 2**30
 
 
 @dataclass
-class SpecStats:
-    verify_steps: int = 0
-    tokens: int = 0  # tokens emitted, including the one from prefill
-    accept_lengths: list[int] = field(default_factory=list)  # per verify: accepted drafts + bonus
-    accept_counts: list[int] = field(default_factory=list)  # [depth-1]: times depth was accepted
-    compactions: int = 0  # verify steps whose accepted path had to be moved in the target cache
-    cache_len: int = 0  # positions valid in both caches at the end (for checks)
-    timing: dict | None = None  # mean ms per round by phase (RoundTimer.summary), if asked for
-
-    def add_round(self, path_len: int) -> None:
-        """One verify step whose accepted path (root included) has ``path_len`` nodes: it
-        emitted path_len - 1 drafts plus the bonus token."""
-        self.verify_steps += 1
-        self.accept_lengths.append(path_len)
-        for d in range(path_len - 1):
-            self.accept_counts[d] += 1
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per verify step, bonus included (1.0 = no speculation)."""
-        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
-
-    def as_dict(self) -> dict:
-        return {
-            "verify_steps": self.verify_steps,
-            "tokens": self.tokens,
-            "tau": self.tau,
-            "accept_lengths": list(self.accept_lengths),
-            "accept_counts": list(self.accept_counts),
-            "compactions": self.compactions,
-            "timing": self.timing,
-        }
-
-
-def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Target probabilities after temperature, top-k and top-p (rows of ``logits``)."""
-    logits = logits.float() / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    return logits.softmax(-1)
-
-
-def _pick(logits: torch.Tensor, temperature, top_k, top_p, generator) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = process_logits(logits, temperature, top_k, top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _eos_set(eos_ids) -> set[int]:
-    if eos_ids is None:
-        return set()
-    return {int(eos_ids)} if isinstance(eos_ids, int) else {int(e) for e in eos_ids}
-
-
-def _emit(out: list[int], new: list[int], max_new_tokens: int, eos: set[int]) -> bool:
-    """Append ``new`` up to eos / the budget; True when generation is over."""
-    for tok in new:
-        out.append(tok)
-        if tok in eos or len(out) >= max_new_tokens:
-            return True
-    return False
-
-
-def _prepare(target: CachedTarget, input_ids: torch.Tensor, need: int) -> torch.Tensor:
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-    if input_ids.shape[0] != 1:
-        raise ConfigError(f"the engine decodes batch size 1, got {input_ids.shape[0]}")
-    if input_ids.shape[1] + need > target.max_seq_len:
-        raise ConfigError(
-            f"prompt {input_ids.shape[1]} + {need} tokens do not fit the target cache of {target.max_seq_len}"
-        )
-    return input_ids.to(target.device)
-
-
-def _prefill(target: CachedTarget, input_ids: torch.Tensor):
-    n = input_ids.shape[1]
-    dev = input_ids.device
-    pos = torch.arange(n, device=dev)
-    return target(input_ids, pos, pos, causal_mask(0, n, target.max_seq_len, dev))
-
-
-# Greedy steps the host queues before reading their tokens back: no per-token device->host
-# sync, so on a GPU the next step's launch overlaps the current one. Steps queued past an
-# eos are discarded (at most RUN_AHEAD - 1 per generation, and they are counted in its time).
-RUN_AHEAD = 8
-RUN_AHEAD_ROUNDS = 4  # the same for speculative rounds (each emits up to steps + 1 tokens)
+class BatchResult:
+    tokens: list[int]  # the new tokens (eos included if hit)
+    stats: SpecStats  # per request; plain decoding counts no rounds
 
 
 @torch.no_grad()
+def batch_generate(
+    target: TargetEngine,
+    prompts,
+    max_new_tokens,
+    draft: DraftRunner | None = None,
+    tree: tuple[int, int, int] | None = None,
+    adaptive: AdaptivePolicy | None = None,
+    **options,
+) -> list[BatchResult]:
+    """Decode ``prompts`` (1-D token tensors or lists) ``target.batch_size`` at a time.
+    ``max_new_tokens``: one budget or one per prompt. ``tree``: (steps, topk,
+    num_draft_tokens) for speculative decoding with ``draft`` (a DraftRunner with as many
+    rows); None = plain. ``adaptive``: instead of one ``tree``, choose among the policy's
+    trees and plain decoding per group of rounds (greedy only; see engine/adaptive.py).
+    ``options``: SpecOptions fields (``eos_ids``, ``temperature``, ...).
+    Speculative tokens equal plain decoding's at temperature 0, and follow the target's
+    distribution above it; a request's tokens do not depend on the others in its batch."""
+    o = SpecOptions(**options)
+    prompts = [torch.as_tensor(p, dtype=torch.long).view(-1) for p in prompts]
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    _check_batch(target, draft, tree, prompts, budgets, adaptive, o)
+    run = _Run(target, draft, tree, o, prompts, budgets, adaptive)
+    run.admit()
+    while any(r is not None for r in run.row_req):
+        run.step()
+        run.admit()
+    for out in run.outs:
+        out.stats.tokens = len(out.tokens)
+        out.stats.timing = run.timer.summary() if run.timer else None
+    return [BatchResult(out.tokens, out.stats) for out in run.outs]
+
+
+def _one(input_ids) -> torch.Tensor:
+    """One request's prompt: [T] or [1,T]."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 2 and ids.shape[0] != 1:
+        raise ConfigError(f"one request at a time here (batch_generate takes many), got {ids.shape[0]} rows")
+    return ids.view(-1).cpu()
+
+
 def greedy_generate(
-    target: CachedTarget,
+    target: TargetEngine,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     eos_ids=None,
@@ -133,135 +108,15 @@ def greedy_generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Decode without speculation on the same own-cache target (the speedup baseline).
+    """One request without speculation on the same own-cache target (the speedup baseline).
     Returns the new tokens, [1, m] with m <= max_new_tokens (eos included if hit)."""
-    input_ids = _prepare(target, input_ids, max_new_tokens + target.query_pad)
-    eos, out = _eos_set(eos_ids), []
-    if max_new_tokens <= 0:
-        return torch.zeros(1, 0, dtype=torch.long)
-    logits, _ = _prefill(target, input_ids)
-    tok = _pick(logits[0, -1], temperature, top_k, top_p, generator)
-    pos, dev = input_ids.shape[1], input_ids.device
-    done = _emit(out, [tok], max_new_tokens, eos)
-    if temperature <= 0:
-        tok_t, pos_t = torch.tensor([[tok]], device=dev), torch.tensor([pos], device=dev)
-        while not done:
-            queued = []
-            for _ in range(min(RUN_AHEAD, max_new_tokens - len(out))):
-                tok_t, pos_t = target.fast_greedy(tok_t, pos_t)
-                queued.append(tok_t)
-            done = _emit(out, torch.cat(queued).view(-1).tolist(), max_new_tokens, eos)
-        return torch.tensor([out], dtype=torch.long)
-    while not done:
-        p = torch.tensor([pos], device=dev)
-        mask = target.cols[None] <= pos
-        logits, _ = target.fast(torch.tensor([[tok]], device=dev), p, p, mask)
-        tok = _pick(logits[0, -1], temperature, top_k, top_p, generator)
-        done = _emit(out, [tok], max_new_tokens, eos)
-        pos += 1
-    return torch.tensor([out], dtype=torch.long)
+    opts = dict(eos_ids=eos_ids, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    (res,) = batch_generate(target, [_one(input_ids)], max_new_tokens, **opts)
+    return torch.tensor([res.tokens], dtype=torch.long)
 
 
-def _accept_greedy(best, toks, children):
-    """Walk down while some child holds the target's argmax (``best``) at its parent."""
-    path, cur = [0], 0
-    while True:
-        nxt = next((c for c in children[cur] if toks[c] == best[cur]), None)
-        if nxt is None:
-            return path, best[cur]
-        path.append(nxt)
-        cur = nxt
-
-
-def _accept_sample(logits, toks, children, temperature, top_k, top_p, generator):
-    """Lossless for deterministic drafts: try siblings in order, accept x with prob p(x);
-    on rejection zero p(x) and renormalise; if all fail, sample the residual."""
-    probs = process_logits(logits, temperature, top_k, top_p)
-    path, cur = [0], 0
-    while True:
-        p = probs[cur].clone()
-        for c in children[cur]:
-            x = toks[c]
-            if float(torch.rand((), generator=generator, device=p.device)) < float(p[x]):
-                path.append(c)
-                break
-            p[x] = 0.0
-            total = p.sum()
-            p = p / total if total > 0 else probs[cur]  # all mass rejected: only by rounding
-        else:
-            return path, int(torch.multinomial(p, 1, generator=generator))
-        cur = path[-1]
-
-
-def accept_tree(packed: list, logits: torch.Tensor, o: SpecOptions) -> tuple[list[int], list[int]]:
-    """Host-side acceptance of one row's verified tree: ``packed`` = (tokens, parents, target
-    argmax) as lists, ``logits`` [q,V]. Returns (path: node indices from the root, new: the
-    accepted drafts then the bonus token)."""
-    toks, parents, best = packed
-    children = [[] for _ in toks]
-    for i in range(1, len(toks)):
-        assert 0 <= parents[i] < i, "tree must be connected, parents before children"
-        children[parents[i]].append(i)
-    if o.temperature <= 0:
-        path, bonus = _accept_greedy(best, toks, children)
-    else:
-        path, bonus = _accept_sample(logits, toks, children, o.temperature, o.top_k, o.top_p, o.generator)
-    return path, [toks[i] for i in path[1:]] + [bonus]
-
-
-@dataclass(frozen=True)
-class SpecOptions:
-    """The keyword options of ``speculative_generate``. ``temperature`` 0 = greedy; above it
-    tokens follow the target's distribution after ``top_k`` and ``top_p``. ``timing``: fill
-    ``SpecStats.timing`` with the mean per-round phase split (see ``RoundTimer``).
-    ``device_rounds``: greedy rounds accept and commit on the device and the host queues up
-    to RUN_AHEAD_ROUNDS of them per read (``SpecRound.device_round``); None = on when the
-    draft runs graphed or compiled (then both paths pad the draft's extend alike and agree
-    bit for bit). Sampling and ``timing`` always take the host-side round."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    eos_ids: int | list[int] | None = None
-    generator: torch.Generator | None = None
-    timing: bool = False
-    device_rounds: bool | None = None
-
-    def pick(self, logits: torch.Tensor) -> int:
-        return _pick(logits, self.temperature, self.top_k, self.top_p, self.generator)
-
-
-@dataclass
-class _Output:
-    """What a generation has emitted so far, and whether it is over (eos or the budget)."""
-
-    max_new_tokens: int
-    eos: set[int]
-    stats: SpecStats
-    tokens: list[int] = field(default_factory=list)
-    done: bool = False
-
-    def emit(self, new: list[int]) -> bool:
-        self.done = _emit(self.tokens, new, self.max_new_tokens, self.eos)
-        return self.done
-
-
-def _check_tree(draft: DraftRunner, steps: int, topk: int, num_draft_tokens: int) -> None:
-    if steps < 1 or topk < 1 or not 2 <= num_draft_tokens <= 1 + topk + (steps - 1) * topk * topk:
-        raise ConfigError(
-            f"tree steps={steps} topk={topk} num_draft_tokens={num_draft_tokens}: "
-            "need steps, topk >= 1 and 2 <= num_draft_tokens <= 1 + candidates"
-        )
-    if (steps - 1) * topk > draft.max_spec_nodes:
-        raise ConfigError(
-            f"the draft cache has {draft.max_spec_nodes} scratch slots; "
-            f"steps={steps} topk={topk} needs {(steps - 1) * topk}"
-        )
-
-
-@torch.no_grad()
 def speculative_generate(
-    target: CachedTarget,
+    target: TargetEngine,
     draft: DraftRunner,
     input_ids: torch.Tensor,
     max_new_tokens: int,
@@ -270,76 +125,213 @@ def speculative_generate(
     num_draft_tokens: int,
     **options,
 ):
-    """EAGLE speculative decoding. Returns (new tokens [1, m], SpecStats). ``options``: the
-    fields of SpecOptions as keywords (``eos_ids=``, ``temperature=``, ``timing=``, ...).
+    """One request with EAGLE speculative decoding. Returns (new tokens [1, m], SpecStats).
+    ``options``: the fields of SpecOptions as keywords (``eos_ids=``, ``temperature=``,
+    ``timing=``, ...). At temperature 0 the tokens equal ``greedy_generate``'s; above it they
+    follow the target's processed distribution exactly (see ``accept.accept_tree``)."""
+    tree = (steps, topk, num_draft_tokens)
+    (res,) = batch_generate(target, [_one(input_ids)], max_new_tokens, draft=draft, tree=tree, **options)
+    return torch.tensor([res.tokens], dtype=torch.long), res.stats
 
-    At temperature 0 the tokens equal ``greedy_generate``'s; above it they follow the
-    target's processed distribution exactly (see ``_accept_sample``)."""
-    o = SpecOptions(**options)
-    _check_tree(draft, steps, topk, num_draft_tokens)
-    input_ids = _prepare(target, input_ids, max_new_tokens + max(num_draft_tokens, target.query_pad))
-    if draft.max_seq_len < target.max_seq_len:
-        raise ConfigError("the draft cache must be at least as long as the target cache")
-    stats = SpecStats(accept_counts=[0] * steps)
-    if max_new_tokens <= 0:
-        return torch.zeros(1, 0, dtype=torch.long), stats
-    out = _Output(max_new_tokens, _eos_set(o.eos_ids), stats)
-    logits, aux = _prefill(target, input_ids)
-    root = o.pick(logits[0, -1])
-    n = input_ids.shape[1]
-    timer = RoundTimer(input_ids.device) if o.timing else None
-    if not out.emit([root]):
-        rnd = SpecRound.cached(target, draft, steps, topk, num_draft_tokens)
-        next_ids = torch.cat([input_ids[:, 1:], torch.tensor([[root]], device=input_ids.device)], dim=1)
-        r_hidden, r_logits = draft.extend(next_ids, aux, 0)
-        ctrl = rnd.upload([n, root])
-        state = (ctrl[0:1], ctrl[1:2], r_hidden, r_logits)  # the round's varying inputs live on the device
-        on_device = draft.graphed if o.device_rounds is None else o.device_rounds
-        if on_device and o.temperature <= 0 and timer is None:
-            n = _device_rounds(rnd, state, n, out)
+
+def _check_batch(target, draft, tree, prompts, budgets, adaptive, o: SpecOptions) -> None:
+    if len(budgets) != len(prompts):
+        raise ConfigError(f"{len(budgets)} budgets for {len(prompts)} prompts")
+    headroom = target.query_pad
+    if adaptive is not None and (tree is not None or o.temperature > 0 or not adaptive.trees):
+        raise ConfigError("adaptive speculation takes its trees from the policy, decodes greedily and needs a tree")
+    for t in adaptive.trees if adaptive else [tree] if tree else []:
+        if draft is None:
+            raise ConfigError("speculative decoding needs a draft")
+        check_tree(draft, *t)
+        if draft.k_cache.shape[0] != target.batch_size or draft.max_seq_len < target.max_seq_len:
+            raise ConfigError("the draft runner needs the target's batch rows and at least its cache length")
+        headroom = max(headroom, t[2])
+    for i, (p, m) in enumerate(zip(prompts, budgets)):
+        if p.numel() == 0:
+            raise ConfigError(f"prompt {i} is empty")
+        if p.numel() + m + headroom > target.max_seq_len:
+            raise ConfigError(
+                f"prompt {i} ({p.numel()} tokens) + {m} new tokens do not fit the target cache of {target.max_seq_len}"
+            )
+
+
+class _Run:
+    """The host side of a ragged batch: which request each row serves, and the rows' state
+    tensors (tokens in the cache ``n``, the next root token, the draft's proposal for it)."""
+
+    def __init__(self, target, draft, tree, o: SpecOptions, prompts, budgets, policy=None):
+        self.target, self.draft, self.o, self.prompts, self.policy = target, draft, o, prompts, policy
+        self.rnd = SpecRound.cached(target, draft, *tree) if tree else None
+        trees = policy.trees if policy else [tree] if tree else []
+        self.rounds = {t: SpecRound.cached(target, draft, *t) for t in trees}
+        eos, steps = eos_set(o.eos_ids), max((t[0] for t in trees), default=1)
+        self.outs = [Output(m, eos, SpecStats(accept_counts=[0] * steps)) for m in budgets]
+        self.timer = RoundTimer(target.device) if o.timing and tree else None
+        # Greedy rounds accept on the device unless asked otherwise or timed (timing splits
+        # a round into phases, which the host marks).
+        self.on_device = o.temperature <= 0 and o.device_rounds and self.timer is None
+        self.waiting = deque(i for i, m in enumerate(budgets) if m > 0)
+        b, dev = target.batch_size, target.device
+        self.row_req: list[int | None] = [None] * b
+        self.n = torch.zeros(b, dtype=torch.long, device=dev)
+        self.root = torch.zeros(b, dtype=torch.long, device=dev)
+        self.n_host = [0] * b
+        self.synced = [True] * b  # the row's draft cache holds all it has committed
+        if draft is not None:
+            cfg, dtype = draft.draft.config, draft.k_cache.dtype
+            self.r_hidden = torch.zeros(b, cfg.hidden_size, dtype=dtype, device=dev)
+            self.r_logits = torch.zeros(b, cfg.draft_vocab_size, dtype=dtype, device=dev)
+
+    def admit(self) -> None:
+        """Fill free rows with waiting requests: eager prefills of the newcomers, as many at
+        once as PREFILL_SCORES allows. A request whose first token already ends it frees its
+        row again at once."""
+        while self.waiting and None in self.row_req:
+            rows = [i for i, r in enumerate(self.row_req) if r is None][: len(self.waiting)]
+            reqs = [self.waiting.popleft() for _ in rows]
+            for group in self._prefill_groups(reqs):
+                self._prefill(rows[: len(group)], group)
+                rows = rows[len(group) :]
+
+    def _prefill_groups(self, reqs: list[int]) -> list[list[int]]:
+        """``reqs`` in runs whose padded prefill scores (rows x heads x T x T) fit PREFILL_SCORES:
+        a prefill's attention scores are materialised, and 96 prompts of 8k tokens would need
+        hundreds of GiB at once."""
+        heads = self.target.config.num_attention_heads
+        groups: list[list[int]] = []
+        width = 0
+        for r in reqs:
+            t = self.prompts[r].numel()
+            if groups and (len(groups[-1]) + 1) * heads * max(width, t) ** 2 <= PREFILL_SCORES:
+                groups[-1].append(r)
+                width = max(width, t)
+            else:
+                groups.append([r])
+                width = t
+        return groups
+
+    def _prefill(self, rows: list[int], reqs: list[int]) -> None:
+        dev = self.target.device
+        ids = pad_sequence([self.prompts[r] for r in reqs], batch_first=True).to(dev)
+        lengths = torch.tensor([self.prompts[r].numel() for r in reqs], device=dev)
+        rows_t = torch.tensor(rows, device=dev)
+        logits, aux = self.target.prefill_rows(rows_t, ids, lengths)
+        first = pick_tokens(logits[:, 0], self.o)
+        if self.draft is not None:
+            # Position t of the draft sees token t+1: the prompt shifted, then the first token.
+            next_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter_(1, (lengths - 1)[:, None], first[:, None])
+            h, lg = self.draft.extend_rows(rows_t, next_ids, aux, lengths)
+            self.r_hidden[rows_t], self.r_logits[rows_t] = h, lg
+        self.n[rows_t], self.root[rows_t] = lengths, first
+        for row, req, tok, n in zip(rows, reqs, first.tolist(), lengths.tolist()):
+            self.n_host[row] = self.outs[req].stats.cache_len = n
+            self.synced[row] = self.draft is not None
+            if not self.outs[req].emit([tok]):
+                self.row_req[row] = req
+
+    def _active(self):
+        return [(row, req) for row, req in enumerate(self.row_req) if req is not None]
+
+    def _left(self) -> int:
+        """The fewest tokens any active request still needs: steps queued past it are wasted."""
+        return min(self.outs[r].max_new_tokens - len(self.outs[r].tokens) for _, r in self._active())
+
+    def _free_done(self) -> None:
+        for row, req in self._active():
+            if self.outs[req].done:
+                self.row_req[row] = None
+
+    def step(self) -> None:
+        if self.policy is not None:
+            self._adaptive_step()
+        elif self.rnd is None:
+            self._plain_greedy() if self.o.temperature <= 0 else self._plain_sampled()
+        elif self.on_device:
+            self._device_rounds()
         else:
-            n = _host_rounds(rnd, state, n, out, o, timer)
-    stats.cache_len = n
-    stats.tokens = len(out.tokens)
-    stats.timing = timer.summary() if timer else None
-    return torch.tensor([out.tokens], dtype=torch.long), stats
+            self._host_rounds()
+        self._free_done()
 
+    def _emit_rows(self, tokens: list[list[int]]) -> None:
+        for row, req in self._active():
+            if not self.outs[req].done:
+                self.outs[req].emit(tokens[row])
 
-def _device_rounds(rnd: SpecRound, state, n: int, out: _Output) -> int:
-    """Greedy rounds accepted and committed on the device, several queued per read of what
-    they emitted. Returns the committed length."""
-    while not out.done:
-        # Queue only rounds the budget surely needs: none is wasted unless an eos comes.
-        queued = []
-        for _ in range(max(1, min(RUN_AHEAD_ROUNDS, (out.max_new_tokens - len(out.tokens)) // rnd.path_len))):
+    def _adaptive_step(self) -> None:
+        """One group of rounds (or plain steps) of the config the policy picks, timed for it:
+        the group ends with its read-back, which waits for the device."""
+        policy = self.policy
+        policy.measure_plain(lambda: self.target.fast_greedy(self.root[:, None], self.n), self.target.device)
+        tree = policy.choose(all(self.synced[row] for row, _ in self._active()))
+        t0 = time.perf_counter()
+        if tree is None:
+            for row, _ in self._active():
+                self.synced[row] = False  # the draft does not see plain steps
+            count, tau = self._plain_greedy(), 1.0
+        else:
+            self.rnd = self.rounds[tree]
+            count, tau = self._device_rounds()
+        policy.observe(tree, (time.perf_counter() - t0) * 1e3 / count, tau)
+
+    def _plain_greedy(self) -> int:
+        """A few plain greedy steps queued, then read back. Returns how many."""
+        tok, pos, queued = self.root[:, None], self.n, []
+        for _ in range(max(1, min(RUN_AHEAD, self._left()))):
+            tok, pos = self.target.fast_greedy(tok, pos)
+            queued.append(tok)
+        self.root, self.n = tok[:, 0], pos
+        self._emit_rows(torch.cat(queued, 1).tolist())
+        return len(queued)
+
+    def _plain_sampled(self) -> None:
+        t, pos = self.target, self.n
+        mask = t.cols[None, None] <= pos[:, None, None]
+        logits, _ = t.fast(self.root[:, None], pos[:, None], pos[:, None], mask)
+        self.root = pick_tokens(logits[:, -1], self.o)
+        self.n = (pos + 1).clamp(max=t.max_seq_len - 1)
+        self._emit_rows([[x] for x in self.root.tolist()])
+
+    def _device_rounds(self) -> tuple[int, float | None]:
+        """A few greedy rounds queued, then read back. Returns (rounds, mean tokens per round
+        of the rows still decoding: their acceptance, bonus included)."""
+        rnd, queued, accepted = self.rnd, [], []
+        state = (self.n, self.root, self.r_hidden, self.r_logits)
+        for _ in range(max(1, min(RUN_AHEAD_ROUNDS, self._left() // rnd.path_len))):
             *state, emitted = rnd.fused_round(*state)
             queued.append(emitted)
-        for (row,) in torch.stack(queued).tolist():
-            k, moved, new = row[0], row[1], row[2 : 2 + row[0]]
-            out.stats.add_round(k)
-            if out.emit(new):
-                break
-            out.stats.compactions += moved
-            n += k
-    return n
+        self.n, self.root, self.r_hidden, self.r_logits = state
+        for rows in torch.stack(queued).tolist():
+            for row, req in self._active():
+                out = self.outs[req]
+                if out.done:
+                    continue
+                k, moved, new = rows[row][0], rows[row][1], rows[row][2 : 2 + rows[row][0]]
+                out.stats.add_round(k)
+                accepted.append(k)
+                if not out.emit(new):
+                    out.stats.compactions += moved
+                    out.stats.cache_len += k
+        return len(queued), sum(accepted) / len(accepted) if accepted else None
 
-
-def _host_rounds(rnd: SpecRound, state, n: int, out: _Output, o: SpecOptions, timer: RoundTimer | None) -> int:
-    """Rounds whose tree the host reads back (one sync per round) to accept in Python, greedy
-    or sampled, before the commit. Returns the committed length."""
-    n_t, root_t, r_hidden, r_logits = state
-    while True:
+    def _host_rounds(self) -> None:
+        """One round whose trees the host reads back to accept (sampling, timing), then commits."""
+        rnd, timer = self.rnd, self.timer
         if timer:
             timer.start()
-        packed, aux, logits = rnd.propose(n_t, root_t, r_hidden, r_logits, timer)
-        path, new = accept_tree(packed[0].tolist(), logits[0], o)  # the round's one device->host sync
-        out.stats.add_round(len(path))
-        out.emit(new)
+        packed, aux, logits = rnd.propose(self.n, self.root, self.r_hidden, self.r_logits, timer)
+        trees = packed.tolist()  # the round's one device->host sync
+        paths, news = [[0]] * len(trees), [[0]] * len(trees)  # rows without a request: a no-op
+        for row, req in self._active():
+            paths[row], news[row] = accept_tree(trees[row], logits[row], self.o)
+            self.outs[req].stats.add_round(len(paths[row]))
+            self.outs[req].emit(news[row])
         if timer:
             timer.mark()
-        if out.done:
-            return n
-        # root + accepted drafts: positions n .. n+len(path)-1 to commit; bonus is the next root
-        moved, n_t, root_t, r_hidden, r_logits = rnd.commit([n], [path], [new], aux)
-        out.stats.compactions += int(moved[0])
-        n += len(path)
+        moved, self.n, self.root, self.r_hidden, self.r_logits = rnd.commit(self.n_host, paths, news, aux)
+        for row, req in self._active():
+            k, stats = len(paths[row]), self.outs[req].stats
+            self.n_host[row] += k if self.n_host[row] + k <= rnd.n_cap else 0
+            if not self.outs[req].done:
+                stats.compactions += int(moved[row])
+                stats.cache_len += k

@@ -15,7 +15,7 @@ from draftling.config import load_config, save_config
 from draftling.data.prepare import check_data_dir, prepare_data
 from draftling.data.sources import check_prompt_files
 from draftling.draft.vocab import build_vocab_file
-from draftling.engine.batch import reply_engine_for
+from draftling.engine.replies import reply_engine_for
 from draftling.io import OUTPUT_MARKER, check_output_dir, write_json
 from draftling.recipes.budget import BudgetPlan, plan_budget, plan_smoke
 

@@ -36,7 +36,7 @@ import torch
 
 from draftling.data.prompt_sets import BenchPrompt, UnknownPromptSet, read_prompt_set, tokenize_prompt_set
 from draftling.engine import CachedTarget, DraftRunner, UnsupportedArchitecture, build_target
-from draftling.engine.batch import batch_generate
+from draftling.engine.generate import batch_generate
 from draftling.errors import ConfigError, DataError
 from draftling.target.devmap import dispatched_devices
 

@@ -1,0 +1,133 @@
+"""Speculation that adapts to load: before each group of rounds the decode loop asks which
+draft shape to run for the whole batch (a tree, a chain, or none) from what it has measured.
+
+The expected rate of a config is its acceptance (tokens per round, bonus included, the mean
+of the active rows' recent values) over its round time at this engine's row count; plain
+decoding emits one token per step. Costs are measured, never assumed: a plain step by
+replaying the engine's own step on the current state (its outputs are dropped, and the cache
+slots it writes are rewritten before any pass reads them), a config's round by timing the
+rounds it runs. A config not yet run is tried once, unless even an ideal acceptance (every
+draft accepted) could not beat plain at the measured step time; it is tried again every
+``retry`` groups, so its estimates follow the text.
+
+Plain steps do not advance the draft's cache, so once a batch decodes plain its rows stay
+plain until they finish; a row admitted later starts with a fresh draft (the prefill extends
+it) and joins speculation only when every active row can.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from draftling.timing import sync
+
+Tree = tuple[int, int, int]  # (steps, topk, num_draft_tokens)
+PLAIN = "plain"
+
+
+def config_name(tree: Tree | None) -> str:
+    if tree is None:
+        return PLAIN
+    steps, topk, q = tree
+    return f"{'chain' if topk == 1 else 'tree'}-{steps}-{topk}-{q}"
+
+
+@dataclass
+class Estimate:
+    """What one config has shown: mean ms per round (or plain step) and mean tokens per round."""
+
+    round_ms: float | None = None
+    tau: float | None = None
+    runs: int = 0  # groups of rounds measured
+    last_group: int = 0  # the decision group it last ran in
+
+    def update(self, ms: float, tau: float | None, weight: float) -> None:
+        self.round_ms = ms if self.round_ms is None else (1 - weight) * self.round_ms + weight * ms
+        if tau is not None:
+            self.tau = tau if self.tau is None else (1 - weight) * self.tau + weight * tau
+        self.runs += 1
+
+
+@dataclass
+class AdaptivePolicy:
+    """The choice among ``trees`` and plain decoding, made per group of rounds. ``weight``:
+    how fast the estimates follow new measurements; ``retry``: groups between retries of a
+    config that lost. ``log``: every decision with its inputs (``report`` sums it up)."""
+
+    trees: tuple[Tree, ...]
+    weight: float = 0.3
+    retry: int = 64
+    estimates: dict = field(default_factory=dict)
+    log: list = field(default_factory=list)
+    groups: int = 0
+
+    def __post_init__(self):
+        self.trees = tuple(tuple(t) for t in self.trees)  # type: ignore[misc]
+        for t in (None, *self.trees):
+            self.estimates.setdefault(config_name(t), Estimate())
+
+    def measure_plain(self, step, device, reps: int = 3) -> None:
+        """Time ``step()`` (one plain step of the whole batch, outputs dropped) if not yet known."""
+        est = self.estimates[PLAIN]
+        if est.round_ms is not None:
+            return
+        step()  # a first call may capture a graph or compile
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        sync(device)
+        est.update((time.perf_counter() - t0) * 1e3 / reps, 1.0, 1.0)
+
+    def rate(self, tree: Tree | None) -> float | None:
+        """Expected tokens per ms per row, or None where the config has no measurement."""
+        est = self.estimates[config_name(tree)]
+        if est.round_ms is None or est.tau is None:
+            return None
+        return est.tau / est.round_ms
+
+    def choose(self, can_speculate: bool) -> Tree | None:
+        """The config for the next group: an untried one that could still win, else the best
+        measured one (plain when nothing beats it)."""
+        self.groups += 1
+        plain_ms = self.estimates[PLAIN].round_ms
+        choice: Tree | None = None
+        why = "the rows decoded plain before" if not can_speculate else ""
+        if can_speculate:
+            untried = [t for t in self.trees if self._worth_trying(t, plain_ms)]
+            if untried:
+                choice = untried[0]
+                why = "retry" if self.estimates[config_name(choice)].runs else "not measured yet"
+            else:
+                best = max((None, *self.trees), key=lambda t: self.rate(t) or 0.0)
+                choice, why = best, "highest measured rate"
+        self.log.append({"group": self.groups, "choice": config_name(choice), "why": why, **self.snapshot()})
+        return choice
+
+    def _worth_trying(self, tree: Tree, plain_ms: float | None) -> bool:
+        est = self.estimates[config_name(tree)]
+        if est.runs == 0:
+            return True
+        if self.groups - est.last_group < self.retry:
+            return False
+        # Even with every draft accepted (tau = path length) it could not beat plain: skip.
+        ideal = min(tree[0], tree[2] - 1) + 1
+        return plain_ms is None or est.round_ms is None or ideal / est.round_ms > 1.0 / plain_ms
+
+    def observe(self, tree: Tree | None, ms_per_round: float, tau: float | None) -> None:
+        est = self.estimates[config_name(tree)]
+        est.update(ms_per_round, tau, self.weight)
+        est.last_group = self.groups
+
+    def snapshot(self) -> dict:
+        return {
+            name: {"round_ms": e.round_ms, "tau": e.tau} for name, e in self.estimates.items() if e.round_ms is not None
+        }
+
+    def report(self) -> dict:
+        """Groups per choice, the final estimates, and the first few decisions with inputs."""
+        counts: dict[str, int] = {}
+        for d in self.log:
+            counts[d["choice"]] = counts.get(d["choice"], 0) + 1
+        return {"groups_by_choice": counts, "estimates": self.snapshot(), "first_decisions": self.log[:8]}

@@ -1,0 +1,95 @@
+"""Adaptive speculation: whatever the policy picks, group by group, each request's tokens equal
+plain greedy decoding's; the policy picks from measured rates and stays plain once rows have
+decoded plain (their drafts are behind)."""
+
+import pytest
+
+from draftling.engine.adaptive import PLAIN, AdaptivePolicy, config_name
+from draftling.engine.generate import batch_generate
+from draftling.errors import ConfigError
+from tests.helpers import TREES, oracle_draft, perm_target
+from tests.helpers import batch_engines as engines
+from tests.helpers import batch_prompts as prompts
+from tests.helpers import decode_alone as alone
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BUDGETS = [40, 6, 25, 40, 2, 33, 11]
+
+
+class Scripted(AdaptivePolicy):
+    """Picks from a fixed script (cycling), as far as the rows allow; records what it was allowed."""
+
+    def __init__(self, trees, script):
+        super().__init__(trees)
+        self.script, self.allowed = script, []
+
+    def choose(self, can_speculate):
+        self.allowed.append(can_speculate)
+        pick = self.script[(len(self.allowed) - 1) % len(self.script)]
+        choice = pick if can_speculate else None
+        self.log.append({"choice": config_name(choice)})
+        return choice
+
+
+def test_switching_configs_mid_run_keeps_plain_tokens():
+    model = perm_target()
+    ps = prompts()
+    want = alone(model, ps, BUDGETS)
+    target, runner = engines(model, oracle_draft(model))
+    trees = tuple(TREES)
+    policy = Scripted(trees, [trees[0], trees[1], trees[2], trees[1], None])
+    got = batch_generate(target, ps, BUDGETS, draft=runner, adaptive=policy)
+    assert [r.tokens for r in got] == want
+    choices = [d["choice"] for d in policy.log]
+    assert {config_name(t) for t in trees} <= set(choices) and PLAIN in choices
+    # Once plain, never speculative again while a row that decoded plain is active.
+    first_plain = choices.index(PLAIN)
+    assert not policy.allowed[first_plain + 1]
+
+
+def test_the_policy_measures_each_tree_then_keeps_the_fastest():
+    model = perm_target()
+    ps = prompts()
+    target, runner = engines(model, oracle_draft(model))
+    policy = AdaptivePolicy(tuple(TREES))
+    got = batch_generate(target, ps, BUDGETS, draft=runner, adaptive=policy)
+    assert [r.tokens for r in got] == alone(model, ps, BUDGETS)
+    whys = [d["why"] for d in policy.log]
+    assert whys[: len(TREES)] == ["not measured yet"] * len(TREES)
+    est = policy.estimates
+    assert est[PLAIN].round_ms > 0 and all(est[config_name(t)].tau >= 1.0 for t in TREES)
+    rates = {name: e.tau / e.round_ms for name, e in est.items()}
+    later = [d for d in policy.log[len(TREES) :] if d["why"] == "highest measured rate"]
+    assert later and all(d["choice"] in rates for d in later)
+
+
+def _seeded(plain_ms, tree_ms, tree_tau):
+    policy = AdaptivePolicy(tuple(TREES))
+    policy.estimates[PLAIN].update(plain_ms, 1.0, 1.0)
+    for t in TREES:
+        policy.observe(t, tree_ms, tree_tau)
+    return policy
+
+
+def test_plain_wins_where_rounds_cost_more_than_they_emit():
+    policy = _seeded(plain_ms=1.0, tree_ms=4.0, tree_tau=3.0)  # 0.75 tokens/ms against 1
+    assert policy.choose(True) is None
+    policy = _seeded(plain_ms=1.0, tree_ms=2.0, tree_tau=3.0)  # 1.5 against 1
+    assert policy.choose(True) is not None
+    assert policy.choose(False) is None  # rows whose drafts are behind decode plain
+    assert policy.log[-1]["why"] == "the rows decoded plain before"
+
+
+def test_a_tree_that_cannot_win_even_accepting_everything_is_not_retried():
+    policy = _seeded(plain_ms=1.0, tree_ms=50.0, tree_tau=1.0)
+    policy.groups = policy.retry + 10  # past the retry interval
+    assert policy.choose(True) is None
+
+
+def test_adaptive_refuses_sampling_and_a_fixed_tree():
+    model = perm_target()
+    target, runner = engines(model, oracle_draft(model))
+    with pytest.raises(ConfigError, match="adaptive"):
+        batch_generate(target, prompts(), 4, draft=runner, adaptive=AdaptivePolicy(tuple(TREES)), temperature=1.0)
+    with pytest.raises(ConfigError, match="adaptive"):
+        batch_generate(target, prompts(), 4, draft=runner, tree=TREES[0], adaptive=AdaptivePolicy(tuple(TREES)))
