@@ -268,3 +268,22 @@ def test_prefills_are_grouped_under_the_score_budget(monkeypatch):
     target, _ = engines(model, slots=SLOTS)
     assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
     assert max(groups) == 2 and groups.count(1) >= 1  # the 20-token prompt alone, never three at once
+
+
+@pytest.mark.slow  # CPU compiles: ~95 s on 2 cores
+def test_compiled_rows_equal_eager_at_two_row_counts():
+    """Several rows compile with dynamic shapes (engine.target_model.compile_once): at 2 and
+    3 rows, plain and speculative, the compiled engine's tokens equal each request alone."""
+    from draftling.engine import CachedTarget, DraftRunner
+    from tests.helpers import AUX
+
+    model = perm_target()
+    draft = oracle_draft(model)
+    ps, budgets = prompts(), [12, 5, 9, 12, 3, 7, 10]
+    want = alone(model, ps, budgets)
+    for rows in (2, 3):
+        target = CachedTarget.from_hf(model, AUX, 160, batch_size=rows, compile=True)
+        runner = DraftRunner(draft, model.get_input_embeddings(), 160, batch_size=rows, compile=True)
+        assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
+        got = batch_generate(target, ps, budgets, draft=runner, tree=TREES[1])
+        assert [r.tokens for r in got] == want, rows

@@ -99,8 +99,9 @@ class DraftRunner(nn.Module):
             positions = positions.unsqueeze(0).expand(b, t)
         layer = self.draft.midlayer
         fast = self.compile if compiled is None else compiled
-        attn_in = compile_once(Eagle3DecoderLayer.attention_inputs) if fast else type(layer).attention_inputs
-        attn_out = compile_once(draft_outputs) if fast else draft_outputs
+        rows = self.k_cache.shape[0]
+        attn_in = compile_once(Eagle3DecoderLayer.attention_inputs, rows) if fast else type(layer).attention_inputs
+        attn_out = compile_once(draft_outputs, rows) if fast else draft_outputs
         cos, sin = self.draft.rotary_emb(hidden, positions)
         q, k, v = attn_in(layer, self.embed(input_ids).to(hidden.dtype), hidden, cos, sin)
         k_cache, v_cache = kv if kv is not None else (self.k_cache, self.v_cache)

@@ -4,7 +4,7 @@
 copied) but owns the KV cache: ``[layers, B, nkv, max_seq_len, d]`` for K and for V, written
 with ``index_copy_`` at caller-given slots and read whole through a boolean mask. Every tensor
 shape depends only on the query length, so the same code runs eagerly, with compiled layers
-(``torch.compile(dynamic=False)``) and inside a CUDA graph (``StaticFn``). HF's own
+(``compile_once``) and inside a CUDA graph (``StaticFn``). HF's own
 StaticCache broke under manual graph capture on the GPU machine, hence owning it.
 
 The caller decides where K/V go (``cache_positions``) and what each query sees
@@ -152,14 +152,19 @@ def write_kv(cache, cache_positions, rows) -> None:
 
 # Compiled once per process as plain functions of (layer, ...): one graph serves every layer
 # of a model (the weights are inputs), so compiling costs two small graphs per query shape.
+# An engine of one row compiles each shape it meets on its own (the batch-1 kernels). An
+# engine of several rows takes dynamo's automatic dynamic shapes: a size that changes between
+# calls (row count, query count) becomes symbolic, so one graph serves every level of a
+# concurrency sweep where static shapes would compile a set per level (size 1 stays special).
 _COMPILED: dict = {}
 
 
-def compile_once(fn):
-    if fn not in _COMPILED:
+def compile_once(fn, rows: int = 1):
+    dynamic = False if rows == 1 else None
+    if (fn, dynamic) not in _COMPILED:
         allow_recompiles()  # a shape per query count and tree config, and more than 8 of them is fine
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
-    return _COMPILED[fn]
+        _COMPILED[fn, dynamic] = torch.compile(fn, dynamic=dynamic)
+    return _COMPILED[fn, dynamic]
 
 
 class TargetEngine(nn.Module):
@@ -322,8 +327,8 @@ class CachedTarget(TargetEngine):
         )
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(x, positions)
-        attn_in = compile_once(attention_inputs) if compiled else attention_inputs
-        attn_out = compile_once(attention_outputs) if compiled else attention_outputs
+        attn_in = compile_once(attention_inputs, self.batch_size) if compiled else attention_inputs
+        attn_out = compile_once(attention_outputs, self.batch_size) if compiled else attention_outputs
         k_all, v_all = kv if kv is not None else (self.k_all, self.v_all)
         want = set(self.aux_layer_ids)
         aux = {}
