@@ -118,8 +118,9 @@ def test_batch_engine_refuses_what_does_not_fit():
 
 
 def test_concurrency_sweep_contract(tmp_path):
-    """The sweep's results contract, on a tiny target: every level and config, greedy
-    identity with plain decoding at each level, and the summary's best config per level."""
+    """The sweep's results contract, on a tiny target: every level and config (the adaptive
+    engine too), greedy identity with plain decoding at each level, and the summary's best
+    config per level and the adaptive engine's lowest speedup."""
     from draftling.bench.concurrency import SweepOptions, run_concurrency_sweep, summarize
     from tests.helpers import tiny_bench_target, tiny_draft_dir, token_prompt_set
 
@@ -136,16 +137,20 @@ def test_concurrency_sweep_contract(tmp_path):
         command="pytest",
     )
     res = run_concurrency_sweep(target, draft, opts, log=lambda *_: None)
-    for key in ("date", "gpu", "target", "draft", "batch1_plain_tok_s", "concurrency_sweep"):
+    for key in ("date", "gpu", "target", "draft", "batch1_plain_tok_s", "concurrency_sweep", "adaptive_min_speedup"):
         assert key in res
     rows = res["concurrency_sweep"]
     assert [(r["concurrency"], r["config"]) for r in rows] == [
-        (c, n) for c in (1, 3) for n in ("plain", "chain-3-1-4", "tree-3-4-8")
+        (c, n) for c in (1, 3) for n in ("plain", "chain-3-1-4", "tree-3-4-8", "adaptive")
     ]
-    assert [r["requests"] for r in rows] == [4, 4, 4, 6, 6, 6]  # max(4, 2 x level)
+    assert [r["requests"] for r in rows] == [4] * 4 + [6] * 4  # max(4, 2 x level)
+    adaptive = [r for r in rows if r["config"] == "adaptive"]
+    assert res["adaptive_min_speedup"] == min(r["speedup"] for r in adaptive)
+    for r in adaptive:
+        assert r["identical_fraction"] == 1.0 and sum(r["policy"]["groups_by_choice"].values()) > 0
     for r in rows:
         assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s"] == r["aggregate_tok_s"] / r["concurrency"]
-        if r["config"] != "plain":
+        if r["config"] not in ("plain", "adaptive"):
             assert r["identical_fraction"] == 1.0 and 1.0 <= r["tau"] <= 4.0
             assert r["cost"]["verify_q"] in (4, 8) and r["cost"]["free_speedup"] > 0
     folder = next((tmp_path / "out").iterdir())
@@ -159,6 +164,7 @@ def test_concurrency_sweep_contract(tmp_path):
     assert summarize(fake) == {
         "best_config_per_level": {"1": "a", "2": "plain", "4": "plain"},
         "crossover_concurrency": 2,
+        "adaptive_min_speedup": None,
     }
 
 

@@ -7,7 +7,9 @@ config it reports aggregate tok/s, per-stream tok/s (aggregate / C), tau (bonus 
 the speedup over plain decoding at the same level, and the cost account at that level: the
 measured plain-step and verify-pass times of a C-row batch, and what a free drafter would
 give at this tau. Speculation pays while the verify pass costs less than tau plain steps;
-a batch fills the device, so verify passes get dearer as C grows.
+a batch fills the device, so verify passes get dearer as C grows. With ``adaptive`` each
+level also runs the adaptive engine (engine/adaptive.py: per group of rounds the config or
+plain decoding with the best measured rate), reported as config ``adaptive`` with its choices.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from draftling.bench.simple import build_engine, parse_decode_config
 from draftling.config import CONCURRENCY_LEVELS, RELEASE_CONFIGS, BenchConfig
 from draftling.dtypes import dtype_name
 from draftling.engine import EngineOptions
+from draftling.engine.adaptive import AdaptivePolicy
 from draftling.engine.generate import batch_generate
 from draftling.errors import ConfigError
 from draftling.export.formats import load_any_draft
@@ -49,8 +52,9 @@ RESULT = "concurrency.json"
 class SweepOptions:
     """``requests``: requests per level, at least ``min_requests`` and ``per_slot`` per slot,
     so every level refills slots (continuous batching) and the batch stays full most of the
-    run. ``engine``: graphs on CUDA but no compile (each batch size is a new set of shapes,
-    and compiling them all would cost minutes), unpadded: every config's own verify size."""
+    run. ``engine``: graphs and compiled layers on CUDA (several rows compile with dynamic
+    shapes, so the levels share their graphs), unpadded: every config's own verify size.
+    ``adaptive``: also run the adaptive engine over ``configs`` at each level."""
 
     levels: tuple[int, ...] = CONCURRENCY_LEVELS
     configs: tuple[str, ...] = RELEASE_CONFIGS
@@ -59,8 +63,9 @@ class SweepOptions:
     min_requests: int = 16
     per_slot: int = 2
     engine: EngineOptions = field(
-        default_factory=lambda: EngineOptions(cuda_graphs="auto", compile=False, query_pad=0, attention="auto")
+        default_factory=lambda: EngineOptions(cuda_graphs="auto", compile="auto", query_pad=0, attention="auto")
     )
+    adaptive: bool = True
     out_dir: str | Path = _DEFAULTS.results_dir
     command: str | None = None
 
@@ -100,8 +105,11 @@ def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log
         ids = [prompts[i % len(prompts)].input_ids for i in range(options.requests(level))]
         max_len = max(map(len, ids)) + options.max_new_tokens + max(c.draft_tokens for c in configs) + 8
         tgt, runner = build_engine(target, draft, max_len, engine, batch_size=level)
-        rows += _level(tgt, runner, ids, configs, options.max_new_tokens)
-        progress.update(len(ids), _level_line(rows[-1 - len(configs) :]))
+        level_rows, plain = _level(tgt, runner, ids, configs, options.max_new_tokens)
+        if options.adaptive:
+            level_rows.append(_adaptive(tgt, runner, ids, configs, options.max_new_tokens, level_rows[0], plain))
+        rows += level_rows
+        progress.update(len(ids), _level_line(level_rows))
         del tgt, runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -110,8 +118,9 @@ def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log
     return results
 
 
-def _level(tgt, runner, ids, configs, max_new) -> list[dict]:
-    """Plain then each config at one level, each timed after a warm-up on the same engine."""
+def _level(tgt, runner, ids, configs, max_new) -> tuple[list[dict], list]:
+    """Plain then each config at one level, each timed after a warm-up on the same engine.
+    Returns (the rows, plain decoding's outputs)."""
     level = tgt.batch_size
     plain, plain_s = timed_after_warmup(
         tgt, lambda: batch_generate(tgt, ids, max_new), lambda: batch_generate(tgt, ids[:level], 4)
@@ -127,9 +136,28 @@ def _level(tgt, runner, ids, configs, max_new) -> list[dict]:
         )
         step_ms[c.draft_tokens] = _step_ms(tgt, c.draft_tokens)
         row = _row(level, c.name, out, s, rows[0], step_ms, c.draft_tokens)
-        row["identical_fraction"] = sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)
+        row["identical_fraction"] = _identical(out, plain)
         rows.append(row)
-    return rows
+    return rows, plain
+
+
+def _identical(out, plain) -> float:
+    return sum(a.tokens == b.tokens for a, b in zip(out, plain)) / len(out)
+
+
+def _adaptive(tgt, runner, ids, configs, max_new, plain_row, plain) -> dict:
+    """The adaptive engine at one level over the same requests, after a warm-up; its row
+    carries the policy's choices and the estimates they came from."""
+    trees = tuple((c.steps, c.topk, c.draft_tokens) for c in configs)
+    policy = AdaptivePolicy(trees)
+    out, s = timed_after_warmup(
+        tgt,
+        lambda: batch_generate(tgt, ids, max_new, draft=runner, adaptive=policy),
+        lambda: batch_generate(tgt, ids[: tgt.batch_size], 4, draft=runner, adaptive=AdaptivePolicy(trees)),
+    )
+    row = _row(tgt.batch_size, "adaptive", out, s, plain_row, {1: plain_row["cost"]["plain_step_ms"]}, 1)
+    row.pop("cost")
+    return {**row, "identical_fraction": _identical(out, plain), "policy": policy.report()}
 
 
 def timed_after_warmup(tgt, run, warm):
@@ -197,15 +225,22 @@ def _level_line(rows: list[dict]) -> str:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """The best config per level (plain when nothing beats it) and the crossover: the lowest
-    level from which on plain decoding wins at every level measured."""
+    """The best fixed config per level (plain when nothing beats it), the crossover: the
+    lowest level from which on plain decoding wins at every level measured, and the adaptive
+    engine's lowest speedup over plain across levels."""
+    adaptive = [r["speedup"] for r in rows if r["config"] == "adaptive"]
+    rows = [r for r in rows if r["config"] != "adaptive"]
     levels = sorted({r["concurrency"] for r in rows})
     best = {}
     for level in levels:
         at = [r for r in rows if r["concurrency"] == level]
         best[str(level)] = max(at, key=lambda r: r["aggregate_tok_s"])["config"]
     plain_from = [lv for lv in levels if all(best[str(x)] == "plain" for x in levels if x >= lv)]
-    return {"best_config_per_level": best, "crossover_concurrency": plain_from[0] if plain_from else None}
+    return {
+        "best_config_per_level": best,
+        "crossover_concurrency": plain_from[0] if plain_from else None,
+        "adaptive_min_speedup": min(adaptive) if adaptive else None,
+    }
 
 
 def _assemble(target, draft_path, info, options, engine, rows) -> dict:
@@ -231,8 +266,10 @@ def caveats(options: SweepOptions) -> list[str]:
         "per_stream_tok_s is aggregate_tok_s / concurrency: the rate one stream sees while the batch is full",
         f"requests per level: max({options.min_requests}, {options.per_slot} x concurrency), prompts of the "
         "set in order and repeated; the levels are not the same requests, compare configs within a level",
-        "the engine runs CUDA graphs without torch.compile and unpadded (each config verifies its own "
-        "draft tokens); batch-1 figures of the release bench use compiled, padded passes",
+        "the engine runs CUDA graphs and compiled layers (dynamic shapes from 2 rows on), unpadded: each "
+        "config verifies its own draft tokens; batch-1 figures of the release bench use padded passes",
+        "adaptive: the policy measures plain steps and each config's rounds while it decodes, so its "
+        "figure includes the rounds it spent trying configs that lost",
         "step times for the cost account are medians of the target pass alone at a context of half the cache",
         "in bf16 a batch and a single request can round differently: identical_fraction counts requests "
         "whose tokens equal plain decoding's at the same level",

@@ -121,7 +121,7 @@ def _run_notes(results: dict, device) -> list[str]:
             "two graphs instead of one, and acceptance runs on the host (accept = "
             "device->host read + Python acceptance; commit = move_kv + draft extend, up to the "
             "next round's start). The timed runs instead accept and commit on the device and "
-            "queue rounds (engine.generate.RUN_AHEAD_ROUNDS), as engine_plain queues steps"
+            "queue rounds (engine.accept.RUN_AHEAD_ROUNDS), as engine_plain queues steps"
         )
     return notes
 
