@@ -24,21 +24,6 @@ def run_draftling(*args, env_extra: dict | None = None, **kwargs) -> subprocess.
     )
 
 
-def tiny_llama(layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def one_thread():
     # Tiny models: intra-op threads only add contention (10x slower on a busy 2-core box).
@@ -71,6 +56,8 @@ def as_captured(monkeypatch):
 @pytest.fixture
 def tiny_target():
     """A 6-layer random Llama wrapped as a Target, with a stub tokenizer (pad id 0)."""
+    from tests.helpers import tiny_llama  # tests/helpers.py imports this module
+
     tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
     return wrap_target(tiny_llama(), tokenizer, name="tiny-llama")
 
