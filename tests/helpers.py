@@ -68,6 +68,24 @@ def tiny_llama(layers: int = 6, seed: int = 0, **kw) -> LlamaForCausalLM:
 # ----------------------------------------------------------------- decode engine (tests/engine)
 
 
+def sampling_target(vocab=16):
+    """A tiny target over ``vocab`` tokens whose next-token probabilities are spread out (a
+    wider head), not near-uniform: the sampling-law tests compare against its exact laws.
+    As many K/V heads as query heads, as ``oracle_draft`` needs."""
+    model = tiny(
+        LlamaForCausalLM,
+        LlamaConfig,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.4)
+    return model
+
+
 def random_draft(model, draft_vocab=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
