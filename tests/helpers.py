@@ -65,6 +65,20 @@ def tiny_llama(layers: int = 6, seed: int = 0, **kw) -> LlamaForCausalLM:
     return tiny(LlamaForCausalLM, LlamaConfig, seed=seed, num_hidden_layers=layers, **kw)
 
 
+def saved_tiny_target(out: Path, tokenizer, seed: int = 0, **kw) -> Path:
+    """``tiny()`` over ``tokenizer``'s vocabulary and special ids (``kw`` over its fields),
+    saved in ``out`` with the tokenizer: a target folder the CLI and ``load_target`` read."""
+    tokenizer.save_pretrained(out)
+    ids = dict(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    tiny(LlamaForCausalLM, LlamaConfig, seed, **{**ids, **kw}).save_pretrained(out)
+    return out
+
+
 # ----------------------------------------------------------------- decode engine (tests/engine)
 
 
