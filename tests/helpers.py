@@ -1,8 +1,11 @@
 """Builders shared by the test modules: tiny models, drafts, prompts and runs.
 
-Test modules import these from here, never from one another (tests/conftest.py keeps the
-fixtures and the few helpers every folder uses: ``tiny_llama``, ``random_batch``,
-``setup_data``, ``run_draftling``, ``CHECKOUT``).
+Test modules import these from here, never from one another (tests/test_layout.py checks it;
+tests/conftest.py keeps the fixtures and the few helpers every folder uses: ``random_batch``,
+``setup_data``, ``run_draftling``, ``smollm2_gguf``, ``CHECKOUT``, ``TINY_VOCAB``).
+
+Every random test model starts from ``TINY_FIELDS``: ``tiny_config`` / ``tiny`` take the
+fields a test needs changed as keyword overrides.
 """
 
 import importlib.util
@@ -23,29 +26,78 @@ from draftling.engine import CachedTarget, DraftRunner, greedy_generate
 from draftling.target.aux import aux_hidden_states
 from draftling.target.load import wrap_target
 from draftling.train.trainer import train
-from tests.conftest import CHECKOUT
+from tests.conftest import CHECKOUT, TINY_VOCAB
+
+AUX = [1, 2, 3]
+V, H = TINY_VOCAB, 64
+TREES = [(3, 1, 4), (3, 4, 8), (5, 8, 16)]
+
+# ------------------------------------------------------------------- tiny random models (all)
+
+TINY_FIELDS = dict(
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+TOY_TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # the stub tokenizers' ids
+
+
+def tiny_config(cfg_cls=LlamaConfig, **kw):
+    """``TINY_FIELDS`` with ``kw`` over them, as a ``cfg_cls`` (a config alone, no weights)."""
+    return cfg_cls(**{**TINY_FIELDS, **kw})
+
+
+def tiny(cls=LlamaForCausalLM, cfg_cls=LlamaConfig, seed=0, **kw):
+    """A random ``cls`` of ``tiny_config(cfg_cls, **kw)``, its weights drawn after
+    ``torch.manual_seed(seed)``, in eval mode. By default 4 layers."""
+    torch.manual_seed(seed)
+    return cls(tiny_config(cfg_cls, **kw)).eval()
+
+
+def tiny_llama(layers: int = 6, seed: int = 0, **kw) -> LlamaForCausalLM:
+    """The 6-layer random Llama (vocab 300, untied head) most CPU tests train and decode with;
+    the ``tiny_target`` fixture wraps it."""
+    return tiny(LlamaForCausalLM, LlamaConfig, seed=seed, num_hidden_layers=layers, **kw)
+
+
+def saved_tiny_target(out: Path, tokenizer, seed: int = 0, **kw) -> Path:
+    """``tiny()`` over ``tokenizer``'s vocabulary and special ids (``kw`` over its fields),
+    saved in ``out`` with the tokenizer: a target folder the CLI and ``load_target`` read."""
+    tokenizer.save_pretrained(out)
+    ids = dict(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    tiny(LlamaForCausalLM, LlamaConfig, seed, **{**ids, **kw}).save_pretrained(out)
+    return out
+
 
 # ----------------------------------------------------------------- decode engine (tests/engine)
 
-AUX = [1, 2, 3]
-V, H = 300, 64
-TREES = [(3, 1, 4), (3, 4, 8), (5, 8, 16)]
 
-
-def tiny(cls, cfg_cls, seed=0, **kw):
-    fields = dict(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=128,
-        num_hidden_layers=4,
+def sampling_target(vocab=16):
+    """A tiny target over ``vocab`` tokens whose next-token probabilities are spread out (a
+    wider head), not near-uniform: the sampling-law tests compare against its exact laws.
+    As many K/V heads as query heads, as ``oracle_draft`` needs."""
+    model = tiny(
+        LlamaForCausalLM,
+        LlamaConfig,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
+        num_key_value_heads=4,
     )
-    fields.update(kw)
-    torch.manual_seed(seed)
-    return cls(cfg_cls(**fields)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.4)
+    return model
 
 
 def random_draft(model, draft_vocab=64, seed=0):
@@ -171,33 +223,15 @@ WORKLOADS = ("prose", "code", "math")
 
 
 def tiny_bench_target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    """``tiny()`` (4 layers) with the stub tokenizer's special ids, wrapped as a Target."""
+    model = tiny(LlamaForCausalLM, LlamaConfig, **TOY_TOKEN_IDS)
     tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=2, get_vocab=lambda: {})
     return wrap_target(model, tok, name="tiny-llama", aux_layer_ids=AUX)
 
 
 def tiny_draft_dir(target, path: Path, draft_vocab=64, seed=0) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config_from_target(target.config, draft_vocab, AUX)).eval()
-    ids = torch.randperm(V, generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(draft_vocab), t2d)  # target_id = draft_id + d2t[draft_id]
+    """``random_draft`` for ``target``, saved in ``path``."""
+    draft = random_draft(target, draft_vocab, seed)
     path.mkdir(parents=True)
     save_draft(draft, path)
     return path
@@ -271,24 +305,14 @@ def train_run(tmp_path, target, run_name, steps, resume=False, **extra):
 
 # ----------------------------------------------------------------------- exports (tests/export)
 
-VOCAB, DRAFT_VOCAB, LAYERS = 300, 64, 6
+VOCAB, DRAFT_VOCAB, LAYERS = V, 64, 6
 DEFAULT_IDS = [2, 3, 3]  # [2, L//2, L-3] for L = 6
 
 
 def tiny_export_llama() -> LlamaForCausalLM:
-    """The 6-layer random Llama (vocab 300) the export tests draft for."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        num_hidden_layers=LAYERS,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        intermediate_size=128,
-        max_position_embeddings=4096,
-        rope_theta=500000.0,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    """The 6-layer random Llama (vocab 300) the export tests draft for: ``tiny_llama()`` with
+    Llama 3's rope theta and a 4096-token context."""
+    return tiny_llama(LAYERS, max_position_embeddings=4096, rope_theta=500000.0)
 
 
 def random_export_draft(target, aux_ids=DEFAULT_IDS, seed=1, **overrides):

@@ -13,13 +13,12 @@ import json
 import shutil
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from draftling.bench.serve_check import Tally, compare, diagnosis
 from draftling.cli import main
 from tests.conftest import run_draftling, smollm2_gguf
-from tests.helpers import write_prompts
+from tests.helpers import saved_tiny_target, write_prompts
 
 AUX = [2, 4, 7]  # not the defaults [2, 4, 5]: the export then writes the ids, in each engine's numbering
 
@@ -29,10 +28,9 @@ def tiny_vllm_target(out):
     with SmolLM2's tokenizer and chat template."""
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
+    return saved_tiny_target(
+        out,
+        tok,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=8,
@@ -41,12 +39,7 @@ def tiny_vllm_target(out):
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         initializer_range=0.05,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        pad_token_id=tok.pad_token_id,
     )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,7 @@ def test_bad_pipeline_files_are_one_line_errors(tmp_path, monkeypatch, capsys):
         load_draft(draft)
     from draftling.draft.model import Eagle3Draft, draft_config_from_target
     from draftling.draft.store import save_draft
-    from tests.conftest import tiny_llama
+    from tests.helpers import tiny_llama
 
     save_draft(Eagle3Draft(draft_config_from_target(tiny_llama().config, 64, [1, 2, 3])), draft)
     (draft / "draft.safetensors").write_bytes((draft / "draft.safetensors").read_bytes()[:200])  # truncated

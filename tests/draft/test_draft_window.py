@@ -28,8 +28,7 @@ from draftling.train.draft_setup import build_draft
 from draftling.train.teacher import TeacherBatch
 from draftling.train.ttt import shift_left, ttt_unroll
 from draftling.train.warmstart import keep_window
-from tests.conftest import tiny_llama
-from tests.helpers import TREES, V, prompt, random_draft, runners, tiny
+from tests.helpers import TREES, V, prompt, random_draft, runners, tiny, tiny_config, tiny_llama
 from tests.helpers import batch_engines as engines
 from tests.helpers import batch_prompts as prompts
 from tests.helpers import decode_alone as alone
@@ -271,14 +270,7 @@ def test_batched_speculative_with_a_window_equals_alone():
 
 def windowed_draft(window):
     """(a 6-layer target's config, a draft for it with ``window``)."""
-    target = LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    target = tiny_config(num_hidden_layers=6, max_position_embeddings=2048)
     draft = Eagle3Draft(draft_config_from_target(target, 64, [2, 3, 3], window=window))
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:64].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)

@@ -23,25 +23,12 @@ from draftling.export import export_sglang, load_sglang_export
 from draftling.target.aux import aux_hidden_states
 from draftling.target.load import wrap_target
 from tests.conftest import TINY_VOCAB, setup_data
-from tests.helpers import AUX, TREES, oracle_draft, random_draft, run_draft, train_run
+from tests.helpers import AUX, TOY_TOKEN_IDS, TREES, oracle_draft, random_draft, run_draft, tiny, train_run
 from tests.host_reads import HostReads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, PROMPT, NEW, WINDOW, SIZE = TINY_VOCAB, 13, 24, 8, 80
-COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 SLIDING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 # model_type: (config class, model class, config overrides, engine path)
 ARCHS = {
@@ -108,8 +95,8 @@ def build(arch, seed=0, **extra):
     cfg_name, model_name, over, _ = ARCHS[arch]
     if not hasattr(transformers, cfg_name) or not hasattr(transformers, model_name):
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**COMMON, **over, **extra})).eval()
+    model_cls, cfg_cls = getattr(transformers, model_name), getattr(transformers, cfg_name)
+    model = tiny(model_cls, cfg_cls, seed, **{**TOY_TOKEN_IDS, **over, **extra})
     with torch.no_grad():  # HF zero-inits these; make them matter
         for name, p in model.named_parameters():
             if name.endswith(("sinks", ".bias")):

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.engine import process_logits
 from draftling.engine.generate import batch_generate
-from tests.helpers import LENGTHS, SLOTS, TREES, oracle_draft, perm_target, random_draft, tiny
+from tests.helpers import LENGTHS, SLOTS, TREES, oracle_draft, perm_target, random_draft, sampling_target, tiny
 from tests.helpers import batch_engines as engines
 from tests.helpers import batch_prompts as prompts
 from tests.helpers import chi2_p_value as _chi2_p_value
@@ -75,17 +75,7 @@ def test_batched_sampling_matches_target_distribution():
     each request against exact target probabilities (as test_engine's batch-1 test)."""
     vocab, n = 16, 1200
     kw = dict(temperature=1.3, top_k=12, top_p=0.95)
-    model = tiny(
-        LlamaForCausalLM,
-        LlamaConfig,
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0, 0.4)
+    model = sampling_target(vocab)
     draft = oracle_draft(model, draft_vocab=12, seed=3)
     ids = torch.randint(0, vocab, (5,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -33,7 +33,7 @@ from draftling.engine import (
     speculative_generate,
 )
 from draftling.engine import accept as gen_mod
-from tests.helpers import AUX, TREES, H, oracle_draft, perm_target, prompt, random_draft, runners, tiny
+from tests.helpers import AUX, TREES, H, oracle_draft, perm_target, prompt, random_draft, runners, sampling_target, tiny
 from tests.helpers import chi2_p_value as _chi2_p_value
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -460,17 +460,7 @@ def test_sampling_matches_target_distribution(monkeypatch):
     probabilities. t2 comes from depth-1 acceptance or the residual, t3 also from depth 2."""
     vocab, n = 16, 2500
     kw = dict(temperature=1.3, top_k=12, top_p=0.95)  # top-p leaves ~8 tokens: some drafts have p=0
-    model = tiny(
-        LlamaForCausalLM,
-        LlamaConfig,
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0, 0.4)  # a spread of probabilities, not near-uniform
+    model = sampling_target(vocab)
     # 12 of 16 tokens: the other 4 only ever come from the residual.
     draft = oracle_draft(model, draft_vocab=12, seed=3)
     target, dr = runners(model, draft, size=24)

@@ -27,7 +27,7 @@ from draftling.export import (
 from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft, verifier_architectures, verifier_hub_id
 from draftling.export.formats import load_any_draft
 from draftling.target.load import DEFAULT_TARGET, Target, TargetSpec, wrap_target
-from tests.helpers import DEFAULT_IDS, DRAFT_VOCAB, VOCAB, run_draft, tiny_export_llama
+from tests.helpers import DEFAULT_IDS, DRAFT_VOCAB, VOCAB, run_draft, tiny_config, tiny_export_llama
 from tests.helpers import random_export_draft as make_draft
 
 LAYER_NAMES = [
@@ -529,14 +529,7 @@ def test_check_accepts_a_fitting_export_and_names_every_mismatch(tmp_path):
     from draftling.target.fingerprint import fingerprint
 
     torch.manual_seed(0)
-    target_cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    target_cfg = tiny_config(num_hidden_layers=6, max_position_embeddings=2048)
     draft = Eagle3Draft(draft_config_from_target(target_cfg, 300, [2, 3, 3]))
     draft.set_vocab(torch.zeros(300, dtype=torch.long), torch.ones(300, dtype=torch.bool))
     out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True, dtype="keep")

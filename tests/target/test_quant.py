@@ -63,7 +63,7 @@ def test_config_field():
 def test_quantized_load_is_placed_by_from_pretrained(monkeypatch, tiny_target_dir):
     """With a quantization_config the device goes to from_pretrained (device_map) and the
     model is never moved afterwards (bitsandbytes models refuse .to())."""
-    from tests.conftest import tiny_llama
+    from tests.helpers import tiny_llama
 
     calls = []
     model = tiny_llama()
@@ -176,7 +176,7 @@ def test_teacher_compile_auto_skips_quantized_teachers():
     and never on the CPU; an explicit setting wins."""
     from draftling.config import TrainConfig
     from draftling.train.settings import compile_teacher
-    from tests.conftest import tiny_llama
+    from tests.helpers import tiny_llama
 
     model = tiny_llama(layers=2)
     auto = TrainConfig()

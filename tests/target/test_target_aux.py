@@ -5,7 +5,7 @@ import torch
 
 from draftling.errors import TargetError
 from draftling.target import aux_hidden_states, default_aux_layer_ids, validate_aux_layer_ids
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 
 def test_default_ids_follow_eagle3():

@@ -29,7 +29,8 @@ from draftling.train.convergence import (
     paired_change,
 )
 from draftling.train.trainer import train
-from tests.conftest import TINY_VOCAB, setup_data, tiny_llama
+from tests.conftest import TINY_VOCAB, setup_data
+from tests.helpers import tiny_llama
 
 PROMPTS = 14  # as set:smoke-v1
 

@@ -32,19 +32,24 @@ def est(shape=SHAPE, batch=B, seq=T, steps=S, **changes):
     return estimate_train_memory(shape, batch, seq, steps, dataclasses.replace(MemoryOptions(), **changes))
 
 
+def shape_config(shape=SHAPE, layers=6):
+    """A target's Llama config (no weights) whose draft has ``shape``."""
+    return LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        num_hidden_layers=layers,
+    )
+
+
 # --- parameter counts are exact ------------------------------------------------------------
 
 
 def test_draft_param_count_matches_eagle3draft():
-    cfg = LlamaConfig(
-        vocab_size=SHAPE.vocab,
-        hidden_size=SHAPE.hidden,
-        intermediate_size=SHAPE.intermediate,
-        num_attention_heads=SHAPE.heads,
-        num_key_value_heads=SHAPE.kv_heads,
-        head_dim=SHAPE.head_dim,
-        num_hidden_layers=6,
-    )
+    cfg = shape_config()
     draft = Eagle3Draft(draft_config_from_target(cfg, SHAPE.draft_vocab, [2, 3, 4]))
     real = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     assert DraftShape.from_config(cfg, SHAPE.draft_vocab) == SHAPE
@@ -297,15 +302,7 @@ def test_estimate_tracks_what_the_unroll_keeps(ckpt, chunk, one_thread):
     of forward + backward within 30%, measured with the profiler's allocation events."""
     shape = DraftShape(hidden=256, intermediate=768, heads=4, kv_heads=2, head_dim=64, vocab=2000, draft_vocab=1024)
     b, t, steps = 2, 128, 4
-    cfg = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=6,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-    )
+    cfg = shape_config(shape)
     torch.manual_seed(0)
     draft = Eagle3Draft(draft_config_from_target(cfg, shape.draft_vocab, [2, 3, 4]))
     t2d = torch.zeros(shape.vocab, dtype=torch.bool)
@@ -493,15 +490,7 @@ def test_a_window_bounds_the_sdpa_attention_estimate_and_the_draft_width_counts(
     from draftling.train.memory_fit import plan_run
 
     cfg = load_config(None, ["draft.intermediate_size=4096", "draft.window=512", "vocab.size=1000"])
-    target = LlamaConfig(
-        vocab_size=4000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=8,
-    )
+    target = shape_config(SHAPE, layers=8)
     wide = plan_run(cfg, target, 80 * GIB, seq=2048, batch=4)
     narrow = plan_run(load_config(None, ["draft.window=512", "vocab.size=1000"]), target, 80 * GIB, seq=2048, batch=4)
     assert wide["shape"].intermediate == 4096 and wide["shape"].window == 512

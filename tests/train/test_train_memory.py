@@ -15,8 +15,9 @@ from draftling.train.optim import OffloadedAdamW, build_optimizer
 from draftling.train.settings import memory_options, optimizer_offload
 from draftling.train.teacher import teacher_forward
 from draftling.train.ttt import shift_left, ttt_unroll
-from tests.conftest import setup_data, tiny_llama
+from tests.conftest import setup_data
 from tests.helpers import spaced_vocab_draft as make_draft
+from tests.helpers import tiny_llama
 from tests.helpers import train_run as run
 
 

@@ -10,8 +10,8 @@ from draftling.train.attention import TTTAttention
 from draftling.train.step_counts import StepCounts
 from draftling.train.teacher import teacher_forward
 from draftling.train.ttt import shift_left, ttt_unroll
-from tests.conftest import tiny_llama
 from tests.helpers import spaced_vocab_draft as make_draft
+from tests.helpers import tiny_llama
 
 
 def test_shift_left():
