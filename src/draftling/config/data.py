@@ -48,7 +48,9 @@ class RegenConfig:
             '"http://localhost:8000". Then only the target\'s tokenizer is loaded.'
         ),
     )
-    server_model: str | None = key(None, flag="--server-model", help="null = the one model the server lists")
+    server_model: str | None = key(
+        None, flag="--server-model", help="The model name the server serves; null = the only one its /v1/models lists."
+    )
     concurrency: int = key(16, bounds=AT_LEAST_ONE, help="requests in flight; the server batches them")
     api_key_env: str = key("OPENAI_API_KEY", help="env var holding the key (the key is never written)")
     request_timeout_s: float = key(600.0, bounds=POSITIVE, help="Seconds before a server request is given up.")
@@ -94,7 +96,8 @@ class DataConfig:
         flag="--prompts",
         help=(
             "Prompt specs (data/sources.py): a jsonl file (project schema, ShareGPT or OpenAI messages), "
-            '"starter:NAME" (shipped with the package), "shared:NAME" (the development corpus), '
+            '"starter:NAME" (shipped with the package: chat, code, math), "set:NAME" (a shipped prompt set, e.g. set:v1), '
+            '"shared:NAME" (the development corpus), '
             '"hf:NAME[:CONFIG][@SPLIT]" or a save_to_disk folder (the `datasets` extra).'
         ),
     )
@@ -230,7 +233,12 @@ class DraftConfig:
         ),
     )
     rebuild_vocab: bool = key(
-        False, flag="--rebuild-vocab", help=("With init_from: use the data's vocab map instead of the head's own.")
+        False,
+        flag="--rebuild-vocab",
+        help=(
+            "With init_from: use the data's vocab map instead of the head's own; the head rows of tokens that enter are "
+            "re-initialised."
+        ),
     )
     window: int = key(
         0,

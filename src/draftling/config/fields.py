@@ -1,6 +1,7 @@
 """One source per config key: ``key(...)`` declares a field with its default, bounds, choices,
 resume policy, CLI flag and help, all in the field's metadata. Validation (``validate``), the
-resume policy (``resume_free_keys``) and the README's key table (config/table.py) read it there.
+resume policy (``resume_free_keys``), the CLI's flag table and flag help (cli/common.py) and the
+README's key table (config/table.py) read it there.
 
 "Auto": a key whose value is a string of choices spells auto as the string "auto"; a key of
 another type (a bool, a number, a list) spells it null, its help saying what null picks. A
@@ -39,7 +40,8 @@ def key(
     """A config field. ``bounds``: (what is expected, test), checked when the config is built;
     ``choices``: the names a string field accepts; ``resume``: "free" where a ``--resume`` may
     change the key (for a section: every key in it), else "fixed"; ``flag``: the CLI flag that
-    sets it (cli/common.py FLAG_KEYS); ``help``: what it means, for the README's key table."""
+    sets it (cli/common.py FLAG_KEYS); ``help``: what it means, for the README's key table and
+    the flag's --help."""
     if resume not in RESUME:
         raise ValueError(f"resume={resume!r}: expected one of {', '.join(RESUME)}")
     meta = {"bounds": bounds, "choices": choices, "resume": resume, "flag": flag, "help": help}

@@ -272,7 +272,12 @@ class TrainConfig:
         False,
         resume="free",
         flag="--stop-on-convergence",
-        help=("Also stop (head written) once converged; needs smoke_every > 0."),
+        help=(
+            "Stop cleanly (head written) once converged: the smoke bench's tau stays inside its noise band for "
+            "convergence_checks checks in a row, above a floor tau (train/convergence.py's FLOOR_TAU: a draft that "
+            'accepts next to nothing never converges); needs smoke_every > 0. Without it the run only logs "converged '
+            'at X% of epoch N".'
+        ),
     )
     # Experiment trackers that get every metrics record besides metrics.jsonl and TensorBoard
     # (their library must be installed); empty = the env var DRAFTLING_TRACKERS, else none.
