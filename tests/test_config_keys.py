@@ -35,17 +35,52 @@ def test_resume_policy_from_the_declarations():
     assert not resume_free("train.lr") and not resume_free("train.log_every_x") and not resume_free("dtype")
 
 
-def test_flag_table_matches_the_declared_flags():
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
     from draftling.cli import build_parser
-    from draftling.cli.common import FLAG_KEYS
 
-    declared = {name: f.metadata["flag"] for name, f in walk(RunConfig) if f.metadata.get("flag")}
-    assert set(declared) == set(FLAG_KEYS.values())
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    for parser in sub.choices.values():
+    return dict(sub.choices)
+
+
+def test_flag_table_is_the_declared_flags():
+    from draftling.cli.common import FLAG_KEYS, FLAG_NAMES
+
+    declared = {f.metadata["flag"]: name for name, f in walk(RunConfig) if f.metadata.get("flag")}
+    assert {flag.removeprefix("--").replace("-", "_"): name for flag, name in declared.items()} == FLAG_KEYS
+    assert {FLAG_NAMES[dest]: key for dest, key in FLAG_KEYS.items()} == declared
+
+
+def test_every_key_backed_flag_is_its_key_s():
+    """A flag whose dest is a key's is that key's flag, in every command: its declared name, no
+    default of its own (the config's value stands), and a help that names the key."""
+    from draftling.cli.common import FLAG_KEYS, FLAG_NAMES
+
+    seen = set()
+    for command, parser in _subparsers().items():
         for action in parser._actions:
-            if action.dest in FLAG_KEYS and action.option_strings:
-                assert declared[FLAG_KEYS[action.dest]] in action.option_strings, action.dest
+            if action.dest not in FLAG_KEYS or not action.option_strings:
+                continue
+            key, where = FLAG_KEYS[action.dest], f"{command} {action.option_strings[0]}"
+            assert action.option_strings == [FLAG_NAMES[action.dest]], where
+            assert action.default is None, where
+            assert f"(config {key})" in action.help, where
+            seen.add(action.dest)
+    assert seen == set(FLAG_KEYS)  # every declared flag is some command's
+
+
+def test_two_keys_with_one_flag_fail():
+    from dataclasses import dataclass
+
+    from draftling.cli.common import declared_flags
+    from draftling.config import key
+
+    @dataclass
+    class Twice:
+        a: int = key(1, flag="--n", help="a")
+        b: int = key(2, flag="--n", help="b")
+
+    with pytest.raises(RuntimeError, match="config keys a and b both declare the flag --n"):
+        declared_flags(Twice)
 
 
 @pytest.mark.parametrize(
