@@ -291,7 +291,7 @@ def test_on_and_off_are_strings_and_only_true_false_are_booleans(tmp_path):
     assert cfg.data.regen.engine == "on" and cfg.train.compile is False
     assert load_config(None, ["train.compile=yes"]).train.compile is True
     assert load_config(None, ["train.compile=Off"]).train.compile is False
-    with pytest.raises(ConfigError, match="expected true/false, got 'maybe'"):
+    with pytest.raises(ConfigError, match="expected true/false or auto, got 'maybe'"):
         load_config(None, ["train.compile=maybe"])
 
 

@@ -55,8 +55,6 @@ FLAG_KEYS, FLAG_NAMES, KEY_HELP = declared_flags()
 FLAG_VALUES = {
     "configs": lambda text: [c for c in text.split(",") if c],  # comma-separated
     "baselines": lambda text: [b for b in text.split(",") if b],
-    "engine_compile": lambda text: {"on": True, "off": False}.get(text),  # the key's null is auto
-    "query_pad": lambda text: None if text == "auto" else text,
     # Integers where they parse; anything else reaches the config's check as it was written.
     "concurrency": lambda text: [int(v) if v.strip().isdigit() else v for v in text.split(",") if v.strip()],
 }

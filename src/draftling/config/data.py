@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftling.config.fields import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, key, validate
+from draftling.config.fields import AT_LEAST_ONE, AUTO, NON_NEGATIVE, POSITIVE, Auto, key, validate
 from draftling.errors import ConfigError
 
 SPLIT_KEYS = ("auto", "id", "task", "source")  # data.split_key (see data/split.py)
@@ -21,14 +21,14 @@ class RegenConfig:
     )
     batch_size: int = key(16, bounds=AT_LEAST_ONE, help="Prompts regenerated at once.")
     seed: int = key(0, help="Seed of sampled replies (sampled reply k of a prompt: seed + k).")
-    prefill_chunk_tokens: int | None = key(
-        None,
-        bounds=NON_NEGATIVE,
+    prefill_chunk_tokens: int | Auto = key(
+        AUTO,
+        bounds=("an integer >= 0 (0 = off) or auto", lambda v: v >= 0),
         help=(
             "Prefill long prompts in pieces of about this many tokens (rows x columns) per forward. On the CPU a whole "
             "batch of long prompts at once is memory-bound in its elementwise ops: a batch of 53 prompts (7121 tokens) "
             "took 63 s in one forward and 38 s in pieces of 4096, same replies "
-            "(lab/experiments/gguf_load_and_chunked_prefill.py). null = 4096 on the CPU and off elsewhere; 0 = off."
+            "(lab/experiments/gguf_load_and_chunked_prefill.py). auto = 4096 on the CPU, off elsewhere; 0 = off."
         ),
     )
     dtype: str | None = key(

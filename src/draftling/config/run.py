@@ -6,7 +6,17 @@ from dataclasses import dataclass
 
 from draftling.config.data import DataConfig, DraftConfig, VocabConfig
 from draftling.config.devices import DEVICE_MAP_MODES, device_map_value, max_memory_bytes
-from draftling.config.fields import AT_LEAST_ONE, bounds_of, check_bounds, check_choices, choices_of, key, validate
+from draftling.config.fields import (
+    AT_LEAST_ONE,
+    AUTO,
+    Auto,
+    bounds_of,
+    check_bounds,
+    check_choices,
+    choices_of,
+    key,
+    validate,
+)
 from draftling.config.train import TrainConfig
 from draftling.errors import ConfigError
 
@@ -74,16 +84,18 @@ class BenchConfig:
         ),
     )
     tag: str | None = key(None, flag="--tag", help="Suffix of a release run's folder and file names.")
-    engine_compile: bool | None = key(
-        None, flag="--engine-compile", help=("compile the target's and draft's layers; null = auto: on with CUDA")
+    engine_compile: bool | Auto = key(
+        AUTO,
+        flag="--engine-compile",
+        help="Compile the decode engine's target and draft layers (on/off); auto = on with CUDA.",
     )
-    query_pad: int | None = key(
-        None,
-        bounds=("an integer >= 0 (0 = off, null = auto)", lambda v: v >= 0),
+    query_pad: int | Auto = key(
+        AUTO,
+        bounds=("an integer >= 0 (0 = off) or auto", lambda v: v >= 0),
         flag="--query-pad",
         help=(
-            "Pad every target pass to this many queries, so plain and verify passes share kernels (0 = off); null = "
-            "auto: the largest config's draft tokens on CUDA, off on CPU."
+            "Pad every target pass to this many queries, so plain and verify passes share kernels (0 = off); auto = "
+            "the largest config's draft tokens on CUDA, off on CPU."
         ),
     )
     attention: str = key(
@@ -95,7 +107,9 @@ class BenchConfig:
             "equals plain output in bf16); auto = exact on CUDA (its unpadded plain reference: matmul), sdpa on CPU."
         ),
     )
-    round_timing: bool | None = key(None, help="also time each round's phases; null = on CUDA")
+    round_timing: bool | Auto = key(
+        AUTO, help="Also time each round's phases (on the first prompts of each workload); auto = on CUDA."
+    )
     sampled_temperatures: list[float] = key(
         factory=lambda: list(RELEASE_SAMPLED_TEMPERATURES),
         help=("Also decode sampled at each of these temperatures (plain and every config); [] = greedy only."),
