@@ -26,7 +26,12 @@ def add_parser(sub) -> None:
     )
     add_common(p)
     p.add_argument("export", metavar="EXPORT", help="an export directory (`draftling export`, either --format)")
-    # serve-check's own options, not the config keys of the same flag names: dests of their own.
+    _add_check_flags(p)
+
+
+def _add_check_flags(p) -> None:
+    """What serve-check decodes and where it writes: its own options, not the config keys of
+    the same flag names (--prompts, --num-prompts, --max-new-tokens), so dests of their own."""
     p.add_argument(
         "--prompts",
         dest="check_prompt_set",
