@@ -145,7 +145,7 @@ def all_on_config(ttt_steps: int, **changes) -> TrainConfig:
         loss_chunk_tokens=2048,
         grad_checkpoint=True,
         attention="auto",
-        compile=None,
+        compile="auto",
         memory_policy="config",
     )
     return dataclasses.replace(tc, **changes)

@@ -66,7 +66,7 @@ class Settings:
     warmup: int = 8
     measured: int = 20
     overrides: tuple[str, ...] = ()  # config overrides over lab/configs/gpu_smollm2.yaml
-    after_pad: int | None = None  # None: auto
+    after_pad: int | str = "auto"  # train.pad_to_multiple after: auto or a multiple
 
 
 def smoke_settings() -> Settings:
@@ -145,7 +145,7 @@ def old_reads():
         ) = saved
 
 
-def build(target, vocab, cfg: RunConfig, examples, batch: int, pad: int | None):
+def build(target, vocab, cfg: RunConfig, examples, batch: int, pad: int | str):
     tc = dataclasses.replace(
         cfg.train,
         batch_size=batch,

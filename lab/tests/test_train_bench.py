@@ -146,7 +146,7 @@ def test_results_are_written_after_each_run(tmp_path, tiny_target, monkeypatch, 
 def test_all_on_config_turns_every_feature_on():
     tc = all_on_config(7)
     assert tc.optimizer_offload is True and tc.embedding_on_host is True and tc.grad_checkpoint is True
-    assert tc.loss_chunk_tokens > 0 and tc.attention == "auto" and tc.compile is None
+    assert tc.loss_chunk_tokens > 0 and tc.attention == "auto" and tc.compile == "auto"
     for name, spec in ABLATIONS.items():
         changed = all_on_config(7, **spec.get("train", {}))
         assert changed != tc or spec.get("build_on_device") or spec.get("fsdp"), name

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from draftling.bench.manifest import code_commit, machine_slug, run_folder_name, tag_slug
 from draftling.bench.simple import DecodeConfig, parse_decode_config
-from draftling.config import RELEASE_BASELINES, RELEASE_CONFIGS, RELEASE_SAMPLED_TEMPERATURES, BenchConfig
+from draftling.config import AUTO, RELEASE_BASELINES, RELEASE_CONFIGS, RELEASE_SAMPLED_TEMPERATURES, BenchConfig
 from draftling.engine import EngineOptions
 from draftling.errors import ConfigError
 
@@ -43,7 +43,7 @@ class ReleaseOptions:
     max_new_tokens: int = _DEFAULTS.max_new_tokens
     baselines: tuple[str, ...] = BASELINES
     baseline_prompts_per_workload: int | None = None
-    round_timing: bool | str = "auto"
+    round_timing: bool | str = AUTO
     sampled_temperatures: tuple[float, ...] = RELEASE_SAMPLED_TEMPERATURES
     engine: EngineOptions = field(default_factory=EngineOptions.auto)
     out_dir: str | Path = _DEFAULTS.results_dir
@@ -55,8 +55,8 @@ class ReleaseOptions:
     def __post_init__(self):
         object.__setattr__(self, "configs", _names(self.configs))
         object.__setattr__(self, "baselines", _names(self.baselines))
-        if self.round_timing is None:
-            object.__setattr__(self, "round_timing", "auto")
+        if self.round_timing not in (AUTO, True, False):
+            raise ConfigError(f"round_timing must be true, false or 'auto', got {self.round_timing!r}")
         unknown = [b for b in self.baselines if b not in BASELINES]
         if unknown:
             raise ConfigError(f"unknown baselines {unknown}; expected some of {', '.join(BASELINES)}")
@@ -89,7 +89,7 @@ class ReleaseOptions:
 
     @classmethod
     def from_config(cls, bench: BenchConfig, **fields) -> ReleaseOptions:
-        """The options of a run config's bench section (null = "auto"), with ``fields``."""
+        """The options of a run config's bench section, with ``fields``."""
         engine = EngineOptions(
             cuda_graphs="auto", compile=bench.engine_compile, query_pad=bench.query_pad, attention=bench.attention
         )

@@ -7,7 +7,15 @@ import json
 import logging
 from pathlib import Path
 
-from draftling.cli.common import BENCH_FLAGS, EPILOG_OVERRIDES, RELEASE_FLAGS, TARGET_FLAGS, add_common, run_config
+from draftling.cli.common import (
+    BENCH_FLAGS,
+    EPILOG_OVERRIDES,
+    RELEASE_FLAGS,
+    TARGET_FLAGS,
+    add_common,
+    add_key_flag,
+    run_config,
+)
 from draftling.errors import DraftlingError
 
 log = logging.getLogger(__name__)
@@ -27,25 +35,21 @@ def add_parser(sub) -> None:
     )
     add_common(p)
     p.add_argument("--draft", required=True, help="draft directory (<run>/draft, a checkpoint, or an SGLang export)")
+    # Not data.prompts: bench's own prompt file (with --release: the prompt set), its own dest.
     p.add_argument(
-        "--prompts", help="jsonl of prompts or tokenized rows (e.g. <data>/val.jsonl); required unless --release"
+        "--prompts",
+        dest="prompt_file",
+        metavar="PROMPTS",
+        help="jsonl of prompts or tokenized rows (e.g. <data>/val.jsonl); required unless --release",
     )
-    p.add_argument(
-        "--configs", help="comma-separated decode configs steps-topk-draft_tokens, e.g. chain-3-1-4,tree-3-4-8"
-    )
-    p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default: config; --release: 256)")
+    add_key_flag(p, "configs", note="Comma-separated.")
+    add_key_flag(p, "max_new_tokens", type=int, note="--release: 256 unless given.")
     s = p.add_argument_group("simple bench", "a prompt file, greedy or sampled (not with --release)")
     simple = [
-        s.add_argument("--num-prompts", type=int, help="how many prompts (default: config bench.num_prompts)"),
-        s.add_argument(
-            "--temperature",
-            type=float,
-            help="sample at this temperature (default: config "
-            "bench.temperature, 0 = greedy); speculative verification stays lossless, and only "
-            "greedy runs check identity",
-        ),
-        s.add_argument("--top-k", type=int, help="with --temperature: keep the k likeliest tokens (0 = off)"),
-        s.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling mass (1 = off)"),
+        add_key_flag(s, "num_prompts", type=int),
+        add_key_flag(s, "temperature", type=float),
+        add_key_flag(s, "top_k", type=int, context="With --temperature:"),
+        add_key_flag(s, "top_p", type=float, context="With --temperature:"),
         s.add_argument("--out", help="write the results JSON here (with the run's manifest inside)"),
     ]
     release = _release_group(p)
@@ -77,55 +81,26 @@ def _release_run_flags(r) -> list[argparse.Action]:
     from draftling.config import BENCH_CHOICES
 
     return [
-        r.add_argument("--prompt-set", help="built-in prompt set name (v1, the default) or a jsonl path"),
-        r.add_argument(
-            "--baselines", help="comma list of engine_plain,hf_static,hf_prompt_lookup,hf_eager (default: all four)"
-        ),
-        r.add_argument(
-            "--baseline-prompts-per-workload",
-            type=int,
-            metavar="N",
-            help="run the slow HF baselines on the first N prompts of each workload (default: all)",
-        ),
-        r.add_argument(
-            "--engine-compile",
-            choices=["auto", "on", "off"],
-            help="compile the target's and draft's layers (default auto: on with CUDA)",
-        ),
-        r.add_argument(
-            "--query-pad",
-            metavar="N",
-            help="pad every target pass to N queries so plain and "
-            "verify passes share kernels (default auto: the largest config's draft tokens on "
-            "CUDA, 0 = off on CPU)",
-        ),
-        r.add_argument(
-            "--attention",
-            choices=BENCH_CHOICES["attention"],
-            help="engine attention: sdpa, matmul (bf16), or exact (float64 sums: tree output equals "
-            "plain output). Default auto: exact on CUDA (the unpadded plain reference: matmul), "
-            "sdpa on CPU",
-        ),
+        add_key_flag(r, "prompt_set"),
+        add_key_flag(r, "baselines", note="Comma-separated."),
+        add_key_flag(r, "baseline_prompts_per_workload", type=int, metavar="N"),
+        add_key_flag(r, "engine_compile", choices=["auto", "on", "off"]),
+        add_key_flag(r, "query_pad", metavar="N"),
+        add_key_flag(r, "attention", choices=BENCH_CHOICES["attention"]),
     ]
 
 
 def _release_output_flags(r) -> list[argparse.Action]:
     """The concurrency sweep and where the results go."""
     return [
-        r.add_argument(
-            "--concurrency",
+        add_key_flag(
+            r,
+            "concurrency",
             metavar="LEVELS",
-            help="the concurrency sweep (bench/concurrency.py) at "
-            "these levels, e.g. 1,2,4,8,16,32,64: per level and config aggregate and per-stream tok/s, "
-            "tau, speedup over plain at that level, the cost account, and the crossover where plain "
-            "wins; alone or before the release bench with --release",
+            note="Comma-separated; alone, or before the release bench with --release.",
         ),
-        r.add_argument(
-            "--results-dir",
-            help="where each run's folder <date>-release-<commit>-<machine>[-<tag>] "
-            "goes (default: the working directory)",
-        ),
-        r.add_argument("--tag", help="suffix for the run's folder and file names"),
+        add_key_flag(r, "results_dir"),
+        add_key_flag(r, "tag"),
         r.add_argument(
             "--overwrite",
             action="store_true",
@@ -155,13 +130,13 @@ def run(args) -> None:
     release_only = _given(args, args.release_only)
     if release_only:
         raise DraftlingError(f"{', '.join(release_only)} only apply with --release")
-    if not args.prompts:
+    if not args.prompt_file:
         raise DraftlingError("bench needs --prompts FILE (or --release to run the release bench on a fixed prompt set)")
     # Checked as their config keys are: --num-prompts 0 is refused, not read as "unset".
     cfg = run_config(args, (*TARGET_FLAGS, *BENCH_FLAGS))
     if args.out and Path(args.out).is_dir():  # found now, not after the whole bench
         raise DraftlingError(f"--out {args.out}: is a directory; name the results file, e.g. {args.out}/bench.json")
-    run_bench(cfg, load_target_from_config(cfg), args.draft, args.prompts, out=args.out)
+    run_bench(cfg, load_target_from_config(cfg), args.draft, args.prompt_file, out=args.out)
 
 
 def _release_bench(args) -> None:
@@ -177,9 +152,9 @@ def _release_bench(args) -> None:
             f"bench {mode}: {', '.join(misplaced)} do not apply (the prompt set "
             "fixes n, outputs go to --results-dir and the protocol is greedy)"
         )
-    if args.prompts and args.prompt_set:
+    if args.prompt_file and args.prompt_set:
         raise DraftlingError("bench --release/--concurrency: give --prompt-set or --prompts, not both")
-    args.prompt_set = args.prompt_set or args.prompts  # here --prompts names the prompt set
+    args.prompt_set = args.prompt_set or args.prompt_file  # here --prompts names the prompt set
     protocol = tuple(f"{key}={json.dumps(value)}" for key, value in release_options.PROTOCOL_KEYS.items())
     cfg = run_config(args, (*TARGET_FLAGS, *RELEASE_FLAGS), base=protocol)
     results_dir = Path(cfg.bench.results_dir)

@@ -1,10 +1,11 @@
 """What the commands share: the flags that stand for config keys, the run config built from
 them, the common options, and the one-line error a command's failure becomes.
 
-Flags reach the run config one way: FLAG_KEYS names the config key a flag stands for, and
-``run_config`` hands the flags a command passes on to ``load_config`` as KEY=VALUE overrides
-after the command line's own, so a flag wins over its key and is checked exactly like it.
-Flags without a key (paths, modes) stay the command's own.
+Flags reach the run config one way: a key declares its flag (``key(flag=...)``,
+config/fields.py), FLAG_KEYS maps each such flag's dest to its key, ``add_key_flag`` adds the
+flag with the key's own help, and ``run_config`` hands the flags a command passes on to
+``load_config`` as KEY=VALUE overrides after the command line's own, so a flag wins over its
+key and is checked exactly like it. Flags without a key (paths, modes) stay the command's own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from draftling.config.fields import walk
+from draftling.config.run import RunConfig
 from draftling.errors import DraftlingError
 
 EPILOG_OVERRIDES = (
@@ -21,49 +24,37 @@ EPILOG_OVERRIDES = (
     "train.lr=3e-4 data.regen.max_new_tokens=128 vocab.size=8192."
 )
 
-# The config key each such flag sets, by its argparse dest (one dest means one key in every
-# command). Each command names the ones it passes on to run_config.
-FLAG_KEYS = {
-    "target": "target",
-    "device": "device",
-    "dtype": "dtype",
-    "device_map": "device_map",
-    "chat_template": "chat_template",
-    "prompts": "data.prompts",
-    "server": "data.regen.server_url",
-    "server_model": "data.regen.server_model",
-    "size": "vocab.size",
-    "prompt_weight": "vocab.prompt_weight",
-    "configs": "bench.configs",
-    "num_prompts": "bench.num_prompts",
-    "max_new_tokens": "bench.max_new_tokens",
-    "temperature": "bench.temperature",
-    "top_k": "bench.top_k",
-    "top_p": "bench.top_p",
-    "prompt_set": "bench.prompt_set",
-    "baselines": "bench.baselines",
-    "baseline_prompts_per_workload": "bench.baseline_prompts_per_workload",
-    "results_dir": "bench.results_dir",
-    "tag": "bench.tag",
-    "engine_compile": "bench.engine_compile",
-    "query_pad": "bench.query_pad",
-    "attention": "bench.attention",
-    "concurrency": "bench.concurrency",
-    "shard_size": "extract.shard_size",
-    "extract_batch_size": "extract.batch_size",
-    "logits_dtype": "extract.logits_dtype",
-    "minutes": "wall_minutes",
-    "init_from": "draft.init_from",
-    "rebuild_vocab": "draft.rebuild_vocab",
-    "exclude_ids": "data.exclude_ids",
-    "stop_on_convergence": "train.stop_on_convergence",
-}
+
+def flag_dest(flag: str) -> str:
+    """A flag's argparse dest: ``--device-map`` -> ``device_map``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def declared_flags(cls=RunConfig) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """({dest: config key}, {dest: flag}, {config key: help}) from the ``flag=`` declarations
+    of ``cls``'s keys (config/fields.py); two keys declaring one flag fail here, at import."""
+    keys: dict[str, str] = {}
+    flags: dict[str, str] = {}
+    helps: dict[str, str] = {}
+    for name, f in walk(cls):
+        flag = f.metadata.get("flag")
+        if not flag:
+            continue
+        dest = flag_dest(flag)
+        if dest in keys:
+            raise RuntimeError(f"config keys {keys[dest]} and {name} both declare the flag {flag}")
+        keys[dest], flags[dest], helps[name] = name, flag, f.metadata.get("help", "")
+    return keys, flags, helps
+
+
+# The config key each key-backed flag sets, by its argparse dest, read from the keys'
+# declarations: one dest means one key in every command (a command's own flag that shares a
+# key flag's name takes a dest of its own). Each command names the ones it passes on to run_config.
+FLAG_KEYS, FLAG_NAMES, KEY_HELP = declared_flags()
 # A flag's value where it is not the key's value as it stands.
 FLAG_VALUES = {
     "configs": lambda text: [c for c in text.split(",") if c],  # comma-separated
     "baselines": lambda text: [b for b in text.split(",") if b],
-    "engine_compile": lambda text: {"on": True, "off": False}.get(text),  # the key's null is auto
-    "query_pad": lambda text: None if text == "auto" else text,
     # Integers where they parse; anything else reaches the config's check as it was written.
     "concurrency": lambda text: [int(v) if v.strip().isdigit() else v for v in text.split(",") if v.strip()],
 }
@@ -84,7 +75,7 @@ RELEASE_FLAGS = (
     "attention",
     "concurrency",
 )
-EXTRACT_FLAGS = ("shard_size", "extract_batch_size", "logits_dtype")
+EXTRACT_FLAGS = ("shard_size", "batch_size", "logits_dtype")
 
 
 def flag_overrides(args, flags) -> list[str]:
@@ -115,26 +106,32 @@ def run_config(args, flags=TARGET_FLAGS, base: tuple[str, ...] = ()):
     return load_config(getattr(args, "config", None), overrides + flag_overrides(args, flags))
 
 
+def add_key_flag(parser, dest: str, *, context: str = "", note: str = "", **extras) -> argparse.Action:
+    """Add the flag that stands for config key FLAG_KEYS[dest] to ``parser`` (or a group): its
+    name from the key's declaration, its help the key's own meaning and name ("... (config
+    bench.num_prompts)"), ``context`` before it and ``note`` after it where the command adds
+    something. ``extras``: argparse's type, choices, metavar, action. Its default stays None,
+    so the config's value stands unless the flag is given."""
+    key = FLAG_KEYS[dest]
+    text = " ".join(t for t in (context, KEY_HELP[key], note) if t) + f" (config {key})"
+    # argparse %-formats a help string: a literal % is written %%.
+    return parser.add_argument(FLAG_NAMES[dest], dest=dest, default=None, help=text.replace("%", "%%"), **extras)
+
+
 def add_common(p: argparse.ArgumentParser, config: bool = True) -> None:
-    p.add_argument(
-        "--target",
-        help="HF hub id, local model directory, or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)",
-    )
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: from config)")
+    for dest in ("target", "device", "dtype"):
+        add_key_flag(p, dest)
     if config:
         p.add_argument("--config", help="YAML config file or built-in name (quickstart_cpu, default)", default=None)
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
 def add_device_map_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device-map",
+    add_key_flag(
+        p,
+        "device_map",
         metavar="auto|balanced|FILE",
-        help="spread the target over devices with accelerate (config device_map): auto or balanced "
-        "fill the GPUs, then host RAM, then disk (cap each with max_memory={0: 40GiB, cpu: 200GiB}); "
-        'FILE is a JSON object of module names to devices (0, "cuda:1", "cpu", "disk"). The draft '
-        "trains on --device, which must hold the input embedding",
+        note="Cap each device's share with max_memory, e.g. max_memory={0: 40GiB, cpu: 200GiB}.",
     )
 
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftling.cli.common import DATA_FLAGS, EPILOG_OVERRIDES, TARGET_FLAGS, add_common, add_device_map_flag, run_config
+from draftling.cli.common import (
+    DATA_FLAGS,
+    EPILOG_OVERRIDES,
+    TARGET_FLAGS,
+    add_common,
+    add_device_map_flag,
+    add_key_flag,
+    run_config,
+)
 
 
 def add_parser(sub) -> None:
@@ -26,35 +34,16 @@ def add_parser(sub) -> None:
     add_common(p)
     add_device_map_flag(p)
     p.add_argument("--out", required=True, help="output data directory")
-    p.add_argument(
-        "--prompts",
-        action="append",
-        metavar="SPEC",
-        help="prompts: a jsonl file (project, ShareGPT or OpenAI-messages shape), starter:chat, "
-        "starter:code or starter:math (shipped), hf:NAME[:CONFIG][@SPLIT] or a save_to_disk "
-        "folder (needs pip install 'draftling[hf]'), set:v1, or shared:NAME (the development "
-        "corpus); repeat for several (overrides data.prompts)",
-    )
-    p.add_argument("--chat-template", help="jinja file to use when the target has no chat template")
-    p.add_argument(
-        "--exclude-ids",
-        action="append",
-        metavar="FILE",
-        help="never train on these conversation "
-        'ids (one per line, or a jsonl with "id"), e.g. a serving replay set; repeatable '
-        "(data.exclude_ids)",
-    )
-    p.add_argument(
-        "--server",
+    add_key_flag(p, "prompts", action="append", metavar="SPEC", note="Repeat for several; they replace the list.")
+    add_key_flag(p, "chat_template")
+    add_key_flag(p, "exclude_ids", action="append", metavar="FILE", note="Repeatable.")
+    add_key_flag(
+        p,
+        "server",
         metavar="URL",
-        help="regenerate through an OpenAI-compatible server "
-        "(vLLM / SGLang `serve`, e.g. http://localhost:8000) instead of loading the target's "
-        "weights; only its tokenizer is loaded, for the chat template and loss masks. Key "
-        "from $OPENAI_API_KEY (data.regen.api_key_env), data.regen.concurrency requests at once",
+        note="Its key comes from $OPENAI_API_KEY (data.regen.api_key_env), data.regen.concurrency requests at once.",
     )
-    p.add_argument(
-        "--server-model", metavar="NAME", help="model name the server serves (default: the only one /v1/models lists)"
-    )
+    add_key_flag(p, "server_model", metavar="NAME")
 
 
 def run(args) -> None:

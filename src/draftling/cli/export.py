@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from draftling.cli.common import run_config
+from draftling.cli.common import add_key_flag, run_config
 
 
 def add_parser(sub) -> None:
@@ -18,11 +18,11 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--format", choices=["sglang", "speculators"], default="sglang")
     p.add_argument("--with-embedding", action="store_true", help="include the target's embedding")
-    p.add_argument(
-        "--target",
-        help="target: HF hub id, local model directory, .gguf file, or `default` "
-        "(needed for --with-embedding and for --format speculators, whose config names the "
-        "verifier's hub id and architectures)",
+    add_key_flag(
+        p,
+        "target",
+        note="Needed for --with-embedding and for --format speculators, whose config names the verifier's hub id "
+        "and architectures.",
     )
     p.add_argument(
         "--verifier-id",

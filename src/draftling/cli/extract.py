@@ -10,6 +10,7 @@ from draftling.cli.common import (
     TARGET_FLAGS,
     add_common,
     add_device_map_flag,
+    add_key_flag,
     check_data_files,
     run_config,
 )
@@ -37,23 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--data", required=True, help="directory written by `draftling data`")
     p.add_argument("--out", required=True, metavar="CACHE", help="cache directory to write (or resume)")
     p.add_argument("--vocab", help="vocab file (default <data>/vocab.safetensors)")
-    # Each sets its config key extract.<name> (this --batch-size is not plan's: its own dest).
-    p.add_argument(
-        "--shard-size", type=int, metavar="N", help="sequences per shard (default: config extract.shard_size, 256)"
-    )
-    p.add_argument(
-        "--batch-size",
-        dest="extract_batch_size",
-        type=int,
-        metavar="N",
-        help="sequences per teacher forward pass (default: config extract.batch_size, 8)",
-    )
-    p.add_argument(
-        "--logits-dtype",
-        choices=EXTRACT_CHOICES["logits_dtype"],
-        help="storage dtype of the draft-vocab logits (default: config extract.logits_dtype, null: "
-        "the target's dtype, lossless)",
-    )
+    # Each sets its config key extract.<name>.
+    add_key_flag(p, "shard_size", type=int, metavar="N")
+    add_key_flag(p, "batch_size", type=int, metavar="N")
+    add_key_flag(p, "logits_dtype", choices=EXTRACT_CHOICES["logits_dtype"])
 
 
 def run(args) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftling.cli.common import add_device_map_flag, run_config
+from draftling.cli.common import add_device_map_flag, add_key_flag, run_config
 from draftling.errors import ConfigError
 
 
@@ -24,7 +24,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog="Config overrides: trailing KEY=VALUE pairs, e.g. train.batch_size=4 "
         "train.optimizer_offload=false vocab.size=16000.",
     )
-    p.add_argument("--target", help="HF hub id, local model directory, or .gguf file (default: the config's target)")
+    add_key_flag(p, "target")
     add_device_map_flag(p)
     p.add_argument(
         "--gpu-mem",
@@ -34,10 +34,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=None, help="YAML config file or built-in name")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    # Not extract's --batch-size (config extract.batch_size): a dest of its own.
     p.add_argument(
-        "--batch-size", type=int, default=None, metavar="N", help="sequences per step (default: train.batch_size)"
+        "--batch-size",
+        dest="step_batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequences per step (default: train.batch_size)",
     )
-    p.add_argument("--dtype", help="the target's dtype (default: from config)")
+    add_key_flag(p, "dtype")
     p.add_argument(
         "--offline",
         action="store_true",
@@ -67,9 +73,9 @@ def cmd_plan(args) -> int:
         gpu_bytes = parse_size(args.gpu_mem)
     except ValueError as e:
         raise ConfigError(f"--gpu-mem: {e}") from None
-    if args.seq < 1 or (args.batch_size is not None and args.batch_size < 1):
+    if args.seq < 1 or (args.step_batch is not None and args.step_batch < 1):
         raise ConfigError("--seq and --batch-size must be positive")
-    batch = args.batch_size or cfg.train.batch_size
+    batch = args.step_batch or cfg.train.batch_size
     target_config = load_target_config(cfg.target)
     try:
         plan = plan_run(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from draftling.cli.common import EPILOG_OVERRIDES, TARGET_FLAGS, add_common, flag_overrides
+from draftling.cli.common import EPILOG_OVERRIDES, TARGET_FLAGS, add_common, add_key_flag, flag_overrides
 from draftling.errors import DraftlingError
 
 
@@ -23,13 +23,12 @@ def add_parser(sub) -> None:
     )
     add_common(p)
     p.add_argument("--out", default="runs/quickstart", help="output directory (default runs/quickstart)")
-    p.add_argument(
-        "--minutes",
+    add_key_flag(
+        p,
+        "minutes",
         type=float,
-        default=None,
-        help="the whole run's time budget in minutes, from start to summary (default: the "
-        "profile's wall_minutes, 13.5 in quickstart_cpu; 0 = no budget, the profile's fixed "
-        "counts). A budget too small for training on this machine is refused after the probe.",
+        note="Default: the profile's, 13.5 in quickstart_cpu. A budget too small for training on this machine is "
+        "refused after the probe.",
     )
 
 

@@ -24,13 +24,34 @@ def add_parser(sub) -> None:
     add_common(p)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory (its checkpoints/ and config.yaml)")
     p.add_argument("--data", required=True, help="the run's data directory (its val.jsonl scores the loss)")
-    p.add_argument("--prompts", required=True, help="held-out prompts: a prompt-set name or jsonl (ids or messages)")
-    p.add_argument("--concurrency", type=int, default=1, help="requests decoded at once (default 1)")
+    # select's own options, not the config keys of the same flag names: dests of their own.
+    p.add_argument(
+        "--prompts",
+        dest="select_prompts",
+        metavar="PROMPTS",
+        required=True,
+        help="held-out prompts: a prompt-set name or jsonl (ids or messages)",
+    )
+    p.add_argument(
+        "--concurrency",
+        dest="select_concurrency",
+        metavar="CONCURRENCY",
+        type=int,
+        default=1,
+        help="requests decoded at once (default 1)",
+    )
     p.add_argument(
         "--decode-config", default="tree-3-4-8", help="decode config steps-topk-draft_tokens (default tree-3-4-8)"
     )
     p.add_argument("--shortlist", type=int, default=3, help="how many lowest-loss checkpoints to measure (default 3)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per completion (default 128)")
+    p.add_argument(
+        "--max-new-tokens",
+        dest="select_new_tokens",
+        metavar="MAX_NEW_TOKENS",
+        type=int,
+        default=128,
+        help="tokens per completion (default 128)",
+    )
     p.add_argument(
         "--base",
         metavar="DIR",
@@ -43,7 +64,7 @@ def run(args) -> None:
     from draftling.bench.select import SelectOptions, select_checkpoint
     from draftling.target import load_target_from_config
 
-    if args.concurrency < 1 or args.shortlist < 1 or args.max_new_tokens < 1:
+    if args.select_concurrency < 1 or args.shortlist < 1 or args.select_new_tokens < 1:
         raise DraftlingError("select: --concurrency, --shortlist and --max-new-tokens must be >= 1")
     if not (Path(args.run_dir) / "config.yaml").is_file():
         raise DraftlingError(f"{args.run_dir}: not a training run directory (no config.yaml)")
@@ -51,12 +72,12 @@ def run(args) -> None:
         raise DraftlingError(f"--data {args.data}: no val.jsonl to score the loss on")
     cfg = run_config(args)
     opts = SelectOptions(
-        prompts=args.prompts,
+        prompts=args.select_prompts,
         data=args.data,
         shortlist=args.shortlist,
         config=args.decode_config,
-        concurrency=args.concurrency,
-        max_new_tokens=args.max_new_tokens,
+        concurrency=args.select_concurrency,
+        max_new_tokens=args.select_new_tokens,
         base=args.base,
         out=args.out,
     )

@@ -26,7 +26,19 @@ def add_parser(sub) -> None:
     )
     add_common(p)
     p.add_argument("export", metavar="EXPORT", help="an export directory (`draftling export`, either --format)")
-    p.add_argument("--prompts", default="v1", help="a shipped prompt set's name or a prompt-set jsonl (default v1)")
+    _add_check_flags(p)
+
+
+def _add_check_flags(p) -> None:
+    """What serve-check decodes and where it writes: its own options, not the config keys of
+    the same flag names (--prompts, --num-prompts, --max-new-tokens), so dests of their own."""
+    p.add_argument(
+        "--prompts",
+        dest="check_prompt_set",
+        metavar="PROMPTS",
+        default="v1",
+        help="a shipped prompt set's name or a prompt-set jsonl (default v1)",
+    )
     p.add_argument(
         "--num-prompts",
         dest="check_prompts",
@@ -71,7 +83,7 @@ def run(args) -> None:
     from draftling.target import load_target_from_config
 
     opts = ServeCheckOptions(
-        prompts=args.prompts,
+        prompts=args.check_prompt_set,
         num_prompts=args.check_prompts,
         draft_tokens=args.draft_tokens,
         max_new_tokens=args.check_new_tokens,

@@ -13,6 +13,7 @@ from draftling.cli.common import (
     TARGET_FLAGS,
     add_common,
     add_device_map_flag,
+    add_key_flag,
     check_data_files,
     run_config,
 )
@@ -66,20 +67,13 @@ def _add_run_dir_flags(p) -> None:
 
 def _add_start_flags(p) -> None:
     """What the head starts from, where the teacher's outputs come from, processes, stopping."""
-    p.add_argument(
-        "--init-from",
+    add_key_flag(
+        p,
+        "init_from",
         metavar="DIR",
-        help="start from this head instead of a new one: a draftling "
-        "run, draft or checkpoint, an SGLang/EAGLE export or a speculators export (draft.init_from); "
-        "it keeps its own vocab map and reports the map's coverage of the data; the source is never written",
+        note="It reports its vocab map's coverage of the data; the source is never written.",
     )
-    p.add_argument(
-        "--rebuild-vocab",
-        action="store_true",
-        default=None,
-        help="with --init-from: use the data's "
-        "vocab map instead; the head rows of tokens that enter are re-initialised (draft.rebuild_vocab)",
-    )
+    add_key_flag(p, "rebuild_vocab", action="store_true")
     p.add_argument(
         "--offline",
         metavar="CACHE",
@@ -97,15 +91,7 @@ def _add_start_flags(p) -> None:
         "loads the teacher on its own GPU (cuda:<local rank>); train.batch_size stays the "
         "global batch; train.parallel=ddp|fsdp picks the wrapper",
     )
-    p.add_argument(
-        "--stop-on-convergence",
-        action="store_true",
-        default=None,
-        help="stop cleanly (head written) once the smoke bench's tau has plateaued: it stays inside "
-        "its noise band for train.convergence_checks checks, above a floor tau (train/convergence.py's "
-        "FLOOR_TAU: a draft that accepts next to nothing never converges) (train.stop_on_convergence; needs "
-        'train.smoke_every > 0). Without it the run only logs "converged at X%% of epoch N"',
-    )
+    add_key_flag(p, "stop_on_convergence", action="store_true")
 
 
 def run(args) -> int | None:

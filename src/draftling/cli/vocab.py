@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from draftling.cli.common import check_data_files, run_config
+from draftling.cli.common import add_key_flag, check_data_files, run_config
 
 log = logging.getLogger(__name__)
 
@@ -22,15 +22,9 @@ def add_parser(sub) -> None:
         "with a hash of the data, to <data>/vocab.safetensors unless --out is given.",
     )
     p.add_argument("--data", required=True, help="directory written by `draftling data`")
-    p.add_argument("--size", type=int, default=None, help="draft vocab size N (default: config vocab.size)")
-    p.add_argument(
-        "--prompt-weight",
-        type=float,
-        default=None,
-        metavar="W",
-        help="weight of the prompt text's token frequencies (default: config vocab.prompt_weight)",
-    )
-    p.add_argument("--target", help="target (only its vocab size is read)")
+    add_key_flag(p, "size", type=int)
+    add_key_flag(p, "prompt_weight", type=float, metavar="W")
+    add_key_flag(p, "target", note="Only its vocab size is read.")
     p.add_argument("--config", default=None, help="YAML config or built-in name")
     p.add_argument("--out", help="output file (default <data>/vocab.safetensors)")
 

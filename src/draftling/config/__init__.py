@@ -16,9 +16,11 @@ from draftling.config.data import SPLIT_KEYS, DataConfig, DraftConfig, RegenConf
 from draftling.config.devices import DEVICE_MAP_MODES, device_map_value, device_name, max_memory_bytes, parse_size
 from draftling.config.fields import (
     AT_LEAST_ONE,
+    AUTO,
     FRACTION,
     NON_NEGATIVE,
     POSITIVE,
+    Auto,
     check_bounds,
     check_choices,
     key,
@@ -55,6 +57,7 @@ RESUME_FREE_KEYS = resume_free_keys(RunConfig)
 
 __all__ = [
     "AT_LEAST_ONE",
+    "AUTO",
     "BENCH_CHOICES",
     "DEVICE_MAP_MODES",
     "ENGINE_ATTENTION",
@@ -68,6 +71,7 @@ __all__ = [
     "CONCURRENCY_LEVELS",
     "RESUME_FREE_KEYS",
     "SPLIT_KEYS",
+    "Auto",
     "TRAIN_CHOICES",
     "BenchConfig",
     "DataConfig",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftling.config.fields import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, key, validate
+from draftling.config.fields import AT_LEAST_ONE, AUTO, NON_NEGATIVE, POSITIVE, Auto, key, validate
 from draftling.errors import ConfigError
 
 SPLIT_KEYS = ("auto", "id", "task", "source")  # data.split_key (see data/split.py)
@@ -21,14 +21,14 @@ class RegenConfig:
     )
     batch_size: int = key(16, bounds=AT_LEAST_ONE, help="Prompts regenerated at once.")
     seed: int = key(0, help="Seed of sampled replies (sampled reply k of a prompt: seed + k).")
-    prefill_chunk_tokens: int | None = key(
-        None,
-        bounds=NON_NEGATIVE,
+    prefill_chunk_tokens: int | Auto = key(
+        AUTO,
+        bounds=("an integer >= 0 (0 = off) or auto", lambda v: v >= 0),
         help=(
             "Prefill long prompts in pieces of about this many tokens (rows x columns) per forward. On the CPU a whole "
             "batch of long prompts at once is memory-bound in its elementwise ops: a batch of 53 prompts (7121 tokens) "
             "took 63 s in one forward and 38 s in pieces of 4096, same replies "
-            "(lab/experiments/gguf_load_and_chunked_prefill.py). null = 4096 on the CPU and off elsewhere; 0 = off."
+            "(lab/experiments/gguf_load_and_chunked_prefill.py). auto = 4096 on the CPU, off elsewhere; 0 = off."
         ),
     )
     dtype: str | None = key(
@@ -48,7 +48,9 @@ class RegenConfig:
             '"http://localhost:8000". Then only the target\'s tokenizer is loaded.'
         ),
     )
-    server_model: str | None = key(None, flag="--server-model", help="null = the one model the server lists")
+    server_model: str | None = key(
+        None, flag="--server-model", help="The model name the server serves; null = the only one its /v1/models lists."
+    )
     concurrency: int = key(16, bounds=AT_LEAST_ONE, help="requests in flight; the server batches them")
     api_key_env: str = key("OPENAI_API_KEY", help="env var holding the key (the key is never written)")
     request_timeout_s: float = key(600.0, bounds=POSITIVE, help="Seconds before a server request is given up.")
@@ -94,7 +96,8 @@ class DataConfig:
         flag="--prompts",
         help=(
             "Prompt specs (data/sources.py): a jsonl file (project schema, ShareGPT or OpenAI messages), "
-            '"starter:NAME" (shipped with the package), "shared:NAME" (the development corpus), '
+            '"starter:NAME" (shipped with the package: chat, code, math), "set:NAME" (a shipped prompt set, e.g. set:v1), '
+            '"shared:NAME" (the development corpus), '
             '"hf:NAME[:CONFIG][@SPLIT]" or a save_to_disk folder (the `datasets` extra).'
         ),
     )
@@ -230,7 +233,12 @@ class DraftConfig:
         ),
     )
     rebuild_vocab: bool = key(
-        False, flag="--rebuild-vocab", help=("With init_from: use the data's vocab map instead of the head's own.")
+        False,
+        flag="--rebuild-vocab",
+        help=(
+            "With init_from: use the data's vocab map instead of the head's own; the head rows of tokens that enter are "
+            "re-initialised."
+        ),
     )
     window: int = key(
         0,

@@ -1,17 +1,23 @@
 """One source per config key: ``key(...)`` declares a field with its default, bounds, choices,
 resume policy, CLI flag and help, all in the field's metadata. Validation (``validate``), the
-resume policy (``resume_free_keys``) and the README's key table (config/table.py) read it there.
+resume policy (``resume_free_keys``), the CLI's flag table and flag help (cli/common.py) and the
+README's key table (config/table.py) read it there.
 
-"Auto": a key whose value is a string of choices spells auto as the string "auto"; a key of
-another type (a bool, a number, a list) spells it null, its help saying what null picks. A
-string key whose help says "null = ..." takes null for its unset value (the target's own, none).
+"Auto" is spelled one way, the string "auto": a key whose unset value means "decide where it
+is used" defaults to "auto". A string key lists it among its choices; a key of another type
+says so in its type (``bool | Auto``, ``int | Auto``), and its help says what auto picks
+(``auto = ...``). Loading reads null there as "auto" too (config/loader.py), as configs and run
+directories' config.yaml spelled it before. null stays where it means none, all, or the
+target's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Final, Literal
 
 from draftling.errors import ConfigError
 
@@ -24,6 +30,8 @@ NON_NEGATIVE = ("a number >= 0", lambda v: v >= 0)
 FRACTION = ("a number in [0, 1]", lambda v: 0 <= v <= 1)
 RESUME = ("free", "fixed")
 _MISSING = dataclasses.MISSING
+AUTO: Final = "auto"
+Auto = Literal["auto"]  # in a key's type: the key also takes "auto" (``bool | Auto``)
 
 
 def key(
@@ -39,7 +47,8 @@ def key(
     """A config field. ``bounds``: (what is expected, test), checked when the config is built;
     ``choices``: the names a string field accepts; ``resume``: "free" where a ``--resume`` may
     change the key (for a section: every key in it), else "fixed"; ``flag``: the CLI flag that
-    sets it (cli/common.py FLAG_KEYS); ``help``: what it means, for the README's key table."""
+    sets it (cli/common.py FLAG_KEYS); ``help``: what it means, for the README's key table and
+    the flag's --help."""
     if resume not in RESUME:
         raise ValueError(f"resume={resume!r}: expected one of {', '.join(RESUME)}")
     meta = {"bounds": bounds, "choices": choices, "resume": resume, "flag": flag, "help": help}
@@ -49,18 +58,30 @@ def key(
 
 
 def check_bounds(section: str, obj, rules: dict) -> None:
+    auto = auto_keys(type(obj))
     for name, (expected, ok) in rules.items():
         value = getattr(obj, name)
-        if value is not None and not ok(value):
+        if value is not None and not (name in auto and value == AUTO) and not ok(value):
             raise ConfigError(f"{section + '.' if section else ''}{name}={value!r}: expected {expected}")
 
 
 def check_choices(section: str, obj, choices: dict) -> None:
-    """None passes where a field allows it (its type says so; an unset choice)."""
+    """None passes where a field allows it (its type says so; an unset choice). An auto key
+    holds "auto" or a value: None there is refused (only loading reads null as "auto")."""
+    for name in auto_keys(type(obj)):
+        if getattr(obj, name) is None:
+            raise ConfigError(f"{section + '.' if section else ''}{name}=None: expected a value or {AUTO!r}")
     for name, allowed in choices.items():
         value = getattr(obj, name)
         if value is not None and value not in allowed:
             raise ConfigError(f"{section}.{name}={value!r}: expected one of {', '.join(allowed)}")
+
+
+@functools.cache
+def auto_keys(cls) -> frozenset[str]:
+    """The fields of ``cls`` whose type takes "auto" beside its own (``bool | Auto``)."""
+    hints = typing.get_type_hints(cls)
+    return frozenset(f.name for f in dataclasses.fields(cls) if Auto in typing.get_args(hints[f.name]))
 
 
 def bounds_of(cls, names=None) -> dict:

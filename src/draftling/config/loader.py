@@ -1,5 +1,5 @@
 """Loading and saving: YAML (with YAML 1.2's booleans) < ``a.b=value`` overrides, coerced to the
-dataclasses' types."""
+dataclasses' types (an auto key's null read as "auto", ``_coerce_auto``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from typing import Any
 
 import yaml
 
+from draftling.config.fields import AUTO, Auto
 from draftling.config.run import RunConfig
 from draftling.errors import ConfigError
 
 _BOOL_WORDS = {"on": True, "yes": True, "off": False, "no": False}
+_EXPECTED = {bool: "true/false", int: "an integer", float: "a number"}  # an auto key's other type
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -27,6 +29,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(tp, value, where)
     if origin is typing.Union or type(tp).__name__ == "UnionType":
+        if Auto in args:
+            return _coerce_auto(value, args, where)
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
@@ -59,6 +63,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is str and not isinstance(value, str):
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     return value
+
+
+def _coerce_auto(value: Any, args: tuple, where: str) -> Any:
+    """An auto key's value (``bool | Auto``, config/fields.py): "auto", or null, which configs
+    and run directories' config.yaml wrote for auto before, read as "auto"; else its type's."""
+    if value is None or value == AUTO:
+        return AUTO
+    (tp,) = [a for a in args if a is not Auto]
+    try:
+        return _coerce(value, tp, where)
+    except ConfigError:
+        raise ConfigError(f"{where}: expected {_EXPECTED.get(tp, tp)} or auto, got {value!r}") from None
 
 
 def from_dict(cls, data: dict, where: str = "config"):

@@ -6,7 +6,17 @@ from dataclasses import dataclass
 
 from draftling.config.data import DataConfig, DraftConfig, VocabConfig
 from draftling.config.devices import DEVICE_MAP_MODES, device_map_value, max_memory_bytes
-from draftling.config.fields import AT_LEAST_ONE, bounds_of, check_bounds, check_choices, choices_of, key, validate
+from draftling.config.fields import (
+    AT_LEAST_ONE,
+    AUTO,
+    Auto,
+    bounds_of,
+    check_bounds,
+    check_choices,
+    choices_of,
+    key,
+    validate,
+)
 from draftling.config.train import TrainConfig
 from draftling.errors import ConfigError
 
@@ -24,8 +34,13 @@ ENGINE_ATTENTION = ("sdpa", "matmul", "exact")
 
 @dataclass
 class BenchConfig:
-    num_prompts: int = key(8, bounds=AT_LEAST_ONE, flag="--num-prompts", help="Prompts the simple bench decodes.")
-    max_new_tokens: int = key(256, bounds=AT_LEAST_ONE, flag="--max-new-tokens", help="New tokens per prompt.")
+    num_prompts: int = key(
+        8,
+        bounds=AT_LEAST_ONE,
+        flag="--num-prompts",
+        help="Prompts the simple bench decodes (the first N of its prompt file).",
+    )
+    max_new_tokens: int = key(256, bounds=AT_LEAST_ONE, flag="--max-new-tokens", help="New tokens per completion.")
     configs: list[str] = key(
         factory=lambda: ["chain-3-1-4"],
         flag="--configs",
@@ -39,45 +54,62 @@ class BenchConfig:
             "(lossless verification), so only tau and speed are comparable."
         ),
     )
-    top_k: int = key(0, flag="--top-k", help="0 = off")
-    top_p: float = key(1.0, flag="--top-p", help="nucleus sampling mass (1 = off)")
+    top_k: int = key(0, flag="--top-k", help="Keep the k likeliest tokens when sampling (0 = off).")
+    top_p: float = key(1.0, flag="--top-p", help="Nucleus sampling mass (1 = off).")
     seed: int = key(0, help="sampling: prompt i uses seed + i, the same for plain and every config")
     # --- The release bench (`bench --release`, bench/release.py); the simple bench ignores these.
     # Its protocol sets configs and max_new_tokens itself (the three RELEASE_CONFIGS, 256 new
     # tokens) over whatever a profile gives the simple bench; flags and overrides still win.
-    prompt_set: str = key("v1", flag="--prompt-set", help="a built-in set name (v1, ...) or a jsonl path")
+    prompt_set: str = key(
+        "v1", flag="--prompt-set", help="The release bench's prompt set: a built-in set name (v1, ...) or a jsonl path."
+    )
     baselines: list[str] = key(
-        factory=lambda: list(RELEASE_BASELINES), flag="--baselines", help=("engine_plain always runs")
+        factory=lambda: list(RELEASE_BASELINES),
+        flag="--baselines",
+        help="The release bench's baselines, some of engine_plain, hf_static, hf_prompt_lookup, hf_eager; engine_plain "
+        "always runs (the speedups need it).",
     )
     baseline_prompts_per_workload: int | None = key(
         None,
         bounds=("an integer >= 1 (null = all)", lambda v: v >= 1),
         flag="--baseline-prompts-per-workload",
-        help=("the slow HF baselines on the first N of each; null = all"),
+        help="Run the slow HF baselines on the first N prompts of each workload only; null = all.",
     )
     results_dir: str = key(
-        ".", flag="--results-dir", help=('each run writes a folder of its own in here; "." = the working directory')
+        ".",
+        flag="--results-dir",
+        help=(
+            "Where the release bench writes: each run a folder of its own, <date>-release-<commit>-<machine>[-<tag>], "
+            'in here; "." = the working directory.'
+        ),
     )
-    tag: str | None = key(None, flag="--tag", help="suffix of the run's folder and file names")
-    engine_compile: bool | None = key(
-        None, flag="--engine-compile", help=("compile the target's and draft's layers; null = auto: on with CUDA")
+    tag: str | None = key(None, flag="--tag", help="Suffix of a release run's folder and file names.")
+    engine_compile: bool | Auto = key(
+        AUTO,
+        flag="--engine-compile",
+        help="Compile the decode engine's target and draft layers (on/off); auto = on with CUDA.",
     )
-    query_pad: int | None = key(
-        None,
-        bounds=("an integer >= 0 (0 = off, null = auto)", lambda v: v >= 0),
+    query_pad: int | Auto = key(
+        AUTO,
+        bounds=("an integer >= 0 (0 = off) or auto", lambda v: v >= 0),
         flag="--query-pad",
         help=(
-            "Pad every target pass to this many queries, so plain and verify passes share kernels (0 = off); null = "
-            "auto: the largest config's draft tokens on CUDA, off on CPU."
+            "Pad every target pass to this many queries, so plain and verify passes share kernels (0 = off); auto = "
+            "the largest config's draft tokens on CUDA, off on CPU."
         ),
     )
     attention: str = key(
         "auto",
         choices=("auto", *ENGINE_ATTENTION),
         flag="--attention",
-        help=("one of ENGINE_ATTENTION; auto = exact on CUDA, sdpa on CPU"),
+        help=(
+            "The decode engine's attention: sdpa, matmul (in the model's dtype), or exact (float64 sums: tree output "
+            "equals plain output in bf16); auto = exact on CUDA (its unpadded plain reference: matmul), sdpa on CPU."
+        ),
     )
-    round_timing: bool | None = key(None, help="also time each round's phases; null = on CUDA")
+    round_timing: bool | Auto = key(
+        AUTO, help="Also time each round's phases (on the first prompts of each workload); auto = on CUDA."
+    )
     sampled_temperatures: list[float] = key(
         factory=lambda: list(RELEASE_SAMPLED_TEMPERATURES),
         help=("Also decode sampled at each of these temperatures (plain and every config); [] = greedy only."),
@@ -87,7 +119,9 @@ class BenchConfig:
         flag="--concurrency",
         help=(
             "The concurrency sweep (`bench --concurrency`, bench/concurrency.py): its levels, e.g. [1, 2, 4, 8, 16, 32, "
-            "64]; null = no sweep. It uses prompt_set, configs, max_new_tokens and results_dir above."
+            "64]; null = no sweep. Per level and config: aggregate and per-stream tok/s, tau, the speedup over plain at that "
+            "level, the cost account and the crossover where plain wins. It uses prompt_set, configs, max_new_tokens and "
+            "results_dir above."
         ),
     )
 
@@ -122,8 +156,8 @@ class BenchConfig:
 class ExtractConfig:
     """`draftling extract` (train/offline.py): how the offline teacher cache is written."""
 
-    shard_size: int = key(256, bounds=AT_LEAST_ONE, flag="--shard-size", help="sequences per shard")
-    batch_size: int = key(8, bounds=AT_LEAST_ONE, flag="--batch-size", help="sequences per teacher forward pass")
+    shard_size: int = key(256, bounds=AT_LEAST_ONE, flag="--shard-size", help="Sequences per cache shard.")
+    batch_size: int = key(8, bounds=AT_LEAST_ONE, flag="--batch-size", help="Sequences per teacher forward pass.")
     logits_dtype: str | None = key(
         None,
         choices=("float32", "bfloat16", "float16"),
@@ -144,11 +178,17 @@ class RunConfig:
     target: str = key(
         "smollm2-135m-instruct",
         flag="--target",
-        help=("The target: an HF hub id, a local model directory, a .gguf file or a built-in name."),
+        help=(
+            "The target: an HF hub id, a local model directory, a .gguf file or a built-in name "
+            "(smollm2-135m-instruct or default: the embedded SmolLM2-135M-Instruct GGUF)."
+        ),
     )
     dtype: str = key("float32", flag="--dtype", help="The target's dtype: float32, bfloat16 or float16.")
     device: str = key(
-        "auto", resume="free", flag="--device", help=("cpu, cuda, cuda:1, ...; auto = cuda if available.")
+        "auto",
+        resume="free",
+        flag="--device",
+        help="Where the target (and the draft) run: cpu, cuda, cuda:1, ...; auto = cuda if available.",
     )
     aux_layer_ids: list[int] | None = key(
         None,

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from draftling.config.fields import (
     AT_LEAST_ONE,
+    AUTO,
     FRACTION,
     NON_NEGATIVE,
     POSITIVE,
+    Auto,
     bounds_of,
     check_bounds,
     check_choices,
@@ -118,13 +120,13 @@ class TrainConfig:
             "same data per epoch. false = plain random batches."
         ),
     )
-    pad_to_multiple: int | None = key(
-        None,
-        bounds=("an integer >= 1 or null (auto)", lambda v: v >= 1),
+    pad_to_multiple: int | Auto = key(
+        AUTO,
+        bounds=("an integer >= 1 or auto", lambda v: v >= 1),
         help=(
             "Right-pad each batch to a multiple of this many tokens (the padding carries no loss and changes no "
             "gradient). Flex attention builds a block mask per batch length and caches it: padded lengths are few, so "
-            "masks are built once and reused. null = auto: flex's block size (128) when the attention is flex, else 1 "
+            "masks are built once and reused. auto = flex's block size (128) when the attention is flex, else 1 "
             "(no padding)."
         ),
     )
@@ -139,10 +141,10 @@ class TrainConfig:
             "full-batch head)."
         ),
     )
-    grad_checkpoint: bool | None = key(
-        None,
+    grad_checkpoint: bool | Auto = key(
+        AUTO,
         help=(
-            "Recompute each TTT step's decoder layer in backward instead of keeping its activations. null = auto: on for"
+            "Recompute each TTT step's decoder layer in backward instead of keeping its activations. auto = on for"
             " CUDA, off on CPU (there it only costs time)."
         ),
     )
@@ -155,11 +157,11 @@ class TrainConfig:
             "elsewhere."
         ),
     )
-    optimizer_offload: bool | None = key(
-        None,
+    optimizer_offload: bool | Auto = key(
+        AUTO,
         help=(
             "fp32 master weights and AdamW moments in host RAM, stepped there; the device keeps only params and grads. "
-            "null = auto: on for CUDA when the fp32 optimizer state (12 bytes/param) exceeds 2% of the device's memory, "
+            "auto = on for CUDA when the fp32 optimizer state (12 bytes/param) exceeds 2% of the device's memory, "
             "off otherwise and on CPU."
         ),
     )
@@ -187,19 +189,19 @@ class TrainConfig:
             " offloaded (its fp32 masters keep full precision on the host), else float32."
         ),
     )
-    compile: bool | None = key(
-        None,
+    compile: bool | Auto = key(
+        AUTO,
         help=(
             "torch.compile each checkpointed loss chunk (head, softmaxes, soft CE, argmax fused into a few kernels; "
             "needs loss_chunk_tokens > 0) and the decoder layer around its attention (norms, projections, RoPE, MLP). "
-            "null = auto: on for CUDA, off on CPU."
+            "auto = on for CUDA, off on CPU."
         ),
     )
-    compile_teacher: bool | None = key(
-        None,
+    compile_teacher: bool | Auto = key(
+        AUTO,
         help=(
-            "torch.compile the teacher's decoder layers for its forward (hooks stay eager). null = auto: follows "
-            "``compile``."
+            "torch.compile the teacher's decoder layers for its forward (hooks stay eager). auto = as ``compile``, "
+            "except off for a quantized teacher (its library brings its own kernels)."
         ),
     )
     compute_dtype: str = key(
@@ -272,7 +274,12 @@ class TrainConfig:
         False,
         resume="free",
         flag="--stop-on-convergence",
-        help=("Also stop (head written) once converged; needs smoke_every > 0."),
+        help=(
+            "Stop cleanly (head written) once converged: the smoke bench's tau stays inside its noise band for "
+            "convergence_checks checks in a row, above a floor tau (train/convergence.py's FLOOR_TAU: a draft that "
+            'accepts next to nothing never converges); needs smoke_every > 0. Without it the run only logs "converged '
+            'at X% of epoch N".'
+        ),
     )
     # Experiment trackers that get every metrics record besides metrics.jsonl and TensorBoard
     # (their library must be installed); empty = the env var DRAFTLING_TRACKERS, else none.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftling.config import RegenConfig
+from draftling.config import AUTO, RegenConfig
 from draftling.data.prompts import Conversation, prompt_messages, reply_record
 from draftling.data.template import render
 from draftling.dtypes import dtype_name
@@ -104,7 +104,7 @@ def prefill_chunk_columns(cfg: RegenConfig, rows: int, width: int, device) -> in
     """generate()'s ``prefill_chunk_size`` (columns per prefill forward) for a batch of
     ``rows`` prompts padded to ``width``, or None for one forward."""
     budget = cfg.prefill_chunk_tokens
-    if budget is None:
+    if budget == AUTO:
         budget = 4096 if torch.device(device).type == "cpu" else 0
     if budget <= 0 or rows * width <= budget:
         return None

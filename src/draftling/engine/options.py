@@ -8,12 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from draftling.config import ENGINE_ATTENTION
+from draftling.config import AUTO, ENGINE_ATTENTION
 from draftling.errors import ConfigError
 
 # The config checks these names when it loads, and it cannot import the engine: it keeps them.
 ATTENTION_KINDS = ENGINE_ATTENTION
-AUTO = "auto"
 # "auto" attention on CUDA: "exact" for the speculative engine and its padded plain twin (the
 # identity reference); an unpadded plain reference takes the faster bf16 "matmul"
 # (lab/benches/engine_profile.py measured both), so speedups are against the fastest plain engine.
@@ -36,9 +35,6 @@ class EngineOptions:
     attention: str = "sdpa"
 
     def __post_init__(self):
-        for name in ("cuda_graphs", "compile", "query_pad", "attention"):
-            if getattr(self, name) is None:  # None reads as "auto", as the config's nulls do
-                object.__setattr__(self, name, AUTO)
         if self.attention not in (AUTO, *ATTENTION_KINDS):
             raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         pad = self.query_pad

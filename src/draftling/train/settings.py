@@ -1,5 +1,5 @@
-"""The one home of training's resolved settings: a TrainConfig's "auto" and null values
-turned into what this device runs with. The trainer, `plan` (train/memory_fit.py) and the training
+"""The one home of training's resolved settings: a TrainConfig's "auto" values turned into
+what this device runs with, one function per decision. The trainer, `plan` (train/memory_fit.py) and the training
 bench all read them from here; the config has already checked every name (draftling.config).
 
 ``plan`` calls the same functions with a device size given instead of queried.
@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from draftling.config import TrainConfig
+from draftling.config import AUTO, TrainConfig
 from draftling.dtypes import DTYPES, dtype_name
 from draftling.hardware import BF16_IF_FAST, bf16_matmul_is_faster
 from draftling.target.quant import has_plain_weights
@@ -43,7 +43,7 @@ def unroll_options(
 
 def memory_options(tc: TrainConfig, device, training: bool = True, param_dtype: torch.dtype = torch.float32) -> dict:
     """The unroll's memory options (those fields of ``UnrollOptions``) for this device, with the
-    config's auto values (null / "auto") resolved: see TrainConfig for what each one does.
+    config's "auto" values resolved: see TrainConfig for what each one does.
     ``param_dtype``: the draft's device params (autocast only pays over fp32 params)."""
     from draftling.errors import ConfigError
 
@@ -56,9 +56,9 @@ def memory_options(tc: TrainConfig, device, training: bool = True, param_dtype: 
         ok, why = flex_usable(device, training)
         if not ok:
             raise ConfigError(f"train.attention=flex: {why}; use train.attention=sdpa (or auto)")
-    grad_checkpoint = tc.grad_checkpoint if tc.grad_checkpoint is not None else cuda
+    grad_checkpoint = cuda if tc.grad_checkpoint == AUTO else tc.grad_checkpoint
     # The chunked loss and the layer's halves; evaluation runs the loss eagerly (no_grad).
-    compile = tc.compile if tc.compile is not None else cuda
+    compile = compile_draft(tc, device)
     compute = tc.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if cuda and param_dtype == torch.float32 else "float32"
@@ -75,11 +75,16 @@ def memory_options(tc: TrainConfig, device, training: bool = True, param_dtype: 
 
 
 def pad_multiple(tc: TrainConfig, attention: str) -> int:
-    """``train.pad_to_multiple``, null resolved for the batch's resolved ``attention``: flex's
+    """``train.pad_to_multiple``, "auto" resolved for the batch's resolved ``attention``: flex's
     block size for flex (a block mask per padded length, built once and cached), else 1."""
-    if tc.pad_to_multiple is not None:
+    if tc.pad_to_multiple != AUTO:
         return tc.pad_to_multiple
     return FLEX_BLOCK_SIZE if attention == "flex" else 1
+
+
+def compile_draft(tc: TrainConfig, device) -> bool:
+    """``train.compile``, "auto" resolved: on CUDA."""
+    return torch.device(device).type == "cuda" if tc.compile == AUTO else tc.compile
 
 
 def compile_teacher(tc: TrainConfig, device, target_model=None) -> bool:
@@ -87,11 +92,11 @@ def compile_teacher(tc: TrainConfig, device, target_model=None) -> bool:
     default as ``train.compile`` (auto: on CUDA), except for a quantized teacher (bitsandbytes
     and friends bring their own kernels; a GGUF teacher is dequantized, so it is plain). A
     small target's forward on a GPU is mostly unfused elementwise kernels."""
-    if tc.compile_teacher is not None:
+    if tc.compile_teacher != AUTO:
         return tc.compile_teacher
     if target_model is not None and not has_plain_weights(target_model):
         return False
-    return bool(tc.compile if tc.compile is not None else torch.device(device).type == "cuda")
+    return compile_draft(tc, device)
 
 
 def fast_train_config(tc: TrainConfig) -> TrainConfig:
@@ -99,15 +104,15 @@ def fast_train_config(tc: TrainConfig) -> TrainConfig:
     for, and large loss chunks."""
     return dataclasses.replace(
         tc,
-        grad_checkpoint=False if tc.grad_checkpoint is None else tc.grad_checkpoint,
+        grad_checkpoint=False if tc.grad_checkpoint == AUTO else tc.grad_checkpoint,
         loss_chunk_tokens=max(tc.loss_chunk_tokens, FAST_LOSS_CHUNK_TOKENS) if tc.loss_chunk_tokens else 0,
     )
 
 
 def optimizer_offload(tc: TrainConfig, device, n_params: int | None = None, device_bytes: int | None = None) -> bool:
-    """``train.optimizer_offload``, null resolved: on CUDA when the optimizer's fp32 state
+    """``train.optimizer_offload``, "auto" resolved: on CUDA when the optimizer's fp32 state
     would take over OFFLOAD_AUTO_SHARE of the device (``device_bytes``: its size, else queried)."""
-    if tc.optimizer_offload is not None:
+    if tc.optimizer_offload != AUTO:
         return tc.optimizer_offload
     if torch.device(device).type != "cuda":
         return False
