@@ -245,8 +245,8 @@ def decide(rows: list[dict]) -> dict:
     if tie:
         spreads = ", ".join(f"{r['checkpoint']} {r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}" for r in tied)
         why = (
-            f"the tok/s ranges of {_names(tied)} overlap the fastest's ({spreads}), a tie, so the earliest "
-            f"checkpoint, {win['checkpoint']}, ships as the cheaper one"
+            f"{_names(tied)} are tied, their min-max tok/s overlapping the fastest's, {best['checkpoint']}'s "
+            f"({spreads}), so the earliest checkpoint, {win['checkpoint']}, ships as the cheaper one"
         )
     elif len(ranked) > 1:
         ru = ranked[1]
