@@ -13,7 +13,7 @@ from draftling.io import write_jsonl
 from draftling.target.load import wrap_target
 from draftling.train.trainer import train
 from tests.conftest import random_batch, setup_data, tiny_llama
-from tests.helpers import cfg_for, random_draft, tiny_draft_dir
+from tests.helpers import cfg_for, oracle_draft, perm_target, random_draft, tiny_draft_dir
 
 
 def prompt_set(path):
@@ -175,15 +175,19 @@ def test_repeats_go_in_turns_across_candidates_and_the_base(run):
     assert report["protocol"]["requests"] == 4  # 4 prompts fill 2 rows without repeating
 
 
-def test_the_head_meter_builds_one_engine_and_warms_each_head_once(tiny_target):
-    tiny_target.tokenizer.get_vocab = dict  # the stub tokenizer: no end-of-turn token beyond eos
-    drafts = [random_draft(tiny_target.model, seed=s) for s in (0, 1)]
-    opts = SelectOptions(prompts="-", data="-", config="chain-3-1-4", concurrency=2, max_new_tokens=4)
+def test_the_head_meter_builds_one_engine_and_warms_each_head_once(as_captured):
+    model = perm_target()
+    target = wrap_target(model, types.SimpleNamespace(pad_token_id=0, eos_token_id=1, get_vocab=dict), name="perm")
+    drafts = [oracle_draft(model), random_draft(model, seed=1)]  # one that is accepted, one that is not
+    opts = SelectOptions(prompts="-", data="-", config="chain-3-1-4", concurrency=2, max_new_tokens=8)
     meter, ids = select.HeadMeter(), select.fill_rows([[5, 6, 7]], 2)
-    runs = [meter(tiny_target, d, ids, opts) for _ in range(2) for d in drafts]
+    runs = [meter(target, d, ids, opts) for _ in range(2) for d in drafts]
     assert len(meter.engines) == 1 and len(meter.runners) == 2 and ids == [[5, 6, 7], [5, 6, 7]]
     assert all(r["tok_s"] > 0 and r["identical"] == 1.0 and r["requests"] == 2 for r in runs)
-    assert runs[0]["tau"] == runs[2]["tau"] and runs[1]["tau"] == runs[3]["tau"]  # greedy: the same each run
+    assert runs[0]["tau"] == runs[2]["tau"] > runs[1]["tau"] == runs[3]["tau"]  # greedy: the same each run
+    for i, d in enumerate(drafts):  # on an engine of its own: the same figures
+        alone = select.measure_head(target, d, ids, opts)
+        assert (alone["tau"], alone["identical"]) == (runs[i]["tau"], runs[i]["identical"])
 
 
 def test_the_cli_defaults_are_a_serving_load_and_three_repeats():
