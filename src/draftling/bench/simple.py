@@ -113,15 +113,22 @@ def build_engine(
     """The decode engine for a target and a draft, both with ``options`` (resolved; default the
     plain eager engine), or its fields as keywords (see engine/options.py); ``batch_size`` rows
     for engine/generate.py's ragged batches."""
-    from draftling.engine import DraftRunner, EngineOptions, build_target
+    from draftling.engine import EngineOptions, build_target
 
     options = EngineOptions.of(options, **engine)
     # The draft decides which layers feed it; using the target's defaults here instead would
     # be the silent off-by-one that collapses acceptance.
     ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
     engine_target = build_target(target.model, ids, max_seq_len, batch_size=batch_size, options=options)
-    runner = DraftRunner(draft, target.input_embeddings(), max_seq_len, batch_size=batch_size, options=options)
-    return engine_target, runner
+    return engine_target, build_runner(target, draft, max_seq_len, options, batch_size)
+
+
+def build_runner(target: Target, draft, max_seq_len: int, options: EngineOptions, batch_size: int = 1):
+    """The draft's side of ``build_engine`` alone: another head on an engine target already
+    built (the same aux layers, ``options`` and ``batch_size``, at least its cache length)."""
+    from draftling.engine import DraftRunner
+
+    return DraftRunner(draft, target.input_embeddings(), max_seq_len, batch_size=batch_size, options=options)
 
 
 class _Decoder:

@@ -15,8 +15,10 @@ def add_parser(sub) -> None:
         help="pick the checkpoint to ship by served speed on held-out prompts",
         description="Shortlist a run's checkpoints by validation loss (scored afresh on DATA's "
         "val.jsonl), decode held-out, task-disjoint prompts with each through the batched engine "
-        "at --concurrency, and pick the fastest by measured tok/s (tau and identity with plain "
-        "greedy shown). Writes selection.json and selection.md (default RUN_DIR/selection/). "
+        "at --concurrency (a serving load; prompts repeat to fill the rows), --repeats times each in "
+        "turns, and pick the fastest by median tok/s (tau and identity with plain greedy shown); a "
+        "candidate whose min-max tok/s overlaps the fastest's is a tie, and the earliest checkpoint "
+        "of a tie ships. Writes selection.json and selection.md (default RUN_DIR/selection/). "
         "Keep candidates with train.keep_checkpoints=0, train.ckpt_every_epoch or "
         "train.keep_every_steps.",
         epilog=EPILOG_OVERRIDES,
@@ -37,8 +39,15 @@ def add_parser(sub) -> None:
         dest="select_concurrency",
         metavar="CONCURRENCY",
         type=int,
-        default=1,
-        help="requests decoded at once (default 1)",
+        default=16,
+        help="requests decoded at once, a serving load (default 16)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per candidate, after one untimed warm-up, in turns across candidates; the median "
+        "decides and the min-max is the spread (default 3)",
     )
     p.add_argument(
         "--decode-config", default="tree-3-4-8", help="decode config steps-topk-draft_tokens (default tree-3-4-8)"
@@ -64,8 +73,8 @@ def run(args) -> None:
     from draftling.bench.select import SelectOptions, select_checkpoint
     from draftling.target import load_target_from_config
 
-    if args.select_concurrency < 1 or args.shortlist < 1 or args.select_new_tokens < 1:
-        raise DraftlingError("select: --concurrency, --shortlist and --max-new-tokens must be >= 1")
+    if min(args.select_concurrency, args.repeats, args.shortlist, args.select_new_tokens) < 1:
+        raise DraftlingError("select: --concurrency, --repeats, --shortlist and --max-new-tokens must be >= 1")
     if not (Path(args.run_dir) / "config.yaml").is_file():
         raise DraftlingError(f"{args.run_dir}: not a training run directory (no config.yaml)")
     if not (Path(args.data) / "val.jsonl").is_file():
@@ -77,9 +86,12 @@ def run(args) -> None:
         shortlist=args.shortlist,
         config=args.decode_config,
         concurrency=args.select_concurrency,
+        repeats=args.repeats,
         max_new_tokens=args.select_new_tokens,
         base=args.base,
         out=args.out,
     )
     report = select_checkpoint(load_target_from_config(cfg), args.run_dir, opts)
-    print(f"winner: {report['selection']['winner']}: {report['selection']['reason']}")
+    sel = report["selection"]
+    tie = " (a tie: the earliest checkpoint ships)" if sel["decision"]["tie"] else ""
+    print(f"winner{tie}: {sel['winner']}: {sel['reason']}")

@@ -117,6 +117,14 @@ def remove_stale_temporaries(run_dir: Path) -> list[str]:
     return removed
 
 
+def checkpoint_step(ckpt: Path) -> int:
+    """The training step a checkpoint directory (``step_0000042``) was written at."""
+    m = _STEP_DIR.match(Path(ckpt).name)
+    if m is None:
+        raise ValueError(f"{ckpt}: not a checkpoint directory (step_NNNNNNN)")
+    return int(m.group(1))
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
