@@ -10,7 +10,8 @@
 #   5. carries .dev/h3 .whl: bash lab/gpu/one_engine_sweep.sh start [SECONDS] [ARGS]
 #   6.. bash lab/gpu/one_engine_sweep.sh poll SECONDS, until it prints "sweep: done"
 # `start` runs the sweep in a session of its own (it outlives the call) and polls; each poll
-# waits up to SECONDS and copies the log and, once done, the results to $OUT.
+# waits up to SECONDS and copies the log and, once done, the results to $OUT. SWEEP_S (900) caps
+# the run: after a device-side assert the process can hang instead of exiting.
 H=/tmp/h W=/tmp/work/one-engine
 case "${1:-}" in
   start)
@@ -22,7 +23,7 @@ case "${1:-}" in
     [ "$sha" = 5cac9a9991473d54 ] || { echo "draft checksum $sha != 5cac9a9991473d54"; exit 3; }
     echo "$(date -u +%FT%TZ)" > $W/started
     wait_s=${2:-540}; shift 2 || shift $#
-    setsid bash -c "source lab/gpu/common.sh; python3 lab/gpu/one_engine_sweep.py --target $T \
+    setsid bash -c "source lab/gpu/common.sh; timeout ${SWEEP_S:-900} python3 lab/gpu/one_engine_sweep.py --target $T \
       --draft $H/draft --out $W $* > $W/log.txt 2>&1; echo \"exit \$?\" > $W/done" \
       < /dev/null > /dev/null 2>&1 &
     exec bash $0 poll $wait_s ;;

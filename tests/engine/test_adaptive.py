@@ -93,3 +93,20 @@ def test_adaptive_refuses_sampling_and_a_fixed_tree():
         batch_generate(target, prompts(), 4, draft=runner, adaptive=AdaptivePolicy(tuple(TREES)), temperature=1.0)
     with pytest.raises(ConfigError, match="adaptive"):
         batch_generate(target, prompts(), 4, draft=runner, tree=TREES[0], adaptive=AdaptivePolicy(tuple(TREES)))
+
+
+def test_a_round_after_plain_steps_keeps_idle_rows_inside_the_cache():
+    """Plain steps move a row without a request on to the cache's last slot; the next round
+    must not write past the cache there."""
+    from draftling.engine import generate as gen
+    from draftling.engine.accept import SpecOptions
+
+    model = perm_target()
+    target, runner = engines(model, oracle_draft(model), slots=2)
+    ps = prompts()[:1]
+    run = gen._Run(target, runner, None, SpecOptions(), ps, [20], Scripted(tuple(TREES), [TREES[2]]))
+    run.admit()
+    run.n[1] = target.max_seq_len - 1  # row 1 holds no request: where plain steps leave it
+    while any(r is not None for r in run.row_req):
+        run.step()
+    assert run.outs[0].tokens == alone(model, ps, [20])[0]

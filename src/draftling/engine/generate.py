@@ -271,6 +271,9 @@ class _Run:
             count, tau = self._plain_greedy(), 1.0
         else:
             self.rnd = self.rounds[tree]
+            # A row without a request steps on through plain steps up to the cache's end; a
+            # round there would write past it. Active rows never pass n_cap (_check_batch).
+            self.n = self.n.clamp(max=self.rnd.n_cap)
             count, tau = self._device_rounds()
         policy.observe(tree, (time.perf_counter() - t0) * 1e3 / count, tau)
 
