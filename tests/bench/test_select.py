@@ -192,7 +192,7 @@ def test_the_head_meter_builds_one_engine_and_warms_each_head_once(as_captured):
 
 def test_the_cli_defaults_are_a_serving_load_and_three_repeats():
     args = build_parser().parse_args(["select", "RUN", "--data", "D", "--prompts", "P"])
-    assert (args.concurrency, args.repeats) == (16, 3)
+    assert (args.select_concurrency, args.repeats) == (16, 3)
     assert (SelectOptions("P", "D").concurrency, SelectOptions("P", "D").repeats) == (16, 3)
     help_text = build_parser()._subparsers._group_actions[0].choices["select"].format_help()
     assert "(default 16)" in help_text and "--repeats" in help_text

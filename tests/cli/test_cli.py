@@ -124,7 +124,7 @@ def test_pipeline_through_the_cli(tmp_path, tiny_target_dir, capsys):
     assert bench["sampling"] is None
     # Sampled: the engine's processed distribution gets the flags, identity is not claimed,
     # and the same seed gives the same run.
-    from draftling.engine import generate
+    from draftling.engine import accept as generate
 
     seen = []
     real = generate.process_logits
