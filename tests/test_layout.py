@@ -99,3 +99,20 @@ def test_the_checks_catch_what_they_should():
         "a",
         "b",
     ]
+
+
+def test_product_files_and_functions_fit_a_screen():
+    """The package's size rules: no source file over 500 lines, no function over 60."""
+    long_files, long_functions = [], []
+    for path in sorted((CHECKOUT / "src" / "draftling").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(CHECKOUT)
+        if text.count("\n") > 500:
+            long_files.append(f"{where}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long_functions.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
+    assert not long_files, long_files
+    assert not long_functions, long_functions
