@@ -110,3 +110,27 @@ def test_a_round_after_plain_steps_keeps_idle_rows_inside_the_cache():
     while any(r is not None for r in run.row_req):
         run.step()
     assert run.outs[0].tokens == alone(model, ps, [20])[0]
+
+
+def test_admissions_between_groups_count_in_the_next_groups_time(monkeypatch):
+    """Prefills of requests admitted between two groups are charged to the group after them:
+    a dear admission makes the config that ran next look as dear as it was."""
+    import time
+
+    from draftling.engine import generate as gen
+
+    model = perm_target()
+    target, runner = engines(model, oracle_draft(model), slots=2)
+    tree = TREES[1]
+    real = gen._Run._prefill
+
+    def slow(self, rows, reqs):
+        time.sleep(0.2 if self.group_end is not None else 0.0)  # only admissions after the first group
+        return real(self, rows, reqs)
+
+    monkeypatch.setattr(gen._Run, "_prefill", slow)
+    policy = Scripted((tree,), [tree])
+    policy.observe = lambda t, ms, tau: seen.append(ms)  # type: ignore[method-assign]
+    seen: list[float] = []
+    batch_generate(target, prompts()[:4], [3, 3, 3, 3], draft=runner, adaptive=policy)
+    assert max(seen) >= 200.0 and min(seen) < 200.0

@@ -6,7 +6,8 @@ of the active rows' recent values) over its round time at this engine's row coun
 decoding emits one token per step. Costs are measured, never assumed: a plain step by
 replaying the engine's own step on the current state (its outputs are dropped, and the cache
 slots it writes are rewritten before any pass reads them), a config's round by timing the
-rounds it runs. A config not yet run is tried once, unless even an ideal acceptance (every
+rounds it runs together with the admissions since the group before (speculation's rows finish
+one at a time and admit their successors in small prefills; plain rows finish in step). A config not yet run is tried once, unless even an ideal acceptance (every
 draft accepted) could not beat plain at the measured step time; it is tried again every
 ``retry`` groups, so its estimates follow the text.
 

@@ -178,6 +178,7 @@ class _Run:
         self.root = torch.zeros(b, dtype=torch.long, device=dev)
         self.n_host = [0] * b
         self.synced = [True] * b  # the row's draft cache holds all it has committed
+        self.group_end: float | None = None  # when the last adaptive group's read-back ended
         if draft is not None:
             cfg, dtype = draft.draft.config, draft.k_cache.dtype
             self.r_hidden = torch.zeros(b, cfg.hidden_size, dtype=dtype, device=dev)
@@ -259,12 +260,14 @@ class _Run:
                 self.outs[req].emit(tokens[row])
 
     def _adaptive_step(self) -> None:
-        """One group of rounds (or plain steps) of the config the policy picks, timed for it:
-        the group ends with its read-back, which waits for the device."""
+        """One group of rounds (or plain steps) of the config the policy picks, timed for it
+        from the end of the previous group: the admissions between them count too (rows that
+        finish one at a time, as speculation's do, admit their successors in small, dear
+        prefills). A group ends with its read-back, which waits for the device."""
         policy = self.policy
         policy.measure_plain(lambda: self.target.fast_greedy(self.root[:, None], self.n), self.target.device)
         tree = policy.choose(all(self.synced[row] for row, _ in self._active()))
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self.group_end is None else self.group_end
         if tree is None:
             for row, _ in self._active():
                 self.synced[row] = False  # the draft does not see plain steps
@@ -275,7 +278,8 @@ class _Run:
             # round there would write past it. Active rows never pass n_cap (_check_batch).
             self.n = self.n.clamp(max=self.rnd.n_cap)
             count, tau = self._device_rounds()
-        policy.observe(tree, (time.perf_counter() - t0) * 1e3 / count, tau)
+        self.group_end = time.perf_counter()
+        policy.observe(tree, (self.group_end - t0) * 1e3 / count, tau)
 
     def _plain_greedy(self) -> int:
         """A few plain greedy steps queued, then read back. Returns how many."""
