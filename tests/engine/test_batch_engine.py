@@ -283,3 +283,19 @@ def test_compiled_rows_equal_eager_at_two_row_counts():
         assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
         got = batch_generate(target, ps, budgets, draft=runner, tree=TREES[1])
         assert [r.tokens for r in got] == want, rows
+
+
+def test_a_group_queues_steps_for_the_row_that_needs_the_most(monkeypatch):
+    """Plain greedy: one host read per group of up to RUN_AHEAD steps, sized by the row that
+    needs the most tokens; a row that ends inside the group drops the rest, its tokens exact."""
+    from draftling.engine import generate as gen
+
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    ps, budgets = prompts()[:2], [2, 30]
+    want = alone(model, ps, budgets)
+    reads = []
+    real = gen._Run._emit_rows
+    monkeypatch.setattr(gen._Run, "_emit_rows", lambda self, tokens: (reads.append(len(tokens[0])), real(self, tokens)))
+    target, _ = engines(model, slots=2)
+    assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
+    assert reads == [8, 8, 8, 5]  # 29 tokens after the prefill's first one: not 1 step while row 0 ends

@@ -235,8 +235,12 @@ class _Run:
         return [(row, req) for row, req in enumerate(self.row_req) if req is not None]
 
     def _left(self) -> int:
-        """The fewest tokens any active request still needs: steps queued past it are wasted."""
-        return min(self.outs[r].max_new_tokens - len(self.outs[r].tokens) for _, r in self._active())
+        """The most tokens any active request still needs: a group queues steps (or rounds) up
+        to it. A request that needs fewer ends inside the group and its row steps on unread
+        until the read-back frees it: cheaper than one host read per step for the whole batch,
+        which the fewest would cost whenever some row is near its end (rows finish at different
+        steps). With one row it is that row's own need, so nothing is queued past it."""
+        return max(self.outs[r].max_new_tokens - len(self.outs[r].tokens) for _, r in self._active())
 
     def _free_done(self) -> None:
         for row, req in self._active():
