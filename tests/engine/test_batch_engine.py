@@ -126,7 +126,8 @@ def test_concurrency_sweep_contract(tmp_path):
         out_dir=tmp_path / "out",
         command="pytest",
     )
-    res = run_concurrency_sweep(target, draft, opts, log=lambda *_: None)
+    lines: list[str] = []
+    res = run_concurrency_sweep(target, draft, opts, log=lines.append)
     for key in ("date", "gpu", "target", "draft", "batch1_plain_tok_s", "concurrency_sweep", "adaptive_min_speedup"):
         assert key in res
     rows = res["concurrency_sweep"]
@@ -138,6 +139,8 @@ def test_concurrency_sweep_contract(tmp_path):
     assert res["adaptive_min_speedup"] == min(r["speedup"] for r in adaptive)
     for r in adaptive:
         assert r["identical_fraction"] == 1.0 and sum(r["policy"]["groups_by_choice"].values()) > 0
+    level_lines = [line for line in lines if "concurrency " in line]
+    assert len(level_lines) == 2 and all("adaptive" in line and "[groups: " in line for line in level_lines)
     for r in rows:
         assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s"] == r["aggregate_tok_s"] / r["concurrency"]
         if r["config"] not in ("plain", "adaptive"):

@@ -219,9 +219,18 @@ def _level_line(rows: list[dict]) -> str:
     parts = [
         f"{r['config']} {r['aggregate_tok_s']:.0f} tok/s"
         + ("" if r["config"] == "plain" else f" (tau {r['tau']:.2f}, {r['speedup']:.2f}x)")
+        + _choices(r)
         for r in rows
     ]
     return f"concurrency {rows[0]['concurrency']}: " + "; ".join(parts)
+
+
+def _choices(row: dict) -> str:
+    """The adaptive engine's groups per choice, e.g. " [groups: tree-3-4-8 60, plain 8]"."""
+    if "policy" not in row:
+        return ""
+    counts = row["policy"]["groups_by_choice"]
+    return " [groups: " + ", ".join(f"{name} {n}" for name, n in counts.items()) + "]"
 
 
 def summarize(rows: list[dict]) -> dict:
