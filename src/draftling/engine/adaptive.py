@@ -7,9 +7,10 @@ decoding emits one token per step. Costs are measured, never assumed: a plain st
 replaying the engine's own step on the current state (its outputs are dropped, and the cache
 slots it writes are rewritten before any pass reads them), a config's round by timing the
 rounds it runs together with the admissions since the group before (speculation's rows finish
-one at a time and admit their successors in small prefills; plain rows finish in step). A config not yet run is tried once, unless even an ideal acceptance (every
-draft accepted) could not beat plain at the measured step time; it is tried again every
-``retry`` groups, so its estimates follow the text.
+one at a time and admit their successors in small prefills; plain rows finish in step). Each
+config is tried once; one that lost is tried again every ``retry`` groups, so its estimates
+follow the text, unless even an ideal acceptance (every draft accepted) could not beat plain
+at the measured times.
 
 Plain steps do not advance the draft's cache, so once a batch decodes plain its rows stay
 plain until they finish; a row admitted later starts with a fresh draft (the prefill extends
