@@ -53,6 +53,10 @@ def _env(fault: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT / "src"), str(CHECKOUT)])}
     # Runs compared with separate uninterrupted runs: not a timed layout a busy machine may flip.
     env.setdefault("DRAFTLING_CPU_WEIGHT_LAYOUT", "row")
+    # One thread per process: under load, two-threaded CPU kernels now and then gave a process's
+    # first step different low bits (before any kill, in about 1 of 40 processes), which no
+    # resume can be blamed for. Resume does not depend on the thread count.
+    env["OMP_NUM_THREADS"] = "1"
     env.pop("DRAFTLING_FAULT", None)
     if fault:
         env["DRAFTLING_FAULT"] = fault
