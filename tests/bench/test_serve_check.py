@@ -145,6 +145,7 @@ def test_vllm_accepts_what_draftlings_engine_accepts(served, tmp_path, fmt):
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((tmp_path / "check.json").read_text())["vllm_check"][0]
     assert rec["format"] == fmt and rec["vllm_version"] == vllm.__version__ and rec["device"] == "cpu"
+    assert rec["vllm_enforce_eager"] is True  # the CPU default: the same kernels as vLLM's traced graph
     assert rec["config"] == "chain-3-1-4" and rec["prompts"]["name"] == "held_out.jsonl"
     assert rec["tau_draftling"] > 1.3  # the head was trained: drafts are accepted, not only bonus tokens
     assert rec["within_band"] and abs(rec["tau_vllm"] / rec["tau_draftling"] - 1) <= rec["band"]

@@ -57,6 +57,9 @@ class ServeCheckOptions:
     band: float = 0.10  # |tau_vllm / tau_draftling - 1| allowed
     dtype: str = "float32"  # vLLM's dtype; draftling's engine runs in the target's
     cache_dir: str | None = None  # where a GGUF target's plain copy is kept
+    # vLLM's enforce_eager; None: on the CPU, whose build only traces with dynamo before
+    # running the same kernels (inductor off), so eager reads the head alike and starts faster.
+    eager: bool | None = None
     out: str | None = None  # the results JSON
 
     def __post_init__(self):
@@ -147,6 +150,11 @@ def require_vllm() -> dict:
     return {"version": vllm.__version__, "device": current_platform.device_type}
 
 
+def vllm_eager(o: ServeCheckOptions, device: str) -> bool:
+    """vLLM's enforce_eager for this check: ``o.eager``, else on the CPU only."""
+    return device == "cpu" if o.eager is None else o.eager
+
+
 def start_vllm(target_dir: Path, export: Path, o: ServeCheckOptions, max_len: int, engine: dict):
     """vLLM's offline engine with the export as its EAGLE-3 speculator, or one line saying why not."""
     from vllm import LLM
@@ -156,6 +164,7 @@ def start_vllm(target_dir: Path, export: Path, o: ServeCheckOptions, max_len: in
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": o.draft_tokens}
     extra = {"gpu_memory_utilization": 0.5} if device == "cuda" else {}
+    eager = vllm_eager(o, device)
     try:
         llm = LLM(
             model=str(target_dir),
@@ -164,6 +173,7 @@ def start_vllm(target_dir: Path, export: Path, o: ServeCheckOptions, max_len: in
             max_model_len=max_len,
             seed=0,
             disable_log_stats=False,
+            enforce_eager=eager,
             **extra,
         )
     except Exception as e:  # vLLM raises many types; its log above holds the root cause
@@ -279,6 +289,7 @@ def _record(target: Target, export: Path, fmt: str, o: ServeCheckOptions, info: 
         "target": target.spec.label,
         "vllm_version": engine["version"],
         "device": engine["device"],
+        "vllm_enforce_eager": vllm_eager(o, engine["device"]),
         "draftling_device": device_name(target.device),
         "dtype_vllm": o.dtype,
         "dtype_draftling": dtype_name(next(target.model.parameters()).dtype),

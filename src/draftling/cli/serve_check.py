@@ -75,6 +75,13 @@ def _add_check_flags(p) -> None:
         "--cache-dir",
         help="where a GGUF target's plain checkpoint is kept (default $DRAFTLING_CACHE or ~/.cache/draftling)",
     )
+    p.add_argument(
+        "--vllm-eager",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="vLLM's enforce_eager (default auto: on for the CPU, whose vLLM build only traces with dynamo and runs "
+        "the same kernels, so the head reads alike and vLLM starts faster; vLLM's own default on CUDA)",
+    )
     p.add_argument("--out", help="the results JSON (records under vllm_check, with a manifest)")
 
 
@@ -90,6 +97,7 @@ def run(args) -> None:
         band=args.band,
         dtype=args.vllm_dtype,
         cache_dir=args.cache_dir,
+        eager={"auto": None, "on": True, "off": False}[args.vllm_eager],
         out=args.out,
     )
     if not Path(args.export).is_dir():
