@@ -252,6 +252,26 @@ class DraftConfig:
             " config (sliding_window), which training, the engine and the exports read."
         ),
     )
+    fc_norm: bool = key(
+        False,
+        help=(
+            "EAGLE-3.1: an RMS norm on each target aux state before the fc layer (speculators --fc-norm; vLLM reads it "
+            "from the head's config). Exclusive with norm_before_fc."
+        ),
+    )
+    norm_before_fc: bool = key(
+        False,
+        help="One RMS norm on the concatenated aux states before the fc layer (speculators/vLLM norm_before_fc).",
+    )
+    norm_output: bool = key(
+        False,
+        help=(
+            "EAGLE-3.1: feed the normed output back to the next draft step instead of the pre-norm one, so the state "
+            "keeps one scale over deep drafts (speculators --norm-output; vLLM reads it from the head's config)."
+        ),
+    )
 
     def __post_init__(self):
         validate("draft", self)
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError("draft.fc_norm and draft.norm_before_fc are exclusive: set one of them")

@@ -3,11 +3,17 @@
 Shape (see shared REFERENCE.md): ``fc`` fuses the three target aux states (3*H_t -> H);
 one Llama decoder layer whose attention reads ``cat(input_layernorm(embed), hidden_norm(h))``
 (width 2H) while the residual stream carries ``h``; a final ``norm``; and ``lm_head`` over
-the draft vocabulary. Later draft steps feed the layer's own pre-norm output back in place
+the draft vocabulary. Later draft steps feed the layer's own output (pre-norm) back in place
 of the fused feature, so ``fc`` only ever sees target states.
 
 The token embedding is the target's own and frozen; it is not a parameter of this module.
 Parameter names match the SGLang/EAGLE export (``fc``, ``midlayer.*``, ``norm``, ``lm_head``).
+
+EAGLE-3.1 options (config flags, as vLLM and speculators name them; each off by default):
+``fc_norm`` normalizes each aux state before ``fc`` (weights ``fc_norm.{i}``),
+``norm_before_fc`` normalizes their concatenation instead (``input_norm``), and
+``norm_output`` feeds the normed output back to the next step, so the state a step carries
+keeps one scale however deep the draft goes.
 
 Attention is delegated to a callable ``attend(q, k, v) -> out`` (q: [B, nh, T, d], k/v:
 [B, nkv, T, d], RoPE already applied), so the same layer serves the training-time-test
@@ -51,6 +57,19 @@ _COPIED_FROM_TARGET = (
 )
 
 
+# The EAGLE-3.1 flags (see the module docstring), under the names vLLM reads from the config.
+NORM_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+
+
+def norm_flags(config) -> dict[str, bool]:
+    """The draft's EAGLE-3.1 flags from its config (absent = off); fc_norm and norm_before_fc
+    are two ways to normalize the same input, so not both."""
+    flags = {k: bool(getattr(config, k, False)) for k in NORM_FLAGS}
+    if flags["fc_norm"] and flags["norm_before_fc"]:
+        raise ConfigError("draft.fc_norm and draft.norm_before_fc are exclusive: set one of them")
+    return flags
+
+
 def draft_config_from_target(
     target_config, draft_vocab_size: int, aux_layer_ids: list[int], window: int = 0, **overrides
 ) -> LlamaConfig:
@@ -82,8 +101,10 @@ def draft_config_from_target(
         mlp_bias=False,
         tie_word_embeddings=False,
     )
-    fields.update(overrides)
+    # EAGLE-3.1 flags are written only when on: a plain head's config stays as it was.
+    fields.update({k: v for k, v in overrides.items() if k not in NORM_FLAGS or v})
     config = LlamaConfig(**fields)
+    norm_flags(config)
     if window:
         set_window(config, window)
     return config
@@ -173,6 +194,12 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = config
         h, ht = config.hidden_size, getattr(config, "target_hidden_size", config.hidden_size)
+        flags, eps = norm_flags(config), config.rms_norm_eps
+        if flags["norm_before_fc"]:
+            self.input_norm = LlamaRMSNorm(3 * ht, eps=eps)
+        if flags["fc_norm"]:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(ht, eps=eps) for _ in range(3))
+        self.norm_output = flags["norm_output"]
         self.fc = nn.Linear(3 * ht, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -195,17 +222,27 @@ class Eagle3Draft(nn.Module):
         """Fuse the [low, mid, high] target states (in that order) into the draft width."""
         if isinstance(aux_states, (list, tuple)):
             aux_states = torch.cat(list(aux_states), dim=-1)
-        return self.fc(aux_states.to(self.fc.weight.dtype))
+        x = aux_states.to(self.fc.weight.dtype)
+        if hasattr(self, "input_norm"):
+            x = self.input_norm(x)
+        if hasattr(self, "fc_norm"):
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(x)
 
     def step(
         self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        """One draft step. Returns the pre-norm output hidden state (fed to the next step)."""
+        """One draft step. Returns the state fed to the next step (see :meth:`carry`)."""
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, attend)
+        return self.carry(self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, attend))
+
+    def carry(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output as the next step reads it: as it is, or normed (norm_output)."""
+        return self.norm(out) if self.norm_output else out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        """Logits from a carried state: the final norm is applied once, here or in carry."""
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -32,14 +32,14 @@ from draftling.engine.target_model import StaticFn, causal_mask, compile_once, m
 
 def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul: bool):
     """The draft layer after its cache write: attention, o_proj, MLP, then the head.
-    Returns (pre-norm hidden, draft logits)."""
+    Returns (the carried hidden state, draft logits)."""
     if use_matmul:
         o = matmul_attention(q, k_cache, v_cache, attn_mask, q.shape[-1] ** -0.5)
     else:
         o = F.scaled_dot_product_attention(
             q, k_cache, v_cache, attn_mask=row_mask(attn_mask), enable_gqa=k_cache.shape[1] != q.shape[1]
         )
-    out = draft.midlayer.attention_to_output(hidden, o)
+    out = draft.carry(draft.midlayer.attention_to_output(hidden, o))
     return out, draft.compute_logits(out)
 
 
@@ -90,7 +90,7 @@ class DraftRunner(nn.Module):
 
     def forward(self, input_ids, hidden, positions, cache_positions, attn_mask, compiled=None, kv=None):
         """One draft layer pass. ``hidden`` is the fused target feature or the draft's own
-        previous output. Returns (pre-norm hidden [B,T,H], draft logits [B,T,Vd]).
+        previous output. Returns (carried hidden [B,T,H], draft logits [B,T,Vd]).
         ``cache_positions`` [T] or [B,T], ``attn_mask`` [T,C] or [B,T,C] (see ``write_kv``).
         ``compiled``: default ``self.compile``; the prompt's extend passes False (its length
         varies). ``kv``: (K, V) scratch buffers instead of the cache (``extend_rows``)."""

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from draftling.draft.model import Eagle3Draft
+from draftling.draft.model import NORM_FLAGS, Eagle3Draft
 from draftling.draft.store import CONFIG_FILE, load_draft
 from draftling.dtypes import dtype_name
 from draftling.errors import DraftlingError, one_line
@@ -275,7 +275,7 @@ def _read_config(path: Path) -> dict[str, Any]:
             raise DraftlingError(f"{path / CONFIG_NAME}: a speculators config without transformer_layer_config")
         top = {
             k: cfg[k]
-            for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
+            for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", *NORM_FLAGS)
             if k in cfg
         }
         cfg = {**{k: v for k, v in layer.items() if k != "architectures"}, **top}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from draftling.draft.model import Eagle3Draft
+from draftling.draft.model import NORM_FLAGS, Eagle3Draft
 from draftling.errors import DraftlingError
 from draftling.export.conventions import to_engine_aux_layer_ids
 from draftling.export.formats import (
@@ -68,9 +68,8 @@ def export_speculators(
     Tensor names follow speculators' Eagle3 model and its EAGLE-3 converter
     (``midlayer.`` -> ``layers.0.``; ``fc.``, ``norm.``, ``lm_head.``, ``d2t``, ``t2d``,
     ``embed_tokens.`` kept). Aux-layer ids are always written, in vLLM numbering.
-    ``norm_before_residual`` is written explicitly (False; see NORM_BEFORE_RESIDUAL).
-    ``weights``: ExportWeights' fields by name (include_embedding, embedding, dtype), as
-    export_sglang takes them.
+    ``norm_before_residual`` is written explicitly (False; see NORM_BEFORE_RESIDUAL), and the
+    EAGLE-3.1 flags at the top. ``weights``: ExportWeights' fields (as export_sglang takes them).
     """
     w = ExportWeights(**weights)
     _check_verifier(verifier_name_or_path, verifier_architectures, speculative_tokens)
@@ -80,16 +79,13 @@ def export_speculators(
     full_vocab = int(draft.config.draft_vocab_size) == int(draft.config.vocab_size)
     # speculators registers d2t/t2d only when draft_vocab_size != the verifier's vocab.
     tensors = draft_tensors(
-        draft,
-        dt,
-        layer_prefix="layers.0.",
-        include_embedding=w.include_embedding,
-        embedding=w.embedding,
+        draft, dt, layer_prefix="layers.0.", include_embedding=w.include_embedding, embedding=w.embedding,
         include_vocab_maps=not full_vocab,
-    )
+    )  # fmt: skip
 
     weights_dtype = weights_dtype_name(tensors)
     layer_cfg = llama_layer_fields(draft, target_config)
+    norms = {k: layer_cfg.pop(k) for k in NORM_FLAGS if k in layer_cfg}  # vLLM reads them at the top
     # vLLM builds the draft's HF config from this nested one: without a dtype there it is
     # left to the engine's default. Both spellings: transformers 5 reads ``dtype``, 4 ``torch_dtype``.
     layer_cfg["dtype"] = layer_cfg["torch_dtype"] = weights_dtype
@@ -111,6 +107,7 @@ def export_speculators(
         "target_hidden_size": int(getattr(draft.config, "target_hidden_size", draft.config.hidden_size)),
         "eagle_aux_hidden_state_layer_ids": to_engine_aux_layer_ids(ids, "speculators"),
         "torch_dtype": weights_dtype,
+        **norms,
     }
     return write_export(out_dir, cfg, tensors)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from draftling.config import RunConfig, TrainConfig
-from draftling.draft.model import Eagle3Draft, draft_config_from_target, init_from_target
+from draftling.draft.model import NORM_FLAGS, Eagle3Draft, draft_config_from_target, init_from_target
 from draftling.errors import ConfigError
 from draftling.target import Target
 from draftling.train.distributed import full_model_state, is_sharded, unwrap
@@ -20,14 +20,15 @@ from draftling.train.settings import (
     optimizer_offload,
     pad_multiple,
 )
-from draftling.train.warmstart import WarmStart, keep_window
+from draftling.train.warmstart import WarmStart, keep_norms, keep_window
 
 
 def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = None) -> Eagle3Draft:
     if warm is not None:  # --init-from: the head's working copy, its maps already set
         keep_window(warm.draft, cfg.draft.window, warm.report["init_from"])
+        keep_norms(warm.draft, cfg.draft, warm.report["init_from"])
         return warm.draft
-    overrides = {}
+    overrides: dict = {k: getattr(cfg.draft, k) for k in NORM_FLAGS}
     if cfg.draft.intermediate_size is not None:
         if cfg.draft.intermediate_size < 1:
             raise ConfigError(

@@ -101,7 +101,7 @@ def _draft_step(draft: Eagle3Draft, backend: str, compile, embeds, hidden, posit
     q, k, v = inputs_fn(layer, embeds, hidden, cos, sin)
     out = ttt_attention(q, (*keys, k), (*values, v), backend, window)
     torch._dynamo.maybe_mark_dynamic(out, 2)
-    return output_fn(layer, hidden, out), k, v
+    return draft.carry(output_fn(layer, hidden, out)), k, v
 
 
 # --- loss and metrics ------------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftling.draft.model import Eagle3Draft, draft_window, set_window
+from draftling.draft.model import NORM_FLAGS, Eagle3Draft, draft_window, norm_flags, set_window
 from draftling.draft.vocab import DraftVocab, token_counts
 from draftling.errors import ConfigError
 from draftling.target import Target
@@ -67,6 +67,18 @@ def keep_window(draft: Eagle3Draft, window: int, where: str) -> None:
         )
     if window:
         set_window(draft.config, window)
+
+
+def keep_norms(draft: Eagle3Draft, dc, where: str) -> None:
+    """A warm-started head keeps its own EAGLE-3.1 norms: a flag in ``dc`` (the draft config
+    section) the head was not trained with is refused rather than added untrained."""
+    own = norm_flags(draft.config)
+    asked = [k for k in NORM_FLAGS if getattr(dc, k) and not own[k]]
+    if asked:
+        raise ConfigError(
+            f"--init-from {where}: the head was trained without {', '.join(asked)}; a warm start keeps the head's "
+            f"layout, so unset draft.{asked[0]} (or train a new head with it)"
+        )
 
 
 def coverage(t2d: torch.Tensor, examples) -> float:

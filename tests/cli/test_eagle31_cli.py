@@ -1,0 +1,57 @@
+"""An EAGLE-3.1 head (draft.fc_norm + draft.norm_output) through the commands a user runs:
+train, exact resume, bench (lossless), export in both formats, check, and a warm start."""
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from draftling.cli import main
+from tests.helpers import write_prompts
+
+FLAGS = ["draft.fc_norm=true", "draft.norm_output=true"]
+TRAIN = ["train.batch_size=2", "train.ttt_steps=2", "train.log_every=1", "train.ckpt_every=2"]
+
+
+def _train(common, data, run, steps, *extra):
+    return main(
+        ["train", *common, "--data", str(data), "--run-dir", str(run), f"train.max_steps={steps}", *TRAIN, *extra]
+    )
+
+
+def test_an_eagle31_head_trains_resumes_benches_exports_and_checks(tmp_path, tiny_target_dir):
+    data, common = tmp_path / "data", ["--target", str(tiny_target_dir), "--device", "cpu"]
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    assert main(["data", *common, "--out", str(data), "--prompts", str(prompts), "data.regen.max_new_tokens=12"]) == 0
+    assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir)]) == 0
+
+    assert _train(common, data, tmp_path / "whole", 4, *FLAGS) == 0
+    assert _train(common, data, tmp_path / "cut", 2, *FLAGS) == 0  # then resumed to 4 steps
+    assert _train(common, data, tmp_path / "cut", 4, *FLAGS, "--resume", "--allow-change", "train.max_steps") == 0
+    whole = load_file(str(tmp_path / "whole" / "draft" / "draft.safetensors"))
+    cut = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
+    assert {"fc_norm.0.weight", "fc_norm.2.weight"} <= set(whole)
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    config = json.loads((tmp_path / "whole" / "draft" / "draft_config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+
+    draft = tmp_path / "whole" / "draft"
+    bench = tmp_path / "bench.json"
+    args = ["--prompts", str(data / "val.jsonl"), "--num-prompts", "2", "--max-new-tokens", "8", "--out", str(bench)]
+    assert main(["bench", *common, "--draft", str(draft), *args]) == 0
+    assert json.loads(bench.read_text())["configs"][0]["identical_to_greedy"] == 1.0
+
+    for fmt in ("sglang", "speculators"):
+        named = ["--verifier-id", "test/tiny-llama"] if fmt == "speculators" else []
+        out = tmp_path / fmt
+        cmd = ["export", "--draft", str(draft), "--out", str(out), "--format", fmt, "--target", str(tiny_target_dir)]
+        assert main([*cmd, *named, "--dtype", "float32"]) == 0
+        assert json.loads((out / "config.json").read_text())["norm_output"] is True
+        assert main(["check", str(out), *common]) == 0
+
+    # A warm start from the export keeps its norms; asking a plain head for them is refused.
+    assert _train(common, data, tmp_path / "warm", 2, "--init-from", str(tmp_path / "sglang")) == 0
+    assert "fc_norm.1.weight" in load_file(str(tmp_path / "warm" / "draft" / "draft.safetensors"))
+    plain = tmp_path / "plain"
+    assert _train(common, data, plain, 2) == 0
+    assert _train(common, data, tmp_path / "bad", 2, "--init-from", str(plain / "draft"), "draft.fc_norm=true") == 2
