@@ -203,6 +203,7 @@ def awq_dir(plain_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         # gptqmodel asks for 2 loader threads under a CPU pool of (cores + 1) // 2: 1 on 2 cores.
         mp.setenv("GPTQMODEL_CPU_WORKERS", os.environ.get("GPTQMODEL_CPU_WORKERS", "2"))
+        mp.chdir(tmp_path_factory.mktemp("awq-logs"))  # its quantizer writes logs/ into the working directory
         from gptqmodel import AWQConfig, GPTQModel
 
         config = AWQConfig(bits=4, group_size=32)
