@@ -218,21 +218,27 @@ def resolve_device(device: str | None) -> str:
 def _load_target(
     spec: TargetSpec, dtype: str, device: str, aux_layer_ids, chat_template, quantization, placement: Placement | None
 ) -> Target:
+    stored = _checkpoint_method(spec)
+    kwargs: dict = {"dtype": DTYPES[dtype]}
+    if stored:
+        from draftling.target.quant import prequantized_kwargs
+
+        kwargs.update(prequantized_kwargs(spec.name, stored, quantization))
     tokenizer = _load_tokenizer(spec, chat_template)
-    kwargs = {"dtype": DTYPES[dtype]}
     if quantization:
         from draftling.target.quant import quantization_config
 
         kwargs["quantization_config"] = quantization_config(quantization, DTYPES[dtype])
     # Quantized weights must be placed by from_pretrained: bitsandbytes models refuse .to(),
     # and moving tensor subclasses afterwards is not supported by every backend.
-    place_on_load = bool(quantization) or _checkpoint_is_quantized(spec)
+    place_on_load = bool(quantization or stored)
     if place_on_load:
         kwargs["device_map"] = {"": device}
     offload = placement.offload_dir() if placement else None
     if placement:
         kwargs.update(_placement_kwargs(spec, placement, offload, quantization))
-    log.info("loading target %s%s", spec.name, f" ({quantization})" if quantization else "")
+    how = quantization or (stored and f"a {stored} checkpoint")
+    log.info("loading target %s%s", spec.name, f" ({how})" if how else "")
     try:
         if quantization and spec.gguf_file:
             model = _quantize_gguf(spec, kwargs)
@@ -243,7 +249,7 @@ def _load_target(
             raise
         # A quantization backend that is missing a kernel for this device fails deep inside
         # transformers; say which method and device it was.
-        what = quantization or "its quantized checkpoint"
+        what = quantization or f"its {stored} checkpoint"
         raise TargetError(
             f"loading {spec.name} with {what} on {device} failed: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -410,17 +416,20 @@ def _load_tokenizer(spec: TargetSpec, chat_template: str | None):
     return tokenizer
 
 
-def _checkpoint_is_quantized(spec: TargetSpec) -> bool:
-    """A checkpoint saved quantized (AWQ, GPTQ, bitsandbytes, ...) names its method in its config."""
+def _checkpoint_method(spec: TargetSpec) -> str | None:
+    """The method of a checkpoint saved quantized (AWQ, GPTQ, FP8, compressed-tensors,
+    bitsandbytes, ...), as its config's quantization_config names it; None for a plain one."""
     if spec.gguf_file:
-        return False  # transformers dequantizes GGUF weights on load
+        return None  # transformers dequantizes GGUF weights on load
     from transformers import AutoConfig
+
+    from draftling.target.quant import checkpoint_method
 
     try:
         config = AutoConfig.from_pretrained(spec.path)
     except (OSError, ValueError):
-        return False  # from_pretrained will report why it cannot read the model
-    return getattr(config, "quantization_config", None) is not None
+        return None  # from_pretrained will report why it cannot read the model
+    return checkpoint_method(config)
 
 
 def load_target_config(target: str | None = None):

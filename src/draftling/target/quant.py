@@ -5,6 +5,10 @@ quantization that transformers applies in ``from_pretrained`` is enough. Each me
 optional package, installed with draftling's extra of the same name (``pip install
 'draftling[bnb]'``); none is imported unless asked for. docs/teachers.md records what was tried
 and where.
+
+A checkpoint saved quantized (AWQ, GPTQ, FP8, compressed-tensors, ...) names its method in its
+config's ``quantization_config``; ``PREQUANTIZED`` says which packages transformers needs to load
+each method, checked before any weight loads.
 """
 
 from __future__ import annotations
@@ -42,6 +46,55 @@ QUANT_METHODS: dict[str, QuantMethod] = {
         "TorchAoConfig", package="torchao", extra="torchao", torchao_type="Int8WeightOnlyConfig"
     ),
 }
+
+
+@dataclass(frozen=True)
+class PrequantizedMethod:
+    packages: tuple[str, ...]  # import names transformers needs to load the checkpoint
+    extra: str  # draftling's optional extra that installs them
+
+
+# Checkpoint methods (``quantization_config.quant_method``) that need a package beyond
+# transformers; any other method is left to transformers to accept or refuse.
+PREQUANTIZED: dict[str, PrequantizedMethod] = {
+    "gptq": PrequantizedMethod(("gptqmodel", "optimum"), "gptq"),
+    "awq": PrequantizedMethod(("gptqmodel",), "awq"),
+    "compressed-tensors": PrequantizedMethod(("compressed_tensors",), "compressed-tensors"),
+}
+
+
+def checkpoint_method(config) -> str | None:
+    """The quantization method a checkpoint's config names (``gptq``, ``awq``, ``fp8``, ...),
+    or None for a plain checkpoint."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
+
+
+def prequantized_kwargs(name: str, method: str, quantization: str | None) -> dict:
+    """from_pretrained's arguments for a checkpoint saved with ``method``. Refuses, in one line,
+    what cannot load it: a second quantization on top (``quantization``), a missing package.
+    A compressed-tensors checkpoint is decompressed while it loads: by default it decompresses
+    on the whole model's first forward, which the teacher (it calls the decoder) never runs."""
+    if quantization:
+        raise TargetError(
+            f"quantization {quantization}: {name} is already quantized ({method} checkpoint); "
+            "leave quantization unset to load it as stored"
+        )
+    need = PREQUANTIZED.get(method)
+    missing = [p for p in need.packages if not _package_present(p)] if need else []
+    if need and missing:
+        raise TargetError(
+            f"{name} is a {method} checkpoint: loading it needs the {', '.join(missing)} "
+            f"package{'s' if len(missing) > 1 else ''}; install with: pip install 'draftling[{need.extra}]'"
+        )
+    if method == "compressed-tensors":
+        from transformers import CompressedTensorsConfig
+
+        return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+    return {}
 
 
 def _quant_method(name: str) -> QuantMethod:
@@ -88,6 +141,8 @@ def plain_weight(module: torch.nn.Module) -> torch.Tensor | None:
     which case only calling the module gives correct outputs."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
+        return None
+    if weight.element_size() == 1:  # float8: stored quantized (a compressed-tensors FP8 layer)
         return None
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return None
