@@ -112,3 +112,31 @@ def test_the_fixed_cost_script_fits_a_line_through_more_batch_sizes(tmp_path, on
     assert "fixed_cost_s_before" not in out
     line = [{"mode": "after", "batch": n, "step_s": 0.5 + 0.25 * n} for n in (2, 3, 5)]
     assert script.fit(line, "after") == pytest.approx((0.5, 0.25))
+
+
+def test_the_scale_dry_run_writes_the_issue_47_schema(tmp_path, one_thread, monkeypatch):
+    """lab/gpu/scale.py --dry-run, its two cheaper sections in this process (about 6 s; the peer
+    needs speculators installed): scale.json's contract keys."""
+    script = load_script("scale", monkeypatch)
+    argv = ["--dry-run", "--in-process", "--sections", "teacher_36b_4bit,target_8b", "--out", str(tmp_path)]
+    assert script.main(argv) == 0
+    out = json.loads((tmp_path / "scale.json").read_text())
+    assert out["dry_run"] is True
+    teacher, t8b = out["teacher_36b_4bit"], out["target_8b"]
+    assert set(teacher) == {"peak_gib", "cap_gib", "tok_s", "plan_gib", "steps", "quant"}
+    assert teacher["quant"] == "skipped: needs CUDA" and teacher["tok_s"] > 0 and teacher["plan_gib"] > 0
+    assert teacher["steps"] >= 3 and teacher["peak_gib"] is None  # no CUDA: no peak
+    assert {"plain_tok_s", "roofline_tok_s", "roofline_fraction", "draft_level_ms"} <= set(t8b)
+    assert set(t8b["verify_over_plain"]) == set(t8b["projected_speedup"]) == set(script.CONFIGS)
+    assert t8b["plain_tok_s"] > 0 and t8b["draft_level_ms"] > 0
+    assert set(out["peer"]) == {
+        "draftling_tok_s",
+        "speculators_tok_s",
+        "draftling_peak_gib",
+        "speculators_peak_gib",
+        "val_acc",
+    }
+    section = out["sections"]["target_8b"]
+    assert section["projection"]["label"].startswith("PROJECTION") and "regen" in section and "training" in section
+    assert "error" not in section["regen"] and "error" not in section["training"]
+    assert_manifest(tmp_path)
