@@ -150,3 +150,15 @@ def test_the_engine_drafts_what_the_module_computes(flags):
     hidden = torch.cat([draft.fuse(aux), ref1[:, -1:]], 1)
     ref2 = draft.step(embed(torch.cat([shifted, x1.view(1, 1)], 1)), hidden, torch.arange(t + 1)[None], causal_attend)
     assert torch.allclose(lg2[0], draft.compute_logits(ref2)[0, -1], atol=1e-4)
+
+
+def test_the_model_card_names_the_options(tmp_path, eagle_target):
+    from draftling.export.release import _variant_lines
+
+    (tmp_path / "draft").mkdir()
+    save_draft(random_export_draft(eagle_target, **V31), tmp_path / "draft")
+    assert _variant_lines(tmp_path) == [
+        "- EAGLE-3.1 options: fc_norm, norm_output (in the export's config; vLLM 0.32 reads them)"
+    ]
+    save_draft(random_export_draft(eagle_target), tmp_path / "draft")
+    assert _variant_lines(tmp_path) == []

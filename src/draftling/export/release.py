@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftling.config import load_config
+from draftling.draft.model import NORM_FLAGS
 from draftling.draft.store import WEIGHTS_FILE, load_draft
 from draftling.errors import DraftlingError
 from draftling.export.cli import DEFAULT_TARGET_HUB_ID, check_weight_fingerprint, export_draft
@@ -159,6 +160,7 @@ def model_card(
         "## Training",
         "",
         *_data_lines(run),
+        *_variant_lines(run),
         f"- steps: {result.get('steps', '?')}; validation: "
         + ", ".join(
             f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
@@ -170,6 +172,13 @@ def model_card(
     lines += _bench_section(bench) + _served_section(served)
     lines += _serving_section(serving)
     return "\n".join(lines)
+
+
+def _variant_lines(run: Path) -> list[str]:
+    """The EAGLE-3.1 options the head was trained with, where any (engines read them from its config)."""
+    config = run / "draft" / "draft_config.json"
+    on = [k for k in NORM_FLAGS if config.is_file() and json.loads(config.read_text()).get(k)]
+    return [f"- EAGLE-3.1 options: {', '.join(on)} (in the export's config; vLLM 0.32 reads them)"] if on else []
 
 
 def _card_head(spec: ReleaseSpec, fp: dict | None, serving: dict) -> list[str]:
