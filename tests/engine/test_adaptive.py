@@ -134,3 +134,13 @@ def test_admissions_between_groups_count_in_the_next_groups_time(monkeypatch):
     seen: list[float] = []
     batch_generate(target, prompts()[:4], [3, 3, 3, 3], draft=runner, adaptive=policy)
     assert max(seen) >= 200.0 and min(seen) < 200.0
+
+
+def test_a_long_serving_policy_keeps_a_bounded_log_and_full_counts():
+    policy = AdaptivePolicy(TREES[:1])
+    policy.LOG_KEEP = 4
+    for _ in range(50):
+        policy.choose(True)
+    assert len(policy.log) <= 8 and policy.log[-1]["group"] == policy.groups
+    report = policy.report()
+    assert sum(report["groups_by_choice"].values()) == 50 and len(report["first_decisions"]) == 8

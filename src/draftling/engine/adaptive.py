@@ -55,13 +55,17 @@ class Estimate:
 class AdaptivePolicy:
     """The choice among ``trees`` and plain decoding, made per group of rounds. ``weight``:
     how fast the estimates follow new measurements; ``retry``: groups between retries of a
-    config that lost. ``log``: every decision with its inputs (``report`` sums it up)."""
+    config that lost. ``log``: the latest decisions with their inputs (at most 2 * LOG_KEEP, so
+    a long-serving engine does not grow); ``counts`` and ``first``: what ``report`` sums up."""
 
+    LOG_KEEP = 256
     trees: tuple[Tree, ...]
     weight: float = 0.3
     retry: int = 64
     estimates: dict = field(default_factory=dict)
     log: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)  # groups per choice, since the start
+    first: list = field(default_factory=list)  # the first 8 decisions
     groups: int = 0
 
     def __post_init__(self):
@@ -104,8 +108,16 @@ class AdaptivePolicy:
             else:
                 best = max((None, *self.trees), key=lambda t: self.rate(t) or 0.0)
                 choice, why = best, "highest measured rate"
-        self.log.append({"group": self.groups, "choice": config_name(choice), "why": why, **self.snapshot()})
+        self._record({"group": self.groups, "choice": config_name(choice), "why": why, **self.snapshot()})
         return choice
+
+    def _record(self, decision: dict) -> None:
+        self.counts[decision["choice"]] = self.counts.get(decision["choice"], 0) + 1
+        if len(self.first) < 8:
+            self.first.append(decision)
+        self.log.append(decision)
+        if len(self.log) > 2 * self.LOG_KEEP:
+            del self.log[: -self.LOG_KEEP]
 
     def _worth_trying(self, tree: Tree, plain_ms: float | None) -> bool:
         est = self.estimates[config_name(tree)]
@@ -129,7 +141,4 @@ class AdaptivePolicy:
 
     def report(self) -> dict:
         """Groups per choice, the final estimates, and the first few decisions with inputs."""
-        counts: dict[str, int] = {}
-        for d in self.log:
-            counts[d["choice"]] = counts.get(d["choice"], 0) + 1
-        return {"groups_by_choice": counts, "estimates": self.snapshot(), "first_decisions": self.log[:8]}
+        return {"groups_by_choice": dict(self.counts), "estimates": self.snapshot(), "first_decisions": self.first}
