@@ -217,3 +217,22 @@ def test_a_gguf_target_is_written_once_as_a_plain_checkpoint_vllm_reads(tmp_path
     assert plain_checkpoint_dir(spec, tmp_path) == out and (out / "config.json").stat().st_mtime_ns == stamp
     with pytest.raises(TargetError, match="hub id"):  # vLLM fetches a hub id itself
         plain_checkpoint_dir(dataclasses.replace(spec, path="org/some-model", gguf_file=None), tmp_path)
+
+
+@pytest.mark.vllm
+def test_vllm_reads_an_eagle31_head_as_draftling_does(served, tmp_path):
+    """An EAGLE-3.1 head (fc_norm, norm_output) on the same data: vLLM must apply the per-state
+    norms and feed back the normed state as draftling does; a key it ignored would part the two."""
+    target, _, _ = served
+    data, run, export = target.parent / "data", tmp_path / "run", tmp_path / "speculators"
+    train = ["train", "--target", str(target), "--device", "cpu", "--data", str(data), "--run-dir", str(run)]
+    opts = ["train.max_steps=300", "train.batch_size=8", "train.ttt_steps=3", "train.lr=3e-3", "train.warmup_steps=10"]
+    assert main([*train, f"aux_layer_ids={AUX}", *opts, "draft.fc_norm=true", "draft.norm_output=true"]) == 0
+    cmd = ["export", "--draft", str(run / "draft"), "--out", str(export), "--format", "speculators"]
+    assert main([*cmd, "--target", str(target), "--verifier-id", "test/tiny-llama", "--dtype", "float32"]) == 0
+    assert json.loads((export / "config.json").read_text())["fc_norm"] is True
+    r = check(served, export, tmp_path / "check.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "check.json").read_text())["vllm_check"][0]
+    # Within the band overall and per draft position (on this machine the two were equal).
+    assert rec["tau_draftling"] > 1.3 and rec["within_band"]
