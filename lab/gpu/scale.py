@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gc
 import json
 import subprocess
 import sys
@@ -146,16 +145,18 @@ def log(msg: str) -> None:
 
 
 def free(device) -> None:
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    """train_bench's release of unused device memory, for a device name or object."""
+    from lab.benches.train_bench import _free
+
+    _free(torch.device(device))
 
 
 def peak_gib(device) -> float | None:
-    if torch.device(device).type != "cuda":
-        return None
-    return round(torch.cuda.max_memory_allocated() / GIB, 3)
+    """train_bench's peak allocated GiB (None off CUDA), rounded for the JSON."""
+    from lab.benches.train_bench import _peak_gib
+
+    peak = _peak_gib(torch.device(device))
+    return None if peak is None else round(peak, 3)
 
 
 def error_line(e: BaseException) -> str:
