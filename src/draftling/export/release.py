@@ -176,8 +176,9 @@ def model_card(
 
 def _variant_lines(run: Path) -> list[str]:
     """The EAGLE-3.1 options the head was trained with, where any (engines read them from its config)."""
-    config = run / "draft" / "draft_config.json"
-    on = [k for k in NORM_FLAGS if config.is_file() and json.loads(config.read_text()).get(k)]
+    path = run / "draft" / "draft_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    on = [k for k in NORM_FLAGS if config.get(k)]
     return [f"- EAGLE-3.1 options: {', '.join(on)} (in the export's config; vLLM 0.32 reads them)"] if on else []
 
 
