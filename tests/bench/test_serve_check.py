@@ -21,6 +21,15 @@ from tests.conftest import run_draftling, smollm2_gguf
 from tests.helpers import saved_tiny_target, write_prompts
 
 AUX = [2, 4, 7]  # not the defaults [2, 4, 5]: the export then writes the ids, in each engine's numbering
+# How every head of these checks trains: 300 steps are enough for drafts to be accepted.
+HEAD_OPTS = [
+    f"aux_layer_ids={AUX}",
+    "train.max_steps=300",
+    "train.batch_size=8",
+    "train.ttt_steps=3",
+    "train.lr=3e-3",
+    "train.warmup_steps=10",
+]
 
 
 def tiny_vllm_target(out):
@@ -77,12 +86,7 @@ def served(tmp_path_factory):
                 str(data),
                 "--run-dir",
                 str(run),
-                f"aux_layer_ids={AUX}",
-                "train.max_steps=300",
-                "train.batch_size=8",
-                "train.ttt_steps=3",
-                "train.lr=3e-3",
-                "train.warmup_steps=10",
+                *HEAD_OPTS,
             ]
         )
         == 0
@@ -226,8 +230,7 @@ def test_vllm_reads_an_eagle31_head_as_draftling_does(served, tmp_path):
     target, _, _ = served
     data, run, export = target.parent / "data", tmp_path / "run", tmp_path / "speculators"
     train = ["train", "--target", str(target), "--device", "cpu", "--data", str(data), "--run-dir", str(run)]
-    opts = ["train.max_steps=300", "train.batch_size=8", "train.ttt_steps=3", "train.lr=3e-3", "train.warmup_steps=10"]
-    assert main([*train, f"aux_layer_ids={AUX}", *opts, "draft.fc_norm=true", "draft.norm_output=true"]) == 0
+    assert main([*train, *HEAD_OPTS, "draft.fc_norm=true", "draft.norm_output=true"]) == 0
     cmd = ["export", "--draft", str(run / "draft"), "--out", str(export), "--format", "speculators"]
     assert main([*cmd, "--target", str(target), "--verifier-id", "test/tiny-llama", "--dtype", "float32"]) == 0
     assert json.loads((export / "config.json").read_text())["fc_norm"] is True
