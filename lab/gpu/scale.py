@@ -286,9 +286,10 @@ def quantizer(name: str, device, dtype):
 def _cap(device, cap_gib) -> float | None:
     if cap_gib is None or torch.device(device).type != "cuda":
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = min(1.0, cap_gib * GIB / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index  # the cap needs an index, not "cuda"
+    fraction = min(1.0, cap_gib * GIB / torch.cuda.get_device_properties(index).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
 
 

@@ -28,15 +28,19 @@ class MetricLines(logging.Handler):
 
 def dataset(rows_path, out_dir):
     from datasets import Dataset
+    from datasets.table import InMemoryTable
 
     rows = [json.loads(line) for line in open(rows_path)]
-    ds = Dataset.from_dict(
+    table = InMemoryTable.from_pydict(
         {
             "input_ids": [r["input_ids"] for r in rows],
             "loss_mask": [r["loss_mask"] for r in rows],
             "seq_len": [len(r["input_ids"]) for r in rows],
         }
     )
+    # A fingerprint of our own: datasets 5.1 hashes a new table with dill, which under Python
+    # 3.12 and pyarrow 26 fails on pyarrow's MonthDayNano class.
+    ds = Dataset(table, fingerprint=f"draftling-rows-{len(rows)}")
     ds.set_format(type="torch")
     ds.save_to_disk(out_dir)
 
