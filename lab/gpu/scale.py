@@ -48,7 +48,15 @@ from draftling.io import write_json  # noqa: E402
 
 GIB = 2**30
 SECTIONS = ("teacher_36b_4bit", "target_8b", "peer")
-H200_TB_S = 4.8  # published HBM3e bandwidth, TB/s
+# Published HBM bandwidth, TB/s, by the name CUDA reports (the roofline's denominator; the copy
+# bandwidth measured on the device is recorded beside it).
+PUBLISHED_TB_S = {"H200": 4.8, "H100 NVL": 3.9, "H100 PCIe": 2.0, "H100 80GB HBM3": 3.35}
+
+
+def published_tb_s(name: str) -> float | None:
+    return next((bw for key, bw in PUBLISHED_TB_S.items() if key in name), None)
+
+
 # ByteDance-Seed/Seed-OSS-36B-Instruct's published config (its model card: 64 layers, 80/8/8 QKV
 # heads of 128, hidden 5120, SwiGLU 27648, vocab 155136, RoPE base 1e7). transformers'
 # SeedOssConfig defaults hidden_size to 4096, so every number is given here.

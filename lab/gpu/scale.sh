@@ -69,6 +69,10 @@ case "${1:-}" in
   poll)
     for _ in $(seq ${2:-540}); do [ -f $W/done ] && break; sleep 1; done
     cp $W/log.txt $W/started $W/data_log.txt $OUT/ 2>/dev/null || true
+    # Each finished section's JSON comes back at once, and its errors are printed: a run that
+    # outlives the lease still reports what failed and why.
+    mkdir -p $OUT/sections && cp $W/results/sections/*.json $OUT/sections/ 2>/dev/null || true
+    grep -ho '"error": "[^"]*"' $W/results/sections/*.json 2>/dev/null | cut -c1-300 || true
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $OUT/gpu.txt || true
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" > $OUT/versions.txt 2>&1 || true
     if [ -f $W/done ]; then

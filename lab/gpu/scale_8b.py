@@ -3,8 +3,8 @@ bf16 with random weights on the engine (engine/generate.py), one device.
 
 - plain decode at batch 1 (greedy_generate on the engine's settings for the sweep: CUDA graphs,
   compiled layers, unpadded) against the HBM roofline: bytes read per decode step (every weight
-  but the input embedding, of which a step reads one row) / bandwidth, at the H200's published
-  4.8 TB/s and at the bandwidth a device-to-device copy measures here;
+  but the input embedding, of which a step reads one row) / bandwidth, at the GPU's published
+  bandwidth (scale.PUBLISHED_TB_S) and at the bandwidth a device-to-device copy measures here;
 - a verify pass of each config's draft tokens against a plain step (bench/concurrency._step_ms:
   the target pass alone, through the engine's graphs) and a draft level's cost (the draft phase
   of speculative rounds with an untrained head, RoundTimer, divided by the config's steps);
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from scale import CONFIGS, H200_TB_S, LLAMA31_8B, NoTokenizer, free, log, model_config, peak_gib, random_model
+from scale import CONFIGS, LLAMA31_8B, NoTokenizer, free, log, model_config, peak_gib, published_tb_s, random_model
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,7 +192,12 @@ def section_target_8b(s, device, args) -> dict:
         "decode_bytes": nbytes,
         "copy_bandwidth_tb_s": measured_bw and measured_bw / 1e12,
     }
-    out["roofline_tok_s"] = H200_TB_S * 1e12 / nbytes
+    gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
+    published = published_tb_s(gpu)
+    out.update(gpu=gpu, published_bandwidth_tb_s=published)
+    # The published figure where this GPU has one, else the copy measured here.
+    bw = published * 1e12 if published else measured_bw
+    out["roofline_tok_s"] = bw / nbytes if bw else None
     out["roofline_tok_s_measured_bw"] = measured_bw and measured_bw / nbytes
     taus = measured_taus(args.taus)
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,7 +208,7 @@ def section_target_8b(s, device, args) -> dict:
     t1 = costs["step_ms"][1]
     out.update(
         plain_tok_s=costs["plain_tok_s"],
-        roofline_fraction=costs["plain_tok_s"] / out["roofline_tok_s"],
+        roofline_fraction=out["roofline_tok_s"] and costs["plain_tok_s"] / out["roofline_tok_s"],
         plain_step_ms=t1,
         step_ms=costs["step_ms"],
         verify_over_plain={n: costs["step_ms"][r["draft_tokens"]] / t1 for n, r in costs["rounds"].items()},

@@ -129,6 +129,8 @@ def test_the_scale_dry_run_writes_the_issue_47_schema(tmp_path, one_thread, monk
     assert {"plain_tok_s", "roofline_tok_s", "roofline_fraction", "draft_level_ms"} <= set(t8b)
     assert set(t8b["verify_over_plain"]) == set(t8b["projected_speedup"]) == set(script.CONFIGS)
     assert t8b["plain_tok_s"] > 0 and t8b["draft_level_ms"] > 0
+    assert t8b["roofline_tok_s"] is None  # no GPU: no published or measured bandwidth
+    assert script.published_tb_s("NVIDIA H100 80GB HBM3") == 3.35 and script.published_tb_s("NVIDIA H200") == 4.8
     assert set(out["peer"]) == {
         "draftling_tok_s",
         "speculators_tok_s",
