@@ -112,16 +112,16 @@ def test_a_round_after_plain_steps_keeps_idle_rows_inside_the_cache():
     assert run.outs[0].tokens == alone(model, ps, [20])[0]
 
 
-def test_admissions_between_groups_count_in_the_next_groups_time(monkeypatch):
-    """Prefills of requests admitted between two groups are charged to the group after them:
-    a dear admission makes the config that ran next look as dear as it was."""
+def test_admissions_are_charged_to_the_config_whose_rows_finished(monkeypatch):
+    """Prefills of requests admitted between two groups are charged to the config of the group
+    before them (its rows finishing made them), never to the next group's round time."""
     import time
 
     from draftling.engine import generate as gen
 
     model = perm_target()
     target, runner = engines(model, oracle_draft(model), slots=2)
-    tree = TREES[1]
+    trees = (TREES[1], TREES[2])
     real = gen._Run._prefill
 
     def slow(self, rows, reqs):
@@ -129,11 +129,35 @@ def test_admissions_between_groups_count_in_the_next_groups_time(monkeypatch):
         return real(self, rows, reqs)
 
     monkeypatch.setattr(gen._Run, "_prefill", slow)
-    policy = Scripted((tree,), [tree])
-    policy.observe = lambda t, ms, tau: seen.append(ms)  # type: ignore[method-assign]
+    policy = Scripted(trees, [trees[0], trees[1]])
+    charged: list[tuple[str, float]] = []
     seen: list[float] = []
+    policy.observe = lambda t, ms, tau, count: seen.append(ms)  # type: ignore[method-assign]
+    policy.charge = lambda t, ms: charged.append((config_name(t), ms))  # type: ignore[method-assign]
     batch_generate(target, prompts()[:4], [3, 3, 3, 3], draft=runner, adaptive=policy)
-    assert max(seen) >= 200.0 and min(seen) < 200.0
+    assert max(seen) < 200.0  # no group holds a prefill
+    dear = [name for name, ms in charged if ms >= 200.0]
+    assert dear and set(dear) <= {config_name(t) for t in trees}
+    # Each prefill lands on the config of the group just before it (the script alternates).
+    ran = [d["choice"] for d in policy.log]
+    assert all(name == ran[i] for i, (name, ms) in enumerate(charged) if ms >= 200.0)
+
+
+def test_one_prefill_spreads_over_the_rounds_around_it():
+    """At one row each request's prefill follows its last group; spread over the config's recent
+    rounds it adds a little to each, and a config that wins by its rounds keeps winning. A
+    config whose rounds are each followed by a prefill (rows finishing one at a time) pays it."""
+    tree = TREES[1]
+    policy = AdaptivePolicy((tree,))
+    policy.estimates[PLAIN].update(2.0, 1.0, 1.0)  # 0.625 tokens/ms against 0.5 below
+    for _ in range(30):
+        policy.observe(tree, 4.0, 2.5, count=4)
+    policy.charge(tree, 15.0)  # one request's prefill
+    assert policy.choose(True) == tree
+    for _ in range(30):
+        policy.observe(tree, 4.0, 2.5, count=4)
+        policy.charge(tree, 8.0)  # 2 ms a round of admissions
+    assert policy.rate(tree) < policy.rate(None)
 
 
 def test_a_long_serving_policy_keeps_a_bounded_log_and_full_counts():

@@ -2,15 +2,17 @@
 draft shape to run for the whole batch (a tree, a chain, or none) from what it has measured.
 
 The expected rate of a config is its acceptance (tokens per round, bonus included, the mean
-of the active rows' recent values) over its round time at this engine's row count; plain
+of the active rows' recent values) over its cost per round at this engine's row count; plain
 decoding emits one token per step. Costs are measured, never assumed: a plain step by
 replaying the engine's own step on the current state (its outputs are dropped, and the cache
-slots it writes are rewritten before any pass reads them), a config's round by timing the
-rounds it runs together with the admissions since the group before (speculation's rows finish
-one at a time and admit their successors in small prefills; plain rows finish in step). Each
-config is tried once; one that lost is tried again every ``retry`` groups, so its estimates
-follow the text, unless even an ideal acceptance (every draft accepted) could not beat plain
-at the measured times.
+slots it writes are rewritten before any pass reads them), then by its groups; a config's
+round by timing the rounds it runs. The admissions that follow a group are charged to the
+config that ran it, spread over its recent rounds: speculation's rows finish one at a time and
+admit their successors in small prefills, plain rows that started together finish together
+and share one. (Charged to the group after them instead, one prefill doubles that group's time
+and, at one row, turns every request plain after its first.) Each config is tried once; one
+that lost is tried again every ``retry`` groups, so its estimates follow the text, unless even
+an ideal acceptance (every draft accepted) could not beat plain at the measured times.
 
 Plain steps do not advance the draft's cache, so once a batch decodes plain its rows stay
 plain until they finish; a row admitted later starts with a fresh draft (the prefill extends
@@ -37,18 +39,30 @@ def config_name(tree: Tree | None) -> str:
 
 @dataclass
 class Estimate:
-    """What one config has shown: mean ms per round (or plain step) and mean tokens per round."""
+    """What one config has shown: mean ms per round (or plain step) and mean tokens per round,
+    and the admission ms charged to it over its recent rounds (sums that decay by ``keep`` per
+    group, so one prefill spreads over the rounds around it instead of one group)."""
 
     round_ms: float | None = None
     tau: float | None = None
     runs: int = 0  # groups of rounds measured
     last_group: int = 0  # the decision group it last ran in
+    admit_ms: float = 0.0
+    rounds: float = 0.0
 
-    def update(self, ms: float, tau: float | None, weight: float) -> None:
+    def update(self, ms: float, tau: float | None, weight: float, count: int = 1, keep: float = 0.95) -> None:
         self.round_ms = ms if self.round_ms is None else (1 - weight) * self.round_ms + weight * ms
         if tau is not None:
             self.tau = tau if self.tau is None else (1 - weight) * self.tau + weight * tau
+        self.rounds = keep * self.rounds + count
+        self.admit_ms *= keep
         self.runs += 1
+
+    def cost_ms(self) -> float | None:
+        """ms per round with its share of admissions."""
+        if self.round_ms is None:
+            return None
+        return self.round_ms + (self.admit_ms / self.rounds if self.rounds else 0.0)
 
 
 @dataclass
@@ -84,14 +98,15 @@ class AdaptivePolicy:
         for _ in range(reps):
             step()
         sync(device)
-        est.update((time.perf_counter() - t0) * 1e3 / reps, 1.0, 1.0)
+        est.update((time.perf_counter() - t0) * 1e3 / reps, 1.0, 1.0, count=0)
 
     def rate(self, tree: Tree | None) -> float | None:
         """Expected tokens per ms per row, or None where the config has no measurement."""
         est = self.estimates[config_name(tree)]
-        if est.round_ms is None or est.tau is None:
+        cost = est.cost_ms()
+        if cost is None or est.tau is None:
             return None
-        return est.tau / est.round_ms
+        return est.tau / cost
 
     def choose(self, can_speculate: bool) -> Tree | None:
         """The config for the next group: an untried one that could still win, else the best
@@ -129,14 +144,21 @@ class AdaptivePolicy:
         ideal = min(tree[0], tree[2] - 1) + 1
         return plain_ms is None or est.round_ms is None or ideal / est.round_ms > 1.0 / plain_ms
 
-    def observe(self, tree: Tree | None, ms_per_round: float, tau: float | None) -> None:
+    def observe(self, tree: Tree | None, ms_per_round: float, tau: float | None, count: int = 1) -> None:
+        """A group of ``count`` rounds (or plain steps) of ``tree`` took ``ms_per_round`` each."""
         est = self.estimates[config_name(tree)]
-        est.update(ms_per_round, tau, self.weight)
+        est.update(ms_per_round, tau, self.weight, count)
         est.last_group = self.groups
+
+    def charge(self, tree: Tree | None, ms: float) -> None:
+        """Admissions that followed a group of ``tree`` (its rows finished) took ``ms``."""
+        self.estimates[config_name(tree)].admit_ms += ms
 
     def snapshot(self) -> dict:
         return {
-            name: {"round_ms": e.round_ms, "tau": e.tau} for name, e in self.estimates.items() if e.round_ms is not None
+            name: {"round_ms": e.round_ms, "tau": e.tau, "admit_ms_per_round": e.cost_ms() - e.round_ms}
+            for name, e in self.estimates.items()
+            if e.round_ms is not None
         }
 
     def report(self) -> dict:

@@ -46,6 +46,7 @@ from draftling.engine.draft_runner import DraftRunner
 from draftling.engine.spec_round import RoundTimer, SpecRound
 from draftling.engine.target_model import TargetEngine
 from draftling.errors import ConfigError
+from draftling.timing import sync
 
 # Attention-score elements one eager prefill may hold (rows x heads x T x T; 4 GiB in fp32).
 PREFILL_SCORES = 2**30
@@ -179,6 +180,7 @@ class _Run:
         self.n_host = [0] * b
         self.synced = [True] * b  # the row's draft cache holds all it has committed
         self.group_end: float | None = None  # when the last adaptive group's read-back ended
+        self.last_tree: tuple[int, int, int] | None = None  # the config that group ran
         if draft is not None:
             cfg, dtype = draft.draft.config, draft.k_cache.dtype
             self.r_hidden = torch.zeros(b, cfg.hidden_size, dtype=dtype, device=dev)
@@ -264,14 +266,17 @@ class _Run:
                 self.outs[req].emit(tokens[row])
 
     def _adaptive_step(self) -> None:
-        """One group of rounds (or plain steps) of the config the policy picks, timed for it
-        from the end of the previous group: the admissions between them count too (rows that
-        finish one at a time, as speculation's do, admit their successors in small, dear
-        prefills). A group ends with its read-back, which waits for the device."""
-        policy = self.policy
-        policy.measure_plain(lambda: self.target.fast_greedy(self.root[:, None], self.n), self.target.device)
+        """One group of rounds (or plain steps) of the config the policy picks, timed for it.
+        The admissions since the group before (its finished rows' successors) are charged to
+        the config that ran that group: its rows finishing is what made them. A group ends with
+        its read-back, which waits for the device; a sync after admissions ends theirs."""
+        policy, dev = self.policy, self.target.device
+        if self.group_end is not None:
+            sync(dev)
+            policy.charge(self.last_tree, (time.perf_counter() - self.group_end) * 1e3)
+        policy.measure_plain(lambda: self.target.fast_greedy(self.root[:, None], self.n), dev)
         tree = policy.choose(all(self.synced[row] for row, _ in self._active()))
-        t0 = time.perf_counter() if self.group_end is None else self.group_end
+        t0 = time.perf_counter()
         if tree is None:
             for row, _ in self._active():
                 self.synced[row] = False  # the draft does not see plain steps
@@ -282,8 +287,8 @@ class _Run:
             # round there would write past it. Active rows never pass n_cap (_check_batch).
             self.n = self.n.clamp(max=self.rnd.n_cap)
             count, tau = self._device_rounds()
-        self.group_end = time.perf_counter()
-        policy.observe(tree, (self.group_end - t0) * 1e3 / count, tau)
+        self.group_end, self.last_tree = time.perf_counter(), tree
+        policy.observe(tree, (self.group_end - t0) * 1e3 / count, tau, count)
 
     def _plain_greedy(self) -> int:
         """A few plain greedy steps queued, then read back. Returns how many."""
