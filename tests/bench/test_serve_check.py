@@ -239,3 +239,25 @@ def test_vllm_reads_an_eagle31_head_as_draftling_does(served, tmp_path):
     rec = json.loads((tmp_path / "check.json").read_text())["vllm_check"][0]
     # Within the band overall and per draft position (on this machine the two were equal).
     assert rec["tau_draftling"] > 1.3 and rec["within_band"]
+
+
+@pytest.mark.vllm
+def test_vllm_reads_a_block_drafter_export_as_dflash(tmp_path):
+    """vLLM's speculators reader turns our dflash export into its DFlash draft config: the
+    method, one chain of block-1 tokens, the aux layers, the mask token, non-causal layers."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    from draftling.draft.block import BlockDraft, block_config_from_target
+    from draftling.export.dflash import export_dflash
+    from tests.helpers import AUX, perm_target
+
+    model = perm_target()
+    draft = BlockDraft(block_config_from_target(model.config, model.config.vocab_size, AUX, 8, 2, mask_token_id=2))
+    out = export_dflash(draft, tmp_path / "d", verifier_name_or_path="t", verifier_architectures=["LlamaForCausalLM"])
+    raw = json.loads((out / "config.json").read_text())
+    spec = SpeculatorsConfig.extract_vllm_speculative_config(raw)
+    hf = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(raw)))
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 7
+    assert hf["architectures"] == ["DFlashDraftModel"] and hf["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert hf["dflash_config"]["mask_token_id"] == 2 and hf["dflash_config"]["causal"] is False

@@ -1,0 +1,116 @@
+"""Write and read a block drafter (draft/block.py) in the speculators ``dflash`` layout, the
+one speculators 0.9 saves and vLLM 0.32 loads (``DFlashDraftModel``).
+
+The config names the method (``speculators_model_type: dflash``), the block, the mask token,
+the aux layers (hidden_states indices, 0 = the embedding output: draftling's own numbering)
+and a Qwen3 ``transformer_layer_config`` for the decoder layers. Our blocks attend to
+themselves both ways in training, so every layer is ``full_attention`` and
+``sliding_window_non_causal`` is true: vLLM then serves every layer non-causal, as trained
+(with the flag false it would make every layer causal). Tensors keep the module's names;
+``d2t``/``t2d`` are written only for a reduced vocabulary (vLLM ignores ``t2d``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from draftling.draft.block import METHOD, BlockDraft
+from draftling.errors import DraftlingError
+from draftling.export.formats import CONFIG_NAME, WEIGHTS_NAME, resolve_dtype, write_export
+
+ARCHITECTURE = "DFlashDraftModel"
+_LAYER_KEYS: tuple[str, ...] = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_LAYER_KEYS += ("num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings")
+
+
+def export_dflash(
+    draft: BlockDraft,
+    out_dir: str | os.PathLike,
+    *,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str],
+    dtype: torch.dtype | str = torch.bfloat16,
+) -> Path:
+    """``draft`` as a speculators ``dflash`` checkpoint (config.json + model.safetensors)."""
+    if not verifier_name_or_path or not verifier_architectures:
+        raise DraftlingError("export_dflash needs the verifier's name or path and its architectures")
+    cfg = draft.config
+    full_vocab = int(cfg.draft_vocab_size) == int(cfg.vocab_size)
+    dt = resolve_dtype(dtype)
+    tensors = {
+        k: (v.to(dt) if dt is not None and v.is_floating_point() else v).contiguous()
+        for k, v in draft.trainable_state_dict().items()
+        if not (full_vocab and k in ("d2t", "t2d"))
+    }
+    layer = {k: getattr(cfg, k) for k in _LAYER_KEYS}
+    layer.update(
+        model_type="qwen3",
+        attention_bias=False,
+        tie_word_embeddings=False,
+        rope_parameters=dict(cfg.rope_parameters or {}),
+        layer_types=["full_attention"] * int(cfg.num_hidden_layers),
+        use_sliding_window=False,
+        dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""),
+    )
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "speculators_model_type": METHOD,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": int(cfg.draft_vocab_size),
+        "block_size": int(cfg.block_size),
+        "mask_token_id": int(cfg.mask_token_id),
+        "target_hidden_size": int(cfg.target_hidden_size),
+        "aux_hidden_state_layer_ids": [int(i) for i in cfg.eagle_aux_hidden_state_layer_ids],
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": METHOD,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(cfg.block_size) - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier_name_or_path), "architectures": list(verifier_architectures)},
+        },
+    }
+    return write_export(out_dir, config, tensors)
+
+
+def load_dflash(path: str | os.PathLike, target_config) -> BlockDraft:
+    """A ``dflash`` checkpoint written by :func:`export_dflash` back as a BlockDraft for
+    ``target_config`` (full-vocab checkpoints get identity vocab maps)."""
+    from draftling.draft.block import block_config_from_target
+
+    path = Path(path)
+    try:
+        raw = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, ValueError) as e:
+        raise DraftlingError(f"{path / CONFIG_NAME}: not a readable dflash config ({e})") from None
+    if raw.get("speculators_model_type") != METHOD:
+        raise DraftlingError(
+            f"{path / CONFIG_NAME}: speculators_model_type is {raw.get('speculators_model_type')!r}, not 'dflash'"
+        )
+    layer = raw["transformer_layer_config"]
+    cfg = block_config_from_target(
+        target_config, raw["draft_vocab_size"], raw["aux_hidden_state_layer_ids"], raw["block_size"],
+        layer["num_hidden_layers"], raw["mask_token_id"],
+    )  # fmt: skip
+    draft = BlockDraft(cfg)
+    state = load_file(str(path / WEIGHTS_NAME))
+    if "d2t" not in state:
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise DraftlingError(f"{path / WEIGHTS_NAME}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return draft

@@ -1,0 +1,94 @@
+"""The block drafter's training objective (draft/block.py), on the same teacher batch as
+EAGLE-3's: the target's aux states, its logits over the draft vocabulary and its argmax.
+
+Anchors: up to ``max_anchors`` positions per row, drawn without replacement from those whose
+next token is trained (``loss_mask``), so every block has at least one scored slot. A block at
+anchor a holds ``[x_a, MASK...]``; slot j >= 1 sits at a+j and learns the target's
+distribution there, which the target's logits at a+j-1 give (teacher-forced on the text, as
+the published design trains). A slot counts where ``loss_mask[a+j]`` holds and a+j is inside
+the row. Slot j's loss weighs exp(-(j-1)/gamma): the first drafts decide most of what a round
+accepts.
+
+Metrics: per-slot accuracy (draft argmax == target argmax) and the expected accepted length
+of a round (the leading run of correct slots, plus the bonus token), over scored blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftling.draft.block import BlockDraft, block_positions, block_visibility
+from draftling.train.teacher import TeacherBatch
+
+
+@dataclass
+class BlockLoss:
+    loss: torch.Tensor  # weighted mean soft cross-entropy over scored slots
+    slot_acc: list[float]  # slot j = 1..B-1
+    accept_len: float  # mean leading run of correct slots + 1 (the bonus), per block
+    scored: int  # scored slots
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator=None) -> torch.Tensor:
+    """[B, A] anchor positions (sorted; -1 where a row has fewer candidates): positions a
+    with ``loss_mask[a+1]``, so slot 1 of every real block is scored."""
+    nxt = torch.zeros_like(loss_mask, dtype=torch.bool)
+    nxt[:, :-1] = loss_mask[:, 1:].bool()
+    keys = torch.rand(loss_mask.shape, generator=generator, device=loss_mask.device)
+    keys = torch.where(nxt, keys, torch.full_like(keys, 2.0))  # candidates first, in random order
+    a = min(max_anchors, loss_mask.shape[1])
+    picked = keys.topk(a, dim=1, largest=False)
+    anchors = torch.where(picked.values < 2.0, picked.indices, torch.full_like(picked.indices, -1))
+    return anchors.sort(dim=1).values
+
+
+def block_loss(
+    draft: BlockDraft,
+    embed: torch.nn.Module,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    teacher: TeacherBatch,
+    anchors: torch.Tensor,
+    gamma: float = 4.0,
+) -> BlockLoss:
+    """The loss and metrics of ``draft`` on one batch at ``anchors`` [B, A] (see the module)."""
+    bsz, t = input_ids.shape
+    size, dev = draft.block_size, input_ids.device
+    real = anchors >= 0
+    a = anchors.clamp(min=0)
+    slots = block_positions(a, size).view(bsz, -1, size)  # [B, A, block]
+    inside = slots < t
+    tokens = torch.full_like(slots, int(draft.config.mask_token_id))
+    tokens[..., 0] = input_ids.gather(1, a)
+    positions = torch.arange(t, device=dev).expand(bsz, t)
+    ctx_kv = draft.context_kv(draft.context(teacher.aux), positions)
+    visible = block_visibility(a, size, t, attention_mask.bool())
+    hidden = draft.block_hidden(embed(tokens.flatten(1)), slots.flatten(1), ctx_kv, visible)
+    logits = draft.compute_logits(hidden).float().view(bsz, -1, size, draft.config.draft_vocab_size)[..., 1:, :]
+    src = (slots[..., 1:] - 1).clamp(max=t - 1)  # the target's logits at a+j-1 predict a+j
+    flat = src.flatten(1)
+    want = teacher.draft_logits.gather(1, flat[..., None].expand(-1, -1, teacher.draft_logits.shape[-1]))
+    want = want.float().view_as(logits).softmax(-1)
+    scored = (
+        real[..., None]
+        & inside[..., 1:]
+        & loss_mask.bool().gather(1, slots[..., 1:].clamp(max=t - 1).flatten(1)).view_as(src)
+    )
+    weight = torch.exp(-torch.arange(size - 1, device=dev, dtype=torch.float32) / gamma)
+    ce = -(want * logits.log_softmax(-1)).sum(-1)  # [B, A, block-1]
+    loss = (ce * weight * scored).sum() / scored.sum().clamp(min=1)
+    guess = draft.draft_to_target(logits.argmax(-1))
+    correct = (guess == teacher.target_argmax.gather(1, flat).view_as(src)) & scored
+    return BlockLoss(loss, *_metrics(correct, scored))
+
+
+@torch.no_grad()
+def _metrics(correct: torch.Tensor, scored: torch.Tensor) -> tuple[list[float], float, int]:
+    per_slot = correct.sum((0, 1)).float() / scored.sum((0, 1)).clamp(min=1)
+    blocks = scored[..., 0]  # a block counts where its first slot is scored
+    run = correct.long().cumprod(-1).sum(-1).float()
+    accept = float((run[blocks] + 1).mean()) if blocks.any() else 1.0
+    return per_slot.tolist(), accept, int(scored.sum())
