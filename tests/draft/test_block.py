@@ -71,7 +71,7 @@ def test_block_decoding_equals_greedy_decoding():
     ids = torch.tensor([3, 17, 5, 9, 22, 40])
     want = greedy_generate(target, ids, 40)[0].tolist()
     got, stats = block_generate(target, draft, ids, 40)
-    assert got == want and stats.rounds >= 1 and 1.0 <= stats.tau <= BLOCK
+    assert got == want and stats.verify_steps >= 1 and 1.0 <= stats.tau <= BLOCK and stats.tokens == 40
 
 
 def test_the_block_config_refuses_what_cannot_draft():

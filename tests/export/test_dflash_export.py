@@ -53,7 +53,7 @@ def test_the_export_names_what_vllm_reads_and_loads_back(tmp_path):
         "layers.0.mlp.gate_proj.weight",
     } <= names
     assert not names & {"d2t", "t2d", "embed_tokens.weight"}  # a full vocab: vLLM shares the target's
-    assert torch.equal(logits(load_dflash(out, model.config), model), logits(draft, model))
+    assert torch.equal(logits(load_dflash(out), model), logits(draft, model))
 
 
 def test_a_reduced_vocab_carries_its_maps(tmp_path):
@@ -67,4 +67,4 @@ def test_a_reduced_vocab_carries_its_maps(tmp_path):
 def test_another_format_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     with pytest.raises(DraftlingError, match="not 'dflash'"):
-        load_dflash(tmp_path, perm_target().config)
+        load_dflash(tmp_path)

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.cli import main
@@ -18,7 +19,7 @@ from draftling.export import (
     check_vocab_maps,
     export_sglang,
     export_speculators,
-    formats,
+    files,
     from_engine_aux_layer_ids,
     is_default_aux_layer_ids,
     load_sglang_export,
@@ -263,7 +264,7 @@ def test_failed_write_leaves_previous_export_intact(tmp_path, target, monkeypatc
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(formats, "save_file", boom)
+    monkeypatch.setattr(files, "save_file", boom)  # the write every layout shares
     with pytest.raises(OSError):
         export_sglang(make_draft(target, seed=7), out, trained_on_default_layers=True)
     with pytest.raises(OSError):
@@ -276,7 +277,7 @@ def test_loader_refuses_zeroed_d2t(tmp_path, target):
     out = export_sglang(make_draft(target), tmp_path / "sgl", trained_on_default_layers=True)
     cfg, tensors = read_export(out)
     tensors["d2t"] = torch.zeros_like(tensors["d2t"])
-    formats.save_file(tensors, str(out / "model.safetensors"))
+    save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(DraftlingError, match="d2t is all zeros"):
         load_sglang_export(out)
 
@@ -505,7 +506,7 @@ def test_every_draft_load_checks_the_vocab_maps(tmp_path, target):
     _, tensors = read_export(out)
     del tensors["t2d"]
     tensors["d2t"] = torch.zeros_like(tensors["d2t"])
-    formats.save_file(tensors, str(out / "model.safetensors"))
+    save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(DraftlingError, match="d2t is all zeros and there is no t2d"):
         load_any_draft(out, "cpu", torch.float32)
 

@@ -18,6 +18,7 @@ from draftling.bench.manifest import device_name
 from draftling.config import BenchConfig, RunConfig
 from draftling.data.prompts import load_conversations, prompt_messages
 from draftling.data.template import render
+from draftling.draft.block import BlockDraft
 from draftling.dtypes import dtype_name
 from draftling.errors import ConfigError, DataError
 from draftling.io import write_json
@@ -49,6 +50,12 @@ def parse_decode_config(name: str) -> DecodeConfig:
     if m.group(1) == "chain" and (topk != 1 or ndt != steps + 1):
         raise ConfigError(f"decode config {name!r}: a chain has topk 1 and draft_tokens = steps + 1")
     return DecodeConfig(name, steps, topk, ndt)
+
+
+def block_config(draft: BlockDraft) -> DecodeConfig:
+    """A block drafter's one decode shape: a chain of its block's drafts, ``block-B``."""
+    k = draft.block_size - 1
+    return DecodeConfig(f"block-{draft.block_size}", k, 1, k + 1)
 
 
 def load_bench_prompts(path: str | Path, target: Target, n: int) -> list[tuple[str, list[int]]]:
@@ -136,12 +143,19 @@ class _Decoder:
     prompt i draws from seed + i, the same for plain and every config."""
 
     def __init__(self, target: Target, draft, max_len: int, bc: BenchConfig):
-        from draftling.engine import EngineOptions
+        from draftling.engine import EngineOptions, build_target
 
         self.options = EngineOptions()  # eager: this bench compares heads, bench --release times engines
-        self.engine, self.runner = build_engine(target, draft, max_len, self.options)
+        self.block = draft if isinstance(draft, BlockDraft) else None
+        if self.block is None:
+            self.engine, self.runner = build_engine(target, draft, max_len, self.options)
+        else:  # a block drafter drafts from the target's states alone: no EAGLE runner
+            ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
+            self.engine, self.runner = build_target(target.model, ids, max_len, options=self.options), None
         self.eos, self.bc, self.device = target.stop_token_ids(), bc, target.device
         self.sampled = bc.temperature > 0
+        if self.block is not None and self.sampled:
+            raise ConfigError("bench.temperature: a dflash head decodes greedily so far (temperature 0)")
         self.sampling = dict(temperature=bc.temperature, top_k=bc.top_k, top_p=bc.top_p)
 
     def _generator(self, i: int):
@@ -157,6 +171,11 @@ class _Decoder:
         from draftling.engine.generate import speculative_generate
 
         n = self.bc.max_new_tokens if n is None else n
+        if self.block is not None:
+            from draftling.engine.block_decode import block_generate
+
+            toks, stats = block_generate(self.engine, self.block, ids, n, eos_ids=self.eos)
+            return torch.tensor([toks]), stats
         return speculative_generate(
             self.engine,
             self.runner,
@@ -219,10 +238,10 @@ def run_bench(
     from draftling.export.formats import load_any_draft
 
     bc = cfg.bench
-    configs = [parse_decode_config(c) for c in bc.configs]
     device = target.device
     dtype = next(target.model.parameters()).dtype
     draft = load_any_draft(draft_path, device, dtype)
+    configs = [block_config(draft)] if isinstance(draft, BlockDraft) else [parse_decode_config(c) for c in bc.configs]
     prompts = load_bench_prompts(prompts_path, target, bc.num_prompts)
     max_draft = max(c.draft_tokens for c in configs)
     dec = _Decoder(target, draft, max(len(p) for _, p in prompts) + bc.max_new_tokens + max_draft + 8, bc)

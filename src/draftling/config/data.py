@@ -271,7 +271,30 @@ class DraftConfig:
         ),
     )
 
+    method: str = key(
+        "eagle3",
+        choices=("eagle3", "dflash"),
+        help=(
+            "The head type: eagle3 (one layer drafting a token a step) or dflash (a block-parallel drafter: one pass "
+            "proposes train.ttt_steps tokens, a block of ttt_steps + 1 with its anchor; draft/block.py). dflash trains, "
+            "decodes on the CPU engine (one request, greedy) and exports in speculators' dflash layout; the bench, "
+            "serving engines' checks and warm starts take eagle3 heads only so far."
+        ),
+    )
+    layers: int = key(1, bounds=AT_LEAST_ONE, help="Decoder layers of a dflash head (an eagle3 head has one).")
+    mask_token_id: int | None = key(
+        None,
+        help=(
+            "The token whose embedding fills a dflash block's unknown slots; null = the tokenizer's mask token, else "
+            "its pad, else its eos (as speculators picks it)."
+        ),
+    )
+
     def __post_init__(self):
         validate("draft", self)
+        if self.method == "eagle3" and self.layers != 1:
+            raise ConfigError(
+                f"draft.layers={self.layers}: an eagle3 head has one layer (draft.method=dflash for more)"
+            )
         if self.fc_norm and self.norm_before_fc:
             raise ConfigError("draft.fc_norm and draft.norm_before_fc are exclusive: set one of them")

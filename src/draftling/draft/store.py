@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from draftling.draft.block import METHOD as BLOCK_METHOD
+from draftling.draft.block import BlockDraft
 from draftling.draft.model import Eagle3Draft
 from draftling.draft.vocab import check_vocab_maps
 from draftling.errors import DraftlingError, one_line
@@ -21,7 +23,12 @@ CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "draft.safetensors"
 
 
-def save_draft(draft: Eagle3Draft, directory: str | Path) -> None:
+def new_draft(config) -> Eagle3Draft | BlockDraft:
+    """A head of the type its config names (``draft_method``; absent = EAGLE-3), freshly built."""
+    return BlockDraft(config) if getattr(config, "draft_method", None) == BLOCK_METHOD else Eagle3Draft(config)
+
+
+def save_draft(draft: Eagle3Draft | BlockDraft, directory: str | Path) -> None:
     """Write into an existing (usually temporary) directory; callers make it atomic."""
     directory = Path(directory)
     state = {k: v.detach().to("cpu").contiguous() for k, v in draft.trainable_state_dict().items()}
@@ -31,13 +38,13 @@ def save_draft(draft: Eagle3Draft, directory: str | Path) -> None:
 
 def load_draft(
     directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> Eagle3Draft:
+) -> Eagle3Draft | BlockDraft:
     directory = Path(directory)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
             raise DraftlingError(f"{directory}: not a draftling draft (missing {name})")
     try:
-        draft = Eagle3Draft(LlamaConfig(**json.loads((directory / CONFIG_FILE).read_text())))
+        draft = new_draft(LlamaConfig(**json.loads((directory / CONFIG_FILE).read_text())))
     except (ValueError, TypeError, AttributeError, KeyError) as e:
         raise DraftlingError(f"{directory / CONFIG_FILE}: not a draft config ({one_line(e)})") from None
     try:

@@ -13,24 +13,12 @@ drafter never recomputes a position it has seen, as vLLM serves it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from draftling.draft.block import BlockDraft
+from draftling.engine.accept import SpecStats
 from draftling.engine.target_model import CachedTarget, causal_mask
 from draftling.errors import ConfigError
-
-
-@dataclass
-class BlockStats:
-    rounds: int = 0
-    accepted: list[int] = field(default_factory=list)  # drafts accepted per round
-
-    @property
-    def tau(self) -> float:
-        """Tokens per round, the bonus included."""
-        return 1.0 + sum(self.accepted) / max(1, self.rounds)
 
 
 class _Context:
@@ -59,7 +47,8 @@ class _Context:
 
 @torch.no_grad()
 def block_generate(target: CachedTarget, draft: BlockDraft, input_ids, max_new_tokens: int, eos_ids=()):
-    """Decode one request: (new tokens, BlockStats). ``input_ids``: [T] or [1, T]."""
+    """Decode one request: (new tokens, SpecStats: a round's path is its accepted drafts plus
+    the bonus, as the EAGLE-3 rounds count theirs). ``input_ids``: [T] or [1, T]."""
     ids = torch.as_tensor(input_ids).view(1, -1).to(target.device)
     t, k = ids.shape[1], draft.block_size - 1
     if target.batch_size != 1 or t + max_new_tokens + k + 1 > target.max_seq_len:
@@ -69,9 +58,11 @@ def block_generate(target: CachedTarget, draft: BlockDraft, input_ids, max_new_t
     )
     ctx = _Context(draft, target.max_seq_len, target.device, draft.fc.weight.dtype)
     ctx.extend(aux, 0)
-    root, n, out, stats, eos = int(logits[0, -1].argmax()), t, [], BlockStats(), set(eos_ids or ())
-    out.append(root)
-    while len(out) < max_new_tokens and root not in eos:
+    root, n, eos = int(logits[0, -1].argmax()), t, set(eos_ids or ())
+    out: list[int] = []
+    stats = SpecStats(accept_counts=[0] * k)
+    done = _emit(out, [root], max_new_tokens, eos)
+    while not done:
         drafts = _propose(draft, target, ctx, root, n)
         q = torch.tensor([[root, *drafts]], device=target.device)
         pos = torch.arange(n, n + k + 1, device=target.device)
@@ -79,15 +70,20 @@ def block_generate(target: CachedTarget, draft: BlockDraft, input_ids, max_new_t
         pred = lg[0].argmax(-1).tolist()
         m = next((i for i in range(k) if drafts[i] != pred[i]), k)
         ctx.extend(ax[:, : m + 1], n)
-        stats.rounds += 1
-        stats.accepted.append(m)
-        new = [*drafts[:m], pred[m]]
+        stats.add_round(m + 1)
         n, root = n + m + 1, pred[m]
-        for tok in new:
-            out.append(tok)
-            if len(out) >= max_new_tokens or tok in eos:
-                return out, stats
+        done = _emit(out, [*drafts[:m], root], max_new_tokens, eos)
+    stats.tokens = len(out)
     return out, stats
+
+
+def _emit(out: list[int], new: list[int], budget: int, eos: set) -> bool:
+    """Append ``new`` up to the budget or an eos; True once the request is done."""
+    for tok in new:
+        out.append(tok)
+        if len(out) >= budget or tok in eos:
+            return True
+    return False
 
 
 def _propose(draft: BlockDraft, target: CachedTarget, ctx: _Context, root: int, n: int) -> list[int]:

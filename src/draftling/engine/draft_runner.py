@@ -28,6 +28,7 @@ from torch import nn
 from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft, draft_window
 from draftling.engine.options import EngineOptions
 from draftling.engine.target_model import StaticFn, causal_mask, compile_once, matmul_attention, row_mask, write_kv
+from draftling.errors import ConfigError
 
 
 def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul: bool):
@@ -58,6 +59,11 @@ class DraftRunner(nn.Module):
         **engine,
     ):
         super().__init__()
+        if not isinstance(draft, Eagle3Draft):
+            raise ConfigError(
+                f"this command decodes EAGLE-3 heads; a {getattr(draft.config, 'draft_method', '?')} head "
+                "benches with `draftling bench` (one request, greedy) so far"
+            )
         options = EngineOptions.of(options, **engine).check_resolved()
         self.draft = draft
         self.embed = embed  # the target's, frozen and shared

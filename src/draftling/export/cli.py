@@ -7,9 +7,11 @@ import logging
 import re
 from pathlib import Path
 
+from draftling.draft.block import BlockDraft
 from draftling.draft.store import load_draft
 from draftling.errors import DraftlingError
 from draftling.export.conventions import is_default_aux_layer_ids
+from draftling.export.dflash import export_dflash
 from draftling.export.formats import export_sglang
 from draftling.export.speculators import export_speculators
 from draftling.io import check_output_dir, write_json
@@ -151,6 +153,8 @@ def export_draft(
         verifier = verifier_hub_id(target.spec, verifier_id)
         archs = verifier_architectures(target.model)
     draft = load_draft(draft_dir)
+    if isinstance(draft, BlockDraft):
+        return _export_block(draft, out, fmt, with_embedding, verifier, archs, dtype)
     cfg = draft.config
     num_layers = getattr(cfg, "target_num_hidden_layers", None)
     ids = list(cfg.eagle_aux_hidden_state_layer_ids)
@@ -248,3 +252,14 @@ def export_from_cli(args, cfg) -> None:
         weight_fingerprint=args.weight_fingerprint,
     )
     log.info(f"exported {args.format} format to {out}")
+
+
+def _export_block(draft: BlockDraft, out, fmt, with_embedding, verifier, archs, dtype) -> Path:
+    """A dflash head: speculators' dflash layout only (vLLM's reader; the engines share the
+    target's embedding, so none is written)."""
+    if fmt != "speculators" or with_embedding:
+        raise DraftlingError(
+            f"{'--with-embedding' if with_embedding else '--format ' + fmt}: a dflash head exports as "
+            "--format speculators (the dflash layout), without the embedding"
+        )
+    return export_dflash(draft, out, verifier_name_or_path=verifier, verifier_architectures=archs, dtype=dtype)

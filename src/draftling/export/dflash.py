@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.draft.block import METHOD, BlockDraft
-from draftling.errors import DraftlingError
-from draftling.export.formats import CONFIG_NAME, WEIGHTS_NAME, resolve_dtype, write_export
+from draftling.errors import DraftlingError, one_line
+from draftling.export.files import CONFIG_NAME, WEIGHTS_NAME, resolve_dtype, write_export
 
 ARCHITECTURE = "DFlashDraftModel"
 _LAYER_KEYS: tuple[str, ...] = (
@@ -81,36 +81,50 @@ def export_dflash(
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": str(verifier_name_or_path), "architectures": list(verifier_architectures)},
         },
+        "draftling": {"target_num_hidden_layers": int(cfg.target_num_hidden_layers)},  # engines ignore it
     }
     return write_export(out_dir, config, tensors)
 
 
-def load_dflash(path: str | os.PathLike, target_config) -> BlockDraft:
-    """A ``dflash`` checkpoint written by :func:`export_dflash` back as a BlockDraft for
-    ``target_config`` (full-vocab checkpoints get identity vocab maps)."""
+def load_dflash(path: str | os.PathLike) -> BlockDraft:
+    """A ``dflash`` checkpoint written by :func:`export_dflash` back as a BlockDraft, from its
+    own config (full-vocab checkpoints get identity vocab maps)."""
+    from transformers import LlamaConfig
+
     from draftling.draft.block import block_config_from_target
 
     path = Path(path)
-    try:
-        raw = json.loads((path / CONFIG_NAME).read_text())
-    except (OSError, ValueError) as e:
-        raise DraftlingError(f"{path / CONFIG_NAME}: not a readable dflash config ({e})") from None
-    if raw.get("speculators_model_type") != METHOD:
-        raise DraftlingError(
-            f"{path / CONFIG_NAME}: speculators_model_type is {raw.get('speculators_model_type')!r}, not 'dflash'"
-        )
-    layer = raw["transformer_layer_config"]
+    raw = read_dflash_config(path)
+    layer, ids = raw["transformer_layer_config"], raw["aux_hidden_state_layer_ids"]
+    like = LlamaConfig(
+        **{k: layer[k] for k in _LAYER_KEYS if k not in ("hidden_act", "num_hidden_layers")},
+        rope_parameters=layer.get("rope_parameters"),
+        num_hidden_layers=raw.get("draftling", {}).get("target_num_hidden_layers", max(ids) + 1),
+    )
     cfg = block_config_from_target(
-        target_config, raw["draft_vocab_size"], raw["aux_hidden_state_layer_ids"], raw["block_size"],
-        layer["num_hidden_layers"], raw["mask_token_id"],
-    )  # fmt: skip
+        like, raw["draft_vocab_size"], ids, raw["block_size"], layer["num_hidden_layers"], raw["mask_token_id"]
+    )
     draft = BlockDraft(cfg)
     state = load_file(str(path / WEIGHTS_NAME))
     if "d2t" not in state:
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    missing, unexpected = draft.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = draft.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor whose shape does not fit the config
+        raise DraftlingError(f"{path / WEIGHTS_NAME}: does not fit {CONFIG_NAME} ({one_line(e)})") from None
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
         raise DraftlingError(f"{path / WEIGHTS_NAME}: missing {missing[:4]}, unexpected {unexpected[:4]}")
     return draft
+
+
+def read_dflash_config(path: Path) -> dict:
+    try:
+        raw = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, ValueError) as e:
+        raise DraftlingError(f"{path / CONFIG_NAME}: not a readable dflash config ({one_line(e)})") from None
+    kind = raw.get("speculators_model_type") if isinstance(raw, dict) else None
+    if kind != METHOD:
+        raise DraftlingError(f"{path / CONFIG_NAME}: speculators_model_type is {kind!r}, not 'dflash'")
+    return raw

@@ -24,9 +24,9 @@ from typing import Any
 import numpy
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 
+from draftling.draft.block import BlockDraft
 from draftling.draft.model import NORM_FLAGS, Eagle3Draft
 from draftling.draft.store import CONFIG_FILE, load_draft
 from draftling.dtypes import dtype_name
@@ -37,11 +37,10 @@ from draftling.export.conventions import (
     is_default_aux_layer_ids,
     to_engine_aux_layer_ids,
 )
-from draftling.io import atomic_output_dir, write_json
+from draftling.export.dflash import load_dflash
+from draftling.export.files import CONFIG_NAME, resolve_dtype, write_export
 from draftling.target.aux import default_aux_layer_ids
 
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 # Keys of a transformers config dict that mean nothing to a serving engine.
@@ -71,19 +70,6 @@ _EAGLE_KEYS = (
 
 
 # ----------------------------------------------------------------------------------- utils
-
-
-def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``"keep"``/None -> None (keep each tensor's dtype); names like "bfloat16" -> dtype."""
-    if dtype is None or dtype == "keep":
-        return None
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    else:
-        resolved = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise DraftlingError(f"export dtype must be a floating torch dtype or 'keep', got {dtype!r}")
-    return resolved
 
 
 def _rope_fields(config) -> dict[str, Any]:
@@ -192,15 +178,6 @@ def draft_tensors(
 def weights_dtype_name(tensors: dict[str, torch.Tensor]) -> str:
     floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
     return dtype_name(floats.pop()) if len(floats) == 1 else "float32"
-
-
-def write_export(out_dir, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
-    """Into a directory the caller has cleared with ``io.check_output_dir(out_dir, "export", ...)``."""
-    out_dir = Path(out_dir)
-    with atomic_output_dir(out_dir, "export") as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        write_json(tmp / CONFIG_NAME, config)
-    return out_dir
 
 
 # ---------------------------------------------------------------------------------- SGLang
@@ -467,9 +444,16 @@ def _export_state_dict(
     return sd, embed
 
 
-def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft:
-    """A draftling run (its final draft/), draft dir or checkpoint dir, or an SGLang export dir
-    (what `bench` accepts).
+def is_dflash_export(path: Path) -> bool:
+    try:
+        return json.loads((path / CONFIG_NAME).read_text()).get("speculators_model_type") == "dflash"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft | BlockDraft:
+    """A draftling run (its final draft/), draft dir or checkpoint dir, an SGLang export dir,
+    or a speculators dflash export (what `bench` and `check` accept).
 
     It lives here, not beside draftling's own format in draft/store.py, because it also reads
     the SGLang layout this module writes: the draft stage must not import the export stage."""
@@ -478,6 +462,8 @@ def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft:
         path = path / "draft"  # a training run: its final head
     if (path / CONFIG_FILE).is_file():
         return load_draft(path, device=device, dtype=dtype)
+    if is_dflash_export(path):
+        return load_dflash(path).to(device=device, dtype=dtype).eval()
     if (path / CONFIG_NAME).is_file():
         return load_sglang_export(path).to(device=device, dtype=dtype).eval()
     raise DraftlingError(f"{path}: not a draft directory (no {CONFIG_FILE} or {CONFIG_NAME})")

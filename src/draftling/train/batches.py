@@ -10,6 +10,7 @@ import weakref
 import torch
 
 from draftling.config import RunConfig
+from draftling.draft.block import BlockDraft
 from draftling.draft.model import Eagle3Draft
 from draftling.target import Target
 from draftling.train.dataset import collate, to_device
@@ -175,7 +176,7 @@ def evaluate(
     """Validation metrics over the first ``max_batches`` batches, exact over any world size.
     ``objective`` is what ``distributed.wrap`` returns, or a bare draft."""
     ctx = ctx or current()
-    if isinstance(objective, Eagle3Draft):
+    if isinstance(objective, (Eagle3Draft, BlockDraft)):
         objective = TTTObjective(objective)
     objective.eval()
     counts = StepCounts(cfg.train.ttt_steps, device=device)

@@ -16,11 +16,17 @@ of a round (the leading run of correct slots, plus the bonus token), over scored
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from draftling.draft.block import BlockDraft, block_positions, block_visibility
+from draftling.train.step_counts import StepCounts
 from draftling.train.teacher import TeacherBatch
+
+# Blocks per row and step: enough to cover a reply's positions several times over an epoch,
+# few enough that the [blocks x block, context + blocks x block] attention stays small.
+MAX_ANCHORS = 64
 
 
 @dataclass
@@ -29,6 +35,7 @@ class BlockLoss:
     slot_acc: list[float]  # slot j = 1..B-1
     accept_len: float  # mean leading run of correct slots + 1 (the bonus), per block
     scored: int  # scored slots
+    counts: StepCounts | None = None  # per slot, as the EAGLE-3 unroll counts per step
 
 
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator=None) -> torch.Tensor:
@@ -46,7 +53,7 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator=None) ->
 
 def block_loss(
     draft: BlockDraft,
-    embed: torch.nn.Module,
+    embed: Any,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -66,7 +73,8 @@ def block_loss(
     positions = torch.arange(t, device=dev).expand(bsz, t)
     ctx_kv = draft.context_kv(draft.context(teacher.aux), positions)
     visible = block_visibility(a, size, t, attention_mask.bool())
-    hidden = draft.block_hidden(embed(tokens.flatten(1)), slots.flatten(1), ctx_kv, visible)
+    lookup = embed.for_batch(tokens) if hasattr(embed, "for_batch") else embed  # a host-resident embedding
+    hidden = draft.block_hidden(lookup(tokens.flatten(1)), slots.flatten(1), ctx_kv, visible)
     logits = draft.compute_logits(hidden).float().view(bsz, -1, size, draft.config.draft_vocab_size)[..., 1:, :]
     src = (slots[..., 1:] - 1).clamp(max=t - 1)  # the target's logits at a+j-1 predict a+j
     flat = src.flatten(1)
@@ -82,7 +90,35 @@ def block_loss(
     loss = (ce * weight * scored).sum() / scored.sum().clamp(min=1)
     guess = draft.draft_to_target(logits.argmax(-1))
     correct = (guess == teacher.target_argmax.gather(1, flat).view_as(src)) & scored
-    return BlockLoss(loss, *_metrics(correct, scored))
+    valid = scored & teacher.in_draft.gather(1, flat).view_as(src)
+    return BlockLoss(loss, *_metrics(correct, scored), counts=_counts(ce, correct, valid, scored))
+
+
+def block_unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options=None, **_):
+    """The trainer's objective for a dflash head (train/batches.py calls it as it calls
+    ``ttt_unroll``): (loss, StepCounts over the block's K slots). Anchors are drawn from a
+    generator seeded by the batch itself, so a resumed run draws the same ones."""
+    seed = int(input_ids.sum()) * 1_000_003 + int(input_ids.numel())
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    anchors = sample_anchors(loss_mask.cpu(), MAX_ANCHORS, g).to(input_ids.device)
+    out = block_loss(draft, embed, input_ids, loss_mask, attention_mask, teacher, anchors)
+    return out.loss, out.counts
+
+
+@torch.no_grad()
+def _counts(ce, correct, valid, scored) -> StepCounts:
+    """Per slot j: the loss sum and counts StepCounts reads (chain: every earlier slot correct)."""
+    earlier = torch.ones_like(correct[..., :1])
+    chain = torch.cat([earlier, correct.long().cumprod(-1)[..., :-1].bool()], -1)
+    rows = [
+        (ce * valid).sum((0, 1)),
+        valid.sum((0, 1)),
+        correct.sum((0, 1)),
+        (chain & valid).sum((0, 1)),
+        (chain & correct).sum((0, 1)),
+        scored.sum((0, 1)),
+    ]
+    return StepCounts(ce.shape[-1], torch.stack([r.double() for r in rows]))
 
 
 @torch.no_grad()

@@ -120,9 +120,12 @@ class TTTObjective(torch.nn.Module):
         loss_denominators=None,
         row_bounds=None,
     ):
+        from draftling.draft.block import BlockDraft
+        from draftling.train.block_loss import block_unroll
         from draftling.train.ttt import ttt_unroll  # looked up per call: a script may wrap it
 
-        return ttt_unroll(
+        unroll = block_unroll if isinstance(self.draft, BlockDraft) else ttt_unroll
+        return unroll(
             self.draft,
             embed,
             teacher,

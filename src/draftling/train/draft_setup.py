@@ -7,7 +7,10 @@ from __future__ import annotations
 import torch
 
 from draftling.config import RunConfig, TrainConfig
+from draftling.draft.block import METHOD as BLOCK_METHOD
+from draftling.draft.block import BlockDraft, block_config_from_target, init_block_from_target
 from draftling.draft.model import NORM_FLAGS, Eagle3Draft, draft_config_from_target, init_from_target
+from draftling.draft.store import new_draft
 from draftling.errors import ConfigError
 from draftling.target import Target
 from draftling.train.distributed import full_model_state, is_sharded, unwrap
@@ -23,7 +26,9 @@ from draftling.train.settings import (
 from draftling.train.warmstart import WarmStart, keep_norms, keep_window
 
 
-def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = None) -> Eagle3Draft:
+def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = None) -> Eagle3Draft | BlockDraft:
+    if cfg.draft.method == BLOCK_METHOD:
+        return build_block_draft(cfg, target, vocab, warm)
     if warm is not None:  # --init-from: the head's working copy, its maps already set
         keep_window(warm.draft, cfg.draft.window, warm.report["init_from"])
         keep_norms(warm.draft, cfg.draft, warm.report["init_from"])
@@ -42,6 +47,36 @@ def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = 
     if cfg.draft.init_from_target:
         init_from_target(draft, target.model, vocab.t2d)
     return draft
+
+
+def build_block_draft(cfg: RunConfig, target: Target, vocab, warm) -> BlockDraft:
+    """A dflash head: ``train.ttt_steps`` drafts a block (its anchor makes ttt_steps + 1), its
+    output side started from the target's (the published design keeps the target's head)."""
+    dc = cfg.draft
+    unsupported = {"init_from": warm is not None, "window": dc.window, **{k: getattr(dc, k) for k in NORM_FLAGS}}
+    if any(unsupported.values()):
+        names = ", ".join(f"draft.{k}" for k, v in unsupported.items() if v)
+        raise ConfigError(f"draft.method=dflash does not take {names} (EAGLE-3 options)")
+    mask = dc.mask_token_id if dc.mask_token_id is not None else mask_token(target)
+    config = block_config_from_target(
+        target.config, vocab.size, target.aux_layer_ids, cfg.train.ttt_steps + 1, dc.layers, mask
+    )
+    if dc.intermediate_size is not None:
+        config.intermediate_size = dc.intermediate_size
+    draft = BlockDraft(config)
+    draft.set_vocab(vocab.d2t, vocab.t2d)
+    init_block_from_target(draft, target.model, vocab.t2d)
+    return draft
+
+
+def mask_token(target: Target) -> int:
+    """The tokenizer's mask token, else its pad, else its eos (speculators' order, less a new token)."""
+    tok = target.tokenizer
+    for name in ("mask_token_id", "pad_token_id", "eos_token_id"):
+        value = getattr(tok, name, None)
+        if isinstance(value, int):
+            return value
+    raise ConfigError("draft.mask_token_id: the tokenizer has no mask, pad or eos token; set one")
 
 
 def resolve_memory_policy(
@@ -87,11 +122,12 @@ def resolve_memory_policy(
     )
 
 
-def place_draft(draft: Eagle3Draft, device, dtype: torch.dtype) -> Eagle3Draft:
+def place_draft(draft, device, dtype: torch.dtype):
     """Cast the draft's weights (on the host, so the device never holds an fp32 copy of a
     bf16 draft) and move it to the device; the rotary table stays fp32."""
-    for module in (draft.fc, draft.midlayer, draft.norm, draft.lm_head):
-        module.to(dtype)
+    for name, module in draft.named_children():
+        if name != "rotary_emb":
+            module.to(dtype)
     return draft.to(device)
 
 
@@ -117,12 +153,12 @@ def prepare_draft(cfg: RunConfig, target: Target, vocab, device, sharded: bool =
     return draft, offload, param_dtype
 
 
-def host_draft(objective, config) -> Eagle3Draft:
+def host_draft(objective, config) -> Eagle3Draft | BlockDraft:
     """A plain draft with the full weights, for saving (gathers shards on every rank)."""
     draft = unwrap(objective)
     if not is_sharded(draft):
         return draft
-    copy = Eagle3Draft(config)
+    copy = new_draft(config)
     copy.load_state_dict(full_model_state(objective), strict=False)
     return copy
 
