@@ -303,6 +303,35 @@ def train_run(tmp_path, target, run_name, steps, resume=False, **extra):
     )
 
 
+def whole_and_resumed(tmp_path, target, steps: int, cut_at: int, **extra):
+    """Two runs of ``steps``: "full", and "cut", whose checkpoints after ``cut_at`` and final
+    head are deleted (a kill) before it resumes. Returns the two run directories."""
+    import shutil
+
+    from draftling.train.checkpoint import list_checkpoints
+
+    train_run(tmp_path, target, "full", steps, **extra)
+    train_run(tmp_path, target, "cut", steps, **extra)
+    for ckpt in list_checkpoints(tmp_path / "cut"):
+        if int(ckpt.name.split("_")[1]) > cut_at:
+            shutil.rmtree(ckpt)
+    shutil.rmtree(tmp_path / "cut" / "draft")
+    train_run(tmp_path, target, "cut", steps, resume=True, **extra)
+    return tmp_path / "full", tmp_path / "cut"
+
+
+def cli_data(tmp_path, target_dir, vocab: int = 256):
+    """`draftling data` (12-token replies) and `vocab` for a tiny target through the CLI: the
+    data directory and the target/device arguments every later command takes."""
+    from draftling.cli import main
+
+    data, common = tmp_path / "data", ["--target", str(target_dir), "--device", "cpu"]
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    assert main(["data", *common, "--out", str(data), "--prompts", str(prompts), "data.regen.max_new_tokens=12"]) == 0
+    assert main(["vocab", "--data", str(data), "--size", str(vocab), "--target", str(target_dir)]) == 0
+    return data, common
+
+
 # ----------------------------------------------------------------------- exports (tests/export)
 
 VOCAB, DRAFT_VOCAB, LAYERS = V, 64, 6

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.cli import main
-from tests.helpers import write_prompts
+from tests.helpers import cli_data
 
 TRAIN = ["train.batch_size=2", "train.ttt_steps=2", "train.log_every=1", "train.ckpt_every=2"]
 DFLASH = ["draft.method=dflash", "draft.layers=2"]
@@ -20,11 +20,7 @@ def _train(common, data, run, steps, *extra):
 
 
 def test_a_dflash_head_trains_resumes_benches_exports_and_checks(tmp_path, tiny_target_dir):
-    data, common = tmp_path / "data", ["--target", str(tiny_target_dir), "--device", "cpu"]
-    prompts = write_prompts(tmp_path / "prompts.jsonl")
-    assert main(["data", *common, "--out", str(data), "--prompts", str(prompts), "data.regen.max_new_tokens=12"]) == 0
-    assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir)]) == 0
-
+    data, common = cli_data(tmp_path, tiny_target_dir)
     assert _train(common, data, tmp_path / "whole", 4, *DFLASH) == 0
     assert _train(common, data, tmp_path / "cut", 2, *DFLASH) == 0
     assert _train(common, data, tmp_path / "cut", 4, *DFLASH, "--resume", "--allow-change", "train.max_steps") == 0

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.cli import main
-from tests.helpers import write_prompts
+from tests.helpers import cli_data
 
 FLAGS = ["draft.fc_norm=true", "draft.norm_output=true"]
 TRAIN = ["train.batch_size=2", "train.ttt_steps=2", "train.log_every=1", "train.ckpt_every=2"]
@@ -20,11 +20,7 @@ def _train(common, data, run, steps, *extra):
 
 
 def test_an_eagle31_head_trains_resumes_benches_exports_and_checks(tmp_path, tiny_target_dir):
-    data, common = tmp_path / "data", ["--target", str(tiny_target_dir), "--device", "cpu"]
-    prompts = write_prompts(tmp_path / "prompts.jsonl")
-    assert main(["data", *common, "--out", str(data), "--prompts", str(prompts), "data.regen.max_new_tokens=12"]) == 0
-    assert main(["vocab", "--data", str(data), "--size", "256", "--target", str(tiny_target_dir)]) == 0
-
+    data, common = cli_data(tmp_path, tiny_target_dir)
     assert _train(common, data, tmp_path / "whole", 4, *FLAGS) == 0
     # Stopped at 2 steps, then resumed to 4: inside the default 50-step warmup the LR does not
     # depend on max_steps, so both runs see one schedule.

@@ -11,7 +11,7 @@ from draftling.io import write_jsonl
 from draftling.train.checkpoint import list_checkpoints, load_train_state
 from draftling.train.trainer import train
 from tests.conftest import random_batch, setup_data
-from tests.helpers import cfg_for
+from tests.helpers import cfg_for, whole_and_resumed
 from tests.helpers import train_run as run
 
 
@@ -23,19 +23,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_target, offload, cache_g
     # teacher-cache: the quickstart's hybrid mode. The cut at step 4 falls in epoch 2 (3 batches
     # an epoch), where the uninterrupted run reads the cache and the resumed one starts empty.
     opts = {"train.optimizer_offload": str(offload).lower(), "train.teacher_cache_gb": cache_gb}
-    run(tmp_path, tiny_target, "full", 8, **opts)
     # Interrupted: stop at step 4 (max_steps=4 with the SAME schedule length would differ,
     # so simulate a kill by deleting the later checkpoints of a full run).
-    run(tmp_path, tiny_target, "cut", 8, **opts)
-    for ckpt in list_checkpoints(tmp_path / "cut"):
-        if int(ckpt.name.split("_")[1]) > 4:
-            import shutil
-
-            shutil.rmtree(ckpt)
-    import shutil
-
-    shutil.rmtree(tmp_path / "cut" / "draft")
-    run(tmp_path, tiny_target, "cut", 8, resume=True, **opts)
+    whole_and_resumed(tmp_path, tiny_target, 8, 4, **opts)
     a = load_file(str(tmp_path / "full" / "draft" / "draft.safetensors"))
     b = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
     assert a.keys() == b.keys()

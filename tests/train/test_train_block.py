@@ -2,7 +2,6 @@
 exact (weights and optimizer), and the saved head loads back as a block drafter."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from draftling.errors import ConfigError
 from draftling.train.checkpoint import list_checkpoints, load_train_state
 from tests.conftest import setup_data
 from tests.helpers import train_run as run
+from tests.helpers import whole_and_resumed
 
 DFLASH = {"draft.method": "dflash", "draft.layers": 2}
 
@@ -32,13 +32,7 @@ def test_a_dflash_head_learns_and_loads_back(tmp_path, tiny_target):
 
 def test_a_resumed_dflash_run_equals_an_uninterrupted_one(tmp_path, tiny_target):
     setup_data(tmp_path)
-    run(tmp_path, tiny_target, "full", 6, **DFLASH)
-    run(tmp_path, tiny_target, "cut", 6, **DFLASH)
-    for ckpt in list_checkpoints(tmp_path / "cut"):
-        if int(ckpt.name.split("_")[1]) > 2:
-            shutil.rmtree(ckpt)
-    shutil.rmtree(tmp_path / "cut" / "draft")
-    run(tmp_path, tiny_target, "cut", 6, resume=True, **DFLASH)
+    whole_and_resumed(tmp_path, tiny_target, 6, 2, **DFLASH)
     a = load_file(str(tmp_path / "full" / "draft" / "draft.safetensors"))
     b = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -36,6 +36,18 @@ def save_draft(draft: Eagle3Draft | BlockDraft, directory: str | Path) -> None:
     (directory / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
 
 
+def load_weights(draft, state: dict, where: Path, config_name: str) -> None:
+    """``state`` into ``draft``, every weight present and fitting (the rotary table is rebuilt),
+    or one line naming the file and what is wrong."""
+    try:
+        missing, unexpected = draft.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor whose shape does not fit the config
+        raise DraftlingError(f"{where}: does not fit {config_name} ({one_line(e)})") from None
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise DraftlingError(f"{where}: missing {missing}, unexpected {unexpected}")
+
+
 def load_draft(
     directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> Eagle3Draft | BlockDraft:
@@ -51,13 +63,7 @@ def load_draft(
         state = load_file(str(directory / WEIGHTS_FILE))
     except Exception as e:  # safetensors raises its own error type for a truncated or garbage file
         raise DraftlingError(f"{directory / WEIGHTS_FILE}: unreadable ({one_line(e)})") from None
-    try:
-        missing, unexpected = draft.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor whose shape does not fit the config
-        raise DraftlingError(f"{directory / WEIGHTS_FILE}: does not fit {CONFIG_FILE} ({one_line(e)})") from None
-    missing = [k for k in missing if not k.startswith("rotary_emb.")]
-    if missing or unexpected:
-        raise DraftlingError(f"{directory / WEIGHTS_FILE}: missing {missing}, unexpected {unexpected}")
+    load_weights(draft, state, directory / WEIGHTS_FILE, CONFIG_FILE)
     if not bool(draft.t2d.any()):
         raise DraftlingError(f"{directory / WEIGHTS_FILE}: t2d is empty; the vocab maps were not saved")
     # The checks the exporters run, on every load: a zeroed or stale d2t serves garbage silently.

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.draft.block import METHOD, BlockDraft
+from draftling.draft.store import load_weights
 from draftling.errors import DraftlingError, one_line
 from draftling.export.files import CONFIG_NAME, WEIGHTS_NAME, resolve_dtype, write_export
 
@@ -105,17 +106,14 @@ def load_dflash(path: str | os.PathLike) -> BlockDraft:
         like, raw["draft_vocab_size"], ids, raw["block_size"], layer["num_hidden_layers"], raw["mask_token_id"]
     )
     draft = BlockDraft(cfg)
-    state = load_file(str(path / WEIGHTS_NAME))
+    try:
+        state = load_file(str(path / WEIGHTS_NAME))
+    except Exception as e:  # safetensors raises its own error type for a truncated or garbage file
+        raise DraftlingError(f"{path / WEIGHTS_NAME}: unreadable ({one_line(e)})") from None
     if "d2t" not in state:
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    try:
-        missing, unexpected = draft.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor whose shape does not fit the config
-        raise DraftlingError(f"{path / WEIGHTS_NAME}: does not fit {CONFIG_NAME} ({one_line(e)})") from None
-    missing = [k for k in missing if not k.startswith("rotary_emb.")]
-    if missing or unexpected:
-        raise DraftlingError(f"{path / WEIGHTS_NAME}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    load_weights(draft, state, path / WEIGHTS_NAME, CONFIG_NAME)
     return draft
 
 
