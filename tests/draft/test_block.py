@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from draftling.draft.block import BlockDraft, block_config_from_target, block_visibility, init_block_from_target
+from draftling.engine.accept import process_logits
 from draftling.engine.block_decode import block_generate
 from draftling.engine.generate import greedy_generate
 from draftling.engine.target_model import CachedTarget
@@ -13,7 +14,7 @@ from draftling.errors import ConfigError
 from draftling.target.load import wrap_target
 from draftling.train.block_loss import block_loss, sample_anchors
 from draftling.train.teacher import teacher_forward
-from tests.helpers import AUX, perm_target
+from tests.helpers import AUX, chi2_p_value, perm_target, sampling_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = 4
@@ -116,3 +117,29 @@ def test_training_on_a_predictable_target_drafts_whole_blocks():
         assert all(got == greedy_generate(engine, p, 40)[0].tolist() for (got, _), p in zip(runs, fresh))
         taus[name] = sum(s.tau for _, s in runs) / len(runs)
     assert taus["trained"] > taus["random"] + 0.2
+
+
+def test_sampled_block_decoding_follows_the_targets_law():
+    """The first two sampled tokens' joint law against the target's exact one: t2 comes from
+    a block draft accepted with its probability, or from the residual. A rule that forgets to
+    renormalise the residual fails the same check (negative control in tests/engine)."""
+    vocab, n = 16, 2000
+    kw = dict(temperature=1.3, top_k=12, top_p=0.95)
+    model = sampling_target(vocab)
+    target = CachedTarget.from_hf(model, AUX, 24)
+    draft = BlockDraft(block_config_from_target(model.config, vocab, AUX, 3, 1, mask_token_id=0)).eval()
+    draft.set_vocab(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    init_block_from_target(draft, model, draft.t2d)  # drafts the target's likely tokens: some accepted
+    ids = torch.tensor([[3, 7, 1, 12, 5]])
+    with torch.no_grad():
+        p1 = process_logits(model(ids).logits[0, -1], **kw)
+        s2 = torch.cat([ids.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        joint = (p1[:, None] * process_logits(model(s2).logits[:, -1], **kw)).flatten()
+    g = torch.Generator().manual_seed(0)
+    counts, accepted = torch.zeros(vocab * vocab, dtype=torch.long), 0
+    for _ in range(n):
+        out, stats = block_generate(target, draft, ids, 2, generator=g, **kw)
+        counts[out[0] * vocab + out[1]] += 1
+        accepted += stats.accept_counts[0]
+    assert 0.05 * n < accepted < 0.95 * n  # both ways to the second token ran
+    assert chi2_p_value(counts, joint) > 1e-3

@@ -154,8 +154,6 @@ class _Decoder:
             self.engine, self.runner = build_target(target.model, ids, max_len, options=self.options), None
         self.eos, self.bc, self.device = target.stop_token_ids(), bc, target.device
         self.sampled = bc.temperature > 0
-        if self.block is not None and self.sampled:
-            raise ConfigError("bench.temperature: a dflash head decodes greedily so far (temperature 0)")
         self.sampling = dict(temperature=bc.temperature, top_k=bc.top_k, top_p=bc.top_p)
 
     def _generator(self, i: int):
@@ -174,7 +172,9 @@ class _Decoder:
         if self.block is not None:
             from draftling.engine.block_decode import block_generate
 
-            toks, stats = block_generate(self.engine, self.block, ids, n, eos_ids=self.eos)
+            toks, stats = block_generate(
+                self.engine, self.block, ids, n, eos_ids=self.eos, generator=self._generator(i), **self.sampling
+            )
             return torch.tensor([toks]), stats
         return speculative_generate(
             self.engine,

@@ -79,7 +79,7 @@ def eos_set(eos_ids) -> set[int]:
     return {int(eos_ids)} if isinstance(eos_ids, int) else {int(e) for e in eos_ids}
 
 
-def _emit(out: list[int], new: list[int], max_new_tokens: int, eos: set[int]) -> bool:
+def emit_tokens(out: list[int], new: list[int], max_new_tokens: int, eos: set[int]) -> bool:
     """Append ``new`` up to eos / the budget; True when generation is over."""
     for tok in new:
         out.append(tok)
@@ -172,7 +172,7 @@ class Output:
     done: bool = False
 
     def emit(self, new: list[int]) -> bool:
-        self.done = _emit(self.tokens, new, self.max_new_tokens, self.eos)
+        self.done = emit_tokens(self.tokens, new, self.max_new_tokens, self.eos)
         return self.done
 
 

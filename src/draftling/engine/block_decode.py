@@ -1,6 +1,8 @@
-"""Greedy decoding with a block drafter (draft/block.py) on the engine's own-cache target:
-one drafting pass per round, verified as a chain. One request, eager; the tokens equal plain
-greedy decoding's (the target verifies every one).
+"""Decoding with a block drafter (draft/block.py) on the engine's own-cache target: one
+drafting pass per round, verified as a chain. One request, eager. Greedy tokens equal plain
+greedy decoding's; sampled ones follow the target's processed law (the drafts are the
+drafter's argmax, accepted with the target's probability of them, as accept.accept_tree
+accepts any deterministic draft).
 
 A round, with ``n`` tokens in the target's cache and ``root`` the last emitted token (at
 position n, in neither cache): the drafter reads ``[root, MASK x K]`` at n..n+K against its
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from draftling.draft.block import BlockDraft
-from draftling.engine.accept import SpecStats
+from draftling.engine.accept import SpecOptions, SpecStats, accept_tree, emit_tokens, eos_set, pick_tokens
 from draftling.engine.target_model import CachedTarget, causal_mask
 from draftling.errors import ConfigError
 
@@ -46,44 +48,36 @@ class _Context:
 
 
 @torch.no_grad()
-def block_generate(target: CachedTarget, draft: BlockDraft, input_ids, max_new_tokens: int, eos_ids=()):
+def block_generate(target: CachedTarget, draft: BlockDraft, input_ids, max_new_tokens: int, **options):
     """Decode one request: (new tokens, SpecStats: a round's path is its accepted drafts plus
-    the bonus, as the EAGLE-3 rounds count theirs). ``input_ids``: [T] or [1, T]."""
+    the bonus, as the EAGLE-3 rounds count theirs). ``input_ids``: [T] or [1, T];
+    ``options``: SpecOptions fields (``eos_ids``, ``temperature``, ``generator``, ...)."""
+    o = SpecOptions(**options)
     ids = torch.as_tensor(input_ids).view(1, -1).to(target.device)
     t, k = ids.shape[1], draft.block_size - 1
     if target.batch_size != 1 or t + max_new_tokens + k + 1 > target.max_seq_len:
         raise ConfigError(f"block decoding needs a 1-row target with room for {t + max_new_tokens + k + 1} tokens")
-    logits, aux = target.prefill_rows(
-        torch.tensor([0], device=target.device), ids, torch.tensor([t], device=target.device)
-    )
+    row = torch.tensor([0], device=target.device)
+    logits, aux = target.prefill_rows(row, ids, torch.tensor([t], device=target.device))
     ctx = _Context(draft, target.max_seq_len, target.device, draft.fc.weight.dtype)
     ctx.extend(aux, 0)
-    root, n, eos = int(logits[0, -1].argmax()), t, set(eos_ids or ())
+    root, n, eos = int(pick_tokens(logits[:, -1], o)), t, eos_set(o.eos_ids)
     out: list[int] = []
     stats = SpecStats(accept_counts=[0] * k)
-    done = _emit(out, [root], max_new_tokens, eos)
+    done = emit_tokens(out, [root], max_new_tokens, eos)
     while not done:
         drafts = _propose(draft, target, ctx, root, n)
         q = torch.tensor([[root, *drafts]], device=target.device)
         pos = torch.arange(n, n + k + 1, device=target.device)
         lg, ax = target.decode(q, pos, pos, causal_mask(n, k + 1, target.max_seq_len, target.device))
-        pred = lg[0].argmax(-1).tolist()
-        m = next((i for i in range(k) if drafts[i] != pred[i]), k)
-        ctx.extend(ax[:, : m + 1], n)
-        stats.add_round(m + 1)
-        n, root = n + m + 1, pred[m]
-        done = _emit(out, [*drafts[:m], root], max_new_tokens, eos)
+        chain = [[root, *drafts], [0, *range(k)], lg[0].argmax(-1).tolist()]  # tokens, parents, argmax
+        path, new = accept_tree(chain, lg[0], o)
+        ctx.extend(ax[:, : len(path)], n)
+        stats.add_round(len(path))
+        n, root = n + len(path), new[-1]
+        done = emit_tokens(out, new, max_new_tokens, eos)
     stats.tokens = len(out)
     return out, stats
-
-
-def _emit(out: list[int], new: list[int], budget: int, eos: set) -> bool:
-    """Append ``new`` up to the budget or an eos; True once the request is done."""
-    for tok in new:
-        out.append(tok)
-        if len(out) >= budget or tok in eos:
-            return True
-    return False
 
 
 def _propose(draft: BlockDraft, target: CachedTarget, ctx: _Context, root: int, n: int) -> list[int]:

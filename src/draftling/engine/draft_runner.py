@@ -62,7 +62,7 @@ class DraftRunner(nn.Module):
         if not isinstance(draft, Eagle3Draft):
             raise ConfigError(
                 f"this command decodes EAGLE-3 heads; a {getattr(draft.config, 'draft_method', '?')} head "
-                "benches with `draftling bench` (one request, greedy) so far"
+                "benches with `draftling bench` (one request) so far"
             )
         options = EngineOptions.of(options, **engine).check_resolved()
         self.draft = draft
