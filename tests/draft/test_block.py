@@ -143,3 +143,9 @@ def test_sampled_block_decoding_follows_the_targets_law():
         accepted += stats.accept_counts[0]
     assert 0.05 * n < accepted < 0.95 * n  # both ways to the second token ran
     assert chi2_p_value(counts, joint) > 1e-3
+
+
+def test_a_causal_block_sees_only_its_earlier_slots():
+    vis = block_visibility(torch.tensor([[2]]), 3, 4, causal=True)[0, 0]
+    assert vis[:, 4:].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert vis[:, :4].tolist() == [[True, True, False, False]] * 3  # the context is as before

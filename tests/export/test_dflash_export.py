@@ -68,3 +68,14 @@ def test_another_format_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     with pytest.raises(DraftlingError, match="not 'dflash'"):
         load_dflash(tmp_path)
+
+
+def test_a_causal_head_tells_vllm_so_and_loads_back_causal(tmp_path):
+    model = perm_target()
+    torch.manual_seed(0)
+    cfg = block_config_from_target(model.config, model.config.vocab_size, AUX, 4, 1, mask_token_id=1, causal=True)
+    out = export_dflash(BlockDraft(cfg), tmp_path / "d", **VERIFIER)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["sliding_window_non_causal"] is False  # vLLM: every layer causal
+    assert raw["transformer_layer_config"]["dtype"] == "bfloat16"
+    assert load_dflash(out).causal

@@ -282,6 +282,13 @@ class DraftConfig:
         ),
     )
     layers: int = key(1, bounds=AT_LEAST_ONE, help="Decoder layers of a dflash head (an eagle3 head has one).")
+    block_causal: bool = key(
+        False,
+        help=(
+            "dflash: a block slot sees only the earlier slots of its block instead of all of them (the published "
+            "design); the export tells vLLM which (sliding_window_non_causal)."
+        ),
+    )
     mask_token_id: int | None = key(
         None,
         help=(
@@ -292,6 +299,8 @@ class DraftConfig:
 
     def __post_init__(self):
         validate("draft", self)
+        if self.method == "eagle3" and self.block_causal:
+            raise ConfigError("draft.block_causal: a dflash option (draft.method=dflash)")
         if self.method == "eagle3" and self.layers != 1:
             raise ConfigError(
                 f"draft.layers={self.layers}: an eagle3 head has one layer (draft.method=dflash for more)"

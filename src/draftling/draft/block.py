@@ -41,11 +41,18 @@ _COPIED += ("max_position_embeddings", "vocab_size", "rope_parameters", "bos_tok
 
 
 def block_config_from_target(
-    target_config, draft_vocab_size: int, aux_layer_ids: list[int], block_size: int, layers: int, mask_token_id: int
+    target_config,
+    draft_vocab_size: int,
+    aux_layer_ids: list[int],
+    block_size: int,
+    layers: int,
+    mask_token_id: int,
+    causal: bool = False,
 ) -> LlamaConfig:
     """The block drafter's config from the target's: its width, heads and RoPE, ``layers``
-    decoder layers, ``block_size`` tokens a pass (anchor included: B-1 drafts), and the token
-    id whose embedding fills the block's unknown slots."""
+    decoder layers, ``block_size`` tokens a pass (anchor included: B-1 drafts), the token id
+    whose embedding fills the block's unknown slots, and whether a slot sees the later slots
+    of its block (the published design) or only the earlier ones (``causal``)."""
     if block_size < 2:
         raise ConfigError(f"draft.block_size={block_size}: expected >= 2 (the anchor and at least one draft)")
     if not 0 <= mask_token_id < target_config.vocab_size:
@@ -70,6 +77,7 @@ def block_config_from_target(
         eagle_aux_hidden_state_layer_ids=[int(i) for i in aux_layer_ids],
         block_size=int(block_size),
         mask_token_id=int(mask_token_id),
+        block_causal=bool(causal),
         attention_bias=False,
         mlp_bias=False,
         tie_word_embeddings=False,
@@ -154,6 +162,10 @@ class BlockDraft(nn.Module):
     def block_size(self) -> int:
         return int(self.config.block_size)
 
+    @property
+    def causal(self) -> bool:
+        return bool(getattr(self.config, "block_causal", False))
+
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ConfigError(f"vocab maps d2t{tuple(d2t.shape)} t2d{tuple(t2d.shape)} do not fit this draft")
@@ -194,9 +206,12 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors[..., None] + offsets).flatten(-2)
 
 
-def block_visibility(anchors: torch.Tensor, block_size: int, context_len: int, context_ok=None) -> torch.Tensor:
+def block_visibility(
+    anchors: torch.Tensor, block_size: int, context_len: int, context_ok=None, causal: bool = False
+) -> torch.Tensor:
     """[B, 1, A*block, T + A*block] bool: a block's slots see the context strictly before its
-    anchor (and where ``context_ok`` [B, T] allows: padding) and their own block, whole."""
+    anchor (and where ``context_ok`` [B, T] allows: padding) and their own block: whole, or
+    up to themselves with ``causal`` (the head's ``block_causal``)."""
     b, a = anchors.shape
     dev = anchors.device
     before = torch.arange(context_len, device=dev)[None, None, :] < anchors[..., None]  # [B, A, T]
@@ -204,7 +219,10 @@ def block_visibility(anchors: torch.Tensor, block_size: int, context_len: int, c
         before = before & context_ok[:, None, :]
     ctx = before.repeat_interleave(block_size, dim=1)  # [B, A*block, T]
     owner = torch.arange(a, device=dev).repeat_interleave(block_size)
-    own = (owner[:, None] == owner[None, :]).expand(b, -1, -1)
+    own = owner[:, None] == owner[None, :]
+    if causal:
+        own = own & torch.ones_like(own).tril()
+    own = own.expand(b, -1, -1)
     return torch.cat([ctx, own], dim=-1)[:, None]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from draftling.draft.block import BlockDraft
+from draftling.draft.block import BlockDraft, block_visibility
 from draftling.engine.accept import SpecOptions, SpecStats, accept_tree, emit_tokens, eos_set, pick_tokens
 from draftling.engine.target_model import CachedTarget, causal_mask
 from draftling.errors import ConfigError
@@ -86,6 +86,6 @@ def _propose(draft: BlockDraft, target: CachedTarget, ctx: _Context, root: int, 
     tokens = torch.full((1, size), int(draft.config.mask_token_id), device=dev)
     tokens[0, 0] = root
     pos = torch.arange(n, n + size, device=dev)[None]
-    visible = torch.ones(1, 1, size, n + size, dtype=torch.bool, device=dev)
+    visible = block_visibility(torch.tensor([[n]], device=dev), size, n, causal=draft.causal)
     hidden = draft.block_hidden(target.embed(tokens), pos, ctx.upto(n), visible)
     return draft.draft_to_target(draft.compute_logits(hidden[:, 1:]).argmax(-1))[0].tolist()

@@ -4,9 +4,9 @@ one speculators 0.9 saves and vLLM 0.32 loads (``DFlashDraftModel``).
 The config names the method (``speculators_model_type: dflash``), the block, the mask token,
 the aux layers (hidden_states indices, 0 = the embedding output: draftling's own numbering)
 and a Qwen3 ``transformer_layer_config`` for the decoder layers. Our blocks attend to
-themselves both ways in training, so every layer is ``full_attention`` and
-``sliding_window_non_causal`` is true: vLLM then serves every layer non-causal, as trained
-(with the flag false it would make every layer causal). Tensors keep the module's names;
+themselves both ways in training (unless ``block_causal``), so every layer is
+``full_attention`` and ``sliding_window_non_causal`` says which: vLLM makes every layer
+non-causal when it is true and causal when it is false. Tensors keep the module's names;
 ``d2t``/``t2d`` are written only for a reduced vocabulary (vLLM ignores ``t2d``).
 """
 
@@ -63,7 +63,7 @@ def export_dflash(
         rope_parameters=dict(cfg.rope_parameters or {}),
         layer_types=["full_attention"] * int(cfg.num_hidden_layers),
         use_sliding_window=False,
-        dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""),
+        dtype=str(next(t.dtype for t in tensors.values() if t.is_floating_point())).replace("torch.", ""),
     )
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
@@ -74,7 +74,8 @@ def export_dflash(
         "mask_token_id": int(cfg.mask_token_id),
         "target_hidden_size": int(cfg.target_hidden_size),
         "aux_hidden_state_layer_ids": [int(i) for i in cfg.eagle_aux_hidden_state_layer_ids],
-        "sliding_window_non_causal": True,
+        # vLLM: false makes every layer causal (dflash_config.causal), true none of them.
+        "sliding_window_non_causal": not draft.causal,
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": METHOD,
@@ -103,7 +104,13 @@ def load_dflash(path: str | os.PathLike) -> BlockDraft:
         num_hidden_layers=raw.get("draftling", {}).get("target_num_hidden_layers", max(ids) + 1),
     )
     cfg = block_config_from_target(
-        like, raw["draft_vocab_size"], ids, raw["block_size"], layer["num_hidden_layers"], raw["mask_token_id"]
+        like,
+        raw["draft_vocab_size"],
+        ids,
+        raw["block_size"],
+        layer["num_hidden_layers"],
+        raw["mask_token_id"],
+        causal=not raw.get("sliding_window_non_causal", False),
     )
     draft = BlockDraft(cfg)
     try:

@@ -72,7 +72,7 @@ def block_loss(
     tokens[..., 0] = input_ids.gather(1, a)
     positions = torch.arange(t, device=dev).expand(bsz, t)
     ctx_kv = draft.context_kv(draft.context(teacher.aux), positions)
-    visible = block_visibility(a, size, t, attention_mask.bool())
+    visible = block_visibility(a, size, t, attention_mask.bool(), draft.causal)
     lookup = embed.for_batch(tokens) if hasattr(embed, "for_batch") else embed  # a host-resident embedding
     hidden = draft.block_hidden(lookup(tokens.flatten(1)), slots.flatten(1), ctx_kv, visible)
     logits = draft.compute_logits(hidden).float().view(bsz, -1, size, draft.config.draft_vocab_size)[..., 1:, :]

@@ -58,8 +58,9 @@ def build_block_draft(cfg: RunConfig, target: Target, vocab, warm) -> BlockDraft
         names = ", ".join(f"draft.{k}" for k, v in unsupported.items() if v)
         raise ConfigError(f"draft.method=dflash does not take {names} (EAGLE-3 options)")
     mask = dc.mask_token_id if dc.mask_token_id is not None else mask_token(target)
+    steps = cfg.train.ttt_steps
     config = block_config_from_target(
-        target.config, vocab.size, target.aux_layer_ids, cfg.train.ttt_steps + 1, dc.layers, mask
+        target.config, vocab.size, target.aux_layer_ids, steps + 1, dc.layers, mask, causal=dc.block_causal
     )
     if dc.intermediate_size is not None:
         config.intermediate_size = dc.intermediate_size
