@@ -5,7 +5,8 @@ hundred steps on a predictable target teach it to draft whole blocks."""
 import pytest
 import torch
 
-from draftling.draft.block import BlockDraft, block_config_from_target, block_visibility, init_block_from_target
+from draftling.draft.block import BlockDraft, block_config_from_target, block_visibility
+from draftling.draft.model import init_from_target
 from draftling.engine.accept import process_logits
 from draftling.engine.block_decode import block_generate
 from draftling.engine.generate import greedy_generate
@@ -27,7 +28,7 @@ def block_head(model, seed=0, block=BLOCK, layers=1):
     draft = BlockDraft(cfg)
     t2d = torch.ones(vocab, dtype=torch.bool)
     draft.set_vocab(torch.zeros(vocab, dtype=torch.long), t2d)
-    init_block_from_target(draft, model, t2d)
+    init_from_target(draft, model, t2d)
     return draft
 
 
@@ -129,7 +130,7 @@ def test_sampled_block_decoding_follows_the_targets_law():
     target = CachedTarget.from_hf(model, AUX, 24)
     draft = BlockDraft(block_config_from_target(model.config, vocab, AUX, 3, 1, mask_token_id=0)).eval()
     draft.set_vocab(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
-    init_block_from_target(draft, model, draft.t2d)  # drafts the target's likely tokens: some accepted
+    init_from_target(draft, model, draft.t2d)  # drafts the target's likely tokens: some accepted
     ids = torch.tensor([[3, 7, 1, 12, 5]])
     with torch.no_grad():
         p1 = process_logits(model(ids).logits[0, -1], **kw)

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from draftling.draft.model import draft_rope
+from draftling.draft.model import DraftHead, draft_rope
 from draftling.errors import ConfigError
 
 METHOD = "dflash"
@@ -141,10 +141,7 @@ class BlockLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class BlockDraft(nn.Module):
-    d2t: torch.Tensor
-    t2d: torch.Tensor
-
+class BlockDraft(DraftHead):
     def __init__(self, config: Any):
         super().__init__()
         self.config = config
@@ -166,12 +163,6 @@ class BlockDraft(nn.Module):
     def causal(self) -> bool:
         return bool(getattr(self.config, "block_causal", False))
 
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ConfigError(f"vocab maps d2t{tuple(d2t.shape)} t2d{tuple(t2d.shape)} do not fit this draft")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """The context feature [B, T, H] of the target's concatenated aux states [B, T, K*H_t]."""
         return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
@@ -192,12 +183,6 @@ class BlockDraft(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
 
 
 def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -224,12 +209,3 @@ def block_visibility(
         own = own & torch.ones_like(own).tril()
     own = own.expand(b, -1, -1)
     return torch.cat([ctx, own], dim=-1)[:, None]
-
-
-def init_block_from_target(draft: BlockDraft, target_model, t2d: torch.Tensor) -> None:
-    """Start the output side in the target's own space: its final norm and its output-head
-    rows for the draft vocabulary (the published design keeps these as the target's)."""
-    head = target_model.get_output_embeddings().weight
-    with torch.no_grad():
-        draft.lm_head.weight.copy_(head[t2d.to(head.device)].to(draft.lm_head.weight))
-        draft.norm.weight.copy_(target_model.get_decoder().norm.weight.to(draft.norm.weight))

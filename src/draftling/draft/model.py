@@ -189,7 +189,32 @@ class Eagle3DecoderLayer(nn.Module):
         return self.attention_to_output(hidden, attend(*self.attention_inputs(embeds, hidden, cos, sin)))
 
 
-class Eagle3Draft(nn.Module):
+class DraftHead(nn.Module):
+    """What every head type shares: the vocab maps that travel with its weights (``d2t``,
+    ``t2d`` buffers its subclass registers), the draft-to-target id map, and the state a
+    checkpoint or export saves."""
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ConfigError(
+                f"vocab maps of shape d2t{tuple(d2t.shape)} t2d{tuple(t2d.shape)} do not "
+                f"fit this draft (d2t{tuple(self.d2t.shape)} t2d{tuple(self.t2d.shape)})"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights plus vocab maps; no rotary cache, no embedding."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+
+
+class Eagle3Draft(DraftHead):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
@@ -208,15 +233,6 @@ class Eagle3Draft(nn.Module):
         # Vocab maps travel with the weights: a head without them serves garbage silently.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ConfigError(
-                f"vocab maps of shape d2t{tuple(d2t.shape)} t2d{tuple(t2d.shape)} do not "
-                f"fit this draft (d2t{tuple(self.d2t.shape)} t2d{tuple(self.t2d.shape)})"
-            )
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
 
     def fuse(self, aux_states: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Fuse the [low, mid, high] target states (in that order) into the draft width."""
@@ -244,22 +260,16 @@ class Eagle3Draft(nn.Module):
         """Logits from a carried state: the final norm is applied once, here or in carry."""
         return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights plus vocab maps; no rotary cache, no embedding."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
-
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def init_from_target(draft: Eagle3Draft, target_model, t2d: torch.Tensor) -> None:
+def init_from_target(draft: DraftHead, target_model, t2d: torch.Tensor) -> None:
     """Warm-start the output side from the target: its final norm and its output-head rows
     for the draft vocabulary. The draft then starts out predicting in the target's own
-    output space, which cuts the steps needed to reach useful acceptance."""
+    output space, which cuts the steps needed to reach useful acceptance. Any head with an
+    ``lm_head`` and a final ``norm`` (EAGLE-3's and the block drafter's)."""
     head = resident_weight(target_model.get_output_embeddings())  # a device map may have offloaded them
     norm = resident_weight(target_model.get_decoder().norm)
     with torch.no_grad():

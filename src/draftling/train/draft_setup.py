@@ -8,7 +8,7 @@ import torch
 
 from draftling.config import RunConfig, TrainConfig
 from draftling.draft.block import METHOD as BLOCK_METHOD
-from draftling.draft.block import BlockDraft, block_config_from_target, init_block_from_target
+from draftling.draft.block import BlockDraft, block_config_from_target
 from draftling.draft.model import NORM_FLAGS, Eagle3Draft, draft_config_from_target, init_from_target
 from draftling.draft.store import new_draft
 from draftling.errors import ConfigError
@@ -66,7 +66,7 @@ def build_block_draft(cfg: RunConfig, target: Target, vocab, warm) -> BlockDraft
         config.intermediate_size = dc.intermediate_size
     draft = BlockDraft(config)
     draft.set_vocab(vocab.d2t, vocab.t2d)
-    init_block_from_target(draft, target.model, vocab.t2d)
+    init_from_target(draft, target.model, vocab.t2d)
     return draft
 
 
