@@ -23,7 +23,14 @@ from safetensors.torch import load_file
 from draftling.draft.block import METHOD, BlockDraft
 from draftling.draft.store import load_weights
 from draftling.errors import DraftlingError, one_line
-from draftling.export.files import CONFIG_NAME, WEIGHTS_NAME, resolve_dtype, write_export
+from draftling.export.files import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    draft_tensors,
+    resolve_dtype,
+    weights_dtype_name,
+    write_export,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 _LAYER_KEYS: tuple[str, ...] = (
@@ -50,11 +57,10 @@ def export_dflash(
     cfg = draft.config
     full_vocab = int(cfg.draft_vocab_size) == int(cfg.vocab_size)
     dt = resolve_dtype(dtype)
-    tensors = {
-        k: (v.to(dt) if dt is not None and v.is_floating_point() else v).contiguous()
-        for k, v in draft.trainable_state_dict().items()
-        if not (full_vocab and k in ("d2t", "t2d"))
-    }
+    # speculators registers d2t/t2d only when the draft vocab is smaller than the verifier's.
+    tensors = draft_tensors(
+        draft, dt, layer_prefix="", include_embedding=False, embedding=None, include_vocab_maps=not full_vocab
+    )
     layer = {k: getattr(cfg, k) for k in _LAYER_KEYS}
     layer.update(
         model_type="qwen3",
@@ -63,7 +69,7 @@ def export_dflash(
         rope_parameters=dict(cfg.rope_parameters or {}),
         layer_types=["full_attention"] * int(cfg.num_hidden_layers),
         use_sliding_window=False,
-        dtype=str(next(t.dtype for t in tensors.values() if t.is_floating_point())).replace("torch.", ""),
+        dtype=weights_dtype_name(tensors),
     )
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURE],

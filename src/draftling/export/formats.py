@@ -29,7 +29,6 @@ from transformers import LlamaConfig
 from draftling.draft.block import BlockDraft
 from draftling.draft.model import NORM_FLAGS, Eagle3Draft
 from draftling.draft.store import CONFIG_FILE, load_draft
-from draftling.dtypes import dtype_name
 from draftling.errors import DraftlingError, one_line
 from draftling.export.conventions import (
     check_vocab_maps,
@@ -38,7 +37,7 @@ from draftling.export.conventions import (
     to_engine_aux_layer_ids,
 )
 from draftling.export.dflash import load_dflash
-from draftling.export.files import CONFIG_NAME, resolve_dtype, write_export
+from draftling.export.files import CONFIG_NAME, draft_tensors, resolve_dtype, weights_dtype_name, write_export
 from draftling.target.aux import default_aux_layer_ids
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -144,40 +143,6 @@ def check_draft(draft: Eagle3Draft, target_config, include_embedding: bool, embe
             "an embedding-free export cannot borrow the target's embedding; "
             "pass include_embedding=True"
         )
-
-
-def draft_tensors(
-    draft: Eagle3Draft,
-    dtype: torch.dtype | None,
-    *,
-    layer_prefix: str,
-    include_embedding: bool,
-    embedding: torch.Tensor | None,
-    include_vocab_maps: bool = True,
-) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, t in draft.trainable_state_dict().items():
-        t = t.detach().cpu()
-        if name == "d2t":
-            t = t.to(torch.int64)
-        elif name == "t2d":
-            t = t.to(torch.bool)
-        elif dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        if name in ("d2t", "t2d") and not include_vocab_maps:
-            continue
-        if name.startswith("midlayer."):
-            name = layer_prefix + name[len("midlayer.") :]
-        out[name] = t.contiguous().clone()
-    if include_embedding:
-        e = embedding.detach().cpu()
-        out["embed_tokens.weight"] = (e.to(dtype) if dtype is not None else e).contiguous().clone()
-    return out
-
-
-def weights_dtype_name(tensors: dict[str, torch.Tensor]) -> str:
-    floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    return dtype_name(floats.pop()) if len(floats) == 1 else "float32"
 
 
 # ---------------------------------------------------------------------------------- SGLang

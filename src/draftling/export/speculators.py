@@ -16,14 +16,8 @@ import torch
 from draftling.draft.model import NORM_FLAGS, Eagle3Draft
 from draftling.errors import DraftlingError
 from draftling.export.conventions import to_engine_aux_layer_ids
-from draftling.export.formats import (
-    check_draft,
-    draft_tensors,
-    llama_layer_fields,
-    resolve_dtype,
-    weights_dtype_name,
-    write_export,
-)
+from draftling.export.files import draft_tensors, resolve_dtype, weights_dtype_name, write_export
+from draftling.export.formats import check_draft, llama_layer_fields
 
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 
