@@ -31,11 +31,25 @@ MAX_ANCHORS = 64
 
 @dataclass
 class BlockLoss:
+    """The loss, the per-slot counts the trainer logs, and the masks behind them. The
+    summaries below read the masks back to the host when asked, never in a training step."""
+
     loss: torch.Tensor  # weighted mean soft cross-entropy over scored slots
-    slot_acc: list[float]  # slot j = 1..B-1
-    accept_len: float  # mean leading run of correct slots + 1 (the bonus), per block
-    scored: int  # scored slots
-    counts: StepCounts | None = None  # per slot, as the EAGLE-3 unroll counts per step
+    counts: StepCounts  # per slot, as the EAGLE-3 unroll counts per step
+    correct: torch.Tensor  # [B, A, block-1] the draft's argmax is the target's, at a scored slot
+    scored: torch.Tensor  # [B, A, block-1] the slot has a loss
+
+    @property
+    def slot_acc(self) -> list[float]:
+        """Accuracy per slot j = 1..B-1."""
+        return (self.correct.sum((0, 1)).float() / self.scored.sum((0, 1)).clamp(min=1)).tolist()
+
+    @property
+    def accept_len(self) -> float:
+        """Mean leading run of correct slots + 1 (the bonus), over blocks whose first slot is scored."""
+        blocks = self.scored[..., 0]
+        run = self.correct.long().cumprod(-1).sum(-1).float()
+        return float((run[blocks] + 1).mean()) if blocks.any() else 1.0
 
 
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator=None) -> torch.Tensor:
@@ -91,7 +105,7 @@ def block_loss(
     guess = draft.draft_to_target(logits.argmax(-1))
     correct = (guess == teacher.target_argmax.gather(1, flat).view_as(src)) & scored
     valid = scored & teacher.in_draft.gather(1, flat).view_as(src)
-    return BlockLoss(loss, *_metrics(correct, scored), counts=_counts(ce, correct, valid, scored))
+    return BlockLoss(loss, _counts(ce, correct, valid, scored), correct, scored)
 
 
 def block_unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options=None, **_):
@@ -119,12 +133,3 @@ def _counts(ce, correct, valid, scored) -> StepCounts:
         scored.sum((0, 1)),
     ]
     return StepCounts(ce.shape[-1], torch.stack([r.double() for r in rows]))
-
-
-@torch.no_grad()
-def _metrics(correct: torch.Tensor, scored: torch.Tensor) -> tuple[list[float], float, int]:
-    per_slot = correct.sum((0, 1)).float() / scored.sum((0, 1)).clamp(min=1)
-    blocks = scored[..., 0]  # a block counts where its first slot is scored
-    run = correct.long().cumprod(-1).sum(-1).float()
-    accept = float((run[blocks] + 1).mean()) if blocks.any() else 1.0
-    return per_slot.tolist(), accept, int(scored.sum())
