@@ -320,6 +320,18 @@ def whole_and_resumed(tmp_path, target, steps: int, cut_at: int, **extra):
     return tmp_path / "full", tmp_path / "cut"
 
 
+CLI_TRAIN = ["train.batch_size=2", "train.ttt_steps=2", "train.log_every=1", "train.ckpt_every=2"]
+
+
+def cli_train(common, data, run, steps, *extra) -> int:
+    """`draftling train` of a tiny head for ``steps`` (CLI_TRAIN's small batches, a checkpoint
+    every 2 steps) into ``run``; its exit code."""
+    from draftling.cli import main
+
+    args = ["train", *common, "--data", str(data), "--run-dir", str(run), f"train.max_steps={steps}"]
+    return main([*args, *CLI_TRAIN, *extra])
+
+
 def cli_data(tmp_path, target_dir, vocab: int = 256):
     """`draftling data` (12-token replies) and `vocab` for a tiny target through the CLI: the
     data directory and the target/device arguments every later command takes."""

@@ -7,23 +7,16 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.cli import main
-from tests.helpers import cli_data
+from tests.helpers import cli_data, cli_train
 
-TRAIN = ["train.batch_size=2", "train.ttt_steps=2", "train.log_every=1", "train.ckpt_every=2"]
 DFLASH = ["draft.method=dflash", "draft.layers=2"]
-
-
-def _train(common, data, run, steps, *extra):
-    return main(
-        ["train", *common, "--data", str(data), "--run-dir", str(run), f"train.max_steps={steps}", *TRAIN, *extra]
-    )
 
 
 def test_a_dflash_head_trains_resumes_benches_exports_and_checks(tmp_path, tiny_target_dir):
     data, common = cli_data(tmp_path, tiny_target_dir)
-    assert _train(common, data, tmp_path / "whole", 4, *DFLASH) == 0
-    assert _train(common, data, tmp_path / "cut", 2, *DFLASH) == 0
-    assert _train(common, data, tmp_path / "cut", 4, *DFLASH, "--resume", "--allow-change", "train.max_steps") == 0
+    assert cli_train(common, data, tmp_path / "whole", 4, *DFLASH) == 0
+    assert cli_train(common, data, tmp_path / "cut", 2, *DFLASH) == 0
+    assert cli_train(common, data, tmp_path / "cut", 4, *DFLASH, "--resume", "--allow-change", "train.max_steps") == 0
     whole = load_file(str(tmp_path / "whole" / "draft" / "draft.safetensors"))
     cut = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
     assert "layers.1.self_attn.q_norm.weight" in whole and all(torch.equal(whole[k], cut[k]) for k in whole)

@@ -7,25 +7,18 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.cli import main
-from tests.helpers import cli_data
+from tests.helpers import cli_data, cli_train
 
 FLAGS = ["draft.fc_norm=true", "draft.norm_output=true"]
-TRAIN = ["train.batch_size=2", "train.ttt_steps=2", "train.log_every=1", "train.ckpt_every=2"]
-
-
-def _train(common, data, run, steps, *extra):
-    return main(
-        ["train", *common, "--data", str(data), "--run-dir", str(run), f"train.max_steps={steps}", *TRAIN, *extra]
-    )
 
 
 def test_an_eagle31_head_trains_resumes_benches_exports_and_checks(tmp_path, tiny_target_dir):
     data, common = cli_data(tmp_path, tiny_target_dir)
-    assert _train(common, data, tmp_path / "whole", 4, *FLAGS) == 0
+    assert cli_train(common, data, tmp_path / "whole", 4, *FLAGS) == 0
     # Stopped at 2 steps, then resumed to 4: inside the default 50-step warmup the LR does not
     # depend on max_steps, so both runs see one schedule.
-    assert _train(common, data, tmp_path / "cut", 2, *FLAGS) == 0
-    assert _train(common, data, tmp_path / "cut", 4, *FLAGS, "--resume", "--allow-change", "train.max_steps") == 0
+    assert cli_train(common, data, tmp_path / "cut", 2, *FLAGS) == 0
+    assert cli_train(common, data, tmp_path / "cut", 4, *FLAGS, "--resume", "--allow-change", "train.max_steps") == 0
     whole = load_file(str(tmp_path / "whole" / "draft" / "draft.safetensors"))
     cut = load_file(str(tmp_path / "cut" / "draft" / "draft.safetensors"))
     assert {"fc_norm.0.weight", "fc_norm.2.weight"} <= set(whole)
@@ -48,8 +41,8 @@ def test_an_eagle31_head_trains_resumes_benches_exports_and_checks(tmp_path, tin
         assert main(["check", str(out), *common]) == 0
 
     # A warm start from the export keeps its norms; asking a plain head for them is refused.
-    assert _train(common, data, tmp_path / "warm", 2, "--init-from", str(tmp_path / "sglang")) == 0
+    assert cli_train(common, data, tmp_path / "warm", 2, "--init-from", str(tmp_path / "sglang")) == 0
     assert "fc_norm.1.weight" in load_file(str(tmp_path / "warm" / "draft" / "draft.safetensors"))
     plain = tmp_path / "plain"
-    assert _train(common, data, plain, 2) == 0
-    assert _train(common, data, tmp_path / "bad", 2, "--init-from", str(plain / "draft"), "draft.fc_norm=true") == 2
+    assert cli_train(common, data, plain, 2) == 0
+    assert cli_train(common, data, tmp_path / "bad", 2, "--init-from", str(plain / "draft"), "draft.fc_norm=true") == 2
