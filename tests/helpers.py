@@ -229,9 +229,54 @@ def tiny_bench_target():
     return wrap_target(model, tok, name="tiny-llama", aux_layer_ids=AUX)
 
 
-def tiny_draft_dir(target, path: Path, draft_vocab=64, seed=0) -> Path:
-    """``random_draft`` for ``target``, saved in ``path``."""
-    draft = random_draft(target, draft_vocab, seed)
+def random_block_draft(model, block=4, seed=0):
+    """A block drafter (draft.method=dflash) of ``block`` slots over the full vocabulary,
+    started from the target's embeddings and head, so some of its drafts are accepted."""
+    from draftling.draft.block import BlockDraft, block_config_from_target
+    from draftling.draft.model import init_from_target
+
+    torch.manual_seed(seed)
+    vocab = model.config.vocab_size
+    draft = BlockDraft(block_config_from_target(model.config, vocab, AUX, block, 1, mask_token_id=0)).eval()
+    draft.set_vocab(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    init_from_target(draft, model, draft.t2d)
+    return draft
+
+
+def train_block_head(model, block=4, steps=200, seed=0):
+    """A block head (``random_block_draft``) trained ``steps`` steps on ``model``'s own greedy
+    continuations of 64 random 4-token prompts. Returns (head in eval mode, prompts [64, 4],
+    the first step's BlockLoss, the last one's)."""
+    from draftling.engine.generate import greedy_generate
+    from draftling.engine.target_model import CachedTarget
+    from draftling.train.block_loss import block_loss, sample_anchors
+    from draftling.train.teacher import teacher_forward
+
+    draft = random_block_draft(model, block, seed).train()
+    target = wrap_target(model, None, aux_layer_ids=AUX)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (64, 4), generator=g)
+    engine = CachedTarget.from_hf(model, AUX, 160)
+    seqs = torch.cat([ids, torch.stack([greedy_generate(engine, p, 28)[0] for p in ids])], 1)
+    mask, ones = torch.ones_like(seqs), torch.ones_like(seqs)
+    mask[:, :4] = 0
+    batch = teacher_forward(target, seqs, ones, draft.t2d)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    first = out = None
+    for _ in range(steps):
+        out = block_loss(draft, model.get_input_embeddings(), seqs, mask, ones, batch, sample_anchors(mask, 12, g))
+        first = first or out
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return draft.eval(), ids, first, out
+
+
+def tiny_draft_dir(target, path: Path, draft_vocab=64, seed=0, method="eagle3") -> Path:
+    """``random_draft`` (or ``random_block_draft`` for method dflash) for ``target``, saved in ``path``."""
+    draft = (
+        random_block_draft(target.model, seed=seed) if method == "dflash" else random_draft(target, draft_vocab, seed)
+    )
     path.mkdir(parents=True)
     save_draft(draft, path)
     return path

@@ -1,5 +1,5 @@
 """The block drafter (draft/block.py): what a block sees, its objective (train/block_loss.py),
-its decode (engine/block_decode.py: tokens equal plain greedy decoding's), and that a few
+its decode in the engine (engine/block_round.py: tokens equal plain greedy decoding's), and that a few
 hundred steps on a predictable target teach it to draft whole blocks."""
 
 import pytest
@@ -8,28 +8,25 @@ import torch
 from draftling.draft.block import BlockDraft, block_config_from_target, block_visibility
 from draftling.draft.model import init_from_target
 from draftling.engine.accept import process_logits
-from draftling.engine.block_decode import block_generate
-from draftling.engine.generate import greedy_generate
+from draftling.engine.block_round import BlockRunner
+from draftling.engine.generate import batch_generate, greedy_generate, speculative_generate
 from draftling.engine.target_model import CachedTarget
 from draftling.errors import ConfigError
 from draftling.target.load import wrap_target
-from draftling.train.block_loss import block_loss, sample_anchors
+from draftling.train.block_loss import sample_anchors
 from draftling.train.teacher import teacher_forward
-from tests.helpers import AUX, chi2_p_value, perm_target, sampling_target
+from tests.helpers import AUX, chi2_p_value, perm_target, random_block_draft, sampling_target, train_block_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = 4
 
 
-def block_head(model, seed=0, block=BLOCK, layers=1):
-    torch.manual_seed(seed)
-    vocab = model.config.vocab_size
-    cfg = block_config_from_target(model.config, vocab, AUX, block, layers, mask_token_id=0)
-    draft = BlockDraft(cfg)
-    t2d = torch.ones(vocab, dtype=torch.bool)
-    draft.set_vocab(torch.zeros(vocab, dtype=torch.long), t2d)
-    init_from_target(draft, model, t2d)
-    return draft
+def block_generate(target, draft, ids, n, **options):
+    """One request through the engine's block rounds: (new tokens, SpecStats)."""
+    runner = BlockRunner(draft, target.embed, target.max_seq_len)
+    k = draft.block_size - 1
+    out, stats = speculative_generate(target, runner, ids, n, k, 1, k + 1, **options)
+    return out[0].tolist(), stats
 
 
 def test_a_block_sees_the_context_before_its_anchor_and_its_whole_block():
@@ -50,7 +47,7 @@ def test_anchors_are_positions_whose_next_token_is_trained():
 
 def test_later_context_does_not_reach_an_earlier_block():
     model = perm_target()
-    draft = block_head(model).eval()
+    draft = random_block_draft(model).eval()
     target = wrap_target(model, None, aux_layer_ids=AUX)
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     other = ids.clone()
@@ -69,7 +66,7 @@ def test_later_context_does_not_reach_an_earlier_block():
 def test_block_decoding_equals_greedy_decoding():
     model = perm_target()
     target = CachedTarget.from_hf(model, AUX, 160)
-    draft = block_head(model).eval()
+    draft = random_block_draft(model).eval()
     ids = torch.tensor([3, 17, 5, 9, 22, 40])
     want = greedy_generate(target, ids, 40)[0].tolist()
     got, stats = block_generate(target, draft, ids, 40)
@@ -78,37 +75,33 @@ def test_block_decoding_equals_greedy_decoding():
 
 def test_the_block_config_refuses_what_cannot_draft():
     model = perm_target()
+    target = CachedTarget.from_hf(model, AUX, 64)
+    runner = BlockRunner(random_block_draft(model), target.embed, 64)
+    with pytest.raises(ConfigError, match="block size 4 decodes chain-3-1-4"):
+        speculative_generate(target, runner, torch.tensor([1, 2]), 4, 3, 2, 6)
     with pytest.raises(ConfigError, match="block_size"):
         block_config_from_target(model.config, 64, AUX, 1, 1, 0)
     with pytest.raises(ConfigError, match="mask_token_id"):
         block_config_from_target(model.config, 64, AUX, 4, 1, model.config.vocab_size)
 
 
-def test_training_on_a_predictable_target_drafts_whole_blocks():
+@pytest.fixture(scope="module")
+def trained():
+    """A block head trained 200 steps on a predictable target's own greedy text."""
+    model = perm_target()
+    draft, ids, first, out = train_block_head(model, BLOCK)
+    return model, draft, ids, first, out
+
+
+def test_training_on_a_predictable_target_drafts_whole_blocks(trained):
     """The objective trains: slot accuracy and expected acceptance rise well above a random
     head's; decoding agrees with training on its own text (whole blocks accepted) and beats a
     random head on new prompts, and stays identical to greedy decoding throughout."""
-    model = perm_target()
-    target = wrap_target(model, None, aux_layer_ids=AUX)
-    draft, random_head = block_head(model), block_head(model).eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (64, 4), generator=g)
+    model, draft, ids, first, out = trained
+    random_head = random_block_draft(model).eval()
     engine = CachedTarget.from_hf(model, AUX, 160)
-    seqs = torch.cat([ids, torch.stack([greedy_generate(engine, p, 28)[0] for p in ids])], 1)
-    mask, ones = torch.ones_like(seqs), torch.ones_like(seqs)
-    mask[:, :4] = 0
-    batch = teacher_forward(target, seqs, ones, draft.t2d)
     embed = model.get_input_embeddings()
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    first = None
-    for _ in range(200):
-        out = block_loss(draft, embed, seqs, mask, ones, batch, sample_anchors(mask, 12, g))
-        first = first or out
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
     assert out.loss < 0.5 * first.loss and out.slot_acc[0] > 0.8 and out.accept_len > first.accept_len + 1.0
-    draft.eval()
     seen = block_generate(engine, draft, ids[0], 28)[1]
     assert seen.tau > 3.0  # its own text: what it trained on, drafted as it trained
     fresh = torch.randint(0, model.config.vocab_size, (6, 4), generator=torch.Generator().manual_seed(7))
@@ -118,6 +111,18 @@ def test_training_on_a_predictable_target_drafts_whole_blocks():
         assert all(got == greedy_generate(engine, p, 40)[0].tolist() for (got, _), p in zip(runs, fresh))
         taus[name] = sum(s.tau for _, s in runs) / len(runs)
     assert taus["trained"] > taus["random"] + 0.2
+    # Three rows serving seven requests (rows refilled as requests end), accepted on the
+    # device or on the host: each request's tokens and per-round acceptance as decoded alone.
+    prompts = [ids[0], *fresh]
+    alone = [block_generate(engine, draft, p, 40) for p in prompts]
+    batched = CachedTarget.from_hf(model, AUX, 160, batch_size=3)
+    runner = BlockRunner(draft, embed, 160, batch_size=3)
+    for device_rounds in (True, False):
+        rows = batch_generate(
+            batched, prompts, 40, draft=runner, tree=(BLOCK - 1, 1, BLOCK), device_rounds=device_rounds
+        )
+        assert [r.tokens for r in rows] == [t for t, _ in alone]
+        assert [r.stats.accept_lengths for r in rows] == [s.accept_lengths for _, s in alone]
 
 
 def test_sampled_block_decoding_follows_the_targets_law():
@@ -150,3 +155,25 @@ def test_a_causal_block_sees_only_its_earlier_slots():
     vis = block_visibility(torch.tensor([[2]]), 3, 4, causal=True)[0, 0]
     assert vis[:, 4:].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     assert vis[:, :4].tolist() == [[True, True, False, False]] * 3  # the context is as before
+
+
+@pytest.mark.parametrize("device_rounds", [False, True])
+def test_block_rounds_survive_their_capture(as_captured, trained, device_rounds):
+    """Decoding as under CUDA graphs (each static function run three times on its first
+    shape): tokens equal greedy decoding's, and the drafter's context cache up to the last
+    committed position equals the context of a fresh prefill of the emitted text."""
+    model, draft, ids, _, _ = trained
+    target = CachedTarget.from_hf(model, AUX, 160)
+    runner = BlockRunner(draft, target.embed, 160)
+    k = BLOCK - 1
+    out, stats = speculative_generate(target, runner, ids[0], 28, k, 1, k + 1, device_rounds=device_rounds)
+    assert out[0].tolist() == greedy_generate(CachedTarget.from_hf(model, AUX, 160), ids[0], 28)[0].tolist()
+    assert stats.tau > 2.0
+    n = stats.cache_len
+    seq = torch.cat([ids[0], out[0]])[None, :n]
+    fresh = BlockRunner(draft, target.embed, 160)
+    with torch.no_grad():
+        _, aux = CachedTarget.from_hf(model, AUX, 160).prefill_rows(torch.tensor([0]), seq, torch.tensor([n]))
+        fresh.extend_rows(torch.tensor([0]), seq, aux, torch.tensor([n]))
+    for got, want in zip(runner.k_ctx + runner.v_ctx, fresh.k_ctx + fresh.v_ctx):
+        torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=1e-4, rtol=1e-4)

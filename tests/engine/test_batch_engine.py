@@ -303,3 +303,26 @@ def test_a_group_queues_steps_for_the_row_that_needs_the_most(monkeypatch):
     target, _ = engines(model, slots=2)
     assert [r.tokens for r in batch_generate(target, ps, budgets)] == want
     assert reads == [8, 8, 8, 5]  # 29 tokens after the prefill's first one: not 1 step while row 0 ends
+
+
+def test_a_block_drafter_runs_the_sweep_and_the_release_bench(tmp_path):
+    """A dflash head through the batched engine's benches: its one block config and the
+    adaptive engine at each level, and the release bench, all identical to plain decoding."""
+    from draftling.bench import release
+    from draftling.bench.concurrency import SweepOptions, run_concurrency_sweep
+    from tests.helpers import tiny_bench_target, tiny_draft_dir, token_prompt_set
+
+    target = tiny_bench_target()
+    draft = tiny_draft_dir(target, tmp_path / "draft", method="dflash")
+    ps = token_prompt_set(tmp_path / "set.jsonl")
+    opts = SweepOptions(levels=(1, 3), prompt_set=str(ps), max_new_tokens=10, min_requests=4, out_dir=tmp_path / "out")
+    rows = run_concurrency_sweep(target, draft, opts, log=lambda _: None)["concurrency_sweep"]
+    assert [(r["concurrency"], r["config"]) for r in rows] == [
+        (c, n) for c in (1, 3) for n in ("plain", "block-4", "adaptive")
+    ]
+    assert all(r["identical_fraction"] == 1.0 for r in rows if r["config"] != "plain")
+    res = release.run_release_bench(
+        target, draft, prompt_set=ps, max_new_tokens=12, out_dir=tmp_path / "rel", tag="t", quiet=True
+    )
+    (config,) = res["configs"]
+    assert config["name"] == "block-4" and config["identical_fraction"] == 1.0

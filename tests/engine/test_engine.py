@@ -655,6 +655,39 @@ def test_compile_and_cuda_graphs_match_eager():
     _static_paths_match("cuda", configs=[(3, 4, 8)], timing=False, compile=True, cuda_graphs=True)
 
 
+def _block_paths_match(**mode):
+    """A trained block head's rounds on a graphed engine: the eager engine's tokens and
+    acceptance, greedy on the device and on the host, and timed (drafting and verifying as
+    two graphs)."""
+    from draftling.engine.block_round import BlockRunner
+    from tests.helpers import train_block_head
+
+    model = perm_target()
+    draft, ids, _, _ = train_block_head(model)
+    model.cuda(), draft.cuda()
+    x, k = ids[0].cuda(), draft.block_size - 1
+    runs = {}
+    for name, opts in (("eager", {}), ("fast", mode)):
+        target = CachedTarget.from_hf(model, AUX, 160, **opts)
+        runner = BlockRunner(draft, target.embed, 160, **{o: v for o, v in opts.items() if o != "query_pad"})
+        for extra in ({}, {"device_rounds": False}, {"timing": True}):
+            runs[name, str(extra)] = speculative_generate(target, runner, x, 28, k, 1, k + 1, **extra)
+    (out, stats), *others = runs.values()
+    assert stats.tau > 2.0
+    for o, s in others:
+        assert torch.equal(o.cpu(), out.cpu()) and s.accept_lengths == stats.accept_lengths
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_block_rounds_match_eager():
+    _block_paths_match(cuda_graphs=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compile+graphs timed on the GPU only")
+def test_compile_and_cuda_graphs_block_rounds_match_eager():
+    _block_paths_match(compile=True, cuda_graphs=True)
+
+
 def test_validation_chain_walk_equals_the_engines_chain_rounds(monkeypatch):
     """Validation's chain walk (teacher forcing on the greedy output) accepts what the engine's
     chain decode accepts, round by round: the walk's chain_tau is the decode's tau."""

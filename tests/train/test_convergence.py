@@ -192,7 +192,7 @@ def data(tmp_path):
     return tmp_path
 
 
-def config(data, steps=20, **extra):
+def config(data, steps=20, draft=None, **extra):
     over = {
         "max_steps": steps,
         "batch_size": 4,
@@ -209,7 +209,8 @@ def config(data, steps=20, **extra):
         "smoke_max_share": 0,
         **extra,
     }
-    return load_config(None, [f"train.{k}={v}" for k, v in over.items()])
+    draft_keys = [f"draft.{k}={v}" for k, v in (draft or {}).items()]
+    return load_config(None, [f"train.{k}={v}" for k, v in over.items()] + draft_keys)
 
 
 def run(data, target, name, cfg, resume=False):
@@ -378,3 +379,13 @@ def test_smoke_settings_are_checked_when_the_config_loads(data, smoke_target):
     with pytest.raises(ConfigError, match="no such prompt file"):
         run(data, smoke_target, "r", config(data, smoke_prompts=str(data / "missing.jsonl")))
     assert not (data / "r").exists()  # refused before the run directory was touched
+
+
+def test_a_dflash_head_is_smoke_benched_on_its_block_chain(data, smoke_target):
+    """The smoke bench decodes a block drafter's one chain (block 4 from ttt_steps 3) at each
+    check, per prompt and per workload, where an EAGLE-3 runner would refuse the head."""
+    cfg = config(data, steps=4, stop_on_convergence="false", draft={"method": "dflash", "layers": 1})
+    result = run(data, smoke_target, "r", cfg)
+    smoke = records(data / "r", "smoke")
+    assert result["steps"] == 4 and [r["step"] for r in smoke] == [2, 4]
+    assert len(smoke[0]["per_prompt"]) == 4 and all(t >= 1.0 for t in smoke[0]["per_prompt"].values())

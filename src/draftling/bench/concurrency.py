@@ -31,7 +31,7 @@ from draftling.bench.manifest import (
     write_manifest,
 )
 from draftling.bench.release import load_prompt_set
-from draftling.bench.simple import build_engine, parse_decode_config
+from draftling.bench.simple import build_engine, decode_configs, parse_decode_config
 from draftling.config import CONCURRENCY_LEVELS, RELEASE_CONFIGS, BenchConfig
 from draftling.dtypes import dtype_name
 from draftling.engine import EngineOptions
@@ -94,10 +94,10 @@ class SweepOptions:
 def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log=print) -> dict:
     """The sweep's results (see RESULT_KEYS in the module doc); writes them with a plot and a
     manifest into one run folder under ``options.out_dir``."""
-    configs = [parse_decode_config(c) for c in options.configs]
+    draft = load_any_draft(draft_path, target.device, next(target.model.parameters()).dtype)
+    configs = decode_configs(draft, options.configs)
     engine = options.engine.resolve(target.device, 0)
     info, prompts = load_prompt_set(options.prompt_set, target)
-    draft = load_any_draft(draft_path, target.device, next(target.model.parameters()).dtype)
     rows = []
     # Requests decoded (plain and every config at each level): a level's cost grows with them.
     progress = Progress(sum(options.requests(v) for v in options.levels), "concurrency", emit=log, bar=False)

@@ -50,7 +50,7 @@ from draftling.bench.report import (  # noqa: F401 (release.X for callers)
     update_benchmarks_md,
     write_release_outputs,
 )
-from draftling.bench.simple import DecodeConfig, build_engine
+from draftling.bench.simple import DecodeConfig, build_engine, decode_configs
 from draftling.data.prompt_sets import BenchPrompt, read_prompt_set, tokenize_prompt_set
 from draftling.engine import CachedTarget, DraftRunner, build_target, causal_mask, greedy_generate, speculative_generate
 from draftling.errors import DataError
@@ -253,11 +253,12 @@ def run_release_bench(target: Target, draft_path, options: ReleaseOptions | None
 
 def _start(target: Target, draft_path, opts: ReleaseOptions, date: str, log) -> _Run:
     """Everything before the first timing: engine options, prompts, the draft and the engines."""
-    device, configs = target.device, opts.decode_configs
+    device = target.device
+    draft = load_any_draft(draft_path, device, next(target.model.parameters()).dtype)
+    configs = decode_configs(draft, opts.configs)
     max_draft = max(c.draft_tokens for c in configs)
     engine = opts.engine.resolve(device, max_draft)
     info, prompts = load_prompt_set(opts.prompt_set, target)
-    draft = load_any_draft(draft_path, device, next(target.model.parameters()).dtype)
     longest = max(len(p.input_ids) for p in prompts)
     limit = getattr(target.config, "max_position_embeddings", None)
     if limit and longest + opts.max_new_tokens > limit:

@@ -26,7 +26,7 @@ import torch
 
 from draftling.bench.manifest import device_name, manifest_fields
 from draftling.bench.release import load_prompt_set
-from draftling.bench.simple import build_engine, build_runner, parse_decode_config
+from draftling.bench.simple import build_engine, build_runner, decode_configs
 from draftling.config import load_config
 from draftling.data.tokenized import load_tokenized
 from draftling.engine import EngineOptions
@@ -176,7 +176,7 @@ class HeadMeter:
         self.runners: dict = {}  # (id(draft), key) -> (draft, runner): the draft kept, so its id is too
 
     def __call__(self, target: Target, draft, ids: list[list[int]], opts: SelectOptions) -> dict:
-        c = parse_decode_config(opts.config)
+        (c,) = decode_configs(draft, [opts.config])
         tree, eos = (c.steps, c.topk, c.draft_tokens), target.stop_token_ids()
         max_len = max(map(len, ids)) + opts.max_new_tokens + c.draft_tokens + 8
         key = (tuple(draft.config.eagle_aux_hidden_state_layer_ids), max_len, opts.concurrency, _ids_key(ids))

@@ -58,6 +58,14 @@ def block_config(draft: BlockDraft) -> DecodeConfig:
     return DecodeConfig(f"block-{draft.block_size}", k, 1, k + 1)
 
 
+def decode_configs(draft, names) -> list[DecodeConfig]:
+    """The configs a head decodes: ``names`` (steps-topk-draft_tokens) for an EAGLE-3 head;
+    its one ``block-B`` for a block drafter, whatever was asked (a block has one shape)."""
+    if isinstance(draft, BlockDraft):
+        return [block_config(draft)]
+    return [parse_decode_config(c) for c in names]
+
+
 def load_bench_prompts(path: str | Path, target: Target, n: int) -> list[tuple[str, list[int]]]:
     """Prompts as token ids. Accepts prompt/conversation files (rendered with the chat
     template, generation prompt added) or tokenized rows from `draftling data` (cut at the
@@ -132,10 +140,13 @@ def build_engine(
 
 def build_runner(target: Target, draft, max_seq_len: int, options: EngineOptions, batch_size: int = 1):
     """The draft's side of ``build_engine`` alone: another head on an engine target already
-    built (the same aux layers, ``options`` and ``batch_size``, at least its cache length)."""
+    built (the same aux layers, ``options`` and ``batch_size``, at least its cache length). A
+    block drafter's runner holds its context cache; an EAGLE-3 head's, its own KV cache."""
     from draftling.engine import DraftRunner
+    from draftling.engine.block_round import BlockRunner
 
-    return DraftRunner(draft, target.input_embeddings(), max_seq_len, batch_size=batch_size, options=options)
+    runner = BlockRunner if isinstance(draft, BlockDraft) else DraftRunner
+    return runner(draft, target.input_embeddings(), max_seq_len, batch_size=batch_size, options=options)
 
 
 class _Decoder:
@@ -143,15 +154,10 @@ class _Decoder:
     prompt i draws from seed + i, the same for plain and every config."""
 
     def __init__(self, target: Target, draft, max_len: int, bc: BenchConfig):
-        from draftling.engine import EngineOptions, build_target
+        from draftling.engine import EngineOptions
 
         self.options = EngineOptions()  # eager: this bench compares heads, bench --release times engines
-        self.block = draft if isinstance(draft, BlockDraft) else None
-        if self.block is None:
-            self.engine, self.runner = build_engine(target, draft, max_len, self.options)
-        else:  # a block drafter drafts from the target's states alone: no EAGLE runner
-            ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
-            self.engine, self.runner = build_target(target.model, ids, max_len, options=self.options), None
+        self.engine, self.runner = build_engine(target, draft, max_len, self.options)
         self.eos, self.bc, self.device = target.stop_token_ids(), bc, target.device
         self.sampled = bc.temperature > 0
         self.sampling = dict(temperature=bc.temperature, top_k=bc.top_k, top_p=bc.top_p)
@@ -169,13 +175,6 @@ class _Decoder:
         from draftling.engine.generate import speculative_generate
 
         n = self.bc.max_new_tokens if n is None else n
-        if self.block is not None:
-            from draftling.engine.block_decode import block_generate
-
-            toks, stats = block_generate(
-                self.engine, self.block, ids, n, eos_ids=self.eos, generator=self._generator(i), **self.sampling
-            )
-            return torch.tensor([toks]), stats
         return speculative_generate(
             self.engine,
             self.runner,
@@ -241,7 +240,7 @@ def run_bench(
     device = target.device
     dtype = next(target.model.parameters()).dtype
     draft = load_any_draft(draft_path, device, dtype)
-    configs = [block_config(draft)] if isinstance(draft, BlockDraft) else [parse_decode_config(c) for c in bc.configs]
+    configs = decode_configs(draft, bc.configs)
     prompts = load_bench_prompts(prompts_path, target, bc.num_prompts)
     max_draft = max(c.draft_tokens for c in configs)
     dec = _Decoder(target, draft, max(len(p) for _, p in prompts) + bc.max_new_tokens + max_draft + 8, bc)

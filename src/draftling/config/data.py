@@ -277,8 +277,8 @@ class DraftConfig:
         help=(
             "The head type: eagle3 (one layer drafting a token a step) or dflash (a block-parallel drafter: one pass "
             "proposes train.ttt_steps tokens, a block of ttt_steps + 1 with its anchor; draft/block.py). dflash trains, "
-            "decodes on the eager engine (one request, greedy or sampled) and exports in speculators' dflash layout; the release bench, "
-            "concurrency, select, serve-check and warm starts take eagle3 heads only so far."
+            "decodes in the batched engine as one chain per round (bench, bench --release, --concurrency; greedy or "
+            "sampled) and exports in speculators' dflash layout; serve-check and warm starts take eagle3 heads only so far."
         ),
     )
     layers: int = key(1, bounds=AT_LEAST_ONE, help="Decoder layers of a dflash head (an eagle3 head has one).")

@@ -136,8 +136,8 @@ class BlockLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, visible):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, visible)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, visible, attend=sdpa_attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, visible, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -172,13 +172,14 @@ class BlockDraft(DraftHead):
         cos, sin = self.rotary_emb(ctx, positions)
         return [cast(BlockLayer, layer).self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
-    def block_hidden(self, embeds, positions, ctx_kv, visible) -> torch.Tensor:
+    def block_hidden(self, embeds, positions, ctx_kv, visible, attend=sdpa_attend) -> torch.Tensor:
         """The blocks' final states [B, Q, H]: ``embeds`` [B, Q, H] at ``positions`` [B, Q];
-        ``visible`` [B, 1, Q, T + Q] over (context keys, block keys)."""
+        ``visible`` [B, 1, Q, T + Q] over (context keys, block keys); ``attend(q, k, v,
+        visible)`` computes attention (the engine passes its grouped matmul kernel)."""
         x = embeds.to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(x, positions)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, visible)
+            x = layer(x, cos, sin, k, v, visible, attend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -61,8 +61,8 @@ class DraftRunner(nn.Module):
         super().__init__()
         if not isinstance(draft, Eagle3Draft):
             raise ConfigError(
-                f"this command decodes EAGLE-3 heads; a {getattr(draft.config, 'draft_method', '?')} head "
-                "benches with `draftling bench` (one request) so far"
+                f"DraftRunner runs EAGLE-3 heads; a {getattr(draft.config, 'draft_method', '?')} head runs on "
+                "engine.block_round.BlockRunner (bench.simple.build_runner picks the runner)"
             )
         options = EngineOptions.of(options, **engine).check_resolved()
         self.draft = draft
@@ -85,6 +85,20 @@ class DraftRunner(nn.Module):
         # spec_round.SpecRound per (target, steps, topk, num_draft_tokens): its graphs are
         # captured once and replayed by every later generation with that config.
         self.rounds: dict = {}
+
+    @property
+    def batch_size(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_cache.dtype
+
+    @property
+    def state_sizes(self) -> tuple[int, int]:
+        """The per-row state a round hands the next: the draft's hidden state and logits
+        for the root's children."""
+        return self.draft.config.hidden_size, self.draft.config.draft_vocab_size
 
     @property
     def spec_base(self) -> int:

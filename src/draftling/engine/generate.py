@@ -42,6 +42,7 @@ from draftling.engine.accept import (
     pick_tokens,
 )
 from draftling.engine.adaptive import AdaptivePolicy
+from draftling.engine.block_round import BlockRound, BlockRunner
 from draftling.engine.draft_runner import DraftRunner
 from draftling.engine.spec_round import RoundTimer, SpecRound
 from draftling.engine.target_model import TargetEngine
@@ -63,15 +64,15 @@ def batch_generate(
     target: TargetEngine,
     prompts,
     max_new_tokens,
-    draft: DraftRunner | None = None,
+    draft: DraftRunner | BlockRunner | None = None,
     tree: tuple[int, int, int] | None = None,
     adaptive: AdaptivePolicy | None = None,
     **options,
 ) -> list[BatchResult]:
     """Decode ``prompts`` (1-D token tensors or lists) ``target.batch_size`` at a time.
     ``max_new_tokens``: one budget or one per prompt. ``tree``: (steps, topk,
-    num_draft_tokens) for speculative decoding with ``draft`` (a DraftRunner with as many
-    rows); None = plain. ``adaptive``: instead of one ``tree``, choose among the policy's
+    num_draft_tokens) for speculative decoding with ``draft`` (a DraftRunner, or a BlockRunner
+    with its one chain, with as many rows); None = plain. ``adaptive``: instead of one ``tree``, choose among the policy's
     trees and plain decoding per group of rounds (greedy only; see engine/adaptive.py).
     ``options``: SpecOptions fields (``eos_ids``, ``temperature``, ...).
     Speculative tokens equal plain decoding's at temperature 0, and follow the target's
@@ -144,8 +145,8 @@ def _check_batch(target, draft, tree, prompts, budgets, adaptive, o: SpecOptions
     for t in adaptive.trees if adaptive else [tree] if tree else []:
         if draft is None:
             raise ConfigError("speculative decoding needs a draft")
-        check_tree(draft, *t)
-        if draft.k_cache.shape[0] != target.batch_size or draft.max_seq_len < target.max_seq_len:
+        draft.check_config(*t) if isinstance(draft, BlockRunner) else check_tree(draft, *t)
+        if draft.batch_size != target.batch_size or draft.max_seq_len < target.max_seq_len:
             raise ConfigError("the draft runner needs the target's batch rows and at least its cache length")
         headroom = max(headroom, t[2])
     for i, (p, m) in enumerate(zip(prompts, budgets)):
@@ -157,15 +158,22 @@ def _check_batch(target, draft, tree, prompts, budgets, adaptive, o: SpecOptions
             )
 
 
+def _round(target, draft, tree):
+    """The engine's device round for a config, made once per (engine, config)."""
+    if isinstance(draft, BlockRunner):
+        return BlockRound.cached(target, draft)
+    return SpecRound.cached(target, draft, *tree)
+
+
 class _Run:
     """The host side of a ragged batch: which request each row serves, and the rows' state
     tensors (tokens in the cache ``n``, the next root token, the draft's proposal for it)."""
 
     def __init__(self, target, draft, tree, o: SpecOptions, prompts, budgets, policy=None):
         self.target, self.draft, self.o, self.prompts, self.policy = target, draft, o, prompts, policy
-        self.rnd = SpecRound.cached(target, draft, *tree) if tree else None
         trees = policy.trees if policy else [tree] if tree else []
-        self.rounds = {t: SpecRound.cached(target, draft, *t) for t in trees}
+        self.rounds = {t: _round(target, draft, t) for t in trees}
+        self.rnd = self.rounds[tree] if tree else None
         eos, steps = eos_set(o.eos_ids), max((t[0] for t in trees), default=1)
         self.outs = [Output(m, eos, SpecStats(accept_counts=[0] * steps)) for m in budgets]
         self.timer = RoundTimer(target.device) if o.timing and tree else None
@@ -181,10 +189,10 @@ class _Run:
         self.synced = [True] * b  # the row's draft cache holds all it has committed
         self.group_end: float | None = None  # when the last adaptive group's read-back ended
         self.last_tree: tuple[int, int, int] | None = None  # the config that group ran
-        if draft is not None:
-            cfg, dtype = draft.draft.config, draft.k_cache.dtype
-            self.r_hidden = torch.zeros(b, cfg.hidden_size, dtype=dtype, device=dev)
-            self.r_logits = torch.zeros(b, cfg.draft_vocab_size, dtype=dtype, device=dev)
+        if draft is not None:  # the state a round hands the next: EAGLE-3's proposal for the root
+            h, v = draft.state_sizes
+            self.r_hidden = torch.zeros(b, h, dtype=draft.dtype, device=dev)
+            self.r_logits = torch.zeros(b, v, dtype=draft.dtype, device=dev)
 
     def admit(self) -> None:
         """Fill free rows with waiting requests: eager prefills of the newcomers, as many at

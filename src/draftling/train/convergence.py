@@ -35,13 +35,18 @@ from dataclasses import dataclass
 import torch
 
 from draftling.data.prompt_sets import BenchPrompt, UnknownPromptSet, read_prompt_set, tokenize_prompt_set
+from draftling.draft.block import BlockDraft
 from draftling.engine import CachedTarget, DraftRunner, UnsupportedArchitecture, build_target
+from draftling.engine.block_round import BlockRunner
 from draftling.engine.generate import batch_generate
 from draftling.errors import ConfigError, DataError
 from draftling.target.devmap import dispatched_devices
 
 SMOKE_CONFIG = "chain-3-1-4"
 SMOKE_TREE = (3, 1, 4)  # SMOKE_CONFIG as (steps, topk, draft tokens) in SGLang's naming (draft tokens count the root)
+# Cache slots past the longest prompt and reply: a round's queries (a block drafter's whole
+# block, up to this many) and the engine's padding.
+SMOKE_HEADROOM = 40
 BAND_Z = 2.0  # ~95% two-sided for a normal mean change
 # 1 is the bonus token alone; below 1.1 a draft accepts less than one token in ten rounds, which
 # chance matches can give an untrained one on a small vocab: not a plateau to stop on.
@@ -66,11 +71,12 @@ def load_smoke_prompts(spec: str, tokenizer, vocab_size: int) -> list[BenchPromp
 
 
 class SmokeBench:
-    """Chain-3-1-4 greedy decoding of fixed prompts with a copy of a draft: per-prompt tau."""
+    """Chain-3-1-4 greedy decoding of fixed prompts with a copy of a draft (a block drafter
+    decodes its one block chain instead): per-prompt tau."""
 
     def __init__(self, target, prompts: list[BenchPrompt], max_new_tokens: int, name: str, rows: int):
         self.target, self.prompts, self.max_new_tokens, self.name = target, prompts, max_new_tokens, name
-        self.max_len = max(len(p.input_ids) for p in prompts) + max_new_tokens + SMOKE_TREE[2] + 8
+        self.max_len = max(len(p.input_ids) for p in prompts) + max_new_tokens + SMOKE_HEADROOM
         self.rows = min(len(prompts), rows)
         self.eos = target.stop_token_ids()
         self._engine: tuple | None = None
@@ -106,13 +112,21 @@ class SmokeBench:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             frozen = copy.deepcopy(draft).to(device=device, dtype=self.target.input_embeddings().weight.dtype).eval()
             engine = self.engine(frozen.config.eagle_aux_hidden_state_layer_ids)
-            runner = DraftRunner(frozen, self.target.input_embeddings(), self.max_len, batch_size=self.rows)
+            tree = SMOKE_TREE
+            if isinstance(frozen, BlockDraft):
+                runner, k = (
+                    BlockRunner(frozen, self.target.input_embeddings(), self.max_len, self.rows),
+                    frozen.block_size - 1,
+                )
+                tree = (k, 1, k + 1)
+            else:
+                runner = DraftRunner(frozen, self.target.input_embeddings(), self.max_len, batch_size=self.rows)
             results = batch_generate(
                 engine,
                 [p.input_ids for p in self.prompts],
                 self.max_new_tokens,
                 draft=runner,
-                tree=SMOKE_TREE,
+                tree=tree,
                 eos_ids=self.eos,
             )
         # done at prefill: one token, one pass

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Issue 48 item 3: EAGLE-3, EAGLE-3.1 and the block drafter (dflash) side by side on one GPU,
+# same target (SmolLM2-135M-Instruct bf16), same regenerated data, same step budget and the
+# recipe's schedule (lab/configs/gpu_smollm2.yaml scaled to STEPS), then the release bench of
+# each on prompt set v1 and lab/gpu/methods.py's methods.json. With SWEEP=1, issue 46's
+# sweep (one_engine_sweep.py, --skip-regen) follows with this run's EAGLE-3 head.
+# Device calls straight after each other (the machine goes back 30 s idle):
+#   1. carries .dev/a .whl:          mkdir -p /tmp/m && cp .dev/a/* /tmp/m/
+#   2. carries .dev/b .dev/p .whl:   bash lab/gpu/methods.sh start [SECONDS]
+#   3.. carries .whl:                bash lab/gpu/methods.sh poll SECONDS   (until "methods: done")
+# `start` runs everything in a session of its own (it outlives the call) and polls. Each poll
+# copies the logs and whatever results exist to $OUT. Knobs: PER_FILE (prompts per corpus
+# file, 1000), STEPS (1200), DFLASH_LAYERS (2), SWEEP (1), RUN_S (1500: caps the whole job);
+# for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
+# BENCH_EXTRA (KEY=VALUE or flags added to those commands), e.g.
+#   DEV="--device cpu --dtype float32" PER_FILE=1 STEPS=4 SWEEP=0 DATA_EXTRA=data.regen.max_new_tokens=16 \
+#   TRAIN_EXTRA="train.batch_size=4 train.smoke_every=2" BENCH_EXTRA="--max-new-tokens 8" bash lab/gpu/methods.sh start
+W=/tmp/work/methods
+case "${1:-}" in
+  start)
+    source lab/gpu/common.sh
+    mkdir -p $W/results && date -u +%FT%TZ > $W/started
+    setsid bash -c "timeout ${RUN_S:-1500} bash $0 job > $W/log.txt 2>&1; echo \"exit \$?\" > $W/done" \
+      < /dev/null > /dev/null 2>&1 &
+    exec bash $0 poll ${2:-500} ;;
+  job)
+    source lab/gpu/common.sh
+    C=lab/configs/gpu_smollm2.yaml D=$W/data DEV=${DEV:---device cuda --dtype bfloat16}
+    t0=$(date +%s)
+    python3 -m draftling data --config $C --target $T $DEV --out $D data.max_prompts_per_file=${PER_FILE:-1000} ${DATA_EXTRA:-} 2>&1 \
+      | grep --line-buffered -v "^regenerate: "
+    python3 -m draftling vocab --data $D --config $C --target $T
+    cp $D/summary.json $W/results/data_summary.json
+    echo "data: $(( $(date +%s) - t0 )) s"
+    common="train.max_steps=${STEPS:-1200} train.stop_on_convergence=false train.ckpt_every_epoch=false train.max_minutes=8"
+    declare -A extra=([eagle3]="" [eagle31]="draft.fc_norm=true draft.norm_output=true"
+                      [dflash]="draft.method=dflash draft.layers=${DFLASH_LAYERS:-2}")
+    for m in eagle3 dflash eagle31; do
+      s=$(date +%s)
+      python3 -m draftling train --config $C --target $T $DEV --data $D --run-dir $W/run-$m $common ${extra[$m]} ${TRAIN_EXTRA:-} \
+        > $W/results/train-$m.txt 2>&1 || echo "train $m failed"
+      echo "{\"method\": \"$m\", \"wall_s\": $(( $(date +%s) - s ))}" > $W/results/train-$m-wall.json
+      cp $W/run-$m/train_result.json $W/results/train-$m-result.json 2>/dev/null || true
+      cp $W/run-$m/metrics.jsonl $W/results/train-$m-metrics.jsonl 2>/dev/null || true
+      echo "trained $m: $(( $(date +%s) - s )) s"
+    done
+    for m in dflash eagle3 eagle31; do
+      [ -f $W/run-$m/draft/draft.safetensors ] || { echo "no head for $m"; continue; }
+      python3 -m draftling bench --release --target $T $DEV --draft $W/run-$m/draft ${BENCH_EXTRA:-} \
+        --prompt-set v1 --baselines engine_plain --results-dir $W/bench-$m --tag $m 'bench.sampled_temperatures=[]' \
+        > $W/results/bench-$m.txt 2>&1 || echo "bench $m failed"
+      cp -r $W/bench-$m $W/results/ 2>/dev/null || true
+      python3 lab/gpu/methods.py $W/results > $W/results/methods_log.txt 2>&1 || true
+      echo "benched $m"
+    done
+    if [ "${SWEEP:-1}" = 1 ] && [ -f $W/run-eagle3/draft/draft.safetensors ]; then
+      python3 lab/gpu/one_engine_sweep.py --target $T --draft $W/run-eagle3/draft --out $W/sweep --repeats 2 \
+        --skip-regen > $W/results/sweep_log.txt 2>&1 || echo "sweep failed"
+      tar czf $W/results/sweep.tgz -C $W sweep 2>/dev/null || true
+    fi
+    echo "all: $(( $(date +%s) - t0 )) s" ;;
+  poll)
+    for _ in $(seq ${2:-500}); do [ -f $W/done ] && break; sleep 1; done
+    mkdir -p $OUT/methods && cp -r $W/results/. $W/log.txt $W/started $OUT/methods/ 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $OUT/methods/gpu.txt || true
+    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" > $OUT/methods/versions.txt 2>&1 || true
+    tail -5 $W/log.txt
+    if [ -f $W/done ]; then echo "methods: done ($(cat $W/done))"; else echo "methods: running"; fi ;;
+  *) echo "usage: $0 start [SECONDS] | poll [SECONDS]"; exit 2 ;;
+esac
