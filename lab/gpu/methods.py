@@ -27,7 +27,7 @@ def training(results: Path, method: str) -> dict:
         path = results / name
         if path.is_file():
             out.update(json.loads(path.read_text()))
-    keep = ("steps", "stop_reason", "wall_s", "tokens_per_s", "val")
+    keep = ("steps", "stop_reason", "wall_s", "train_wall_s", "data")
     return {k: out[k] for k in keep if k in out}
 
 
