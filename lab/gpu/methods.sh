@@ -61,9 +61,11 @@ case "${1:-}" in
     echo "all: $(( $(date +%s) - t0 )) s" ;;
   poll)
     for _ in $(seq ${2:-500}); do [ -f $W/done ] && break; sleep 1; done
-    mkdir -p $OUT/methods && cp -r $W/results/. $W/log.txt $W/started $OUT/methods/ 2>/dev/null || true
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $OUT/methods/gpu.txt || true
-    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" > $OUT/methods/versions.txt 2>&1 || true
+    # A call brings back at most 8 files: the results travel as one archive.
+    cp $W/log.txt $W/started $W/results/ 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $W/results/gpu.txt || true
+    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" > $W/results/versions.txt 2>&1 || true
+    tar czf $OUT/methods.tgz -C $W results
     tail -5 $W/log.txt
     if [ -f $W/done ]; then echo "methods: done ($(cat $W/done))"; else echo "methods: running"; fi ;;
   *) echo "usage: $0 start [SECONDS] | poll [SECONDS]"; exit 2 ;;
