@@ -193,3 +193,34 @@ def test_release_serves_the_config_its_bench_found_best_and_names_every_engine(t
     plain = release(ReleaseSpec(str(tmp_path / "run"), str(tmp_path / "rel2"), "sglang", "org/tiny-llama"), tiny_target)
     assert "no release bench was given" in json.loads((plain / "serving.json").read_text())["chosen_by"]
     assert "Not checked: `draftling serve-check" in (plain / "README.md").read_text()
+
+
+def test_a_dflash_release_is_the_dflash_layout_served_by_vllm(tmp_path, tiny_target):
+    """A block drafter's release: speculators' dflash layout by default (its one layout), a
+    vLLM `dflash` speculative_config of block - 1 drafts, no SGLang line, a card that says so."""
+    from draftling.draft.block import BlockDraft
+
+    setup_data(tmp_path)
+    cfg = cfg_for(2, **{"draft.method": "dflash", "draft.layers": 1})
+    train(
+        cfg,
+        tiny_target,
+        tmp_path / "run",
+        tmp_path / "train.jsonl",
+        tmp_path / "val.jsonl",
+        tmp_path / "vocab.safetensors",
+    )
+    out = release(ReleaseSpec(str(tmp_path / "run"), str(tmp_path / "rel"), target_id="org/tiny-llama"), tiny_target)
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "dflash"
+    back = load_any_draft(out, "cpu", torch.float32)
+    assert isinstance(back, BlockDraft) and back.block_size == 4  # train.ttt_steps=3
+    serving = json.loads((out / "serving.json").read_text())
+    assert serving["vllm"]["speculative_config"] == {
+        "method": "dflash",
+        "model": "<path to this folder>",
+        "num_speculative_tokens": 3,
+    }
+    assert serving["sglang"] is None
+    card = (out / "README.md").read_text()
+    assert "- dflash\n" in card and "# DFlash block draft head for org/tiny-llama" in card
+    assert "EAGLE" not in card and "SGLang:" not in card

@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "release",
         help="write a hub-ready folder: the export, a model card, serving configs",
-        description="Export the run's head (SGLang format, or speculators): the winner of "
+        description="Export the run's head (SGLang format, or speculators; a dflash head: speculators' dflash "
+        "layout, served by vLLM): the winner of "
         "RUN/selection/selection.json where `draftling select` wrote one, else RUN/draft; "
         "--checkpoint picks another. Write a model card "
         "(README.md with the hub's YAML metadata: the target and its fingerprint, the training, "
@@ -29,7 +30,10 @@ def add_parser(sub) -> None:
         "--out", required=True, help="the release folder (new, empty, or an earlier release with --overwrite)"
     )
     p.add_argument(
-        "--format", choices=["sglang", "speculators"], default="sglang", help="export format (default sglang)"
+        "--format",
+        choices=["sglang", "speculators"],
+        default=None,
+        help="export format (default: sglang for an EAGLE-3 head, speculators for a dflash head, its one layout)",
     )
     p.add_argument(
         "--verifier-id",

@@ -1,18 +1,21 @@
 """`draftling release RUN --out DIR`: a folder a model hub takes as it is.
 
-It holds the export (SGLang format by default, speculators with ``--format speculators``), a
-model card (README.md with the hub's YAML metadata), and ``serving.json``: the vLLM
-``speculative_config`` dict and the vLLM and SGLang launch commands. The folder is built aside
+It holds the export (SGLang format by default, speculators with ``--format speculators``; a
+dflash head has speculators' dflash layout only), a model card (README.md with the hub's YAML
+metadata), and ``serving.json``: the vLLM ``speculative_config`` dict and the launch commands
+(vLLM's, and SGLang's for an EAGLE-3 head). The folder is built aside
 and renamed into place, so a failed release leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftling.config import load_config
+from draftling.draft.block import METHOD as BLOCK_METHOD
 from draftling.draft.model import NORM_FLAGS
 from draftling.draft.store import WEIGHTS_FILE, load_draft
 from draftling.errors import DraftlingError
@@ -28,7 +31,7 @@ DEFAULT_CONFIG = (3, 4, 8)  # steps, topk, draft tokens: tree-3-4-8, the v1 rele
 class ReleaseSpec:
     run_dir: str
     out: str
-    fmt: str = "sglang"
+    fmt: str | None = None  # None: sglang for an EAGLE-3 head, speculators for a dflash head
     target_id: str = DEFAULT_TARGET_HUB_ID  # the verifier's hub id, as serving engines load it
     repo: str | None = None  # where the folder will live on the hub (names the draft in the commands)
     bench: str | None = None  # a release-bench results JSON: the card's table and the serving config
@@ -63,6 +66,9 @@ def shipped_head(run: Path, checkpoint: str | None) -> tuple[Path, dict | None]:
 def release(spec: ReleaseSpec, target) -> Path:
     run = Path(spec.run_dir)
     draft_dir, selection = shipped_head(run, spec.checkpoint)
+    config = load_draft(draft_dir).config
+    if spec.fmt is None:
+        spec = dataclasses.replace(spec, fmt="speculators" if _is_block(config) else "sglang")
     bench = _read_json(spec.bench, "--bench", "a release-bench results JSON")
     served = _read_json(spec.serve_check, "--serve-check", "a serve-check results JSON")
     check_output_dir(spec.out, "release", spec.overwrite)
@@ -84,7 +90,7 @@ def release(spec: ReleaseSpec, target) -> Path:
         for f in (tmp / "export").iterdir():  # the export's files at the folder's top, as hubs serve them
             f.rename(tmp / f.name)
         (tmp / "export").rmdir()
-        serving = serving_configs(spec, load_draft(draft_dir).config, bench)
+        serving = serving_configs(spec, config, bench)
         write_json(tmp / "serving.json", serving)
         card = model_card(spec, run, recorded, serving, bench, served)
         write_text(tmp / "README.md", card + "\n" + _selection_section(draft_dir, selection))
@@ -124,7 +130,13 @@ def _engine_words(bench: dict) -> str:
     return f"the engine of {bench.get('engine', 'draftling')} on {bench.get('gpu')}, {bench.get('dtype')}, batch 1"
 
 
+def _is_block(draft_config) -> bool:
+    return getattr(draft_config, "draft_method", None) == BLOCK_METHOD
+
+
 def serving_configs(spec: ReleaseSpec, draft_config, bench: dict | None = None) -> dict:
+    if _is_block(draft_config):
+        return _block_serving(spec, draft_config)
     (steps, topk, tokens), why = chosen_config(bench)
     draft = spec.repo or "<path to this folder>"
     # vLLM's EAGLE-3 proposes a chain: the chosen config's depth; the tree's width is SGLang's.
@@ -147,6 +159,26 @@ def serving_configs(spec: ReleaseSpec, draft_config, bench: dict | None = None) 
                 f"--speculative-num-draft-tokens {tokens}"
             )
         },
+    }
+
+
+def _block_serving(spec: ReleaseSpec, draft_config) -> dict:
+    """A dflash head serves its one shape: a block of ``block_size - 1`` drafts a round. Its export
+    is in speculators' dflash layout, which vLLM reads; SGLang's DFLASH loader reads another."""
+    draft = spec.repo or "<path to this folder>"
+    k = int(draft_config.block_size) - 1
+    vllm = {"method": "dflash", "model": draft, "num_speculative_tokens": k}
+    return {
+        "target": spec.target_id,
+        "draft": draft,
+        "format": spec.fmt,
+        "chosen_by": f"the head's block of {k + 1} (block-{k + 1}: {k} drafts a round, one drafting pass)",
+        "max_position_embeddings": int(getattr(draft_config, "max_position_embeddings", 0)),
+        "vllm": {
+            "speculative_config": vllm,
+            "command": f"vllm serve {spec.target_id} --speculative-config '{json.dumps(vllm)}'",
+        },
+        "sglang": None,
     }
 
 
@@ -184,6 +216,7 @@ def _variant_lines(run: Path) -> list[str]:
 
 def _card_head(spec: ReleaseSpec, fp: dict | None, serving: dict) -> list[str]:
     """The card's front matter, what the head is, and its target."""
+    block = serving["vllm"]["speculative_config"]["method"] == BLOCK_METHOD
     return [
         "---",
         f"base_model: {spec.target_id}",
@@ -191,19 +224,11 @@ def _card_head(spec: ReleaseSpec, fp: dict | None, serving: dict) -> list[str]:
         "license: apache-2.0",
         "tags:",
         "- speculative-decoding",
-        "- eagle3",
+        f"- {BLOCK_METHOD if block else 'eagle3'}",
         "- draft-model",
         "---",
         "",
-        f"# EAGLE-3 draft head for {spec.target_id}",
-        "",
-        f"A one-layer EAGLE-3 draft head ({spec.fmt} format) trained with draftling to speed up "
-        f"{spec.target_id} by speculative decoding. Output is the target's: verification is lossless.",
-        "",
-        "The export omits the embedding: serving engines share the target's own. It holds the fused "
-        "feature layer, one decoder layer, the norm, the draft-vocabulary output head and the d2t/t2d "
-        "vocabulary maps.",
-        "",
+        *(_block_lines(spec, serving) if block else _eagle3_lines(spec)),
         "## Target",
         "",
         f"- {spec.target_id}; "
@@ -217,13 +242,46 @@ def _card_head(spec: ReleaseSpec, fp: dict | None, serving: dict) -> list[str]:
     ]
 
 
+def _eagle3_lines(spec: ReleaseSpec) -> list[str]:
+    return [
+        f"# EAGLE-3 draft head for {spec.target_id}",
+        "",
+        f"A one-layer EAGLE-3 draft head ({spec.fmt} format) trained with draftling to speed up "
+        f"{spec.target_id} by speculative decoding. Output is the target's: verification is lossless.",
+        "",
+        "The export omits the embedding: serving engines share the target's own. It holds the fused "
+        "feature layer, one decoder layer, the norm, the draft-vocabulary output head and the d2t/t2d "
+        "vocabulary maps.",
+        "",
+    ]
+
+
+def _block_lines(spec: ReleaseSpec, serving: dict) -> list[str]:
+    k = serving["vllm"]["speculative_config"]["num_speculative_tokens"]
+    return [
+        f"# DFlash block draft head for {spec.target_id}",
+        "",
+        f"A block-parallel (DFlash) draft head (speculators' dflash layout) trained with draftling to speed up "
+        f"{spec.target_id} by speculative decoding: one forward pass proposes {k} tokens, which the target "
+        "verifies as a chain. Output is the target's: verification is lossless.",
+        "",
+        "The export omits the embedding: serving engines share the target's own. It holds the context "
+        "projection of the target's hidden states (fc, hidden_norm), the decoder layers, the norm, the "
+        "draft-vocabulary output head and the d2t/t2d vocabulary maps.",
+        "",
+    ]
+
+
 def _serving_section(serving: dict) -> list[str]:
     """How to serve it: vLLM's command and speculative_config, SGLang's command."""
-    return [
+    if serving["sglang"] is None:
+        how = "vLLM reads this layout (`method: dflash`); SGLang's DFLASH loader reads another, so no SGLang line."
+    else:
+        how = "vLLM's EAGLE-3 drafts a chain, so its line takes the config's depth; SGLang's takes the whole tree."
+    lines = [
         "## Serving",
         "",
-        f"Config: {serving['chosen_by']}. vLLM's EAGLE-3 drafts a chain, so its line "
-        "takes the config's depth; SGLang's takes the whole tree.",
+        f"Config: {serving['chosen_by']}. {how}",
         "",
         "vLLM:",
         "",
@@ -237,13 +295,10 @@ def _serving_section(serving: dict) -> list[str]:
         json.dumps(serving["vllm"]["speculative_config"], indent=2),
         "```",
         "",
-        "SGLang:",
-        "",
-        "```bash",
-        serving["sglang"]["command"],
-        "```",
-        "",
     ]
+    if serving["sglang"] is not None:
+        lines += ["SGLang:", "", "```bash", serving["sglang"]["command"], "```", ""]
+    return lines
 
 
 def _data_lines(run: Path) -> list[str]:
