@@ -196,3 +196,27 @@ def test_the_cli_defaults_are_a_serving_load_and_three_repeats():
     assert (SelectOptions("P", "D").concurrency, SelectOptions("P", "D").repeats) == (16, 3)
     help_text = build_parser()._subparsers._group_actions[0].choices["select"].format_help()
     assert "(default 16)" in help_text and "--repeats" in help_text
+
+
+def test_a_dflash_run_is_selected_by_its_block_chain(tmp_path):
+    """select on a dflash run: each checkpoint decodes its block chain through the batched
+    engine (real measurements), identical to plain, and the report names that config."""
+    target = wrap_target(tiny_llama(), types.SimpleNamespace(pad_token_id=0, eos_token_id=1), name="tiny-llama")
+    target.tokenizer.get_vocab = dict
+    setup_data(tmp_path)
+    cfg = cfg_for(
+        4, **{"train.ckpt_every": 2, "train.keep_checkpoints": 0, "draft.method": "dflash", "draft.layers": 1}
+    )
+    train(
+        cfg, target, tmp_path / "run", tmp_path / "train.jsonl", tmp_path / "val.jsonl", tmp_path / "vocab.safetensors"
+    )
+    opts = SelectOptions(
+        prompts=str(prompt_set(tmp_path / "held.jsonl")), data=str(tmp_path), concurrency=2, max_new_tokens=6, repeats=1
+    )
+    report = select_checkpoint(target, tmp_path / "run", opts)
+    rows = report["selection"]["candidates"]
+    assert {r["checkpoint"] for r in rows} == {"step_0000002", "step_0000004"}
+    assert all(r["config"] == "block-4" and r["identical"] == 1.0 and r["tok_s"] > 0 for r in rows)
+    assert report["protocol"]["config"] == "block-4" and report["selection"]["winner"] in {
+        r["checkpoint"] for r in rows
+    }

@@ -188,6 +188,7 @@ class HeadMeter:
         lengths = [a for r in out for a in r.stats.accept_lengths]
         tok_s = sum(len(r.tokens) for r in out) / seconds
         return {
+            "config": c.name,  # a block drafter decodes its own block, whatever opts.config says
             "tok_s": tok_s,
             "tau": sum(lengths) / max(1, len(lengths)),
             "plain_tok_s": plain_tok_s,
@@ -306,7 +307,7 @@ def _report(
             "n": len(ids),
             "requests": requests,  # decoded per run: the prompts, repeated to fill the rows where fewer
             "max_prompt_tokens": max(map(len, ids)),  # the context length this selection tested
-            "config": opts.config,
+            "config": _decoded(rows, opts),
             "concurrency": opts.concurrency,
             "repeats": opts.repeats,
             "max_new_tokens": opts.max_new_tokens,
@@ -314,6 +315,11 @@ def _report(
         },
         "caveats": _caveats(opts, len(ids), requests, target.device),
     }
+
+
+def _decoded(rows: list[dict], opts: SelectOptions) -> str:
+    """The decode config the candidates ran: ``opts.config``, or a block drafter's ``block-B``."""
+    return ", ".join(dict.fromkeys(r.get("config", opts.config) for r in rows))
 
 
 def _caveats(opts: SelectOptions, prompts: int, requests: int, device) -> list[str]:
