@@ -27,6 +27,8 @@ from draftling.train.warmstart import WarmStart, keep_norms, keep_window
 
 
 def build_draft(cfg: RunConfig, target: Target, vocab, warm: WarmStart | None = None) -> Eagle3Draft | BlockDraft:
+    if warm is not None:
+        keep_method(warm.draft, cfg, warm.report["init_from"])
     if cfg.draft.method == BLOCK_METHOD:
         return build_block_draft(cfg, target, vocab, warm)
     if warm is not None:  # --init-from: the head's working copy, its maps already set
@@ -53,10 +55,12 @@ def build_block_draft(cfg: RunConfig, target: Target, vocab, warm) -> BlockDraft
     """A dflash head: ``train.ttt_steps`` drafts a block (its anchor makes ttt_steps + 1), its
     output side started from the target's (the published design keeps the target's head)."""
     dc = cfg.draft
-    unsupported = {"init_from": warm is not None, "window": dc.window, **{k: getattr(dc, k) for k in NORM_FLAGS}}
+    unsupported = {"window": dc.window, **{k: getattr(dc, k) for k in NORM_FLAGS}}
     if any(unsupported.values()):
         names = ", ".join(f"draft.{k}" for k, v in unsupported.items() if v)
         raise ConfigError(f"draft.method=dflash does not take {names} (EAGLE-3 options)")
+    if warm is not None:  # --init-from: the head's working copy, its layout and maps kept
+        return warm.draft
     mask = dc.mask_token_id if dc.mask_token_id is not None else mask_token(target)
     steps = cfg.train.ttt_steps
     config = block_config_from_target(
@@ -68,6 +72,23 @@ def build_block_draft(cfg: RunConfig, target: Target, vocab, warm) -> BlockDraft
     draft.set_vocab(vocab.d2t, vocab.t2d)
     init_from_target(draft, target.model, vocab.t2d)
     return draft
+
+
+def keep_method(draft, cfg: RunConfig, where: str) -> None:
+    """A warm start goes on training the head it loads: its type, and for a dflash head its
+    block (train.ttt_steps + 1) and depth (draft.layers), are the head's; a run asking for
+    another is refused rather than silently trained as something else."""
+    method = getattr(draft.config, "draft_method", None) or "eagle3"
+    if method != cfg.draft.method:
+        raise ConfigError(
+            f"--init-from {where}: a {method} head, but draft.method={cfg.draft.method}; set draft.method={method}"
+        )
+    if isinstance(draft, BlockDraft):
+        own = {"train.ttt_steps": draft.block_size - 1, "draft.layers": len(draft.layers)}
+        asked = {"train.ttt_steps": cfg.train.ttt_steps, "draft.layers": cfg.draft.layers}
+        wrong = [f"{k}={asked[k]} (the head's: {own[k]})" for k in own if own[k] != asked[k]]
+        if wrong:
+            raise ConfigError(f"--init-from {where}: the dflash head's layout differs: {', '.join(wrong)}")
 
 
 def mask_token(target: Target) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from draftling.draft.model import NORM_FLAGS, Eagle3Draft, draft_window, norm_flags, set_window
+from draftling.draft.store import new_draft
 from draftling.draft.vocab import DraftVocab, token_counts
 from draftling.errors import ConfigError
 from draftling.target import Target
@@ -111,7 +112,7 @@ def rebuilt(source: Eagle3Draft, target: Target, vocab: DraftVocab) -> tuple[Eag
     their tokens to the new draft ids; a token new to the map gets the target's head row."""
     config = copy.deepcopy(source.config)
     config.draft_vocab_size = vocab.size
-    draft = Eagle3Draft(config)
+    draft = new_draft(config)  # an EAGLE-3 or a dflash head, as the source
     state = {k: v for k, v in source.state_dict().items() if not k.startswith(("lm_head.", "d2t", "t2d"))}
     draft.load_state_dict(state, strict=False)
     draft.set_vocab(vocab.d2t, vocab.t2d)
