@@ -458,6 +458,13 @@ def test_plan_cli_rejects_a_bad_size(llama_config_dir):
         _plan(["--target", llama_config_dir, "--gpu-mem", "huge"])
 
 
+def test_plan_says_it_does_not_model_a_dflash_head(llama_config_dir):
+    from draftling.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="plan models EAGLE-3 heads; draft.method=dflash is not modeled yet"):
+        _plan(["--target", llama_config_dir, "--gpu-mem", "80", "draft.method=dflash"])
+
+
 def test_plan_is_wired_into_the_cli(llama_config_dir, capsys):
     from draftling import cli
 

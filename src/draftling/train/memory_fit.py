@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from draftling.dtypes import DTYPES, dtype_bytes, dtype_name
+from draftling.errors import ConfigError
 from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
 
 # Bits per quantized weight including scales (e.g. nf4 with blockwise absmax ~ 4.5).
@@ -228,6 +229,11 @@ def plan_run(
 ) -> dict:
     """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``. With
     ``cfg.device_map`` only the teacher's share on that GPU counts (``split``: computed if None)."""
+    if cfg.draft.method != "eagle3":  # the model counts ttt_unroll's tensors, not the block loss's
+        raise ConfigError(
+            f"draftling plan models EAGLE-3 heads; draft.method={cfg.draft.method} is not modeled yet "
+            "(its block loss holds other tensors)"
+        )
     embed_dtype = cfg.dtype if cfg.dtype in DTYPES else "float32"
     shape = DraftShape.from_config(target_config, cfg.vocab.size, cfg.draft.window)
     if cfg.draft.intermediate_size:  # the draft's own MLP width (lab/configs/gpu_smollm2.yaml: 4096)

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftling.config import RunConfig, TrainConfig, save_config
+from draftling.draft.block import BlockDraft
 from draftling.draft.model import Eagle3Draft, draft_window
 from draftling.draft.store import WEIGHTS_FILE
 from draftling.dynamo import allow_recompiles
@@ -115,7 +116,10 @@ def run_memory_policy(
     offload: bool,
 ) -> tuple[TrainConfig, str]:
     """resolve_memory_policy for the built draft, this process's share of a batch and the longest
-    sequence of either split."""
+    sequence of either split. A dflash head trains as configured: the memory model counts the
+    EAGLE-3 unroll's tensors."""
+    if isinstance(draft, BlockDraft):
+        return tc, "as configured (the memory model covers EAGLE-3 heads)"
     longest = max((len(e.input_ids) for e in inputs.examples + inputs.val_examples), default=1)
     shape = DraftShape.from_config(draft.config, inputs.vocab.size, draft_window(draft.config))  # the built draft's
     return resolve_memory_policy(
