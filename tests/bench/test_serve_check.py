@@ -261,3 +261,24 @@ def test_vllm_reads_a_block_drafter_export_as_dflash(tmp_path):
     assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 7
     assert hf["architectures"] == ["DFlashDraftModel"] and hf["eagle_aux_hidden_state_layer_ids"] == AUX
     assert hf["dflash_config"]["mask_token_id"] == 2 and hf["dflash_config"]["causal"] is False
+
+
+def test_a_dflash_export_is_checked_as_vllm_serves_it(tmp_path):
+    """serve-check's method and draft count for an export: a dflash head is vLLM's `dflash` with
+    its block's drafts (block - 1), whatever --draft-tokens asked; an EAGLE-3 head keeps both."""
+    from draftling.bench.serve_check import ServeCheckOptions, export_method
+    from draftling.draft.block import BlockDraft, block_config_from_target
+    from draftling.export.dflash import export_dflash
+    from tests.helpers import AUX, perm_target
+
+    model = perm_target()
+    draft = BlockDraft(block_config_from_target(model.config, model.config.vocab_size, AUX, 6, 1, mask_token_id=2))
+    out = export_dflash(draft, tmp_path / "d", verifier_name_or_path="t", verifier_architectures=["LlamaForCausalLM"])
+    method, o = export_method(out, ServeCheckOptions(draft_tokens=3))
+    assert method == "dflash" and o.draft_tokens == 5
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    assert export_method(tmp_path / "e", ServeCheckOptions(draft_tokens=3)) == (
+        "eagle3",
+        ServeCheckOptions(draft_tokens=3),
+    )

@@ -25,6 +25,7 @@ from draftling.bench.manifest import device_name, draft_label, manifest_fields
 from draftling.bench.release import first_per_workload, load_prompt_set
 from draftling.bench.simple import build_engine
 from draftling.data.prompt_sets import BenchPrompt
+from draftling.draft.block import METHOD as BLOCK_METHOD
 from draftling.dtypes import dtype_name
 from draftling.errors import DraftlingError, one_line
 from draftling.export.formats import CONFIG_NAME, load_any_draft
@@ -92,16 +93,28 @@ class Tally:
         return [round(c / max(1, self.drafts), 4) for c in self.per_position]
 
 
-def export_format(export: Path) -> str:
+def export_config(export: Path) -> dict:
     import json
 
     try:
-        cfg = json.loads((export / CONFIG_NAME).read_text())
+        return json.loads((export / CONFIG_NAME).read_text())
     except (OSError, ValueError) as e:
         raise DraftlingError(
             f"{export}: not an export directory ({one_line(e)}); write one with `draftling export`"
         ) from None
-    return "speculators" if cfg.get("speculators_model_type") else "sglang"
+
+
+def export_format(export: Path) -> str:
+    return "speculators" if export_config(export).get("speculators_model_type") else "sglang"
+
+
+def export_method(export: Path, o: ServeCheckOptions) -> tuple[str, ServeCheckOptions]:
+    """vLLM's speculative method for the export, and the options it is checked with: a dflash
+    head drafts its block (block_size - 1 tokens a round), whatever --draft-tokens says."""
+    cfg = export_config(export)
+    if cfg.get("speculators_model_type") == BLOCK_METHOD:
+        return BLOCK_METHOD, dataclasses.replace(o, draft_tokens=int(cfg["block_size"]) - 1)
+    return "eagle3", o
 
 
 def draftling_decode(
@@ -155,14 +168,15 @@ def vllm_eager(o: ServeCheckOptions, device: str) -> bool:
     return device == "cpu" if o.eager is None else o.eager
 
 
-def start_vllm(target_dir: Path, export: Path, o: ServeCheckOptions, max_len: int, engine: dict):
-    """vLLM's offline engine with the export as its EAGLE-3 speculator, or one line saying why not."""
+def start_vllm(target_dir: Path, export: Path, o: ServeCheckOptions, max_len: int, engine: dict, method="eagle3"):
+    """vLLM's offline engine with the export as its speculator (``method``: eagle3 or dflash), or
+    one line saying why not."""
     from vllm import LLM
 
     device = engine["device"]
     if device == "cpu":  # the CPU build sizes its KV cache from this (GiB); its default takes most of RAM
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": o.draft_tokens}
+    spec = {"method": method, "model": str(export), "num_speculative_tokens": o.draft_tokens}
     extra = {"gpu_memory_utilization": 0.5} if device == "cuda" else {}
     eager = vllm_eager(o, device)
     try:
@@ -253,6 +267,7 @@ def serve_check(target: Target, export, o: ServeCheckOptions) -> dict:
     DraftlingError naming the likely culprits when the two engines part beyond the band."""
     export = Path(export)
     fmt = export_format(export)
+    method, o = export_method(export, o)
     engine = require_vllm()
     target_dir = plain_checkpoint_dir(target.spec, o.cache_dir)
     log.info(f"serve-check: vLLM loads the target from {target_dir}")
@@ -262,9 +277,10 @@ def serve_check(target: Target, export, o: ServeCheckOptions) -> dict:
     # Both engines get the same context: the longest prompt, its reply and a round's drafts.
     max_len = max(len(p.input_ids) for p in prompts) + o.max_new_tokens + o.draft_tokens + 8
     d_tallies, d_tokens = draftling_decode(target, export, prompts, o, max_len, eos)
-    llm = start_vllm(target_dir, export, o, max_len, engine)
+    llm = start_vllm(target_dir, export, o, max_len, engine, method)
     v_tallies, v_tokens = vllm_decode(llm, prompts, o, eos)
     rec = _record(target, export, fmt, o, dict(info, decoded=len(prompts)), engine)
+    rec["method"] = method
     rec.update(compare(total(v_tallies), total(d_tallies), o.band))
     rec["identical_outputs"] = round(sum(v_tokens[p.id] == d_tokens[p.id] for p in prompts) / len(prompts), 4)
     rec["per_workload"] = {w: compare(v_tallies[w], d_tallies[w], o.band) for w in d_tallies}
@@ -285,7 +301,7 @@ def _record(target: Target, export: Path, fmt: str, o: ServeCheckOptions, info: 
     return {
         "head": draft_label(export),
         "format": fmt,
-        "config": f"chain-{k}-1-{k + 1}",
+        "config": f"chain-{k}-1-{k + 1}",  # a dflash head's block-(k+1) is this chain
         "target": target.spec.label,
         "vllm_version": engine["version"],
         "device": engine["device"],
