@@ -85,6 +85,43 @@ def test_global_denominators_make_half_batch_grads_average_to_full_batch_grads(t
     assert not torch.allclose((l0["fc.weight"] + l1["fc.weight"]) / 2, full["fc.weight"], atol=1e-6)
 
 
+def test_a_block_heads_half_batch_grads_average_to_full_batch_grads(tiny_target):
+    """The dflash objective under data parallelism: each row draws its own anchors wherever it
+    lands, and the global scored count as denominator makes the halves' average gradient the
+    whole batch's; each half's own count gives another."""
+    from draftling.data.tokenized import TokenizedExample
+    from draftling.train.batches import _loss_counts
+    from draftling.train.block_loss import block_unroll
+    from draftling.train.dataset import collate
+    from draftling.train.teacher import teacher_forward
+    from tests.helpers import random_block_draft
+
+    draft = random_block_draft(tiny_target.model, block=4).train()
+    rows = [TokenizedExample(r["id"], "t", r["input_ids"], r["loss_mask"]) for r in random_batch(4, 18)]
+    embed = tiny_target.input_embeddings()
+
+    def run(examples, denominators=None):
+        batch = collate(examples, 0)
+        teacher = teacher_forward(tiny_target, batch["input_ids"], batch["attention_mask"], draft.t2d)
+        draft.zero_grad()
+        args = (batch["input_ids"], batch["loss_mask"], batch["attention_mask"])
+        loss, _ = block_unroll(draft, embed, teacher, *args, loss_denominators=denominators)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        return grads, _loss_counts(draft, batch, teacher, 3)
+
+    full, _ = run(rows)
+    halves = [rows[:1], rows[1:]]
+    global_count = sum(run(h)[1] for h in halves) / 2
+    g0, _ = run(halves[0], global_count)
+    g1, _ = run(halves[1], global_count)
+    for name, g in full.items():
+        torch.testing.assert_close((g0[name] + g1[name]) / 2, g, atol=1e-6, rtol=1e-5, msg=name)
+    l0, _ = run(halves[0])
+    l1, _ = run(halves[1])
+    assert not torch.allclose((l0["fc.weight"] + l1["fc.weight"]) / 2, full["fc.weight"], atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def dp_data(tmp_path_factory, tiny_target_dir):
     from draftling.draft.vocab import build_vocab_file
@@ -163,6 +200,16 @@ def test_two_ranks_match_one_process(tmp_path, tiny_target_dir, dp_data, single_
     # Written once: one metrics file, checkpoints in the single-process layout.
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
     assert json.loads((run / "train_result.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow  # torchrun launches two processes
+def test_two_ranks_match_one_process_for_a_dflash_head(tmp_path, tiny_target_dir, dp_data):
+    dflash = ["draft.method=dflash", "draft.layers=1"]
+    single = tmp_path / "single"
+    assert main(common(tiny_target_dir, dp_data, single) + dflash) == 0
+    run = tmp_path / "ddp"
+    torchrun_train(common(tiny_target_dir, dp_data, run) + dflash + ["train.parallel=ddp"])
+    assert_same_run(single, run)
 
 
 @pytest.mark.slow  # torchrun launches two processes

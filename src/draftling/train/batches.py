@@ -13,6 +13,7 @@ from draftling.config import RunConfig
 from draftling.draft.block import BlockDraft
 from draftling.draft.model import Eagle3Draft
 from draftling.target import Target
+from draftling.train.block_loss import row_anchors, scored_slots
 from draftling.train.dataset import collate, to_device
 from draftling.train.distributed import DistContext, TTTObjective, all_reduce_sum, current, rank_share, unwrap
 from draftling.train.host_embed import HostEmbedding
@@ -138,10 +139,7 @@ def unroll_batch(objective, source: BatchSource, batch: RankBatch):
     draft = unwrap(objective)
     denominators = None
     if ctx.active:  # on the device: the unroll divides by them there
-        valid = step_valid_counts(b["loss_mask"], b["attention_mask"], batch.teacher.in_draft, tc.ttt_steps).to(
-            torch.float64
-        )
-        denominators = all_reduce_sum(valid, ctx) / ctx.world_size
+        denominators = all_reduce_sum(_loss_counts(draft, b, batch.teacher, tc.ttt_steps), ctx) / ctx.world_size
     options = source.unroll or unroll_options(tc, device, torch.is_grad_enabled(), next(draft.parameters()).dtype)
     loss, counts = objective(
         draft_embedding(source.cfg, source.target, device),
@@ -154,6 +152,17 @@ def unroll_batch(objective, source: BatchSource, batch: RankBatch):
         batch.row_bounds,
     )
     return loss, counts, batch.tokens
+
+
+def _loss_counts(draft, b: dict, teacher, ttt_steps: int) -> torch.Tensor:
+    """This rank's loss counts, float64 on the device: per TTT step the valid tokens (EAGLE-3),
+    or the scored block slots at the rows' anchors (a dflash head: one count)."""
+    if isinstance(draft, BlockDraft):
+        host = [b[k].cpu() for k in ("input_ids", "loss_mask", "attention_mask")]
+        scored = scored_slots(row_anchors(*host), host[1], draft.block_size).sum()
+        return scored.to(device=b["input_ids"].device, dtype=torch.float64).view(1)
+    valid = step_valid_counts(b["loss_mask"], b["attention_mask"], teacher.in_draft, ttt_steps)
+    return valid.to(torch.float64)
 
 
 def run_batch(objective, source: BatchSource, keys: list[int]):

@@ -65,6 +65,28 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator=None) ->
     return anchors.sort(dim=1).values
 
 
+def row_anchors(input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The anchors of a training batch (host tensors): each row's drawn by ``sample_anchors``
+    over its real length from a generator seeded by its own tokens, so a row gets the same
+    anchors in any batch, on any rank, after any resume; [B, MAX_ANCHORS], -1 padded."""
+    out = torch.full((input_ids.shape[0], MAX_ANCHORS), -1, dtype=torch.long)
+    weights = torch.arange(1, input_ids.shape[1] + 1, dtype=torch.long)
+    for i, n in enumerate(attention_mask.sum(1).tolist()):
+        seed = int((input_ids[i, :n] * weights[:n]).sum()) * 1_000_003 + n
+        picked = sample_anchors(loss_mask[i : i + 1, :n], MAX_ANCHORS, torch.Generator().manual_seed(seed))
+        out[i, : picked.shape[1]] = picked[0]
+    return out
+
+
+def scored_slots(anchors: torch.Tensor, loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, A, block-1]: slot j of the block at each anchor has a loss (a real anchor, a+j
+    inside the row, ``loss_mask[a+j]``)."""
+    t = loss_mask.shape[1]
+    slots = block_positions(anchors.clamp(min=0), block_size).view(*anchors.shape, block_size)[..., 1:]
+    trained = loss_mask.bool().gather(1, slots.clamp(max=t - 1).flatten(1)).view_as(slots)
+    return (anchors >= 0)[..., None] & (slots < t) & trained
+
+
 def block_loss(
     draft: BlockDraft,
     embed: Any,
@@ -74,14 +96,15 @@ def block_loss(
     teacher: TeacherBatch,
     anchors: torch.Tensor,
     gamma: float = 4.0,
+    denominator: torch.Tensor | None = None,
 ) -> BlockLoss:
-    """The loss and metrics of ``draft`` on one batch at ``anchors`` [B, A] (see the module)."""
+    """The loss and metrics of ``draft`` on one batch at ``anchors`` [B, A] (see the module).
+    ``denominator``: what the weighted loss sum is divided by instead of this batch's scored
+    count (data parallelism passes the global count over world size)."""
     bsz, t = input_ids.shape
     size, dev = draft.block_size, input_ids.device
-    real = anchors >= 0
     a = anchors.clamp(min=0)
     slots = block_positions(a, size).view(bsz, -1, size)  # [B, A, block]
-    inside = slots < t
     tokens = torch.full_like(slots, int(draft.config.mask_token_id))
     tokens[..., 0] = input_ids.gather(1, a)
     positions = torch.arange(t, device=dev).expand(bsz, t)
@@ -94,28 +117,27 @@ def block_loss(
     flat = src.flatten(1)
     want = teacher.draft_logits.gather(1, flat[..., None].expand(-1, -1, teacher.draft_logits.shape[-1]))
     want = want.float().view_as(logits).softmax(-1)
-    scored = (
-        real[..., None]
-        & inside[..., 1:]
-        & loss_mask.bool().gather(1, slots[..., 1:].clamp(max=t - 1).flatten(1)).view_as(src)
-    )
+    scored = scored_slots(anchors, loss_mask, size)
     weight = torch.exp(-torch.arange(size - 1, device=dev, dtype=torch.float32) / gamma)
     ce = -(want * logits.log_softmax(-1)).sum(-1)  # [B, A, block-1]
-    loss = (ce * weight * scored).sum() / scored.sum().clamp(min=1)
+    total = scored.sum().clamp(min=1) if denominator is None else denominator.clamp(min=torch.finfo(torch.float32).tiny)
+    loss = (ce * weight * scored).sum() / total
     guess = draft.draft_to_target(logits.argmax(-1))
     correct = (guess == teacher.target_argmax.gather(1, flat).view_as(src)) & scored
     valid = scored & teacher.in_draft.gather(1, flat).view_as(src)
     return BlockLoss(loss, _counts(ce, correct, valid, scored), correct, scored)
 
 
-def block_unroll(draft, embed, teacher, input_ids, loss_mask, attention_mask, options=None, **_):
+def block_unroll(
+    draft, embed, teacher, input_ids, loss_mask, attention_mask, options=None, loss_denominators=None, **_
+):
     """The trainer's objective for a dflash head (train/batches.py calls it as it calls
-    ``ttt_unroll``): (loss, StepCounts over the block's K slots). Anchors are drawn from a
-    generator seeded by the batch itself, so a resumed run draws the same ones."""
-    seed = int(input_ids.sum()) * 1_000_003 + int(input_ids.numel())
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    anchors = sample_anchors(loss_mask.cpu(), MAX_ANCHORS, g).to(input_ids.device)
-    out = block_loss(draft, embed, input_ids, loss_mask, attention_mask, teacher, anchors)
+    ``ttt_unroll``): (loss, StepCounts over the block's K slots), at ``row_anchors``.
+    ``loss_denominators``: [1], the loss sum's divisor (see ``block_loss``)."""
+    host = [x.cpu() for x in (input_ids, loss_mask, attention_mask)]  # one read: the anchors are drawn on the host
+    anchors = row_anchors(*host).to(input_ids.device)
+    denominator = None if loss_denominators is None else torch.as_tensor(loss_denominators, device=input_ids.device)[0]
+    out = block_loss(draft, embed, input_ids, loss_mask, attention_mask, teacher, anchors, denominator=denominator)
     return out.loss, out.counts
 
 
