@@ -39,7 +39,12 @@ def run(target: str, draft: str | None, prompts: list, k: int):
 
 def main() -> None:
     target, draft, path, n, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-    rows = [json.loads(line) for line in open(path)][:n]
+    from draftling.bench.simple import sample_by_source
+
+    # The prompts `draftling bench --num-prompts N` picks (by source), not the file's first N:
+    # val.jsonl is sorted by length, so its head is the shortest, mostly chat, prompts.
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = [r for _, _, r in sample_by_source([(r["id"], r["source"], r) for r in rows], n)]
     # The prompt is what precedes the first trained (reply) token.
     prompts = [{"prompt_token_ids": r["input_ids"][: r["loss_mask"].index(1)]} for r in rows]
     k = json.load(open(f"{draft}/config.json"))["block_size"] - 1

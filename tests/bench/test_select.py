@@ -198,9 +198,9 @@ def test_the_cli_defaults_are_a_serving_load_and_three_repeats():
     assert "(default 16)" in help_text and "--repeats" in help_text
 
 
-def test_a_dflash_run_is_selected_by_its_block_chain(tmp_path):
+def test_a_dflash_run_is_selected_by_a_tree_of_its_drafts(tmp_path):
     """select on a dflash run: each checkpoint decodes its block chain through the batched
-    engine (real measurements), identical to plain, and the report names that config."""
+    engine (real measurements) as the tree select asks for by default (its depth fits the block), identical to plain, and the report names that config."""
     target = wrap_target(tiny_llama(), types.SimpleNamespace(pad_token_id=0, eos_token_id=1), name="tiny-llama")
     target.tokenizer.get_vocab = dict
     setup_data(tmp_path)
@@ -216,7 +216,7 @@ def test_a_dflash_run_is_selected_by_its_block_chain(tmp_path):
     report = select_checkpoint(target, tmp_path / "run", opts)
     rows = report["selection"]["candidates"]
     assert {r["checkpoint"] for r in rows} == {"step_0000002", "step_0000004"}
-    assert all(r["config"] == "block-4" and r["identical"] == 1.0 and r["tok_s"] > 0 for r in rows)
-    assert report["protocol"]["config"] == "block-4" and report["selection"]["winner"] in {
+    assert all(r["config"] == "tree-3-4-8" and r["identical"] == 1.0 and r["tok_s"] > 0 for r in rows)
+    assert report["protocol"]["config"] == "tree-3-4-8" and report["selection"]["winner"] in {
         r["checkpoint"] for r in rows
     }

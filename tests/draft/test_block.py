@@ -177,3 +177,33 @@ def test_block_rounds_survive_their_capture(as_captured, trained, device_rounds)
         fresh.extend_rows(torch.tensor([0]), seq, aux, torch.tensor([n]))
     for got, want in zip(runner.k_ctx + runner.v_ctx, fresh.k_ctx + fresh.v_ctx):
         torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device_rounds", [False, True])
+def test_block_trees_equal_greedy_decoding(as_captured, trained, device_rounds):
+    """Trees of block drafts (depth-d nodes: slot d's best tokens, the best paths kept), one and
+    three rows, as under CUDA graphs: greedy tokens equal plain decoding's, a wider tree accepts
+    at least as much as the chain of its depth, and the drafter's context along the accepted
+    paths equals a fresh prefill's."""
+    model, draft, ids, _, _ = trained
+    fresh = torch.randint(0, model.config.vocab_size, (4, 4), generator=torch.Generator().manual_seed(3))
+    prompts = [ids[0], ids[5], *fresh]
+    want = [greedy_generate(CachedTarget.from_hf(model, AUX, 160), p, 30)[0].tolist() for p in prompts]
+    taus = {}
+    for tree in ((3, 1, 4), (3, 4, 8), (2, 3, 7)):
+        target = CachedTarget.from_hf(model, AUX, 160, batch_size=3)
+        runner = BlockRunner(draft, target.embed, 160, batch_size=3)
+        rows = batch_generate(target, prompts, 30, draft=runner, tree=tree, device_rounds=device_rounds)
+        assert [r.tokens for r in rows] == want, tree
+        taus[tree] = sum(sum(r.stats.accept_lengths) for r in rows) / sum(r.stats.verify_steps for r in rows)
+    assert taus[3, 4, 8] >= taus[3, 1, 4] > 1.5
+    target = CachedTarget.from_hf(model, AUX, 160)
+    runner = BlockRunner(draft, target.embed, 160)
+    out, stats = speculative_generate(target, runner, ids[0], 28, 3, 4, 8, device_rounds=device_rounds)
+    n, seq = stats.cache_len, torch.cat([ids[0], out[0]])[None, : stats.cache_len]
+    check = BlockRunner(draft, target.embed, 160)
+    with torch.no_grad():
+        _, aux = CachedTarget.from_hf(model, AUX, 160).prefill_rows(torch.tensor([0]), seq, torch.tensor([n]))
+        check.extend_rows(torch.tensor([0]), seq, aux, torch.tensor([n]))
+    for got, want_kv in zip(runner.k_ctx + runner.v_ctx, check.k_ctx + check.v_ctx):
+        torch.testing.assert_close(got[:, :, :n], want_kv[:, :, :n], atol=1e-4, rtol=1e-4)

@@ -306,8 +306,9 @@ def test_a_group_queues_steps_for_the_row_that_needs_the_most(monkeypatch):
 
 
 def test_a_block_drafter_runs_the_sweep_and_the_release_bench(tmp_path):
-    """A dflash head through the batched engine's benches: its one block config and the
-    adaptive engine at each level, and the release bench, all identical to plain decoding."""
+    """A dflash head through the batched engine's benches: its block chain, the release trees
+    no deeper than its block and the adaptive engine at each level, and the release bench, all
+    identical to plain decoding."""
     from draftling.bench import release
     from draftling.bench.concurrency import SweepOptions, run_concurrency_sweep
     from tests.helpers import tiny_bench_target, tiny_draft_dir, token_prompt_set
@@ -318,11 +319,11 @@ def test_a_block_drafter_runs_the_sweep_and_the_release_bench(tmp_path):
     opts = SweepOptions(levels=(1, 3), prompt_set=str(ps), max_new_tokens=10, min_requests=4, out_dir=tmp_path / "out")
     rows = run_concurrency_sweep(target, draft, opts, log=lambda _: None)["concurrency_sweep"]
     assert [(r["concurrency"], r["config"]) for r in rows] == [
-        (c, n) for c in (1, 3) for n in ("plain", "block-4", "adaptive")
-    ]
+        (c, n) for c in (1, 3) for n in ("plain", "block-4", "tree-3-4-8", "adaptive")
+    ]  # the release configs' trees no deeper than the block join its chain
     assert all(r["identical_fraction"] == 1.0 for r in rows if r["config"] != "plain")
     res = release.run_release_bench(
         target, draft, prompt_set=ps, max_new_tokens=12, out_dir=tmp_path / "rel", tag="t", quiet=True
     )
-    (config,) = res["configs"]
-    assert config["name"] == "block-4" and config["identical_fraction"] == 1.0
+    assert [c["name"] for c in res["configs"]] == ["block-4", "tree-3-4-8"]
+    assert all(c["identical_fraction"] == 1.0 for c in res["configs"])

@@ -656,9 +656,9 @@ def test_compile_and_cuda_graphs_match_eager():
 
 
 def _block_paths_match(**mode):
-    """A trained block head's rounds on a graphed engine: the eager engine's tokens and
-    acceptance, greedy on the device and on the host, and timed (drafting and verifying as
-    two graphs)."""
+    """A trained block head's rounds, chain and tree, on a graphed engine: the eager engine's
+    tokens and acceptance, greedy on the device and on the host, and timed (drafting and
+    verifying as two graphs)."""
     from draftling.engine.block_round import BlockRunner
     from tests.helpers import train_block_head
 
@@ -666,16 +666,17 @@ def _block_paths_match(**mode):
     draft, ids, _, _ = train_block_head(model)
     model.cuda(), draft.cuda()
     x, k = ids[0].cuda(), draft.block_size - 1
-    runs = {}
-    for name, opts in (("eager", {}), ("fast", mode)):
-        target = CachedTarget.from_hf(model, AUX, 160, **opts)
-        runner = BlockRunner(draft, target.embed, 160, **{o: v for o, v in opts.items() if o != "query_pad"})
-        for extra in ({}, {"device_rounds": False}, {"timing": True}):
-            runs[name, str(extra)] = speculative_generate(target, runner, x, 28, k, 1, k + 1, **extra)
-    (out, stats), *others = runs.values()
-    assert stats.tau > 2.0
-    for o, s in others:
-        assert torch.equal(o.cpu(), out.cpu()) and s.accept_lengths == stats.accept_lengths
+    for tree in ((k, 1, k + 1), (3, 4, 8)):  # its chain, and a tree of its drafts
+        runs = {}
+        for name, opts in (("eager", {}), ("fast", mode)):
+            target = CachedTarget.from_hf(model, AUX, 160, **opts)
+            runner = BlockRunner(draft, target.embed, 160, **{o: v for o, v in opts.items() if o != "query_pad"})
+            for extra in ({}, {"device_rounds": False}, {"timing": True}):
+                runs[name, str(extra)] = speculative_generate(target, runner, x, 28, *tree, **extra)
+        (out, stats), *others = runs.values()
+        assert stats.tau > 2.0
+        for o, s in others:
+            assert torch.equal(o.cpu(), out.cpu()) and s.accept_lengths == stats.accept_lengths
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

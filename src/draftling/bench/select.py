@@ -176,7 +176,7 @@ class HeadMeter:
         self.runners: dict = {}  # (id(draft), key) -> (draft, runner): the draft kept, so its id is too
 
     def __call__(self, target: Target, draft, ids: list[list[int]], opts: SelectOptions) -> dict:
-        (c,) = decode_configs(draft, [opts.config])
+        c = decode_configs(draft, [opts.config])[-1]  # a block drafter: the tree asked, else its chain
         tree, eos = (c.steps, c.topk, c.draft_tokens), target.stop_token_ids()
         max_len = max(map(len, ids)) + opts.max_new_tokens + c.draft_tokens + 8
         key = (tuple(draft.config.eagle_aux_hidden_state_layer_ids), max_len, opts.concurrency, _ids_key(ids))

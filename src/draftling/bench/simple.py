@@ -59,11 +59,14 @@ def block_config(draft: BlockDraft) -> DecodeConfig:
 
 
 def decode_configs(draft, names) -> list[DecodeConfig]:
-    """The configs a head decodes: ``names`` (steps-topk-draft_tokens) for an EAGLE-3 head;
-    its one ``block-B`` for a block drafter, whatever was asked (a block has one shape)."""
-    if isinstance(draft, BlockDraft):
-        return [block_config(draft)]
-    return [parse_decode_config(c) for c in names]
+    """The configs a head decodes: ``names`` (steps-topk-draft_tokens) for an EAGLE-3 head. A
+    block drafter decodes its own ``block-B`` chain, then the trees among ``names`` no deeper
+    than its block (a chain of ``names`` would be a shorter copy of its own)."""
+    configs = [parse_decode_config(c) for c in names]
+    if not isinstance(draft, BlockDraft):
+        return configs
+    trees = [c for c in configs if c.topk > 1 and c.steps < draft.block_size]
+    return [block_config(draft), *trees]
 
 
 def load_bench_prompts(path: str | Path, target: Target, n: int) -> list[tuple[str, list[int]]]:

@@ -10,6 +10,11 @@ n..n+K in order. A chain's accepted path is always a prefix, so nothing moves: t
 advances n. The verify pass's aux states extend the drafter's context at n..n+K for all K+1
 queries; those past the accepted prefix sit at slots >= the next n, which no query sees and
 the next round overwrites first.
+
+``BlockTreeRound`` verifies a tree instead: the same one drafting pass gives each slot's
+distribution, the best ``topk`` tokens of slot d are the children of depth d, and EAGLE-2's
+selection keeps the ``q - 1`` best paths by summed log-probability. It is ``SpecRound`` with
+that drafting and a commit that writes the drafter's context along the accepted path.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import nn
 
 from draftling.draft.block import BlockDraft
 from draftling.engine.options import EngineOptions
-from draftling.engine.spec_round import RoundTimer
+from draftling.engine.spec_round import RoundTimer, SpecRound
 from draftling.engine.target_model import CachedTarget, StaticFn, matmul_attention, write_kv
 from draftling.errors import ConfigError
 
@@ -60,12 +65,28 @@ class BlockRunner(nn.Module):
         """The per-row state the loop carries between rounds: none (EAGLE-3 carries two)."""
         return 0, 0
 
-    def check_config(self, steps: int, topk: int, num_draft_tokens: int) -> None:
+    @property
+    def cache_size(self) -> int:  # SpecRound's names; a block drafter has no scratch slots
+        return self.max_seq_len
+
+    @property
+    def spec_base(self) -> int:
+        return self.max_seq_len
+
+    def is_chain(self, steps: int, topk: int, num_draft_tokens: int) -> bool:
+        """The head's own round: its whole block as one chain (``block-B``)."""
         k = self.draft.block_size - 1
-        if (steps, topk, num_draft_tokens) != (k, 1, k + 1):
+        return (steps, topk, num_draft_tokens) == (k, 1, k + 1)
+
+    def check_config(self, steps: int, topk: int, num_draft_tokens: int) -> None:
+        """Its chain, or a tree no deeper than its block (a depth-d node is a slot-d token)."""
+        k = self.draft.block_size - 1
+        if self.is_chain(steps, topk, num_draft_tokens):
+            return
+        if not (1 <= steps <= k and topk >= 1 and 2 <= num_draft_tokens <= 1 + topk + (steps - 1) * topk * topk):
             raise ConfigError(
-                f"a block drafter of block size {k + 1} decodes chain-{k}-1-{k + 1} (block-{k + 1}) only; "
-                f"got steps={steps} topk={topk} num_draft_tokens={num_draft_tokens}"
+                f"a block drafter of block size {k + 1} decodes chain-{k}-1-{k + 1} (block-{k + 1}) or trees of at "
+                f"most {k} levels; got steps={steps} topk={topk} num_draft_tokens={num_draft_tokens}"
             )
 
     def write_context(self, aux: torch.Tensor, slots: torch.Tensor, rows=None) -> None:
@@ -91,6 +112,31 @@ class BlockRunner(nn.Module):
         return empty, empty
 
 
+def block_logits(runner: BlockRunner, shape: BlockShape, n, root):
+    """One drafting pass over ``[root, MASK x K]`` at n..n+K against the context cache: the
+    draft logits of slots 1..K [B, K, Vd]."""
+    b = n.shape[0]
+    tokens = torch.cat([root[:, None], shape.mask_ids.expand(b, -1)], 1)
+    pos = n[:, None] + shape.offsets
+    before = (shape.cols[None, None] < n[:, None, None]).expand(-1, tokens.shape[1], -1)
+    visible = torch.cat([before, shape.own.expand(b, -1, -1)], -1)[:, None]
+    kv = list(zip(runner.k_ctx, runner.v_ctx))
+    hidden = runner.draft.block_hidden(runner.embed(tokens), pos, kv, visible, _attend)
+    return runner.draft.compute_logits(hidden[:, 1:])
+
+
+class BlockShape:
+    """The tensors ``block_logits`` reads, made once per round object (graphs read them in place)."""
+
+    def __init__(self, runner: BlockRunner, dev):
+        k, draft = runner.draft.block_size - 1, runner.draft
+        self.offsets = torch.arange(k + 1, device=dev)
+        self.mask_ids = torch.full((k,), int(draft.config.mask_token_id), dtype=torch.long, device=dev)
+        self.cols = torch.arange(runner.max_seq_len, device=dev)
+        own = torch.ones(k + 1, k + 1, dtype=torch.bool, device=dev)
+        self.own = own.tril() if draft.causal else own
+
+
 class BlockRound:
     """The device side of a block drafter's rounds on one engine: ``fused_round``, ``propose``
     and ``commit`` as ``SpecRound`` has them, for the chain (K, 1, K+1)."""
@@ -101,12 +147,9 @@ class BlockRound:
         self.steps, self.topk, self.q = k, 1, k + 1
         self.path_len = k + 1
         self.n_cap = target.max_seq_len - max(k + 1, int(target.query_pad))
-        self.offsets = torch.arange(k + 1, device=dev)
+        self.shape = BlockShape(runner, dev)
+        self.offsets, self.cols = self.shape.offsets, self.shape.cols
         self.parents = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.offsets[:-1]])
-        self.mask_ids = torch.full((k,), int(self.draft.config.mask_token_id), dtype=torch.long, device=dev)
-        self.cols = torch.arange(runner.max_seq_len, device=dev)
-        own = torch.ones(k + 1, k + 1, dtype=torch.bool, device=dev)
-        self.own = own.tril() if self.draft.causal else own
         self.graphs = bool(target.cuda_graphs)
         self.fused = StaticFn(self.draft_and_verify, self.graphs)
         self.fused_round = StaticFn(self.device_round, self.graphs)
@@ -123,14 +166,7 @@ class BlockRound:
 
     def draft_block(self, n, root):
         """Each row's K drafts [B, K] (target ids) from one pass over ``[root, MASK x K]``."""
-        b = n.shape[0]
-        tokens = torch.cat([root[:, None], self.mask_ids.expand(b, -1)], 1)
-        pos = n[:, None] + self.offsets
-        before = (self.cols[None, None] < n[:, None, None]).expand(-1, self.q, -1)
-        visible = torch.cat([before, self.own.expand(b, -1, -1)], -1)[:, None]
-        kv = list(zip(self.runner.k_ctx, self.runner.v_ctx))
-        hidden = self.draft.block_hidden(self.runner.embed(tokens), pos, kv, visible, _attend)
-        return self.draft.draft_to_target(self.draft.compute_logits(hidden[:, 1:]).argmax(-1))
+        return self.draft.draft_to_target(block_logits(self.runner, self.shape, n, root).argmax(-1))
 
     def verify(self, n, root, drafts):
         """The target on ``[root, drafts]`` at n..n+K (K/V to those slots), and the drafter's
@@ -187,3 +223,54 @@ class BlockRound:
         bonus = torch.tensor([x[-1] for x in news], dtype=torch.long, device=dev)
         n_next, root = self.advance(n_t, k_t, bonus)
         return [False] * len(paths), n_next, root, self.empty, self.empty
+
+
+class BlockTreeRound(SpecRound):
+    """A block drafter's tree round: ``SpecRound`` (verify, acceptance, the K/V move, graphs,
+    host protocol) with one drafting pass building the tree and the commit extending the
+    drafter's context instead of an EAGLE-3 draft's cache."""
+
+    def __init__(self, target: CachedTarget, runner: BlockRunner, steps: int, topk: int, num_draft_tokens: int):
+        super().__init__(target, runner, steps, topk, num_draft_tokens)  # type: ignore[arg-type]
+        self.runner = runner
+        self.shape = BlockShape(runner, target.device)
+        self.empty = torch.zeros(target.batch_size, 0, dtype=runner.dtype, device=target.device)
+
+    @classmethod
+    def cached(cls, target, draft, steps, topk, num_draft_tokens):  # type: ignore[override]
+        key = (target, steps, topk, num_draft_tokens)
+        if key not in draft.rounds:
+            draft.rounds[key] = cls(target, draft, steps, topk, num_draft_tokens)
+        return draft.rounds[key]
+
+    def draft_tree(self, n, root, r_hidden, r_logits):
+        """Depth d's candidates: slot d's best ``topk`` tokens under each of the ``topk`` best
+        depth d-1 nodes, scored by summed log-probability (slots are drafted together, so a
+        node's children are the same tokens whoever the parent is); then ``_select``."""
+        k, b, d2t = self.topk, n.shape[0], self.runner.draft.draft_to_target
+        logp = torch.log_softmax(block_logits(self.runner, self.shape, n, root).float(), -1)
+        score, ids = logp[:, 0].topk(k)
+        c_tok, c_score, c_parent = [d2t(ids)], [score], [self.root_parent.expand(b, k)]
+        front, f_score = self.rows.expand(b, k), score
+        for level in range(1, self.steps):
+            s, ids = logp[:, level].topk(k)
+            child = torch.minimum(f_score[..., None] + s[:, None], f_score[..., None]).flatten(1)
+            c_tok.append(d2t(ids)[:, None].expand(-1, k, -1).flatten(1))
+            c_score.append(child)
+            c_parent.append(front[..., None].expand(-1, -1, k).flatten(1))
+            if level + 1 < self.steps:
+                f_score, best = child.topk(k)
+                front = self.first[level] + best
+        return self._select(root, torch.cat(c_tok, 1), torch.cat(c_score, 1), torch.cat(c_parent, 1))
+
+    def _commit(self, n, path, k, new, aux, rows):
+        """The accepted path's target K/V to n.., and the drafter's context there from the
+        path's aux states (pad rows past k land at slots no query sees before they are rewritten)."""
+        half = len(rows) // 2
+        k_rows, v_rows = (rows[0], rows[1]) if self.kv_one_tensor else (rows[:half], rows[half:])
+        slots = n[:, None] + self.path_rows
+        self.target.scatter_kv(slots, k_rows, v_rows)
+        self.runner.write_context(aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1])), slots)
+        moved = (path != self.path_rows).any(1).long()
+        n_next = torch.where(n + k > self.n_cap, n, n + k)
+        return n_next, new.gather(1, (k - 1)[:, None])[:, 0], self.empty, self.empty, moved

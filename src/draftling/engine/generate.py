@@ -42,7 +42,7 @@ from draftling.engine.accept import (
     pick_tokens,
 )
 from draftling.engine.adaptive import AdaptivePolicy
-from draftling.engine.block_round import BlockRound, BlockRunner
+from draftling.engine.block_round import BlockRound, BlockRunner, BlockTreeRound
 from draftling.engine.draft_runner import DraftRunner
 from draftling.engine.spec_round import RoundTimer, SpecRound
 from draftling.engine.target_model import TargetEngine
@@ -161,7 +161,9 @@ def _check_batch(target, draft, tree, prompts, budgets, adaptive, o: SpecOptions
 def _round(target, draft, tree):
     """The engine's device round for a config, made once per (engine, config)."""
     if isinstance(draft, BlockRunner):
-        return BlockRound.cached(target, draft)
+        return (
+            BlockRound.cached(target, draft) if draft.is_chain(*tree) else BlockTreeRound.cached(target, draft, *tree)
+        )
     return SpecRound.cached(target, draft, *tree)
 
 
