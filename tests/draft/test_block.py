@@ -85,6 +85,20 @@ def test_the_block_config_refuses_what_cannot_draft():
         block_config_from_target(model.config, 64, AUX, 4, 1, model.config.vocab_size)
 
 
+def assert_context_is_fresh(model, runner, prompt, out, n):
+    """The runner's context cache below the committed length ``n`` equals the context of a
+    fresh prefill of the prompt and its emitted tokens."""
+    seq = torch.cat([prompt, out])[None, :n]
+    fresh = BlockRunner(runner.draft, runner.embed, runner.max_seq_len)
+    with torch.no_grad():
+        _, aux = CachedTarget.from_hf(model, AUX, runner.max_seq_len).prefill_rows(
+            torch.tensor([0]), seq, torch.tensor([n])
+        )
+        fresh.extend_rows(torch.tensor([0]), seq, aux, torch.tensor([n]))
+    for got, want in zip(runner.k_ctx + runner.v_ctx, fresh.k_ctx + fresh.v_ctx):
+        torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def trained():
     """A block head trained 200 steps on a predictable target's own greedy text."""
@@ -169,14 +183,7 @@ def test_block_rounds_survive_their_capture(as_captured, trained, device_rounds)
     out, stats = speculative_generate(target, runner, ids[0], 28, k, 1, k + 1, device_rounds=device_rounds)
     assert out[0].tolist() == greedy_generate(CachedTarget.from_hf(model, AUX, 160), ids[0], 28)[0].tolist()
     assert stats.tau > 2.0
-    n = stats.cache_len
-    seq = torch.cat([ids[0], out[0]])[None, :n]
-    fresh = BlockRunner(draft, target.embed, 160)
-    with torch.no_grad():
-        _, aux = CachedTarget.from_hf(model, AUX, 160).prefill_rows(torch.tensor([0]), seq, torch.tensor([n]))
-        fresh.extend_rows(torch.tensor([0]), seq, aux, torch.tensor([n]))
-    for got, want in zip(runner.k_ctx + runner.v_ctx, fresh.k_ctx + fresh.v_ctx):
-        torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=1e-4, rtol=1e-4)
+    assert_context_is_fresh(model, runner, ids[0], out[0], stats.cache_len)
 
 
 @pytest.mark.parametrize("device_rounds", [False, True])
@@ -200,10 +207,4 @@ def test_block_trees_equal_greedy_decoding(as_captured, trained, device_rounds):
     target = CachedTarget.from_hf(model, AUX, 160)
     runner = BlockRunner(draft, target.embed, 160)
     out, stats = speculative_generate(target, runner, ids[0], 28, 3, 4, 8, device_rounds=device_rounds)
-    n, seq = stats.cache_len, torch.cat([ids[0], out[0]])[None, : stats.cache_len]
-    check = BlockRunner(draft, target.embed, 160)
-    with torch.no_grad():
-        _, aux = CachedTarget.from_hf(model, AUX, 160).prefill_rows(torch.tensor([0]), seq, torch.tensor([n]))
-        check.extend_rows(torch.tensor([0]), seq, aux, torch.tensor([n]))
-    for got, want_kv in zip(runner.k_ctx + runner.v_ctx, check.k_ctx + check.v_ctx):
-        torch.testing.assert_close(got[:, :, :n], want_kv[:, :, :n], atol=1e-4, rtol=1e-4)
+    assert_context_is_fresh(model, runner, ids[0], out[0], stats.cache_len)

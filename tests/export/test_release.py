@@ -12,7 +12,7 @@ from draftling.export.formats import load_any_draft
 from draftling.export.release import ReleaseSpec, push, release
 from draftling.train.trainer import train
 from tests.conftest import setup_data
-from tests.helpers import cfg_for
+from tests.helpers import cfg_for, train_run
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
@@ -201,15 +201,7 @@ def test_a_dflash_release_is_the_dflash_layout_served_by_vllm(tmp_path, tiny_tar
     from draftling.draft.block import BlockDraft
 
     setup_data(tmp_path)
-    cfg = cfg_for(2, **{"draft.method": "dflash", "draft.layers": 1})
-    train(
-        cfg,
-        tiny_target,
-        tmp_path / "run",
-        tmp_path / "train.jsonl",
-        tmp_path / "val.jsonl",
-        tmp_path / "vocab.safetensors",
-    )
+    train_run(tmp_path, tiny_target, "run", 2, **{"draft.method": "dflash", "draft.layers": 1})
     out = release(ReleaseSpec(str(tmp_path / "run"), str(tmp_path / "rel"), target_id="org/tiny-llama"), tiny_target)
     assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "dflash"
     back = load_any_draft(out, "cpu", torch.float32)
