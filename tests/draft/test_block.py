@@ -77,8 +77,8 @@ def test_the_block_config_refuses_what_cannot_draft():
     model = perm_target()
     target = CachedTarget.from_hf(model, AUX, 64)
     runner = BlockRunner(random_block_draft(model), target.embed, 64)
-    with pytest.raises(ConfigError, match="block size 4 decodes chain-3-1-4"):
-        speculative_generate(target, runner, torch.tensor([1, 2]), 4, 3, 2, 6)
+    with pytest.raises(ConfigError, match=r"block size 4 decodes chain-3-1-4 \(block-4\) or trees of at most 3 levels"):
+        speculative_generate(target, runner, torch.tensor([1, 2]), 4, 5, 2, 6)  # 5 levels: deeper than its block
     with pytest.raises(ConfigError, match="block_size"):
         block_config_from_target(model.config, 64, AUX, 1, 1, 0)
     with pytest.raises(ConfigError, match="mask_token_id"):
