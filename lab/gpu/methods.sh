@@ -3,14 +3,18 @@
 # same target (SmolLM2-135M-Instruct bf16), same regenerated data, same step budget and the
 # recipe's schedule (lab/configs/gpu_smollm2.yaml scaled to STEPS), then the release bench of
 # each on prompt set v1 and lab/gpu/methods.py's methods.json. With SWEEP=1, issue 46's
-# sweep (one_engine_sweep.py, --skip-regen) follows with this run's EAGLE-3 head.
+# sweep (one_engine_sweep.py, --skip-regen) follows with this run's SWEEP_HEAD (eagle3). With
+# EXPORT_HEAD=<method>, that head's speculators export (bf16) comes back with the last poll in
+# parts of 15 MB (head-part-*; `cat` them, then `tar xf`), for the serving check in vLLM here.
 # Device calls straight after each other (the machine goes back 30 s idle):
 #   1. carries .dev/a .whl:          mkdir -p /tmp/m && cp .dev/a/* /tmp/m/
 #   2. carries .dev/b .dev/p .whl:   bash lab/gpu/methods.sh start [SECONDS]
 #   3.. carries .whl:                bash lab/gpu/methods.sh poll SECONDS   (until "methods: done")
 # `start` runs everything in a session of its own (it outlives the call) and polls. Each poll
 # copies the logs and whatever results exist to $OUT. Knobs: PER_FILE (prompts per corpus
-# file, 1000), STEPS (1200), DFLASH_LAYERS (2), SWEEP (1), RUN_S (1500: caps the whole job);
+# file, 1000), STEPS (1200), METHODS ("eagle3 dflash eagle31"), DFLASH_LAYERS (2), SWEEP (1),
+# SWEEP_HEAD (eagle3), EXPORT_HEAD (none), BLOCK_TESTS (0: 1 runs the CUDA-only block-round
+# tests at the end), RUN_S (1500: caps the whole job);
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands), e.g.
 #   DEV="--device cpu --dtype float32" PER_FILE=1 STEPS=4 SWEEP=0 DATA_EXTRA=data.regen.max_new_tokens=16 \
@@ -35,7 +39,8 @@ case "${1:-}" in
     common="train.max_steps=${STEPS:-1200} train.stop_on_convergence=false train.ckpt_every_epoch=false train.max_minutes=8"
     declare -A extra=([eagle3]="" [eagle31]="draft.fc_norm=true draft.norm_output=true"
                       [dflash]="draft.method=dflash draft.layers=${DFLASH_LAYERS:-2}")
-    for m in eagle3 dflash eagle31; do
+    methods=${METHODS:-eagle3 dflash eagle31}
+    for m in $methods; do
       s=$(date +%s)
       python3 -m draftling train --config $C --target $T $DEV --data $D --run-dir $W/run-$m $common ${extra[$m]} ${TRAIN_EXTRA:-} \
         > $W/results/train-$m.txt 2>&1 || echo "train $m failed"
@@ -44,7 +49,7 @@ case "${1:-}" in
       cp $W/run-$m/metrics.jsonl $W/results/train-$m-metrics.jsonl 2>/dev/null || true
       echo "trained $m: $(( $(date +%s) - s )) s"
     done
-    for m in dflash eagle3 eagle31; do
+    for m in $methods; do
       [ -f $W/run-$m/draft/draft.safetensors ] || { echo "no head for $m"; continue; }
       python3 -m draftling bench --release --target $T $DEV --draft $W/run-$m/draft ${BENCH_EXTRA:-} \
         --prompt-set v1 --baselines engine_plain --results-dir $W/bench-$m --tag $m 'bench.sampled_temperatures=[]' \
@@ -53,10 +58,23 @@ case "${1:-}" in
       python3 lab/gpu/methods.py $W/results > $W/results/methods_log.txt 2>&1 || true
       echo "benched $m"
     done
-    if [ "${SWEEP:-1}" = 1 ] && [ -f $W/run-eagle3/draft/draft.safetensors ]; then
-      python3 lab/gpu/one_engine_sweep.py --target $T --draft $W/run-eagle3/draft --out $W/sweep --repeats 2 \
+    if [ -n "${EXPORT_HEAD:-}" ] && [ -f $W/run-$EXPORT_HEAD/draft/draft.safetensors ]; then
+      python3 -m draftling export --draft $W/run-$EXPORT_HEAD/draft --out $W/export-$EXPORT_HEAD --format speculators \
+        --target $T --verifier-id HuggingFaceTB/SmolLM2-135M-Instruct --dtype bfloat16 > $W/results/export.txt 2>&1 \
+        && tar cf - -C $W export-$EXPORT_HEAD | split -b 15000000 - $W/head-part- || echo "export failed"
+      echo "exported $EXPORT_HEAD"
+    fi
+    sweep_head=${SWEEP_HEAD:-eagle3}
+    if [ "${SWEEP:-1}" = 1 ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
+      python3 lab/gpu/one_engine_sweep.py --target $T --draft $W/run-$sweep_head/draft --out $W/sweep --repeats 2 \
         --skip-regen > $W/results/sweep_log.txt 2>&1 || echo "sweep failed"
-      tar czf $W/results/sweep.tgz -C $W sweep 2>/dev/null || true
+      rm -rf $W/results/sweep && cp -r $W/sweep/results $W/results/sweep 2>/dev/null || true
+      echo "swept with $sweep_head"
+    fi
+    if [ "${BLOCK_TESTS:-0}" = 1 ]; then
+      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k block \
+        > $W/results/block_cuda_tests.txt 2>&1 || echo "block tests failed"
+      echo "block tests: $(tail -1 $W/results/block_cuda_tests.txt)"
     fi
     echo "all: $(( $(date +%s) - t0 )) s" ;;
   poll)
@@ -66,6 +84,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $W/results/gpu.txt || true
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" > $W/results/versions.txt 2>&1 || true
     tar czf $OUT/methods.tgz -C $W results
+    [ ! -f $W/done ] || cp $W/head-part-* $OUT/ 2>/dev/null || true
     tail -5 $W/log.txt
     if [ -f $W/done ]; then echo "methods: done ($(cat $W/done))"; else echo "methods: running"; fi ;;
   *) echo "usage: $0 start [SECONDS] | poll [SECONDS]"; exit 2 ;;
