@@ -13,10 +13,11 @@
 # `start` runs everything in a session of its own (it outlives the call) and polls. Each poll
 # copies the logs and whatever results exist to $OUT. Knobs: PER_FILE (prompts per corpus
 # file, 1000), STEPS (1200), METHODS ("eagle3 dflash eagle31"), DFLASH_LAYERS (2), SWEEP (1),
-# SWEEP_HEAD (eagle3), EXPORT_HEAD (none), BLOCK_TESTS (0: 1 runs the CUDA-only block-round
-# tests at the end), RUN_S (1500: caps the whole job);
+# SWEEP_HEAD (eagle3), EXPORT_HEAD (none), BLOCK_TESTS (0: 1 runs the CUDA-only block-round,
+# bf16-identity, compiled-graph and exact-attention tests at the end), RUN_S (1500: caps the whole job);
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
-# BENCH_EXTRA (KEY=VALUE or flags added to those commands), e.g.
+# BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
+# after the sweep. Order: data, training, export, sweep, A/B, benches, block tests. E.g.
 #   DEV="--device cpu --dtype float32" PER_FILE=1 STEPS=4 SWEEP=0 DATA_EXTRA=data.regen.max_new_tokens=16 \
 #   TRAIN_EXTRA="train.batch_size=4 train.smoke_every=2" BENCH_EXTRA="--max-new-tokens 8" bash lab/gpu/methods.sh start
 W=/tmp/work/methods
@@ -49,15 +50,6 @@ case "${1:-}" in
       cp $W/run-$m/metrics.jsonl $W/results/train-$m-metrics.jsonl 2>/dev/null || true
       echo "trained $m: $(( $(date +%s) - s )) s"
     done
-    for m in $methods; do
-      [ -f $W/run-$m/draft/draft.safetensors ] || { echo "no head for $m"; continue; }
-      python3 -m draftling bench --release --target $T $DEV --draft $W/run-$m/draft ${BENCH_EXTRA:-} \
-        --prompt-set v1 --baselines engine_plain --results-dir $W/bench-$m --tag $m 'bench.sampled_temperatures=[]' \
-        > $W/results/bench-$m.txt 2>&1 || echo "bench $m failed"
-      cp -r $W/bench-$m $W/results/ 2>/dev/null || true
-      python3 lab/gpu/methods.py $W/results > $W/results/methods_log.txt 2>&1 || true
-      echo "benched $m"
-    done
     if [ -n "${EXPORT_HEAD:-}" ] && [ -f $W/run-$EXPORT_HEAD/draft/draft.safetensors ]; then
       python3 -m draftling export --draft $W/run-$EXPORT_HEAD/draft --out $W/export-$EXPORT_HEAD --format speculators \
         --target $T --verifier-id HuggingFaceTB/SmolLM2-135M-Instruct --dtype bfloat16 > $W/results/export.txt 2>&1 \
@@ -71,8 +63,22 @@ case "${1:-}" in
       rm -rf $W/results/sweep && cp -r $W/sweep/results $W/results/sweep 2>/dev/null || true
       echo "swept with $sweep_head"
     fi
+    if [ "${AB:-0}" = 1 ]; then
+      timeout 420 python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
+        --rows 1,64 --repeats 1 > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
+      echo "exact attention A/B done"
+    fi
+    for m in $methods; do
+      [ -f $W/run-$m/draft/draft.safetensors ] || { echo "no head for $m"; continue; }
+      python3 -m draftling bench --release --target $T $DEV --draft $W/run-$m/draft ${BENCH_EXTRA:-} \
+        --prompt-set v1 --baselines engine_plain --results-dir $W/bench-$m --tag $m 'bench.sampled_temperatures=[]' \
+        > $W/results/bench-$m.txt 2>&1 || echo "bench $m failed"
+      cp -r $W/bench-$m $W/results/ 2>/dev/null || true
+      python3 lab/gpu/methods.py $W/results > $W/results/methods_log.txt 2>&1 || true
+      echo "benched $m"
+    done
     if [ "${BLOCK_TESTS:-0}" = 1 ]; then
-      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k block \
+      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k "block or bf16 or compile_and_cuda_graphs_match or exact_attention" \
         > $W/results/block_cuda_tests.txt 2>&1 || echo "block tests failed"
       echo "block tests: $(tail -1 $W/results/block_cuda_tests.txt)"
     fi

@@ -1,0 +1,84 @@
+"""Device script: plain decoding with exact attention, the fused form (inductor reductions over
+the cache as stored, engine/target_model.FUSED_EXACT) against the matmul form (the cache copied
+to fp32 and fp64 each pass), and bf16 matmul attention for scale, at several row counts.
+
+Each variant runs in a subprocess of its own (compiled code is per process). Per variant and
+row count: the engine (CUDA graphs, compiled, unpadded) decodes max(16, 2 x rows) v1 prompts
+plain and greedy, 256 new tokens, after a warm-up; the aggregate tok/s, the median ms of one
+whole-batch pass at 1 and 16 queries per row (the sweep's _step_ms), and a hash of the tokens.
+
+    python3 lab/gpu/exact_attention_ab.py --target T --out FILE [--rows 1,16,64] [--repeats 2] [--device cpu]
+"""
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+
+VARIANTS = {"exact_fused": ("exact", True), "exact_matmul": ("exact", False), "matmul_bf16": ("matmul", True)}
+
+
+def one(a) -> dict:
+    import draftling.engine.target_model as tm
+    from draftling.bench.concurrency import _step_ms, timed_after_warmup
+    from draftling.bench.release import load_prompt_set
+    from draftling.engine import EngineOptions, batch_generate, build_target
+    from draftling.target import load_target
+
+    attention, tm.FUSED_EXACT = VARIANTS[a.variant]
+    target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
+    _, prompts = load_prompt_set("v1", target)
+    opts = EngineOptions(cuda_graphs=True, compile=True, query_pad=0, attention=attention)
+    out = {"variant": a.variant, "levels": []}
+    for rows in (int(x) for x in a.rows.split(",")):
+        ids = [prompts[i % len(prompts)].input_ids for i in range(max(16, 2 * rows))]
+        size = max(map(len, ids)) + a.max_new + 24
+        tgt = build_target(target.model, target.aux_layer_ids, size, batch_size=rows, options=opts)
+        res, s = timed_after_warmup(
+            tgt, lambda: batch_generate(tgt, ids, a.max_new), lambda: batch_generate(tgt, ids[:rows], 4)
+        )
+        tokens = [r.tokens for r in res]
+        out["levels"].append(
+            {
+                "rows": rows,
+                "requests": len(ids),
+                "cache_len": size,
+                "tok_s": sum(map(len, tokens)) / s,
+                "step_ms_q1": _step_ms(tgt, 1),
+                "step_ms_q16": _step_ms(tgt, 16),
+                "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
+            }
+        )
+        print(json.dumps(out["levels"][-1]), flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--variant", choices=VARIANTS)
+    ap.add_argument("--device", default="cuda")  # cpu: a dry run
+    a = ap.parse_args()
+    if a.variant:
+        print("RESULT " + json.dumps(one(a)), flush=True)
+        return
+    runs = []
+    for rep in range(a.repeats):  # interleaved: each repeat runs every variant once
+        for v in VARIANTS:
+            cmd = [sys.executable, __file__, "--target", a.target, "--out", a.out, "--rows", a.rows]
+            cmd += ["--max-new", str(a.max_new), "--variant", v, "--device", a.device]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            print(p.stdout[-3000:], p.stderr[-2000:] if p.returncode else "", flush=True)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            runs.append({"repeat": rep, **(json.loads(line[7:]) if line else {"variant": v, "error": p.returncode})})
+    with open(a.out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
