@@ -7,7 +7,7 @@ row count: the engine (CUDA graphs, compiled, unpadded) decodes max(16, 2 x rows
 plain and greedy, 256 new tokens, after a warm-up; the aggregate tok/s, the median ms of one
 whole-batch pass at 1 and 16 queries per row (the sweep's _step_ms), and a hash of the tokens.
 
-    python3 lab/gpu/exact_attention_ab.py --target T --out FILE [--rows 1,16,64] [--repeats 2] [--device cpu]
+    python3 lab/gpu/exact_attention_ab.py --target T --out FILE [--rows 1,16,64] [--repeats 2] [--variants exact_fused,exact_matmul] [--device cpu]
 """
 
 import argparse
@@ -61,7 +61,8 @@ def main():
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--variant", choices=VARIANTS)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variant", choices=VARIANTS)  # one, in this process
     ap.add_argument("--device", default="cuda")  # cpu: a dry run
     a = ap.parse_args()
     if a.variant:
@@ -69,7 +70,7 @@ def main():
         return
     runs = []
     for rep in range(a.repeats):  # interleaved: each repeat runs every variant once
-        for v in VARIANTS:
+        for v in a.variants.split(","):
             cmd = [sys.executable, __file__, "--target", a.target, "--out", a.out, "--rows", a.rows]
             cmd += ["--max-new", str(a.max_new), "--variant", v, "--device", a.device]
             p = subprocess.run(cmd, capture_output=True, text=True)

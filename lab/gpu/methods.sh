@@ -64,8 +64,8 @@ case "${1:-}" in
       echo "swept with $sweep_head"
     fi
     if [ "${AB:-0}" = 1 ]; then
-      timeout 420 python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
-        --rows 1,64 --repeats 1 > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
+      timeout 330 python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
+        --rows 1,64 --repeats 1 --variants exact_fused,exact_matmul > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
       echo "exact attention A/B done"
     fi
     for m in $methods; do
