@@ -17,7 +17,8 @@
 # bf16-identity, compiled-graph and exact-attention tests at the end), RUN_S (1500: caps the whole job);
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
-# after the sweep. Order: data, training, export, sweep, A/B, benches, block tests. E.g.
+# after the sweep; BENCH=0 skips the release benches. Order: data, training, export, sweep, A/B,
+# block tests, benches. E.g.
 #   DEV="--device cpu --dtype float32" PER_FILE=1 STEPS=4 SWEEP=0 DATA_EXTRA=data.regen.max_new_tokens=16 \
 #   TRAIN_EXTRA="train.batch_size=4 train.smoke_every=2" BENCH_EXTRA="--max-new-tokens 8" bash lab/gpu/methods.sh start
 W=/tmp/work/methods
@@ -68,7 +69,12 @@ case "${1:-}" in
         --rows 1,64 --repeats 1 --variants exact_fused,exact_matmul > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
       echo "exact attention A/B done"
     fi
-    for m in $methods; do
+    if [ "${BLOCK_TESTS:-0}" = 1 ]; then
+      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k "block or bf16 or compile_and_cuda_graphs_match or exact_attention" \
+        > $W/results/block_cuda_tests.txt 2>&1 || echo "block tests failed"
+      echo "block tests: $(tail -1 $W/results/block_cuda_tests.txt)"
+    fi
+    for m in $([ "${BENCH:-1}" = 1 ] && echo $methods); do
       [ -f $W/run-$m/draft/draft.safetensors ] || { echo "no head for $m"; continue; }
       python3 -m draftling bench --release --target $T $DEV --draft $W/run-$m/draft ${BENCH_EXTRA:-} \
         --prompt-set v1 --baselines engine_plain --results-dir $W/bench-$m --tag $m 'bench.sampled_temperatures=[]' \
@@ -77,11 +83,6 @@ case "${1:-}" in
       python3 lab/gpu/methods.py $W/results > $W/results/methods_log.txt 2>&1 || true
       echo "benched $m"
     done
-    if [ "${BLOCK_TESTS:-0}" = 1 ]; then
-      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k "block or bf16 or compile_and_cuda_graphs_match or exact_attention" \
-        > $W/results/block_cuda_tests.txt 2>&1 || echo "block tests failed"
-      echo "block tests: $(tail -1 $W/results/block_cuda_tests.txt)"
-    fi
     echo "all: $(( $(date +%s) - t0 )) s" ;;
   poll)
     for _ in $(seq ${2:-500}); do [ -f $W/done ] && break; sleep 1; done
@@ -90,7 +91,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $W/results/gpu.txt || true
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" > $W/results/versions.txt 2>&1 || true
     tar czf $OUT/methods.tgz -C $W results
-    [ ! -f $W/done ] || cp $W/head-part-* $OUT/ 2>/dev/null || true
+    [ -f $W/head-sent ] || { cp $W/head-part-* $OUT/ 2>/dev/null && touch $W/head-sent; } || true  # the export, once
     tail -5 $W/log.txt
     if [ -f $W/done ]; then echo "methods: done ($(cat $W/done))"; else echo "methods: running"; fi ;;
   *) echo "usage: $0 start [SECONDS] | poll [SECONDS]"; exit 2 ;;
