@@ -18,8 +18,10 @@ from transformers import (
 
 from draftling.cli import add_plan_parser, cmd_plan
 from draftling.config import parse_size
+from draftling.draft.block import BlockDraft, block_config_from_target
 from draftling.draft.model import Eagle3Draft, draft_config_from_target
-from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
+from draftling.train.block_loss import MAX_ANCHORS, block_loss, row_anchors
+from draftling.train.memory import GIB, BlockShape, DraftShape, MemoryOptions, estimate_train_memory
 from draftling.train.memory_fit import target_param_counts, teacher_weight_bytes
 from draftling.train.teacher import TeacherBatch
 from draftling.train.ttt import ttt_unroll
@@ -55,6 +57,22 @@ def test_draft_param_count_matches_eagle3draft():
     assert DraftShape.from_config(cfg, SHAPE.draft_vocab) == SHAPE
     assert SHAPE.num_params() == real
     assert est()["num_params"] == real
+
+
+@pytest.mark.parametrize("layers,intermediate", [(1, None), (3, 700)])
+def test_block_param_count_matches_blockdraft(layers, intermediate):
+    from draftling.config import load_config
+    from draftling.train.memory_fit import draft_shape
+
+    cfg = shape_config()
+    config = block_config_from_target(cfg, SHAPE.draft_vocab, [2, 3, 4], 5, layers, 0)
+    config.intermediate_size = intermediate or config.intermediate_size
+    real = sum(p.numel() for p in BlockDraft(config).parameters() if p.requires_grad)
+    shape = BlockShape.from_block_config(config, MAX_ANCHORS)
+    assert shape.num_params() == real and (shape.layers, shape.block_size) == (layers, 5)
+    run = ["draft.method=dflash", f"draft.layers={layers}", "train.ttt_steps=4", f"vocab.size={SHAPE.draft_vocab}"]
+    run += [f"draft.intermediate_size={intermediate}"] if intermediate else []
+    assert draft_shape(load_config(None, run), cfg) == shape  # what `draftling plan` builds
 
 
 @pytest.mark.parametrize(
@@ -345,6 +363,68 @@ def test_estimate_tracks_what_the_unroll_keeps(ckpt, chunk, one_thread):
     assert abs(estimated_peak - measured_peak) <= 0.3 * measured_peak
 
 
+@pytest.mark.parametrize(
+    "dtype,layers,block,intermediate,draft_vocab",
+    [
+        ("float32", 2, 4, 768, 1024),
+        ("bfloat16", 1, 8, 768, 1024),
+        ("float32", 1, 4, 2048, 128),  # a narrow vocab: the layer backward sets the peak
+    ],
+)
+def test_block_estimate_tracks_what_block_loss_keeps(dtype, layers, block, intermediate, draft_vocab, one_thread):
+    """A dflash head: the same bounds as the unroll's (saved within 20%, peak within 30%),
+    measured the same way over one real step of block_loss."""
+    shape = BlockShape(
+        hidden=256,
+        intermediate=intermediate,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        vocab=2000,
+        draft_vocab=draft_vocab,
+        layers=layers,
+        block_size=block,
+        anchors=MAX_ANCHORS,
+    )
+    b, t, dt = 2, 128, getattr(torch, dtype)
+    torch.manual_seed(0)
+    config = block_config_from_target(shape_config(shape), draft_vocab, [2, 3, 4], block, layers, 0)
+    draft = BlockDraft(config).to(dt)
+    t2d = torch.zeros(shape.vocab, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    draft.set_vocab(torch.zeros(draft_vocab, dtype=torch.long), t2d)
+    assert shape.num_params() == sum(p.numel() for p in draft.parameters())
+    embed = torch.nn.Embedding(shape.vocab, shape.hidden).requires_grad_(False).to(dt)
+    aux, logits = torch.randn(b, t, 3 * shape.hidden, dtype=dt), torch.randn(b, t, draft_vocab, dtype=dt)
+    teacher = TeacherBatch(aux, logits, torch.zeros(b, t, dtype=torch.long), torch.ones(b, t, dtype=torch.bool))
+    ids = torch.randint(0, shape.vocab, (b, t))
+    ones = torch.ones_like(ids)
+    anchors = row_anchors(ids, ones, ones)
+    out = {}
+
+    def forward():
+        out["loss"] = block_loss(draft, embed, ids, ones, ones, teacher, anchors).loss
+
+    saved, fwd_peak = _profiled(forward)
+    _, bwd_peak = _profiled(lambda: out["loss"].backward())
+    measured_peak = max(fwd_peak, saved + bwd_peak)
+    opts = MemoryOptions(embedding_on_host=False, draft_dtype=dtype, embed_dtype=dtype)
+    e = estimate_train_memory(shape, b, t, block - 1, opts, embedding_in_teacher=True)
+    estimated_peak = e["total"] - e["draft_params"] - e["teacher_outputs"]  # what the step itself allocates
+    assert abs(e["activations_saved"] - saved) <= 0.2 * saved
+    assert abs(estimated_peak - measured_peak) <= 0.3 * measured_peak
+
+
+def test_unroll_options_do_not_reach_a_block_estimate():
+    shape = BlockShape(**dataclasses.asdict(SHAPE), layers=2, block_size=8)
+    plain = estimate_train_memory(shape, B, T, 7, MemoryOptions())
+    off = {"grad_checkpoint": False, "loss_chunk_tokens": 0, "compile": False, "compile_layer": False}
+    assert est(shape, steps=7, attention="sdpa", **off) == plain
+    assert plain["peak_phase"] == "loss_forward"  # all slots' fp32 logits
+    wide = est(dataclasses.replace(shape, draft_vocab=2 * SHAPE.draft_vocab), steps=7)["phases"]["loss_forward"]
+    assert wide - plain["phases"]["loss_forward"] > 4 * B * MAX_ANCHORS * 8 * SHAPE.draft_vocab
+
+
 # --- `draftling plan` ------------------------------------------------------------------------
 
 
@@ -458,11 +538,23 @@ def test_plan_cli_rejects_a_bad_size(llama_config_dir):
         _plan(["--target", llama_config_dir, "--gpu-mem", "huge"])
 
 
-def test_plan_says_it_does_not_model_a_dflash_head(llama_config_dir):
-    from draftling.errors import ConfigError
+def test_plan_estimates_a_dflash_head(llama_config_dir, capsys):
+    """A dflash head is planned with its own shape and the options its block loss runs with."""
+    base = ["--target", llama_config_dir, "--gpu-mem", "4GiB", "--seq", "256", "--batch-size", "2", "vocab.size=512"]
+    assert _plan(base + ["draft.method=dflash", "draft.layers=2"]) == 0
+    out = capsys.readouterr().out
+    assert "fits:" in out and "grad_checkpoint off" in out and "loss_chunk_tokens 0" in out
+    assert "memory policy: as configured (a dflash head" in out and "peak: loss forward" in out
+    assert "saved for backward over the block loss" in out
+    from draftling.config import load_config
+    from draftling.train.memory_fit import plan_run
 
-    with pytest.raises(ConfigError, match="plan models EAGLE-3 heads; draft.method=dflash is not modeled yet"):
-        _plan(["--target", llama_config_dir, "--gpu-mem", "80", "draft.method=dflash"])
+    def total(*overrides):
+        cfg = load_config(None, ["draft.method=dflash", "vocab.size=512", *overrides])
+        return plan_run(cfg, LlamaConfig.from_pretrained(llama_config_dir), 4 * GIB, 256, 2)["estimate"]["total"]
+
+    assert total("draft.layers=1") < total("draft.layers=2")
+    assert total("train.ttt_steps=3") < total("train.ttt_steps=7")  # a block of ttt_steps + 1
 
 
 def test_plan_is_wired_into_the_cli(llama_config_dir, capsys):

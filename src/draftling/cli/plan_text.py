@@ -59,7 +59,8 @@ def _estimate_table(plan: dict) -> list[str]:
     lines.append(
         "  phases (GiB): " + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in est["phases"].items())
     )
-    lines.append(f"  activations saved for backward over all TTT steps: {est['activations_saved'] / GIB:.2f} GiB")
+    over = "the block loss" if "loss_forward" in est["phases"] else "all TTT steps"  # a dflash head's phase
+    lines.append(f"  activations saved for backward over {over}: {est['activations_saved'] / GIB:.2f} GiB")
     host = est["host"]["optimizer"] + est["host"]["embedding"]
     if host:
         lines.append(f"  (host RAM for offloaded state: {host / GIB:.2f} GiB)")

@@ -8,6 +8,8 @@ actually keeps for backward under each option (see the per-term comments), walks
 of a step (draft placement, teacher forward, the loss backward of the last TTT step, the layer
 backward, the optimizer step) and reports the components at the peak phase, in bytes. Each
 component has its own function giving its bytes in every phase; the estimate adds them up.
+For a ``BlockShape`` (a dflash head) it counts what ``block_loss`` keeps instead (the last
+section): its peak is usually the forward's loss line, all slots' fp32 logits.
 
 The teacher's side (its weights, its forward, a device map's split) and a run config resolved
 into a step (``plan_run``, ``largest_fitting_batch``) are in memory_fit.py; ``draftling plan``
@@ -102,6 +104,45 @@ class DraftShape:
 
 
 @dataclass(frozen=True)
+class BlockShape(DraftShape):
+    """A dflash head's shape (draft/block.py): ``layers`` decoder layers over ``anchors`` blocks
+    of ``block_size`` tokens per row (block_loss.row_anchors pads every row to MAX_ANCHORS)."""
+
+    layers: int = 1
+    block_size: int = 2
+    anchors: int = 64
+
+    @classmethod
+    def from_block_config(cls, config, anchors: int) -> BlockShape:
+        """From a ``block_config_from_target`` config (the built head's)."""
+        shape = cls.from_config(config, config.draft_vocab_size)
+        return dataclasses.replace(
+            shape,
+            target_hidden=config.target_hidden_size,
+            layers=config.num_hidden_layers,
+            block_size=config.block_size,
+            anchors=anchors,
+        )
+
+    def param_counts(self) -> dict[str, int]:
+        """Trainable params by module, as ``BlockDraft`` builds them (no biases)."""
+        h, d, q, kv = self.hidden, self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "fc": 3 * self.ht * h,
+            "hidden_norm": h,
+            "attention": self.layers * (2 * h * q + 2 * h * kv + 2 * d),  # with q_norm and k_norm
+            "mlp": self.layers * 3 * h * self.intermediate,
+            "layer_norms": self.layers * 2 * h,
+            "norm": h,
+            "lm_head": h * self.draft_vocab,
+        }
+
+    def largest_param(self) -> int:
+        h = self.hidden
+        return max(3 * self.ht * h, h * self.heads * self.head_dim, h * self.intermediate, h * self.draft_vocab)
+
+
+@dataclass(frozen=True)
 class MemoryOptions:
     """The memory features, resolved (no auto values). Defaults: everything on."""
 
@@ -172,6 +213,7 @@ PHASES = (
     "build",
     "fsdp_unshard",
     "teacher_forward",
+    "loss_forward",
     "loss_backward",
     "layer_backward",
     "layer_backward_2",
@@ -202,18 +244,19 @@ def estimate_step_memory(step: TrainStep, options: MemoryOptions = MemoryOptions
     if o.attention not in ("flex", "sdpa"):
         raise ValueError(f"attention {o.attention!r}: expected flex or sdpa")
     z = _Sizes(step, o)
-    saved = _activations(z)
+    saved = _block_saved(z) if z.block else _activations(z)
+    by_phase = _block_activations_by_phase if z.block else _activations_by_phase
     opt_state, opt_step = _optimizer(z)
     embedding = 0 if (o.embedding_on_host or step.embedding_in_teacher) else z.s.vocab * z.H * z.e
     # Each component's bytes by phase (absent: 0), in the result's order.
     columns = {
         "draft_params": _draft_params(z),
-        "draft_grads": _draft_grads(z),
+        "draft_grads": _block_grads(z) if z.block else _draft_grads(z),
         "optimizer_state": {p: opt_state for p in PHASES if p != "build"},
         "embedding": dict.fromkeys(PHASES, embedding),
         "teacher_weights": dict.fromkeys(PHASES, step.teacher_weight_bytes),
         "teacher_outputs": _teacher_outputs(z),
-        "activations": _activations_by_phase(z, saved),
+        "activations": by_phase(z, saved),
         "transient": _transients(z, opt_step),
     }
     phases = {}
@@ -250,6 +293,12 @@ class _Sizes:
         self.n_valid = int(self.tok * step.valid_fraction)
         self.counts = s.param_counts()
         self.P = sum(self.counts.values())
+        self.block = isinstance(s, BlockShape)
+        if isinstance(s, BlockShape):  # block queries, their logit rows in the loss, keys per row
+            self.L = s.layers
+            self.n = step.batch * s.anchors * s.block_size
+            self.n_loss = step.batch * s.anchors * (s.block_size - 1)
+            self.row_keys = step.seq + s.anchors * s.block_size
 
 
 def _phases(z: _Sizes) -> list[str]:
@@ -257,7 +306,8 @@ def _phases(z: _Sizes) -> list[str]:
         "fsdp_unshard": z.o.fsdp,
         "fsdp_reduce": z.o.fsdp,
         "teacher_forward": bool(z.step.teacher_forward_bytes),
-        "layer_backward_2": z.S > 1,
+        "loss_forward": z.block,
+        "layer_backward_2": z.S > 1 and not z.block,
     }
     return [p for p in PHASES if present.get(p, True)]
 
@@ -348,14 +398,8 @@ def _activations_by_phase(z: _Sizes, saved: _Saved) -> dict[str, float]:
 def _transients(z: _Sizes, optimizer_step: int) -> dict[str, float]:
     """Working memory of each phase, on top of what is resident."""
     o, a, P, largest = z.o, z.a, z.P, z.s.largest_param()
-    out = {
-        "teacher_forward": z.step.teacher_forward_bytes,
-        "loss_backward": _loss_transient(z),
-        "layer_backward": _layer_transient(z, z.S - 1),
-        "optimizer_step": optimizer_step,
-    }
-    if z.S > 1:
-        out["layer_backward_2"] = _layer_transient(z, z.S - 2)
+    out = {"teacher_forward": z.step.teacher_forward_bytes, "optimizer_step": optimizer_step}
+    out.update(_block_transients(z) if z.block else _unroll_transients(z))
     if o.fsdp:
         # The cast all-gather inputs beside the gathered output, plus (offload) one fp32 shard
         # on its way from the host; then the grads cast to fp32 for the reduce.
@@ -363,6 +407,13 @@ def _transients(z: _Sizes, optimizer_step: int) -> dict[str, float]:
         out["fsdp_reduce"] = max(4 * P, 8 * P - a * P)
     else:  # place_draft casts the fp32 weights one param at a time
         out["build"] = a * largest if a != 4 else 0
+    return out
+
+
+def _unroll_transients(z: _Sizes) -> dict[str, float]:
+    out = {"loss_backward": _loss_transient(z), "layer_backward": _layer_transient(z, z.S - 1)}
+    if z.S > 1:
+        out["layer_backward_2"] = _layer_transient(z, z.S - 2)
     return out
 
 
@@ -441,12 +492,80 @@ def _attention_saved(z: _Sizes, j: int) -> float:
     return out + T / z.batch  # the [T, T] bool causal mask, per token
 
 
+# --- a dflash head: block_loss (train/block_loss.py) ------------------------------------------
+# It runs eager, unchunked, through sdpa with a bool mask and without autocast: grad_checkpoint,
+# loss_chunk_tokens, attention, compile and compile_layer do not apply to it.
+
+
+def _block_grads(z: _Sizes) -> dict[str, int]:
+    """None at the loss's peaks; the head's in the top layer's backward (its own: a transient)."""
+    a, head = z.a, z.counts["lm_head"] + z.counts["norm"]
+    return {"layer_backward": a * head, "fsdp_reduce": a * z.P, "optimizer_step": 0 if z.o.fsdp else a * z.P}
+
+
+def _block_layer_saved(z: _Sizes) -> float:
+    """Bytes per block query one decoder layer keeps for backward (eager, as ``_layer_saved``)."""
+    a, H, q, kv = z.a, z.H, z.q, z.kv
+    b = 2 * (4 + a) * H  # the two RMSNorms: fp32 copy, normalized output
+    b += (4 + a) * (q + kv) + 4 * (z.nh + z.s.kv_heads)  # q_norm, k_norm: the same, and rstd
+    b += 3 * a * q + 4 * z.nh  # q after RoPE; the attention's output and logsumexp; o_proj's input
+    return b + 4 * a * z.I  # MLP: gate, silu(gate), up, their product
+
+
+def _block_head_saved(z: _Sizes) -> float:
+    """The final norm (fp32 copy, normalized) and lm_head's input; the blocks' cos and sin."""
+    return z.n * ((4 + 2 * z.a) * z.H + 2 * z.a * z.s.head_dim)
+
+
+def _block_saved(z: _Sizes) -> _Saved:
+    """What block_loss's forward leaves for backward: per layer its queries' state, the keys
+    and values sdpa saves over context and blocks (repeated to the query heads under GQA) with
+    the mask as a float bias, and the context keys' k_norm; the context feature (hidden_norm,
+    its output, cos and sin, fc's input cast to the draft dtype); the head; the loss's rows:
+    log-softmax and the teacher's softmax in fp32."""
+    a, H, tok = z.a, z.H, z.tok
+    keys = 2 * a * (z.q if z.nh > z.s.kv_heads else z.kv)
+    layer = z.n * (_block_layer_saved(z) + z.row_keys * a) + z.batch * z.row_keys * keys + tok * (4 + a) * z.kv
+    first = z.n * 4 * H  # layer 0's input norm keeps no fp32 copy: the embeddings need no grad
+    context = tok * ((4 + 2 * a) * H + 2 * a * z.s.head_dim + (3 * z.Ht * a if a != z.e else 0))
+    loss = 8 * z.n_loss * z.Vd
+    return _Saved([layer] * z.L, loss, z.L * layer - first + context + _block_head_saved(z) + loss)
+
+
+def _block_activations_by_phase(z: _Sizes, saved: _Saved) -> dict[str, float]:
+    """All of it through the loss; in the top layer's backward the loss rows and head are gone."""
+    top = saved.total - saved.loss - _block_head_saved(z)
+    return {"loss_forward": saved.total, "loss_backward": saved.total, "layer_backward": top}
+
+
+def _block_transients(z: _Sizes) -> dict[str, float]:
+    """The loss line of the forward: all slots' logits in fp32 and the product with the teacher's
+    softmax, beside each layer's context K/V and the bool mask, which block_loss still holds.
+    Its backward: once the product's grad frees the teacher's softmax, the log-softmax's grad.
+    The top layer's backward: ``_block_layer_transient``."""
+    forward = 4 * (z.n + z.n_loss) * z.Vd + z.L * z.tok * 2 * z.a * z.kv + z.n * z.row_keys
+    return {"loss_forward": forward, "loss_backward": 4 * z.n_loss * z.Vd, "layer_backward": _block_layer_transient(z)}
+
+
+def _block_layer_transient(z: _Sizes) -> float:
+    """The top layer's backward at its widest, with the weight grads formed by then: down_proj's
+    beside the incoming grad, d(product) and the grads of silu(gate) and up (the product freed);
+    then gate's and up's as the MLP's [I]-wide tensors go; then o_proj's, dq and dK/dV over
+    every key (repeated, then summed)."""
+    a, H, I, n, mlp = z.a, z.H, z.I, z.n, 3 * z.a * z.H * z.I
+    down = n * a * (H + 2 * I) + a * H * I
+    gate_up = mlp + 2 * a * n * (H - I)
+    attn = mlp + a * H * z.q + n * a * (2 * H + z.q - 4 * I) + z.batch * z.row_keys * 2 * a * (z.q + z.kv)
+    return max(down, gate_up, attn)
+
+
 def options_dict(options: MemoryOptions) -> dict:
     return dataclasses.asdict(options)
 
 
 __all__ = [
     "DraftShape",
+    "BlockShape",
     "MemoryOptions",
     "TrainStep",
     "estimate_train_memory",

@@ -16,8 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from draftling.dtypes import DTYPES, dtype_bytes, dtype_name
-from draftling.errors import ConfigError
-from draftling.train.memory import GIB, DraftShape, MemoryOptions, estimate_train_memory
+from draftling.train.memory import GIB, BlockShape, DraftShape, MemoryOptions, estimate_train_memory
 
 # Bits per quantized weight including scales (e.g. nf4 with blockwise absmax ~ 4.5).
 QUANT_BITS = {"bnb-4bit": 4.5, "quanto-int4": 4.5, "bnb-8bit": 8.5, "quanto-int8": 8.5, "torchao-int8": 8.5}
@@ -25,6 +24,8 @@ QUANT_BITS = {"bnb-4bit": 4.5, "quanto-int4": 4.5, "bnb-8bit": 8.5, "quanto-int8
 # the caching allocator's fragmentation.
 RESERVE_FIXED_BYTES = int(0.5 * GIB)
 RESERVE_SHARE = 0.05
+# A dflash head's memory policy, here and in the trainer (run_memory_policy).
+BLOCK_POLICY = "as configured (a dflash head has no recompute or loss chunks to choose)"
 
 
 # --- the teacher -----------------------------------------------------------------------------
@@ -229,15 +230,8 @@ def plan_run(
 ) -> dict:
     """The estimate for ``draftling train`` with this run config on one GPU of ``gpu_bytes``. With
     ``cfg.device_map`` only the teacher's share on that GPU counts (``split``: computed if None)."""
-    if cfg.draft.method != "eagle3":  # the model counts ttt_unroll's tensors, not the block loss's
-        raise ConfigError(
-            f"draftling plan models EAGLE-3 heads; draft.method={cfg.draft.method} is not modeled yet "
-            "(its block loss holds other tensors)"
-        )
     embed_dtype = cfg.dtype if cfg.dtype in DTYPES else "float32"
-    shape = DraftShape.from_config(target_config, cfg.vocab.size, cfg.draft.window)
-    if cfg.draft.intermediate_size:  # the draft's own MLP width (lab/configs/gpu_smollm2.yaml: 4096)
-        shape = dataclasses.replace(shape, intermediate=cfg.draft.intermediate_size)
+    shape = draft_shape(cfg, target_config)
     quantization = getattr(cfg, "quantization", None)
     if cfg.device_map and split is None:
         split = teacher_split(cfg, target_config, gpu_bytes, teacher_bits)
@@ -278,8 +272,35 @@ def plan_run(
     }
 
 
+def draft_shape(cfg, target_config) -> DraftShape:
+    """The head ``build_draft`` would build: an EAGLE-3 layer of the target's width, or a dflash
+    head's shape from the config ``build_block_draft`` gives it (block: ttt_steps + 1)."""
+    if cfg.draft.method == "dflash":
+        from draftling.draft.block import block_config_from_target
+        from draftling.target.aux import default_aux_layer_ids
+        from draftling.train.block_loss import MAX_ANCHORS
+
+        c = getattr(target_config, "text_config", None) or target_config
+        vocab, ids = min(cfg.vocab.size, c.vocab_size), cfg.aux_layer_ids or default_aux_layer_ids(c.num_hidden_layers)
+        mask = cfg.draft.mask_token_id or 0  # any token: it does not change the shape
+        config = block_config_from_target(c, vocab, ids, cfg.train.ttt_steps + 1, cfg.draft.layers, mask)
+        if cfg.draft.intermediate_size:
+            config.intermediate_size = cfg.draft.intermediate_size
+        return BlockShape.from_block_config(config, MAX_ANCHORS)
+    shape = DraftShape.from_config(target_config, cfg.vocab.size, cfg.draft.window)
+    if cfg.draft.intermediate_size:  # the draft's own MLP width (lab/configs/gpu_smollm2.yaml: 4096)
+        shape = dataclasses.replace(shape, intermediate=cfg.draft.intermediate_size)
+    return shape
+
+
 def _planned_options(tc, shape: DraftShape, batch: int, seq: int, gpu_bytes: int, weights: int, embed_dtype: str):
     """The memory policy's name and the resolved memory options the run would train with."""
+    if isinstance(shape, BlockShape):
+        # The block loss has no recompute, loss chunks, flex or compile to choose (memory.py):
+        # those options read as what it runs, and memory_policy has nothing to change.
+        options = resolve_options(tc, gpu_bytes, shape.num_params(), embed_dtype)
+        off = {"grad_checkpoint": False, "loss_chunk_tokens": 0, "compile": False, "compile_layer": False}
+        return BLOCK_POLICY, dataclasses.replace(options, attention="sdpa", **off)
     policy, options = "as configured", None
     if tc.memory_policy == "auto":
         # The trainer's rule, with the memory free after loading the teacher taken as the GPU's
@@ -333,6 +354,7 @@ __all__ = [
     "target_param_counts",
     "teacher_forward_bytes",
     "plan_run",
+    "draft_shape",
     "largest_fitting_batch",
     "fast_settings_fit",
     "resolve_options",

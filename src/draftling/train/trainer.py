@@ -38,6 +38,7 @@ from draftling.train.distributed import (
 from draftling.train.draft_setup import prepare_draft, resolve_memory_policy
 from draftling.train.inputs import RunInputs, load_run_inputs
 from draftling.train.memory import DraftShape
+from draftling.train.memory_fit import BLOCK_POLICY
 from draftling.train.metrics import MetricsLog
 from draftling.train.optim import build_optimizer
 from draftling.train.rundir import RunDirClaim, check_run_dir, claim_run_dir, resume_config_changes
@@ -116,10 +117,10 @@ def run_memory_policy(
     offload: bool,
 ) -> tuple[TrainConfig, str]:
     """resolve_memory_policy for the built draft, this process's share of a batch and the longest
-    sequence of either split. A dflash head trains as configured: the memory model counts the
-    EAGLE-3 unroll's tensors."""
+    sequence of either split. A dflash head trains as configured: its block loss has none of the
+    options the policy picks (memory_fit.BLOCK_POLICY)."""
     if isinstance(draft, BlockDraft):
-        return tc, "as configured (the memory model covers EAGLE-3 heads)"
+        return tc, BLOCK_POLICY
     longest = max((len(e.input_ids) for e in inputs.examples + inputs.val_examples), default=1)
     shape = DraftShape.from_config(draft.config, inputs.vocab.size, draft_window(draft.config))  # the built draft's
     return resolve_memory_policy(
