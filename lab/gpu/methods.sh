@@ -17,8 +17,8 @@
 # bf16-identity, compiled-graph and exact-attention tests at the end), RUN_S (1500: caps the whole job);
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
-# after the sweep; BENCH=0 skips the release benches. Order: data, training, export, sweep, A/B,
-# block tests, benches. E.g.
+# BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, sweep, benches
+# (what needs no head first). E.g.
 #   DEV="--device cpu --dtype float32" PER_FILE=1 STEPS=4 SWEEP=0 DATA_EXTRA=data.regen.max_new_tokens=16 \
 #   TRAIN_EXTRA="train.batch_size=4 train.smoke_every=2" BENCH_EXTRA="--max-new-tokens 8" bash lab/gpu/methods.sh start
 W=/tmp/work/methods
@@ -33,6 +33,16 @@ case "${1:-}" in
     source lab/gpu/common.sh
     C=lab/configs/gpu_smollm2.yaml D=$W/data DEV=${DEV:---device cuda --dtype bfloat16}
     t0=$(date +%s)
+    if [ "${AB:-0}" = 1 ]; then
+      timeout 330 python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
+        --rows 1,64 --repeats 1 --variants exact_fused,exact_matmul > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
+      echo "exact attention A/B done"
+    fi
+    if [ "${BLOCK_TESTS:-0}" = 1 ]; then
+      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k "block or bf16 or compile_and_cuda_graphs_match or exact_attention" \
+        > $W/results/block_cuda_tests.txt 2>&1 || echo "block tests failed"
+      echo "block tests: $(tail -1 $W/results/block_cuda_tests.txt)"
+    fi
     python3 -m draftling data --config $C --target $T $DEV --out $D data.max_prompts_per_file=${PER_FILE:-1000} ${DATA_EXTRA:-} 2>&1 \
       | grep --line-buffered -v "^regenerate: "
     python3 -m draftling vocab --data $D --config $C --target $T
@@ -63,16 +73,6 @@ case "${1:-}" in
         --skip-regen > $W/results/sweep_log.txt 2>&1 || echo "sweep failed"
       rm -rf $W/results/sweep && cp -r $W/sweep/results $W/results/sweep 2>/dev/null || true
       echo "swept with $sweep_head"
-    fi
-    if [ "${AB:-0}" = 1 ]; then
-      timeout 330 python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
-        --rows 1,64 --repeats 1 --variants exact_fused,exact_matmul > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
-      echo "exact attention A/B done"
-    fi
-    if [ "${BLOCK_TESTS:-0}" = 1 ]; then
-      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k "block or bf16 or compile_and_cuda_graphs_match or exact_attention" \
-        > $W/results/block_cuda_tests.txt 2>&1 || echo "block tests failed"
-      echo "block tests: $(tail -1 $W/results/block_cuda_tests.txt)"
     fi
     for m in $([ "${BENCH:-1}" = 1 ] && echo $methods); do
       [ -f $W/run-$m/draft/draft.safetensors ] || { echo "no head for $m"; continue; }
