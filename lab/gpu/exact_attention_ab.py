@@ -1,6 +1,8 @@
-"""Device script: plain decoding with exact attention, the fused form (inductor reductions over
-the cache as stored, engine/target_model.FUSED_EXACT) against the matmul form (the cache copied
-to fp32 and fp64 each pass), and bf16 matmul attention for scale, at several row counts.
+"""Device script: plain decoding with exact attention in the engine's matmul form (the cache
+copied to fp32 and fp64 each pass) against a fused form written here (both products as broadcast
+sums that inductor lowers to reductions over the cache as stored), and bf16 matmul attention for
+scale, at several row counts. The fused form is patched in for its variant only; the engine
+does not use it (BENCHMARKS.md: faster at one row, much slower at 64).
 
 Each variant runs in a subprocess of its own (compiled code is per process). Per variant and
 row count: the engine (CUDA graphs, compiled, unpadded) decodes max(16, 2 x rows) v1 prompts
@@ -16,7 +18,30 @@ import json
 import subprocess
 import sys
 
-VARIANTS = {"exact_fused": ("exact", True), "exact_matmul": ("exact", False), "matmul_bf16": ("matmul", True)}
+VARIANTS = {"exact_fused": ("exact", True), "exact_matmul": ("exact", False), "matmul_bf16": ("matmul", False)}
+
+
+ENGINE_ATTENTION: list = []  # the engine's matmul_attention, once patched
+
+
+def fused_exact_attention(q, k, v, mask, scale, exact: bool = False, sinks=None, softcap=None):
+    """engine/target_model.matmul_attention's exact form, when compiled, with both products as
+    broadcast sums (reductions reading the bf16 cache, no fp32 / fp64 copy); eager passes (the
+    prefills) and everything else go to the engine's own function."""
+    import torch
+
+    if not (exact and torch.compiler.is_compiling()) or sinks is not None or softcap is not None:
+        return ENGINE_ATTENTION[0](q, k, v, mask, scale, exact, sinks, softcap)
+    b, h, t, d = q.shape
+    nkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = h // nkv
+    qg = q.reshape(b, nkv, rep * t, d)
+    scores = (qg.float()[:, :, :, None] * k.float()[:, :, None]).sum(-1) * scale
+    mask = mask[:, None, None] if mask.dim() == 3 else mask
+    scores = scores.view(b, nkv, rep, t, s).masked_fill(~mask, float("-inf"))
+    e = (scores - scores.amax(-1, keepdim=True)).exp().double()
+    probs = (e / e.sum(-1, keepdim=True)).reshape(b, nkv, rep * t, s)
+    return (probs[..., None] * v.double()[:, :, None]).sum(-2).to(v.dtype).view(b, h, t, dv)
 
 
 def one(a) -> dict:
@@ -26,7 +51,10 @@ def one(a) -> dict:
     from draftling.engine import EngineOptions, batch_generate, build_target
     from draftling.target import load_target
 
-    attention, tm.FUSED_EXACT = VARIANTS[a.variant]
+    attention, fused = VARIANTS[a.variant]
+    if fused:  # attention_outputs looks the function up in its module at trace time
+        ENGINE_ATTENTION.append(tm.matmul_attention)
+        tm.matmul_attention = fused_exact_attention
     target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
     _, prompts = load_prompt_set("v1", target)
     opts = EngineOptions(cuda_graphs=True, compile=True, query_pad=0, attention=attention)

@@ -79,11 +79,6 @@ def attention_inputs(layer, x, cos, sin):
     return qs, ks, vs
 
 
-# Exact attention as fused reductions when compiled (see matmul_attention); False restores the
-# matmul form everywhere (lab/gpu/exact_attention_ab.py times both).
-FUSED_EXACT = True
-
-
 def matmul_attention(q, k, v, mask, scale, exact: bool = False, sinks=None, softcap=None):
     """Attention as two batched matmuls and a softmax, GQA by grouping the query heads (no K/V
     repeat). Under torch.compile this is a few fused kernels, while SDPA with a boolean mask
@@ -92,10 +87,7 @@ def matmul_attention(q, k, v, mask, scale, exact: bool = False, sinks=None, soft
     ``exact``: fp32 scores, then the softmax sum and probs @ V in float64 before rounding back.
     A tree node's ancestors sit at scattered cache slots while plain decoding has them in a
     row; summed in low precision, the same terms in a different order round differently and
-    can flip a near-tied argmax. In float64 the order no longer shows after rounding. Compiled
-    (``FUSED_EXACT``), both products are written as broadcast sums that inductor lowers to
-    reductions reading the cache as stored: the matmul form copies the whole cache to fp32 and
-    fp64 first, traffic that grows with rows x cache length and dominates a many-row step.
+    can flip a near-tied argmax. In float64 the order no longer shows after rounding.
 
     For the general path (engine/general_target.py): ``sinks`` [h], one extra logit per head
     that takes probability mass and carries no value (attention sinks); ``softcap``, scores
@@ -104,10 +96,7 @@ def matmul_attention(q, k, v, mask, scale, exact: bool = False, sinks=None, soft
     nkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
     rep = h // nkv
     qg = q.reshape(b, nkv, rep * t, d)
-    fused = exact and FUSED_EXACT and torch.compiler.is_compiling()
-    if fused:  # one reduction kernel reads the bf16 cache; no fp32 / fp64 copy of it
-        scores = (qg.float()[:, :, :, None] * k.float()[:, :, None]).sum(-1) * scale
-    elif exact:
+    if exact:
         scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
     else:
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
@@ -121,8 +110,6 @@ def matmul_attention(q, k, v, mask, scale, exact: bool = False, sinks=None, soft
     if exact:
         e = (scores - scores.amax(-1, keepdim=True)).exp().double()
         probs = (e / e.sum(-1, keepdim=True))[..., :s].reshape(b, nkv, rep * t, s)
-        if fused:
-            return (probs[..., None] * v.double()[:, :, None]).sum(-2).to(v.dtype).view(b, h, t, dv)
         return torch.matmul(probs, v.double()).to(v.dtype).view(b, h, t, dv)
     probs = scores.softmax(-1)[..., :s].to(v.dtype).reshape(b, nkv, rep * t, s)
     return torch.matmul(probs, v).view(b, h, t, dv)
