@@ -282,3 +282,31 @@ def test_a_dflash_export_is_checked_as_vllm_serves_it(tmp_path):
         "eagle3",
         ServeCheckOptions(draft_tokens=3),
     )
+
+
+@pytest.mark.vllm
+def test_vllm_serves_a_trained_dflash_head_as_draftlings_engine_does(served, tmp_path):
+    """A dflash head (1 layer, block 4) trained on the fixture's target and data, exported in the
+    speculators dflash layout and served by real vLLM as method dflash with block-1 drafts a round:
+    both engines accept alike, overall and per draft position."""
+    import vllm
+
+    target, _, _ = served
+    data, run, export = target.parent / "data", tmp_path / "run", tmp_path / "dflash"
+    train = ["train", "--target", str(target), "--device", "cpu", "--data", str(data), "--run-dir", str(run)]
+    assert main([*train, *HEAD_OPTS, "draft.method=dflash", "draft.layers=1"]) == 0  # ttt_steps 3: block 4
+    cmd = ["export", "--draft", str(run / "draft"), "--out", str(export), "--format", "speculators"]
+    assert main([*cmd, "--target", str(target), "--verifier-id", "test/tiny-llama", "--dtype", "float32"]) == 0
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["block_size"] == 4
+    r = check(served, export, tmp_path / "check.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "check.json").read_text())["vllm_check"][0]
+    assert rec["method"] == "dflash" and rec["format"] == "speculators" and rec["config"] == "chain-3-1-4"
+    assert rec["vllm_version"] == vllm.__version__ and rec["device"] == "cpu"
+    # A weaker head than the EAGLE-3 one on these held-out prompts (tau 1.18 here, both engines
+    # decoding every prompt identically), yet its first drafts are accepted in both engines.
+    assert rec["tau_draftling"] > 1.1 and rec["accepted_per_position_vllm"][0] > 0.1
+    assert rec["within_band"] and abs(rec["tau_vllm"] / rec["tau_draftling"] - 1) <= rec["band"]
+    assert len(rec["accepted_per_position_vllm"]) == len(rec["accepted_per_position_draftling"]) == 3
+    assert f"vLLM {vllm.__version__} (cpu)" in r.stdout and "(speculators, chain-3-1-4)" in r.stdout

@@ -277,8 +277,9 @@ class DraftConfig:
         help=(
             "The head type: eagle3 (one layer drafting a token a step) or dflash (a block-parallel drafter: one pass "
             "proposes train.ttt_steps tokens, a block of ttt_steps + 1 with its anchor; draft/block.py). dflash trains, "
-            "decodes in the batched engine as one chain per round (bench, bench --release, --concurrency; greedy or "
-            "sampled), select, warm starts (--init-from keeps its block and layers) and exports in speculators' dflash layout."
+            "decodes in the batched engine from one drafting pass per round, verified as its chain or as a tree of its "
+            "drafts (bench, bench --release, --concurrency; greedy or sampled), select, warm starts (--init-from keeps "
+            "its block and layers), plan, and exports in speculators' dflash layout."
         ),
     )
     layers: int = key(1, bounds=AT_LEAST_ONE, help="Decoder layers of a dflash head (an eagle3 head has one).")
