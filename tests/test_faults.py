@@ -165,10 +165,15 @@ def _kill_plan(n: int, steps: int, checkpoints: int, seconds: float) -> list[tup
     return plan
 
 
-def test_twenty_kills_during_training_resume_bitwise_equal(setup):
+# Kills per run: 10 in the suite (each named point twice, two timed kills: CI's time budget);
+# lab/experiments/fault_probe.sh sets 20 for issue 21's counts.
+KILLS = int(os.environ.get("DRAFTLING_FAULT_KILLS", "10"))
+
+
+def test_kills_during_training_resume_bitwise_equal(setup):
     s = setup
     checkpoints = len(range(2, s["steps"] + 1, 2)) + (s["steps"] % 2)
-    plan = _kill_plan(20, s["steps"], checkpoints, s["train_s"])
+    plan = _kill_plan(KILLS, s["steps"], checkpoints, s["train_s"])
 
     def trial(i: int) -> str | None:
         """None if the kill was survived, else what went wrong."""
@@ -205,7 +210,7 @@ def test_twenty_kills_during_training_resume_bitwise_equal(setup):
     if os.environ.get("DRAFTLING_FAULTS_JSON"):
         Path(os.environ["DRAFTLING_FAULTS_JSON"]).write_text(json.dumps(report, indent=2) + "\n")
     assert failed == []
-    assert len(survived) == 20
+    assert len(survived) == KILLS
 
 
 def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_last_good_state_resumes(setup):

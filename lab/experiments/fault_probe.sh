@@ -7,7 +7,7 @@ REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 cd "$REPO"
 COMMIT=$(git rev-parse --short HEAD)
 TMP=$(mktemp -d /tmp/draftling-faults-XXXX)
-DRAFTLING_BAD_INPUTS_JSON="$TMP/bad.json" DRAFTLING_FAULTS_JSON="$TMP/kills.json" \
+DRAFTLING_BAD_INPUTS_JSON="$TMP/bad.json" DRAFTLING_FAULTS_JSON="$TMP/kills.json" DRAFTLING_FAULT_KILLS=20 \
   python3 -m pytest -q -p no:cacheprovider tests/cli/test_bad_inputs_cli.py tests/test_faults.py | tail -3 \
   || echo "some trials failed: the counts below say which"
 python3 - "$TMP" "$COMMIT" <<'PY'
