@@ -4,7 +4,7 @@
 # recipe's schedule (lab/configs/gpu_smollm2.yaml scaled to STEPS), then the release bench of
 # each on prompt set v1 and lab/gpu/methods.py's methods.json. With SWEEP=1, issue 46's
 # sweep (one_engine_sweep.py, --skip-regen) follows with this run's SWEEP_HEAD (eagle3). With
-# EXPORT_HEAD=<method>, that head's speculators export (bf16) comes back with the last poll in
+# EXPORT_HEAD=<method>, that head's speculators export (bf16) comes back with the first poll after it is written, in
 # parts of 15 MB (head-part-*; `cat` them, then `tar xf`), for the serving check in vLLM here.
 # Device calls straight after each other (the machine goes back 30 s idle):
 #   1. carries .dev/a .whl:          mkdir -p /tmp/m && cp .dev/a/* /tmp/m/
