@@ -9,7 +9,8 @@ row count: the engine (CUDA graphs, compiled, unpadded) decodes max(16, 2 x rows
 plain and greedy, 256 new tokens, after a warm-up; the aggregate tok/s, the median ms of one
 whole-batch pass at 1 and 16 queries per row (the sweep's _step_ms), and a hash of the tokens.
 
-    python3 lab/gpu/exact_attention_ab.py --target T --out FILE [--rows 1,16,64] [--repeats 2] [--variants exact_fused,exact_matmul] [--device cpu]
+    python3 lab/gpu/exact_attention_ab.py --target T --out FILE [--rows 1,16,64] [--repeats 2] [--variants exact_fused,exact_matmul]
+        [--device cpu] [--profile]
 """
 
 import argparse
@@ -78,8 +79,31 @@ def one(a) -> dict:
                 "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
             }
         )
+        if a.profile:
+            out["levels"][-1]["profile_q1"] = profile_step(tgt, 1)
         print(json.dumps(out["levels"][-1]), flush=True)
     return out
+
+
+def profile_step(tgt, q: int, steps: int = 5, top: int = 15) -> list:
+    """The kernels of one whole-batch pass (the _step_ms shapes), by device time per pass (on the
+    CPU: ops by their own CPU time), to say where a many-row step goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from draftling.bench.concurrency import _step_ms
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tgt.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        _step_ms(tgt, q, reps=steps)
+    if tgt.device.type == "cuda":
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        # self times: a kernel's own, not an op's children counted again
+        us = getattr(e, "self_device_time_total", 0) if tgt.device.type == "cuda" else e.self_cpu_time_total
+        rows.append({"name": e.key[:120], "ms_per_pass": us / 1e3 / (steps + 3), "calls": e.count})
+    return sorted(rows, key=lambda r: -r["ms_per_pass"])[:top]
 
 
 def main():
@@ -92,6 +116,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--variant", choices=VARIANTS)  # one, in this process
     ap.add_argument("--device", default="cuda")  # cpu: a dry run
+    ap.add_argument("--profile", action="store_true")  # the kernels of a 1-query pass per row count
     a = ap.parse_args()
     if a.variant:
         print("RESULT " + json.dumps(one(a)), flush=True)
@@ -100,7 +125,7 @@ def main():
     for rep in range(a.repeats):  # interleaved: each repeat runs every variant once
         for v in a.variants.split(","):
             cmd = [sys.executable, __file__, "--target", a.target, "--out", a.out, "--rows", a.rows]
-            cmd += ["--max-new", str(a.max_new), "--variant", v, "--device", a.device]
+            cmd += ["--max-new", str(a.max_new), "--variant", v, "--device", a.device] + ["--profile"] * a.profile
             p = subprocess.run(cmd, capture_output=True, text=True)
             print(p.stdout[-3000:], p.stderr[-2000:] if p.returncode else "", flush=True)
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)

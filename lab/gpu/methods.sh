@@ -17,6 +17,7 @@
 # bf16-identity, compiled-graph and exact-attention tests at the end), RUN_S (1500: caps the whole job);
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
+# (AB_ARGS replaces its rows, repeats and variants; --profile adds each pass's kernels).
 # BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, sweep, benches
 # (what needs no head first). E.g.
 #   DEV="--device cpu --dtype float32" PER_FILE=1 STEPS=4 SWEEP=0 DATA_EXTRA=data.regen.max_new_tokens=16 \
@@ -35,7 +36,7 @@ case "${1:-}" in
     t0=$(date +%s)
     if [ "${AB:-0}" = 1 ]; then
       timeout 330 python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
-        --rows 1,64 --repeats 1 --variants exact_fused,exact_matmul > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
+        ${AB_ARGS:---rows 1,64 --repeats 1 --variants exact_fused,exact_matmul} > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
       echo "exact attention A/B done"
     fi
     if [ "${BLOCK_TESTS:-0}" = 1 ]; then
