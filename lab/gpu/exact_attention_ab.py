@@ -1,8 +1,10 @@
 """Device script: plain decoding with exact attention in the engine's matmul form (the cache
 copied to fp32 and fp64 each pass) against a fused form written here (both products as broadcast
-sums that inductor lowers to reductions over the cache as stored), and bf16 matmul attention for
-scale, at several row counts. The fused form is patched in for its variant only; the engine
-does not use it (BENCHMARKS.md: faster at one row, much slower at 64).
+sums that inductor lowers to reductions over the cache as stored), a form whose scores come
+from the bf16 cache on tensor cores (bmm with fp32 output; no fp32 copy of K), and bf16 matmul
+attention for scale, at several row counts. The other forms are patched in for their variant
+only; the engine does not use them (BENCHMARKS.md: the fused form is faster at one row, much
+slower at 64).
 
 Each variant runs in a subprocess of its own (compiled code is per process). Per variant and
 row count: the engine (CUDA graphs, compiled, unpadded) decodes max(16, 2 x rows) v1 prompts
@@ -19,7 +21,12 @@ import json
 import subprocess
 import sys
 
-VARIANTS = {"exact_fused": ("exact", True), "exact_matmul": ("exact", False), "matmul_bf16": ("matmul", False)}
+VARIANTS = {
+    "exact_fused": ("exact", "fused"),
+    "exact_matmul": ("exact", None),
+    "exact_bf16qk": ("exact", "bf16qk"),
+    "matmul_bf16": ("matmul", None),
+}
 
 
 ENGINE_ATTENTION: list = []  # the engine's matmul_attention, once patched
@@ -45,6 +52,31 @@ def fused_exact_attention(q, k, v, mask, scale, exact: bool = False, sinks=None,
     return (probs[..., None] * v.double()[:, :, None]).sum(-2).to(v.dtype).view(b, h, t, dv)
 
 
+def bf16qk_exact_attention(q, k, v, mask, scale, exact: bool = False, sinks=None, softcap=None):
+    """The engine's exact form with the scores from the bf16 q and cache on tensor cores with
+    fp32 output (bmm's out_dtype, CUDA only): no fp32 copy of K and no fp32 FMA GEMM. The bf16
+    products are exact in fp32 and each score sums over the head dimension only, so a padded
+    pass still gives a (query, key) pair the same score wherever its key sits; probs @ V stays
+    in float64 as in the engine."""
+    import torch
+
+    if not exact or q.device.type != "cuda" or sinks is not None or softcap is not None:
+        return ENGINE_ATTENTION[0](q, k, v, mask, scale, exact, sinks, softcap)
+    b, h, t, d = q.shape
+    nkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = h // nkv
+    qg = q.reshape(b * nkv, rep * t, d)
+    scores = torch.bmm(qg, k.reshape(b * nkv, s, d).transpose(1, 2), out_dtype=torch.float32) * scale
+    mask = mask[:, None, None] if mask.dim() == 3 else mask
+    scores = scores.view(b, nkv, rep, t, s).masked_fill(~mask, float("-inf"))
+    e = (scores - scores.amax(-1, keepdim=True)).exp().double()
+    probs = (e / e.sum(-1, keepdim=True)).reshape(b, nkv, rep * t, s)
+    return torch.matmul(probs, v.double()).to(v.dtype).view(b, h, t, dv)
+
+
+PATCHES = {"fused": fused_exact_attention, "bf16qk": bf16qk_exact_attention}
+
+
 def one(a) -> dict:
     import draftling.engine.target_model as tm
     from draftling.bench.concurrency import _step_ms, timed_after_warmup
@@ -52,10 +84,10 @@ def one(a) -> dict:
     from draftling.engine import EngineOptions, batch_generate, build_target
     from draftling.target import load_target
 
-    attention, fused = VARIANTS[a.variant]
-    if fused:  # attention_outputs looks the function up in its module at trace time
+    attention, patch = VARIANTS[a.variant]
+    if patch:  # attention_outputs looks the function up in its module at trace time
         ENGINE_ATTENTION.append(tm.matmul_attention)
-        tm.matmul_attention = fused_exact_attention
+        tm.matmul_attention = PATCHES[patch]
     target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
     _, prompts = load_prompt_set("v1", target)
     opts = EngineOptions(cuda_graphs=True, compile=True, query_pad=0, attention=attention)
