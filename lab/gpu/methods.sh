@@ -18,7 +18,9 @@
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
 # (AB_ARGS replaces its rows, repeats and variants; --profile adds each pass's kernels).
-# BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, sweep, benches
+# ROUND_PROFILE=1 profiles the SWEEP_HEAD's rounds by phase and kernel (lab/gpu/round_profile.py;
+# ROUND_PROFILE_ARGS adds to it) before the sweep.
+# BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, round profile, sweep, benches
 # (what needs no head first). E.g.
 #   DEV="--device cpu --dtype float32" PER_FILE=1 STEPS=4 SWEEP=0 DATA_EXTRA=data.regen.max_new_tokens=16 \
 #   TRAIN_EXTRA="train.batch_size=4 train.smoke_every=2" BENCH_EXTRA="--max-new-tokens 8" bash lab/gpu/methods.sh start
@@ -69,6 +71,11 @@ case "${1:-}" in
       echo "exported $EXPORT_HEAD"
     fi
     sweep_head=${SWEEP_HEAD:-eagle3}
+    if [ "${ROUND_PROFILE:-0}" = 1 ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
+      timeout 400 python3 lab/gpu/round_profile.py --target $T --draft $W/run-$sweep_head/draft \
+        --out $W/results/round_profile.json ${ROUND_PROFILE_ARGS:-} > $W/results/round_profile_log.txt 2>&1 || echo "round profile failed"
+      echo "round profile done"
+    fi
     if [ "${SWEEP:-1}" = 1 ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
       python3 lab/gpu/one_engine_sweep.py --target $T --draft $W/run-$sweep_head/draft --out $W/sweep --repeats 2 ${SWEEP_ARGS:-} \
         --skip-regen > $W/results/sweep_log.txt 2>&1 || echo "sweep failed"
