@@ -7,8 +7,8 @@ ${PYTHON:-python3} -m ruff check src tests scripts lab
 ${PYTHON:-python3} -m ruff format --check src tests scripts lab
 # Types on the package (pyproject's [tool.mypy]: modules listed there are not yet checked).
 ${PYTHON:-python3} -m mypy
-# One worker per core, a test module to a worker (its module fixtures built once): on a 2-core
-# EPYC without AVX512 the suite took 21.5 min in one process and 13.1 min in two (2026-12-03).
+# One worker per core, a test module to a worker (its module fixtures built once); the times
+# this takes are in BENCHMARKS.md.
 rc=0
 # The serving check's venv (real vLLM, its CPU build) is built beside the suite: the install is
 # mostly unpacking, which the suite's two workers leave room for. VLLM_TESTS=0 leaves it out.
@@ -17,7 +17,9 @@ if [ "${VLLM_TESTS:-1}" != 0 ]; then
   bash scripts/test_vllm.sh --install-only >"$log" 2>&1 &
   venv_pid=$!
 fi
-${PYTHON:-python3} -m pytest -q -n auto --dist loadscope "$@" || rc=$?
+# One torch thread per worker: each worker's default of a thread per core would oversubscribe
+# the cores the workers already fill (the suite's subprocesses inherit it too).
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ${PYTHON:-python3} -m pytest -q -n auto --dist loadscope "$@" || rc=$?
 # Second step, run whatever the first gave: the serving check's tests (about 3 min on 2 cores).
 if [ "${VLLM_TESTS:-1}" != 0 ]; then
   if wait "$venv_pid"; then
