@@ -74,6 +74,7 @@ def test_fitted_schedule_ends_inside_the_budget_and_respects_the_ceiling():
     assert fitted_total(10, cap=1000, seconds_left=50, step_s=0.5) == 110
     assert fitted_total(10, cap=60, seconds_left=50, step_s=0.5) == 60  # epochs stay the ceiling
     assert fitted_total(10, cap=1000, seconds_left=-5, step_s=0.5) == 11  # over time: end now
+    assert fitted_total(60, cap=60, seconds_left=50, step_s=0.5) == 60  # at the ceiling: not one past it
     now = [0.0]
     tc = load_config(None, ["train.max_minutes=1", "train.fit_schedule=true"]).train
     fit = FitToTime(tc, cap=500, t_start=0.0, step=0, ctx=current(), device="cpu", clock=lambda: now[0])

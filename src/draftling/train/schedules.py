@@ -29,8 +29,9 @@ class CosineSchedule:
 
 def fitted_total(step: int, cap: int, seconds_left: float, step_s: float) -> int:
     """The schedule's length so that it ends inside a time budget: ``step`` plus the steps
-    that fit into ``seconds_left`` at ``step_s`` each, at least one more and at most ``cap``."""
-    return max(step + 1, min(cap, step + int(seconds_left / max(step_s, 1e-9))))
+    that fit into ``seconds_left`` at ``step_s`` each, at least one more, never past ``cap`` (a
+    refit at the ceiling's own step, an epoch start there, ends the run at the ceiling)."""
+    return min(cap, max(step + 1, step + int(seconds_left / max(step_s, 1e-9))))
 
 
 class FitToTime:
