@@ -8,22 +8,26 @@ ${PYTHON:-python3} -m ruff format --check src tests scripts lab
 # Types on the package (pyproject's [tool.mypy]: modules listed there are not yet checked).
 ${PYTHON:-python3} -m mypy
 rc=0
-# The serving check (real vLLM, its CPU build, in a venv of its own) runs beside the suite: its
-# venv install is mostly unpacking and a vLLM start mostly waits on processes, which the
-# suite's workers fill. Its output comes after the suite's. VLLM_TESTS=0 leaves it out.
+# The serving check's venv (real vLLM, its CPU build) is built beside the suite: the install is
+# mostly unpacking, which the suite's two workers leave room for. VLLM_TESTS=0 leaves it out.
 if [ "${VLLM_TESTS:-1}" != 0 ]; then
   log=$(mktemp)
-  (bash scripts/test_vllm.sh --install-only && echo "scripts/test.sh: vLLM venv ready" && bash scripts/test_vllm.sh) >"$log" 2>&1 &
-  vllm_pid=$!
+  bash scripts/test_vllm.sh --install-only >"$log" 2>&1 &
+  venv_pid=$!
 fi
 # One worker per core, a test module to a worker (its module fixtures built once; the times
-# this takes are in BENCHMARKS.md), one torch thread per worker: each worker's default of a thread per core would oversubscribe
-# the cores the workers already fill (the suite's subprocesses inherit it too).
+# this takes are in BENCHMARKS.md), and one torch thread per worker: each worker's default of a
+# thread per core would oversubscribe the cores the workers fill (subprocesses inherit it too).
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ${PYTHON:-python3} -m pytest -q -n auto --dist loadscope "$@" || rc=$?
+# Second step, run whatever the first gave: the serving check's tests. They run after the suite,
+# not beside it: a vLLM start competing with the suite's workers took several times as long.
 if [ "${VLLM_TESTS:-1}" != 0 ]; then
-  echo "scripts/test.sh: waiting for the serving check's tests (scripts/test_vllm.sh)"
-  wait "$vllm_pid" || { s=$?; [ "$rc" != 0 ] || rc=$s; }  # the first failure's status
-  cat "$log"
+  if wait "$venv_pid"; then
+    bash scripts/test_vllm.sh || { s=$?; [ "$rc" != 0 ] || rc=$s; }  # the first failure's status
+  else
+    s=$?; cat "$log"; echo "scripts/test.sh: building the vLLM venv failed (exit $s)" >&2
+    [ "$rc" != 0 ] || rc=$s
+  fi
   rm -f "$log"
 fi
 exit $rc
