@@ -28,7 +28,7 @@ class CommandServer:
         env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT / "src"), str(CHECKOUT)])
         cmd = [sys.executable, "-m", "tests.command_server", str(jobs)]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._lock, self._done, self._next = threading.Lock(), {}, 0
+        self._lock, self._done, self._next, self._ended = threading.Lock(), {}, 0, False
         self._cond = threading.Condition(self._lock)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -39,7 +39,7 @@ class CommandServer:
                 self._done[msg["id"]] = msg["exit"]
                 self._cond.notify_all()
         with self._cond:  # the server ended: wake every waiter
-            self._done.setdefault(-1, None)
+            self._ended = True
             self._cond.notify_all()
 
     def run(self, argv: list, cwd: Path, timeout: float = 300) -> tuple[int, str, str]:
@@ -50,7 +50,7 @@ class CommandServer:
             msg = {"id": job, "argv": [str(a) for a in argv], "cwd": str(cwd), "out": str(out), "err": str(err)}
             self._proc.stdin.write(json.dumps(msg) + "\n")  # type: ignore[union-attr]
             self._proc.stdin.flush()  # type: ignore[union-attr]
-            if not self._cond.wait_for(lambda: job in self._done or -1 in self._done, timeout):
+            if not self._cond.wait_for(lambda: job in self._done or self._ended, timeout):
                 raise TimeoutError(f"draftling {' '.join(msg['argv'])} ran over {timeout} s")
             if job not in self._done:
                 raise RuntimeError("the command server ended")

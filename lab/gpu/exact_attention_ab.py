@@ -121,6 +121,7 @@ def profile_step(tgt, q: int, steps: int = 5, top: int = 15) -> list:
     """The kernels of one whole-batch pass (the _step_ms shapes), by device time per pass (on the
     CPU: ops by their own CPU time), to say where a many-row step goes."""
     import torch
+    from round_profile import own_times  # this folder: the script's own
     from torch.profiler import ProfilerActivity, profile
 
     from draftling.bench.concurrency import _step_ms
@@ -130,12 +131,8 @@ def profile_step(tgt, q: int, steps: int = 5, top: int = 15) -> list:
         _step_ms(tgt, q, reps=steps)
     if tgt.device.type == "cuda":
         torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        # self times: a kernel's own, not an op's children counted again
-        us = getattr(e, "self_device_time_total", 0) if tgt.device.type == "cuda" else e.self_cpu_time_total
-        rows.append({"name": e.key[:120], "ms_per_pass": us / 1e3 / (steps + 3), "calls": e.count})
-    return sorted(rows, key=lambda r: -r["ms_per_pass"])[:top]
+    rows = own_times(prof, tgt.device.type == "cuda")[:top]
+    return [{"name": name, "ms_per_pass": us / 1e3 / (steps + 3), "calls": calls} for name, us, calls in rows]
 
 
 def main():

@@ -24,13 +24,19 @@ from draftling.export.formats import load_any_draft
 from draftling.target import load_target
 
 
-def top(prof, device: bool, tokens: int, n: int = 15) -> list:
+def own_times(prof, device: bool) -> list[tuple[str, float, int]]:
+    """(name, microseconds, calls) per profiled event, longest first: a kernel's own device
+    time, or an op's own CPU time (self times: an op's children are not counted again)."""
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0) if device else e.self_cpu_time_total
-        if us:
-            rows.append({"name": e.key[:120], "us_per_token": us / tokens, "calls": e.count})
-    return sorted(rows, key=lambda r: -r["us_per_token"])[:n]
+        rows.append((e.key[:120], us, e.count))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def top(prof, device: bool, tokens: int, n: int = 15) -> list:
+    rows = [r for r in own_times(prof, device) if r[1]][:n]
+    return [{"name": name, "us_per_token": us / tokens, "calls": calls} for name, us, calls in rows]
 
 
 def one(tgt, runner, ids, max_new, tree) -> dict:
