@@ -168,3 +168,45 @@ def test_a_long_serving_policy_keeps_a_bounded_log_and_full_counts():
     assert len(policy.log) <= 8 and policy.log[-1]["group"] == policy.groups
     report = policy.report()
     assert sum(report["groups_by_choice"].values()) == 50 and len(report["first_decisions"]) == 8
+    assert report["settings"]["tau_rounds"] == 64 and report["settings"]["leave_margin"] == 1.05
+
+
+def _serve(policy, taus, round_ms=2.0, count=4):
+    """Groups of ``count`` rounds at ``round_ms`` with the given mean acceptance each, as the
+    decode loop runs them: once a group goes plain, its rows stay plain. The choices made."""
+    can, choices = True, []
+    for tau in taus:
+        tree = policy.choose(can)
+        choices.append(config_name(tree))
+        if tree is None:
+            can = False
+            policy.observe(None, 1.0, 1.0, count)
+        else:
+            policy.observe(tree, round_ms, tau, count)
+    return choices
+
+
+def test_a_hard_stretch_of_text_does_not_send_a_winning_config_plain():
+    """Rounds of 2 ms against 1 ms plain steps: speculation pays above tau 2. The text alternates
+    stretches of 1.6 and 3.0 (mean 2.3): speculation wins overall, and its rows would stay plain
+    for good after one switch, so one hard stretch must not make it. Text that stays hard does."""
+    tree = TREES[1]
+    policy = AdaptivePolicy((tree,))
+    policy.estimates[PLAIN].update(1.0, 1.0, 1.0)
+    stretches = ([3.0] * 3 + [1.6] * 3 + [3.0] * 3 + [1.6] * 4) * 6
+    assert PLAIN not in _serve(policy, stretches)
+    assert 2.0 < policy.estimates[config_name(tree)].tau < 2.6
+    policy = AdaptivePolicy((tree,))
+    policy.estimates[PLAIN].update(1.0, 1.0, 1.0)
+    choices = _serve(policy, [3.0] * 3 + [1.6] * 60)
+    assert PLAIN in choices[:40] and set(choices[choices.index(PLAIN) :]) == {PLAIN}
+
+
+def test_the_acceptance_estimate_is_the_mean_of_the_last_rounds():
+    policy = AdaptivePolicy(TREES[:1], tau_rounds=8)
+    for tau in (2.0, 4.0):
+        policy.observe(TREES[0], 1.0, tau, count=4)
+    assert policy.estimates[config_name(TREES[0])].tau == pytest.approx(3.0)  # the mean of 8 rounds
+    for _ in range(20):
+        policy.observe(TREES[0], 1.0, 1.5, count=4)
+    assert policy.estimates[config_name(TREES[0])].tau == pytest.approx(1.5, abs=1e-3)  # the old rounds are gone

@@ -6,7 +6,10 @@ of the active rows' recent values) over its cost per round at this engine's row 
 decoding emits one token per step. Costs are measured, never assumed: a plain step by
 replaying the engine's own step on the current state (its outputs are dropped, and the cache
 slots it writes are rewritten before any pass reads them), then by its groups; a config's
-round by timing the rounds it runs. The admissions that follow a group are charged to the
+round by timing the rounds it runs. A config's acceptance is its mean over its last
+``tau_rounds`` rounds (all of them until there are that many): a group's few rounds follow the
+text's difficulty from sentence to sentence, and an estimate that followed them would drop a
+config after a hard stretch and keep it dropped at that low until its retry. The admissions that follow a group are charged to the
 config that ran it, spread over its recent rounds: speculation's rows finish one at a time and
 admit their successors in small prefills, plain rows that started together finish together
 and share one. (Charged to the group after them instead, one prefill doubles that group's time
@@ -16,7 +19,8 @@ an ideal acceptance (every draft accepted) could not beat plain at the measured 
 
 Plain steps do not advance the draft's cache, so once a batch decodes plain its rows stay
 plain until they finish; a row admitted later starts with a fresh draft (the prefill extends
-it) and joins speculation only when every active row can.
+it) and joins speculation only when every active row can. Since that switch cannot be undone,
+speculating rows go plain only when plain's rate beats the best config's by ``leave_margin``.
 """
 
 from __future__ import annotations
@@ -49,11 +53,19 @@ class Estimate:
     last_group: int = 0  # the decision group it last ran in
     admit_ms: float = 0.0
     rounds: float = 0.0
+    tau_seen: int = 0  # rounds in the acceptance mean, up to the policy's tau_rounds
 
-    def update(self, ms: float, tau: float | None, weight: float, count: int = 1, keep: float = 0.95) -> None:
+    def update(
+        self, ms: float, tau: float | None, weight: float, count: int = 1, keep: float = 0.95, tau_rounds: int = 64
+    ) -> None:
         self.round_ms = ms if self.round_ms is None else (1 - weight) * self.round_ms + weight * ms
-        if tau is not None:
-            self.tau = tau if self.tau is None else (1 - weight) * self.tau + weight * tau
+        if tau is not None and count > 0:
+            # The mean of the rounds so far, then a moving mean over the last tau_rounds.
+            self.tau_seen = min(self.tau_seen + count, tau_rounds)
+            w = count / self.tau_seen
+            self.tau = tau if self.tau is None else (1 - w) * self.tau + w * tau
+        elif tau is not None and self.tau is None:
+            self.tau = tau
         self.rounds = keep * self.rounds + count
         self.admit_ms *= keep
         self.runs += 1
@@ -68,14 +80,17 @@ class Estimate:
 @dataclass
 class AdaptivePolicy:
     """The choice among ``trees`` and plain decoding, made per group of rounds. ``weight``:
-    how fast the estimates follow new measurements; ``retry``: groups between retries of a
-    config that lost. ``log``: the latest decisions with their inputs (at most 2 * LOG_KEEP, so
+    how fast the cost estimates follow new measurements; ``tau_rounds``: the rounds an
+    acceptance estimate averages; ``retry``: groups between retries of a config that lost;
+    ``leave_margin``: how much faster plain must look before speculating rows go plain. ``log``: the latest decisions with their inputs (at most 2 * LOG_KEEP, so
     a long-serving engine does not grow); ``counts`` and ``first``: what ``report`` sums up."""
 
     LOG_KEEP = 256
     trees: tuple[Tree, ...]
     weight: float = 0.3
+    tau_rounds: int = 64
     retry: int = 64
+    leave_margin: float = 1.05
     estimates: dict = field(default_factory=dict)
     log: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)  # groups per choice, since the start
@@ -121,8 +136,11 @@ class AdaptivePolicy:
                 choice = untried[0]
                 why = "retry" if self.estimates[config_name(choice)].runs else "not measured yet"
             else:
-                best = max((None, *self.trees), key=lambda t: self.rate(t) or 0.0)
-                choice, why = best, "highest measured rate"
+                best = max(self.trees, key=lambda t: self.rate(t) or 0.0)
+                if (self.rate(None) or 0.0) > self.leave_margin * (self.rate(best) or 0.0):
+                    choice, why = None, f"plain's rate beats the best config's by over {self.leave_margin:.2f}x"
+                else:
+                    choice, why = best, "highest measured rate"
         self._record({"group": self.groups, "choice": config_name(choice), "why": why, **self.snapshot()})
         return choice
 
@@ -147,7 +165,7 @@ class AdaptivePolicy:
     def observe(self, tree: Tree | None, ms_per_round: float, tau: float | None, count: int = 1) -> None:
         """A group of ``count`` rounds (or plain steps) of ``tree`` took ``ms_per_round`` each."""
         est = self.estimates[config_name(tree)]
-        est.update(ms_per_round, tau, self.weight, count)
+        est.update(ms_per_round, tau, self.weight, count, tau_rounds=self.tau_rounds)
         est.last_group = self.groups
 
     def charge(self, tree: Tree | None, ms: float) -> None:
@@ -162,5 +180,11 @@ class AdaptivePolicy:
         }
 
     def report(self) -> dict:
-        """Groups per choice, the final estimates, and the first few decisions with inputs."""
-        return {"groups_by_choice": dict(self.counts), "estimates": self.snapshot(), "first_decisions": self.first}
+        """Its settings, groups per choice, the final estimates, and the first few decisions."""
+        settings = {k: getattr(self, k) for k in ("weight", "tau_rounds", "retry", "leave_margin")}
+        return {
+            "settings": settings,
+            "groups_by_choice": dict(self.counts),
+            "estimates": self.snapshot(),
+            "first_decisions": self.first,
+        }
