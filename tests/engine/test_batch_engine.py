@@ -158,7 +158,28 @@ def test_concurrency_sweep_contract(tmp_path):
         "best_config_per_level": {"1": "a", "2": "plain", "4": "plain"},
         "crossover_concurrency": 2,
         "adaptive_min_speedup": None,
+        "adaptive_min_full_batch_speedup": None,
     }
+    # Every run filled its batch at first (requests >= rows): its full-batch stretch is measured.
+    assert all(r["full_batch_tok_s"] > 0 for r in rows)
+    full = [r["full_batch_speedup"] for r in adaptive]
+    assert res["adaptive_min_full_batch_speedup"] == min(full)
+
+
+def test_the_full_batch_stretch_ends_when_a_row_first_finds_no_request():
+    """Four rows and equal budgets: all requests end together, so the stretch is the whole run
+    after the first tokens; ragged budgets end it early; fewer requests than rows leave none."""
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    target, _ = engines(model, slots=4)
+    ps = prompts()
+    even = batch_generate(target, ps[:4], 12)
+    seconds, tokens = even[0].stats.full_batch
+    assert seconds > 0 and tokens == 4 * 12 - 4 and all(r.stats.full_batch == (seconds, tokens) for r in even)
+    ragged = batch_generate(target, ps, [30, 4, 17, 30, 1, 23, 9])
+    _, tokens = ragged[0].stats.full_batch
+    # The stretch ends once the 7th request is in and a row frees: before the 30-token ones end.
+    assert 0 < tokens < sum(len(r.tokens) for r in ragged) - 7
+    assert batch_generate(target, ps[:3], 12)[0].stats.full_batch is None
 
 
 def test_regeneration_through_the_engine_equals_hf_greedy(tmp_path):

@@ -24,6 +24,10 @@ class SpecStats:
     compactions: int = 0  # verify steps whose accepted path had to be moved in the target cache
     cache_len: int = 0  # positions valid in both caches at the end (for checks)
     timing: dict | None = None  # mean ms per round by phase (RoundTimer.summary), if asked for
+    # The whole run's full-batch stretch (the same in every request's stats): from after the
+    # first admissions until a row first finds no request waiting, its seconds and the tokens
+    # all requests emitted in it. None when the first admissions left a row empty.
+    full_batch: tuple[float, int] | None = None
 
     def add_round(self, path_len: int) -> None:
         """One verify step whose accepted path (root included) has ``path_len`` nodes: it

@@ -83,12 +83,16 @@ def batch_generate(
     _check_batch(target, draft, tree, prompts, budgets, adaptive, o)
     run = _Run(target, draft, tree, o, prompts, budgets, adaptive)
     run.admit()
+    watch, full, emitted, t0 = None not in run.row_req, None, run.emitted(), time.perf_counter()
     while any(r is not None for r in run.row_req):
-        run.step()
+        run.step()  # ends with a read-back: the device is done with what the host counts
+        if watch and full is None and not run.waiting and None in run.row_req:
+            full = (time.perf_counter() - t0, run.emitted() - emitted)
         run.admit()
     for out in run.outs:
         out.stats.tokens = len(out.tokens)
         out.stats.timing = run.timer.summary() if run.timer else None
+        out.stats.full_batch = full
     return [BatchResult(out.tokens, out.stats) for out in run.outs]
 
 
@@ -242,6 +246,10 @@ class _Run:
             self.synced[row] = self.draft is not None
             if not self.outs[req].emit([tok]):
                 self.row_req[row] = req
+
+    def emitted(self) -> int:
+        """Tokens all requests have emitted so far."""
+        return sum(len(out.tokens) for out in self.outs)
 
     def _active(self):
         return [(row, req) for row, req in enumerate(self.row_req) if req is not None]
