@@ -9,8 +9,8 @@ slots it writes are rewritten before any pass reads them), then by its groups; a
 round by timing the rounds it runs. A config's acceptance is its mean over its last
 ``tau_rounds`` rounds (all of them until there are that many): a group's few rounds follow the
 text's difficulty from sentence to sentence, and an estimate that followed them would drop a
-config after a hard stretch and keep it dropped at that low until its retry. The admissions that follow a group are charged to the
-config that ran it, spread over its recent rounds: speculation's rows finish one at a time and
+config after a hard stretch and keep it at that low until its retry. The admissions that
+follow a group are charged to the config that ran it, spread over its recent rounds: speculation's rows finish one at a time and
 admit their successors in small prefills, plain rows that started together finish together
 and share one. (Charged to the group after them instead, one prefill doubles that group's time
 and, at one row, turns every request plain after its first.) Each config is tried once; one
@@ -32,6 +32,7 @@ from draftling.timing import sync
 
 Tree = tuple[int, int, int]  # (steps, topk, num_draft_tokens)
 PLAIN = "plain"
+TAU_ROUNDS = 64  # rounds an acceptance estimate averages (AdaptivePolicy.tau_rounds)
 
 
 def config_name(tree: Tree | None) -> str:
@@ -56,7 +57,13 @@ class Estimate:
     tau_seen: int = 0  # rounds in the acceptance mean, up to the policy's tau_rounds
 
     def update(
-        self, ms: float, tau: float | None, weight: float, count: int = 1, keep: float = 0.95, tau_rounds: int = 64
+        self,
+        ms: float,
+        tau: float | None,
+        weight: float,
+        count: int = 1,
+        keep: float = 0.95,
+        tau_rounds: int = TAU_ROUNDS,
     ) -> None:
         self.round_ms = ms if self.round_ms is None else (1 - weight) * self.round_ms + weight * ms
         if tau is not None and count > 0:
@@ -82,13 +89,14 @@ class AdaptivePolicy:
     """The choice among ``trees`` and plain decoding, made per group of rounds. ``weight``:
     how fast the cost estimates follow new measurements; ``tau_rounds``: the rounds an
     acceptance estimate averages; ``retry``: groups between retries of a config that lost;
-    ``leave_margin``: how much faster plain must look before speculating rows go plain. ``log``: the latest decisions with their inputs (at most 2 * LOG_KEEP, so
-    a long-serving engine does not grow); ``counts`` and ``first``: what ``report`` sums up."""
+    ``leave_margin``: how much faster plain must look before speculating rows go plain.
+    ``log``: the latest decisions with their inputs (at most 2 * LOG_KEEP, so a long-serving
+    engine does not grow); ``counts`` and ``first``: what ``report`` sums up."""
 
     LOG_KEEP = 256
     trees: tuple[Tree, ...]
     weight: float = 0.3
-    tau_rounds: int = 64
+    tau_rounds: int = TAU_ROUNDS
     retry: int = 64
     leave_margin: float = 1.05
     estimates: dict = field(default_factory=dict)
