@@ -86,7 +86,7 @@ def served(tmp_path_factory):
     )
     assert main(["vocab", "--data", str(data), "--size", "512", "--target", str(target)]) == 0
     # The teacher runs once for the three heads these checks train: its full-vocab output head is
-    # most of an online step on this target (49k tokens). Online training is tested elsewhere.
+    # most of an online step on this target (a 49k-token vocabulary). Online training is tested elsewhere.
     extract = ["extract", *common, "--data", str(data), "--out", str(root / "cache"), "--logits-dtype", "float32"]
     assert main([*extract, f"aux_layer_ids={AUX}"]) == 0
     assert main(train_cmd(target, root / "cache", run)) == 0
