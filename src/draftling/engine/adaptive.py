@@ -66,13 +66,12 @@ class Estimate:
         tau_rounds: int = TAU_ROUNDS,
     ) -> None:
         self.round_ms = ms if self.round_ms is None else (1 - weight) * self.round_ms + weight * ms
-        if tau is not None and count > 0:
-            # The mean of the rounds so far, then a moving mean over the last tau_rounds.
+        if tau is not None:
+            # The mean of the rounds so far, then a moving mean over the last tau_rounds (a
+            # first measurement of no rounds, plain's timing replay, sets it).
             self.tau_seen = min(self.tau_seen + count, tau_rounds)
-            w = count / self.tau_seen
+            w = count / self.tau_seen if self.tau_seen else 1.0
             self.tau = tau if self.tau is None else (1 - w) * self.tau + w * tau
-        elif tau is not None and self.tau is None:
-            self.tau = tau
         self.rounds = keep * self.rounds + count
         self.admit_ms *= keep
         self.runs += 1
