@@ -18,6 +18,7 @@
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
 # (AB_ARGS replaces its rows, repeats and variants; --profile adds each pass's kernels).
+# DECODE_AB=1 adds lab/gpu/decode_ab.py (issue 47: the 8B-shape plain step by variant; random weights).
 # ROUND_PROFILE=1 profiles the SWEEP_HEAD's rounds by phase and kernel (lab/gpu/round_profile.py;
 # ROUND_PROFILE_ARGS adds to it) before the sweep.
 # BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, round profile, sweep, benches
@@ -40,6 +41,11 @@ case "${1:-}" in
       timeout 330 python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
         ${AB_ARGS:---rows 1,64 --repeats 1 --variants exact_fused,exact_matmul} > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
       echo "exact attention A/B done"
+    fi
+    if [ "${DECODE_AB:-0}" = 1 ]; then
+      timeout 420 python3 lab/gpu/decode_ab.py --out $W/results/decode_ab/decode_ab.json \
+        > $W/results/decode_ab_log.txt 2>&1 || echo "decode A/B failed"
+      echo "decode A/B done"
     fi
     if [ "${BLOCK_TESTS:-0}" = 1 ]; then
       timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k "block or bf16 or compile_and_cuda_graphs_match or exact_attention" \
