@@ -17,7 +17,7 @@
 # bf16-identity, compiled-graph and exact-attention tests at the end), RUN_S (1500: caps the whole job);
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
-# (AB_ARGS replaces its rows, repeats and variants; --profile adds each pass's kernels).
+# (AB_ARGS replaces its rows, repeats and variants; --profile adds each pass's kernels; AB_S caps it, 330 s).
 # DECODE_AB=1 adds lab/gpu/decode_ab.py (issue 47: the 8B-shape plain step by variant; random weights).
 # ROUND_PROFILE=1 profiles the SWEEP_HEAD's rounds by phase and kernel (lab/gpu/round_profile.py;
 # ROUND_PROFILE_ARGS adds to it) before the sweep.
@@ -38,7 +38,7 @@ case "${1:-}" in
     C=lab/configs/gpu_smollm2.yaml D=$W/data DEV=${DEV:---device cuda --dtype bfloat16}
     t0=$(date +%s)
     if [ "${AB:-0}" = 1 ]; then
-      timeout 330 python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
+      timeout ${AB_S:-330} python3 lab/gpu/exact_attention_ab.py --target $T --out $W/results/exact_attention_ab.json \
         ${AB_ARGS:---rows 1,64 --repeats 1 --variants exact_fused,exact_matmul} > $W/results/exact_attention_ab_log.txt 2>&1 || echo "exact attention A/B failed"
       echo "exact attention A/B done"
     fi
