@@ -10,12 +10,13 @@ that ignores its features does as well)."""
 
 import dataclasses
 import json
+import os
 import shutil
 
 import pytest
 from transformers import AutoTokenizer
 
-from draftling.bench.serve_check import Tally, compare, diagnosis
+from draftling.bench.serve_check import CPU_ENV, Tally, compare, diagnosis, vllm_env
 from draftling.cli import main
 from tests.conftest import run_draftling, smollm2_gguf
 from tests.helpers import saved_tiny_target, write_prompts
@@ -192,6 +193,24 @@ def test_tau_counts_the_bonus_token_and_the_band_is_two_sided():
     assert "from draft position 2 on" in diagnosis(rec, "x")
     rec["positions_outside_band"] = [1, 2, 3]
     assert "from the first draft on" in diagnosis(rec, "x")
+
+
+def test_vllms_cpu_settings_last_only_while_it_runs_and_keep_the_callers_own(monkeypatch):
+    """A library caller's environment is the same after a check as before it."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with vllm_env("cpu") as env:
+        assert env == {
+            "VLLM_CPU_KVCACHE_SPACE": CPU_ENV["VLLM_CPU_KVCACHE_SPACE"],
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        }
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == CPU_ENV["VLLM_CPU_KVCACHE_SPACE"]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    with pytest.raises(RuntimeError), vllm_env("cpu"):
+        raise RuntimeError("vLLM failed")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # restored on the way out of a failure too
+    with vllm_env("cuda") as env:
+        assert env == {} and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
 
 
 def test_without_vllm_the_check_is_one_line_naming_the_extra(tmp_path):

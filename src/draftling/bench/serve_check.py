@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,15 +176,32 @@ def vllm_eager(o: ServeCheckOptions, device: str) -> bool:
     return device == "cpu" if o.eager is None else o.eager
 
 
+@contextmanager
+def vllm_env(device: str):
+    """CPU_ENV's defaults in os.environ while vLLM runs on the CPU, the caller's own values
+    restored after it; yields the values vLLM saw ({} off the CPU)."""
+    if device != "cpu":
+        yield {}
+        return
+    saved = {k: os.environ.get(k) for k in CPU_ENV}
+    for key, value in CPU_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield {k: os.environ[k] for k in CPU_ENV}
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def start_vllm(target_dir: Path, export: Path, o: ServeCheckOptions, max_len: int, engine: dict, method="eagle3"):
     """vLLM's offline engine with the export as its speculator (``method``: eagle3 or dflash), or
-    one line saying why not."""
+    one line saying why not. Run it inside ``vllm_env``."""
     from vllm import LLM
 
     device = engine["device"]
-    if device == "cpu":
-        for key, value in CPU_ENV.items():
-            os.environ.setdefault(key, value)
     spec = {"method": method, "model": str(export), "num_speculative_tokens": o.draft_tokens}
     extra = {"gpu_memory_utilization": 0.5} if device == "cuda" else {}
     eager = vllm_eager(o, device)
@@ -285,10 +303,12 @@ def serve_check(target: Target, export, o: ServeCheckOptions) -> dict:
     # Both engines get the same context: the longest prompt, its reply and a round's drafts.
     max_len = max(len(p.input_ids) for p in prompts) + o.max_new_tokens + o.draft_tokens + 8
     d_tallies, d_tokens = draftling_decode(target, export, prompts, o, max_len, eos)
-    llm = start_vllm(target_dir, export, o, max_len, engine, method)
-    v_tallies, v_tokens = vllm_decode(llm, prompts, o, eos)
+    with vllm_env(engine["device"]) as env:
+        llm = start_vllm(target_dir, export, o, max_len, engine, method)
+        v_tallies, v_tokens = vllm_decode(llm, prompts, o, eos)
+        del llm
     rec = _record(target, export, fmt, o, dict(info, decoded=len(prompts)), engine)
-    rec["method"] = method
+    rec.update(method=method, vllm_env=env)
     rec.update(compare(total(v_tallies), total(d_tallies), o.band))
     rec["identical_outputs"] = round(sum(v_tokens[p.id] == d_tokens[p.id] for p in prompts) / len(prompts), 4)
     rec["per_workload"] = {w: compare(v_tallies[w], d_tallies[w], o.band) for w in d_tallies}
@@ -314,7 +334,6 @@ def _record(target: Target, export: Path, fmt: str, o: ServeCheckOptions, info: 
         "vllm_version": engine["version"],
         "device": engine["device"],
         "vllm_enforce_eager": vllm_eager(o, engine["device"]),
-        "vllm_env": {k: os.environ.get(k) for k in CPU_ENV} if engine["device"] == "cpu" else {},
         "draftling_device": device_name(target.device),
         "dtype_vllm": o.dtype,
         "dtype_draftling": dtype_name(next(target.model.parameters()).dtype),
