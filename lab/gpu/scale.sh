@@ -17,7 +17,9 @@
 #   5. carries .dev/s3:        cp .dev/s3/* /tmp/sw/ && bash lab/gpu/scale.sh start [SECONDS] [ARGS]
 #   6.. bash lab/gpu/scale.sh poll SECONDS, until it prints "scale: done"
 # `start` installs the wheels (bitsandbytes and torchao into /tmp/site beside gguf; speculators
-# and its dependencies into /tmp/spec-site, which only speculators' own process sees), makes the
+# and its dependencies into /tmp/spec/site-packages, which only speculators' own process sees: the
+# name matters, as dill (datasets' fingerprints) pickles a module outside the interpreter's prefix
+# by value unless its path holds "site-packages", and pyarrow's module cannot be), makes the
 # peer's data (`draftling data` of gpu_smollm2.yaml, PEER_PROMPTS per file, default 200, and its
 # vocab), then runs scale.py in a session of its own (it outlives the call); each poll waits up
 # to SECONDS and copies the log and, once done, results.tgz (scale.json, manifest, sections and
@@ -56,13 +58,13 @@ case "${1:-}" in
     mkdir -p $W
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $SW/bitsandbytes-*.whl $SW/torchao-*.whl \
       || echo "scale: bitsandbytes/torchao install failed (the 36B section records it)"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/spec-site \
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/spec/site-packages \
       $(ls $SW/*.whl | grep -v -e bitsandbytes -e torchao -e gguf) || echo "scale: speculators install failed"
     echo "$(date -u +%FT%TZ)" > $W/started
     wait_s=${2:-540}; shift 2 || shift $#
     setsid bash -c "source lab/gpu/common.sh; set +e; D=$W/data; \
       subset_data \$D $W data.max_prompts_per_file=${PEER_PROMPTS:-200} > /dev/null; \
-      SPEC_PYTHONPATH=/tmp/spec-site:/tmp/site timeout ${SCALE_S:-1800} python3 lab/gpu/scale.py --out $W/results \
+      SPEC_PYTHONPATH=/tmp/spec/site-packages:/tmp/site timeout ${SCALE_S:-1800} python3 lab/gpu/scale.py --out $W/results \
       --target $T --data \$D --spec-python python3 $* > $W/log.txt 2>&1; echo \"exit \$?\" > $W/done" \
       < /dev/null > /dev/null 2>&1 &
     exec bash $0 poll $wait_s ;;

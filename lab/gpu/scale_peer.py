@@ -237,6 +237,8 @@ def train_speculators(python, target, cfg, vocab, train, val, steps, seq_len, ve
     metrics, t0 = work / "metrics.jsonl", time.perf_counter()
     args = spec_args(target, cfg, vocab, work, steps, seq_len, verifier)
     args.append(f"--train-data-ratio={(len(train) + 0.5) / len(both)}")  # int(n x ratio) = the training rows
+    if target.device.type == "cpu":  # the dry run: no FlexAttention backward, no Triton on the CPU
+        args += ["--draft-attn-impl=sdpa", "--loss-implementation=eager"]
     try:
         run_spec(python, work, ["train", str(metrics)] + args, 1200)
     finally:
