@@ -42,7 +42,7 @@ from draftling.bench.manifest import device_name, write_manifest  # noqa: E402
 from draftling.engine import target_model as tm  # noqa: E402
 from draftling.io import write_json  # noqa: E402
 
-VARIANTS = ("exact", "matmul", "sdpa", "matmul_fused")
+VARIANTS = ("exact", "matmul", "matmul_fused", "sdpa")
 
 
 def fuse(layers) -> None:
@@ -179,7 +179,15 @@ def main(argv=None) -> int:
     out.update(copy_bandwidth_tb_s=bw and bw / 1e12, published_bandwidth_tb_s=pub, cache_slots=size, context=size // 2)
     floor = {"published": pub and nbytes / (pub * 1e12) * 1e3, "measured_copy": bw and nbytes / bw * 1e3}
     out["roofline_step_ms"] = floor
+    cmd = "python3 lab/gpu/decode_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    what = "the 8B-shape plain decode step by engine variant, and the weight matmuls alone (lab/gpu/decode_ab.py)"
+    write_manifest(Path(args.out).parent, command=cmd, config=vars(args), device=device, what=what)
     ms: dict = {}
+    out["step_ms"] = ms
+    for fused in (False, True):  # the floors first: quick, and they stand if a variant hangs
+        name = "gemv_floor" + "_fused" * fused
+        ms[name] = gemv_floor_ms(model, fused, device, args.steps)
+        log(f"decode_ab {name}: {ms[name]:.3f} ms")
     for v in [v for v in args.variants.split(",") if v]:
         t0 = time.perf_counter()
         try:
@@ -188,18 +196,10 @@ def main(argv=None) -> int:
             ms[v] = None
             out.setdefault("errors", {})[v] = f"{type(e).__name__}: {e}"[:300]
         log(f"decode_ab {v}: {ms[v]} ms ({time.perf_counter() - t0:.0f} s)")
-    for fused in (False, True):
-        name = "gemv_floor" + "_fused" * fused
-        ms[name] = gemv_floor_ms(model, fused, device, args.steps)
-        log(f"decode_ab {name}: {ms[name]:.3f} ms")
-    out["step_ms"] = ms
-    out["roofline_fraction"] = {
-        k: {b: f and t and f / t for b, f in floor.items()} for k, t in ms.items() if t is not None
-    }
-    write_json(args.out, out)
-    cmd = "python3 lab/gpu/decode_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    what = "the 8B-shape plain decode step by engine variant, and the weight matmuls alone (lab/gpu/decode_ab.py)"
-    write_manifest(Path(args.out).parent, command=cmd, config=vars(args), device=device, what=what)
+        out["roofline_fraction"] = {
+            k: {b: f and t and f / t for b, f in floor.items()} for k, t in ms.items() if t is not None
+        }
+        write_json(args.out, out)  # after each variant: a run cut short keeps what it measured
     print(out)
     return 0
 
