@@ -46,7 +46,9 @@ VARIANTS = ("exact", "matmul", "matmul_fused", "sdpa")
 
 
 def fuse(layers) -> None:
-    """Concatenated q/k/v and gate/up weights per layer (copies: the A/B has memory to spare)."""
+    """Concatenated q/k/v and gate/up weights per layer, once (copies: the A/B has memory to spare)."""
+    if hasattr(layers[0].self_attn, "qkv_w"):
+        return
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
         a.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
@@ -106,8 +108,7 @@ def engine_step_ms(model, variant: str, size: int, device, steps: int) -> float:
     if variant == "matmul_fused":
         from draftling.target.aux import decoder_layers
 
-        if not hasattr(decoder_layers(model)[0].self_attn, "qkv_w"):
-            fuse(decoder_layers(model))
+        fuse(decoder_layers(model))
         tm.attention_inputs, tm.attention_outputs = fused_inputs, fused_outputs
     try:
         tm._COMPILED.clear()
@@ -132,7 +133,7 @@ def gemv_floor_ms(model, fused: bool, device, steps: int) -> float:
     from draftling.target.aux import decoder_layers
 
     layers = decoder_layers(model)
-    if fused and not hasattr(layers[0].self_attn, "qkv_w"):
+    if fused:
         fuse(layers)
     x = torch.randn(1, 1, model.config.hidden_size, device=device, dtype=layers[0].mlp.down_proj.weight.dtype)
     head = model.get_output_embeddings().weight
