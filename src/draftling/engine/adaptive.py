@@ -10,9 +10,9 @@ round by timing the rounds it runs. A config's acceptance is its mean over its l
 ``tau_rounds`` rounds (all of them until there are that many): a group's few rounds follow the
 text's difficulty from sentence to sentence, and an estimate that followed them would drop a
 config after a hard stretch and keep it at that low until its retry. The admissions that
-follow a group are charged to the config that ran it, spread over its recent rounds: speculation's rows finish one at a time and
-admit their successors in small prefills, plain rows that started together finish together
-and share one. (Charged to the group after them instead, one prefill doubles that group's time
+follow a group are charged to the config that ran it, spread over its recent rounds:
+speculation's rows finish one at a time and admit their successors in small prefills, plain
+rows that started together finish together and share one. (Charged to the group after them instead, one prefill doubles that group's time
 and, at one row, turns every request plain after its first.) Each config is tried once; one
 that lost is tried again every ``retry`` groups, so its estimates follow the text, unless even
 an ideal acceptance (every draft accepted) could not beat plain at the measured times.
