@@ -2,6 +2,7 @@
 
     python3 lab/gpu/decode_ab.py --out decode_ab.json            # GPU: Llama-3.1-8B shape, bf16
     python3 lab/gpu/decode_ab.py --out decode_ab.json --dry-run  # CPU: toy shape, same schema
+    python3 lab/gpu/decode_ab.py --out d.json --target T.gguf --device cpu --variants sdpa,sdpa_fused
 
 A Llama-3.1-8B-shaped target with random weights (lab/gpu/scale.py's model), then the engine's
 plain greedy step at batch 1 (``fast_greedy``: CUDA graphs, compiled layers) timed over
@@ -9,14 +10,16 @@ plain greedy step at batch 1 (``fast_greedy``: CUDA graphs, compiled layers) tim
 
 - ``exact``: the engine as scale_8b.py ran it (exact attention, the speculative engine's);
 - ``matmul``, ``sdpa``: the other attention kinds;
-- ``matmul_fused``: q/k/v and gate/up each one matmul over concatenated weights (this script
-  patches engine.target_model's two layer halves; the product engine does not fuse);
+- ``<kind>_fused`` (``matmul_fused``, ...): q/k/v and gate/up each one matmul over
+  concatenated weights (the engine's ``fuse`` option, engine/fused.py); the other variants run
+  with it off, as the engine ran before it fused;
 - ``gemv_floor`` / ``gemv_floor_fused``: only the step's weight matmuls (every layer's
   projections and the output head) replayed as one CUDA graph: what cuBLAS alone reaches on
   these shapes, the floor the engine's other kernels add to.
 
 Each figure is also given as a fraction of the roofline (decode bytes / published bandwidth,
 and / the device-to-device copy bandwidth measured here). Timing only: weights are random.
+``--target`` times a real model instead (draftling's loader, float32 on the CPU).
 """
 
 from __future__ import annotations
@@ -40,41 +43,10 @@ from scale_8b import copy_bandwidth, decode_bytes  # noqa: E402
 
 from draftling.bench.manifest import device_name, write_manifest  # noqa: E402
 from draftling.engine import target_model as tm  # noqa: E402
+from draftling.engine.fused import fuse_layer  # noqa: E402
 from draftling.io import write_json  # noqa: E402
 
 VARIANTS = ("exact", "matmul", "matmul_fused", "sdpa")
-
-
-def fuse(layers) -> None:
-    """Concatenated q/k/v and gate/up weights per layer, once (copies: the A/B has memory to spare)."""
-    if hasattr(layers[0].self_attn, "qkv_w"):
-        return
-    for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        a.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        a.qkv_split = (a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0])
-        m.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-
-
-def fused_inputs(layer, x, cos, sin):
-    attn = layer.self_attn
-    b, q, _ = x.shape
-    d = attn.head_dim
-    h = layer.input_layernorm(x)
-    qs, ks, vs = F.linear(h, attn.qkv_w).split(attn.qkv_split, dim=-1)
-    qs, ks = qs.reshape(b, q, -1, d), ks.reshape(b, q, -1, d)
-    vs = vs.reshape(b, q, -1, d).transpose(1, 2)
-    qs, ks = tm.apply_rotary_pos_emb(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
-    return qs, ks, vs
-
-
-def fused_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind):
-    attn, mlp = layer.self_attn, layer.mlp
-    o = tm.matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling, exact=kind == "exact")
-    b, _, t, _ = q.shape
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-    gate, up = F.linear(layer.post_attention_layernorm(x), mlp.gate_up_w).chunk(2, dim=-1)
-    return x + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def graph_ms(fn, device, steps: int, reps: int = 5) -> float:
@@ -102,30 +74,22 @@ def engine_step_ms(model, variant: str, size: int, device, steps: int) -> float:
     from draftling.engine import CachedTarget, EngineOptions
 
     gpu = torch.device(device).type == "cuda"
-    attention = "matmul" if variant == "matmul_fused" else variant
-    opts = EngineOptions(cuda_graphs=gpu, compile=gpu, query_pad=0, attention=attention)
-    saved = tm.attention_inputs, tm.attention_outputs
-    if variant == "matmul_fused":
-        from draftling.target.aux import decoder_layers
+    fused = variant.endswith("_fused")
+    attention = variant.removesuffix("_fused")
+    opts = EngineOptions(cuda_graphs=gpu, compile=gpu, query_pad=0, attention=attention, fuse=fused)
+    tm._COMPILED.clear()
+    torch._dynamo.reset()
+    n = model.config.num_hidden_layers
+    eng = CachedTarget(model, [2, n // 2, n - 3], size, options=opts)
+    state = {"tok": torch.zeros(1, 1, dtype=torch.long, device=device)}
+    state["pos"] = torch.full((1,), size // 2, dtype=torch.long, device=device)
 
-        fuse(decoder_layers(model))
-        tm.attention_inputs, tm.attention_outputs = fused_inputs, fused_outputs
-    try:
-        tm._COMPILED.clear()
-        torch._dynamo.reset()
-        n = model.config.num_hidden_layers
-        eng = CachedTarget(model, [2, n // 2, n - 3], size, options=opts)
-        state = {"tok": torch.zeros(1, 1, dtype=torch.long, device=device)}
-        state["pos"] = torch.full((1,), size // 2, dtype=torch.long, device=device)
+    def step():
+        state["tok"], _ = eng.fast_greedy(state["tok"], state["pos"])  # the position stays
 
-        def step():
-            state["tok"], _ = eng.fast_greedy(state["tok"], state["pos"])  # the position stays
-
-        for _ in range(3):
-            step()
-        return graph_ms(step, device, steps)
-    finally:
-        tm.attention_inputs, tm.attention_outputs = saved
+    for _ in range(3):
+        step()
+    return graph_ms(step, device, steps)
 
 
 def gemv_floor_ms(model, fused: bool, device, steps: int) -> float:
@@ -133,17 +97,16 @@ def gemv_floor_ms(model, fused: bool, device, steps: int) -> float:
     from draftling.target.aux import decoder_layers
 
     layers = decoder_layers(model)
-    if fused:
-        fuse(layers)
+    parts = [fuse_layer(layer) for layer in layers] if fused else [None] * len(layers)
     x = torch.randn(1, 1, model.config.hidden_size, device=device, dtype=layers[0].mlp.down_proj.weight.dtype)
     head = model.get_output_embeddings().weight
 
     def chain():
-        for layer in layers:
+        for layer, f in zip(layers, parts):
             a, m = layer.self_attn, layer.mlp
-            if fused:
-                F.linear(x, a.qkv_w)
-                gu = F.linear(x, m.gate_up_w)
+            if f is not None:
+                F.linear(x, f.qkv.weight)
+                gu = F.linear(x, f.gate_up.weight)
             else:
                 F.linear(x, a.q_proj.weight), F.linear(x, a.k_proj.weight), F.linear(x, a.v_proj.weight)
                 gu = torch.cat([F.linear(x, m.gate_proj.weight), F.linear(x, m.up_proj.weight)], -1)
@@ -167,21 +130,30 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, toy shape: the schema only")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--target", help="a real target (draftling's --target forms) instead of the random 8B shape")
+    p.add_argument("--device", help="default: cuda, or cpu with --dry-run")
     args = p.parse_args(argv)
-    device = "cpu" if args.dry_run else "cuda"
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
-    cfg, _ = model_config("llama", LLAMA31_8B, args.dry_run)
-    model = random_model(cfg, device, dtype)
+    device = args.device or ("cpu" if args.dry_run else "cuda")
+    cpu = torch.device(device).type == "cpu"
+    dtype = torch.float32 if cpu else torch.bfloat16
+    if args.target:
+        from draftling.target.load import load_target
+
+        target = load_target(args.target, dtype=str(dtype).removeprefix("torch."), device=device)
+        model, shape = target.model, Path(target.spec.name).name
+    else:
+        cfg, _ = model_config("llama", LLAMA31_8B, args.dry_run)
+        model, shape = random_model(cfg, device, dtype), "llama-3.1-8b" + "-toy" * args.dry_run
     nbytes = decode_bytes(model)
     bw = copy_bandwidth(device)
-    pub = published_tb_s(device_name(device)) if not args.dry_run else None
+    pub = published_tb_s(device_name(device)) if not cpu else None
     size = 128 + 256 + 32  # scale_8b.py's cache: prompt + decoded tokens + slack
-    out: dict = {"shape": "llama-3.1-8b" + "-toy" * args.dry_run, "dtype": str(dtype), "decode_bytes": nbytes}
+    out: dict = {"shape": shape, "dtype": str(dtype), "decode_bytes": nbytes}
     out.update(copy_bandwidth_tb_s=bw and bw / 1e12, published_bandwidth_tb_s=pub, cache_slots=size, context=size // 2)
     floor = {"published": pub and nbytes / (pub * 1e12) * 1e3, "measured_copy": bw and nbytes / bw * 1e3}
     out["roofline_step_ms"] = floor
     cmd = "python3 lab/gpu/decode_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    what = "the 8B-shape plain decode step by engine variant, and the weight matmuls alone (lab/gpu/decode_ab.py)"
+    what = f"the {shape} plain decode step by engine variant, and the weight matmuls alone (lab/gpu/decode_ab.py)"
     write_manifest(Path(args.out).parent, command=cmd, config=vars(args), device=device, what=what)
     ms: dict = {}
     out["step_ms"] = ms

@@ -27,12 +27,15 @@ class EngineOptions:
     ``query_pad``: pad every target pass of 1..query_pad queries to query_pad rows, 0 = off
     (see ``CachedTarget``). ``attention``: one of ATTENTION_KINDS; the draft only proposes, so
     "exact" gives it plain matmul attention. Each may be "auto" until ``resolve``; the engine's
-    classes take resolved options only. The defaults are the plain eager engine."""
+    classes take resolved options only. The defaults are the plain eager engine.
+    ``fuse``: run each layer's q/k/v and gate/up projections as one matmul each (see
+    engine.fused); on by default wherever the model allows it, False only to measure without."""
 
     cuda_graphs: bool | str = False
     compile: bool | str = False
     query_pad: int | str = 0
     attention: str = "sdpa"
+    fuse: bool = True
 
     def __post_init__(self):
         if self.attention not in (AUTO, *ATTENTION_KINDS):
@@ -40,6 +43,8 @@ class EngineOptions:
         pad = self.query_pad
         if pad != AUTO and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
             raise ConfigError(f"query_pad must be an integer >= 0 or 'auto', got {pad!r}")
+        if self.fuse not in (True, False):
+            raise ConfigError(f"fuse must be true or false, got {self.fuse!r}")
         for name in ("cuda_graphs", "compile"):
             if getattr(self, name) not in (AUTO, True, False):
                 raise ConfigError(f"{name} must be true, false or 'auto', got {getattr(self, name)!r}")
@@ -74,6 +79,7 @@ class EngineOptions:
             compile=bool(pick(self.compile, gpu)),
             query_pad=int(pick(self.query_pad, max_draft_tokens if gpu else 0)),
             attention=pick(self.attention, GPU_ATTENTION if gpu else "sdpa"),
+            fuse=self.fuse,
         )
         if out.query_pad and out.query_pad < max_draft_tokens:
             raise ConfigError(

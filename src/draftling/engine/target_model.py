@@ -21,6 +21,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from draftling.dynamo import allow_recompiles
+from draftling.engine.fused import FusedLayer, fuse_layer
 from draftling.engine.options import EngineOptions
 from draftling.errors import ConfigError, TargetError
 from draftling.target.aux import decoder_layers, validate_aux_layer_ids
@@ -64,15 +65,19 @@ def _check_architecture(model, max_seq_len: int) -> None:
         )
 
 
-def attention_inputs(layer, x, cos, sin):
-    """A decoder layer up to attention: normed q [B,nh,q,d], RoPE'd k and v [B,nkv,q,d]."""
+def attention_inputs(layer, x, cos, sin, fused: FusedLayer | None = None):
+    """A decoder layer up to attention: normed q [B,nh,q,d], RoPE'd k and v [B,nkv,q,d].
+    ``fused``: the layer's fused projections (engine.fused), where it has them."""
     attn = layer.self_attn
     b, q, _ = x.shape
     d = attn.head_dim
     h = layer.input_layernorm(x)
-    qs = attn.q_proj(h).view(b, q, -1, d)
-    ks = attn.k_proj(h).view(b, q, -1, d)
-    vs = attn.v_proj(h).view(b, q, -1, d).transpose(1, 2)
+    if fused is not None and fused.qkv is not None:
+        qs, ks, vs = fused.qkv(h)
+    else:
+        qs, ks, vs = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    qs, ks = qs.view(b, q, -1, d), ks.view(b, q, -1, d)
+    vs = vs.view(b, q, -1, d).transpose(1, 2)
     if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
         qs, ks = attn.q_norm(qs), attn.k_norm(ks)
     qs, ks = apply_rotary_pos_emb(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
@@ -115,9 +120,9 @@ def matmul_attention(q, k, v, mask, scale, exact: bool = False, sinks=None, soft
     return torch.matmul(probs, v).view(b, h, t, dv)
 
 
-def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str):
+def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str, fused: FusedLayer | None = None):
     """The rest of a decoder layer: attention (``kind``, see engine.options.ATTENTION_KINDS)
-    over the whole static cache, o_proj, MLP."""
+    over the whole static cache, o_proj, MLP (gate and up as one matmul when ``fused`` has them)."""
     attn = layer.self_attn
     if kind != "sdpa":
         o = matmul_attention(q, k_cache, v_cache, attn_mask, attn.scaling, exact=kind == "exact")
@@ -133,7 +138,11 @@ def attention_outputs(layer, x, q, k_cache, v_cache, attn_mask, kind: str):
         )
     b, _, t, _ = q.shape
     x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    h = layer.post_attention_layernorm(x)
+    if fused is None or fused.gate_up is None:
+        return x + layer.mlp(h)
+    gate, up = fused.gate_up(h)
+    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
 def row_mask(attn_mask):
@@ -301,6 +310,8 @@ class CachedTarget(TargetEngine):
         self.lm_head = model.get_output_embeddings()
         self.rotary_emb = base.rotary_emb  # HF's class: rope scaling comes with it
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self.layers))
+        # Per layer: its fused projections, or None (a plain list: the tensors are the model's).
+        self.fused = [fuse_layer(layer) if options.fuse else None for layer in self.layers]
         attn0 = self.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.num_kv_heads = cfg.num_key_value_heads
@@ -333,10 +344,11 @@ class CachedTarget(TargetEngine):
         want = set(self.aux_layer_ids)
         aux = {}
         for i, layer in enumerate(self.layers):
-            qs, ks, vs = attn_in(layer, x, cos, sin)
+            fused = self.fused[i]
+            qs, ks, vs = attn_in(layer, x, cos, sin, fused)
             write_kv(k_all[i], cache_positions, ks)
             write_kv(v_all[i], cache_positions, vs)
-            x = attn_out(layer, x, qs, k_all[i], v_all[i], attn_mask, self.attention)
+            x = attn_out(layer, x, qs, k_all[i], v_all[i], attn_mask, self.attention, fused)
             if i + 1 in want:
                 aux[i + 1] = x
         x = x[:, :q] if last is None else x.gather(1, last[:, None, None].expand(-1, 1, x.shape[-1]))
