@@ -104,7 +104,7 @@ class BenchConfig:
         flag="--attention",
         help=(
             "The decode engine's attention: sdpa, matmul (in the model's dtype), or exact (float64 sums: tree output "
-            "equals plain output in bf16); auto = exact on CUDA (its unpadded plain reference: matmul), sdpa on CPU."
+            "equals plain output in bf16); auto = on CUDA exact when padded (bench.query_pad), matmul unpadded; sdpa on CPU."
         ),
     )
     round_timing: bool | Auto = key(

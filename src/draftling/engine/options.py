@@ -13,9 +13,11 @@ from draftling.errors import ConfigError
 
 # The config checks these names when it loads, and it cannot import the engine: it keeps them.
 ATTENTION_KINDS = ENGINE_ATTENTION
-# "auto" attention on CUDA: "exact" for the speculative engine and its padded plain twin (the
-# identity reference); an unpadded plain reference takes the faster bf16 "matmul"
-# (lab/benches/engine_profile.py measured both), so speedups are against the fastest plain engine.
+# "auto" attention on CUDA: "exact" for a padded engine (the speculative engine and its padded
+# plain twin, the identity reference); an unpadded one takes the faster bf16 "matmul". Exact
+# attention only pays together with padding: unpadded, the weight matmuls already differ per
+# query count, so output is not bitwise plain's either way (a plain reference, the concurrency
+# sweep and select run unpadded, against the fastest plain engine).
 GPU_ATTENTION, GPU_UNPADDED_ATTENTION = "exact", "matmul"
 
 
@@ -65,20 +67,23 @@ class EngineOptions:
         return AUTO not in (self.cuda_graphs, self.compile, self.query_pad, self.attention)
 
     def resolve(self, device, max_draft_tokens: int = 0) -> EngineOptions:
-        """These options for ``device`` without "auto": on CUDA graphs, compiled layers, exact
-        attention and every pass padded to ``max_draft_tokens`` (the largest verify pass);
-        elsewhere eager SDPA, unpadded. A pad below ``max_draft_tokens`` is refused: the larger
-        verify passes would run other kernels than plain decoding."""
+        """These options for ``device`` without "auto": on CUDA graphs, compiled layers, every
+        pass padded to ``max_draft_tokens`` (the largest verify pass) and exact attention when
+        padded, bf16 matmul attention when not; elsewhere eager SDPA, unpadded. A pad below
+        ``max_draft_tokens`` is refused: the larger verify passes would run other kernels than
+        plain decoding."""
         gpu = torch.device(device).type == "cuda"
 
         def pick(value, auto):
             return auto if value == AUTO else value
 
+        pad = int(pick(self.query_pad, max_draft_tokens if gpu else 0))
+        gpu_attention = GPU_ATTENTION if pad else GPU_UNPADDED_ATTENTION
         out = EngineOptions(
             cuda_graphs=bool(pick(self.cuda_graphs, gpu)),
             compile=bool(pick(self.compile, gpu)),
-            query_pad=int(pick(self.query_pad, max_draft_tokens if gpu else 0)),
-            attention=pick(self.attention, GPU_ATTENTION if gpu else "sdpa"),
+            query_pad=pad,
+            attention=pick(self.attention, gpu_attention if gpu else "sdpa"),
             fuse=self.fuse,
         )
         if out.query_pad and out.query_pad < max_draft_tokens:
@@ -88,12 +93,9 @@ class EngineOptions:
         return out
 
     def unpadded(self, device) -> EngineOptions:
-        """The unpadded plain reference beside a padded engine: these options resolved, without
-        padding; "auto" attention is the faster bf16 matmul there on CUDA."""
-        out = dataclasses.replace(self.resolve(device), query_pad=0)
-        if self.attention == AUTO and torch.device(device).type == "cuda":
-            out = dataclasses.replace(out, attention=GPU_UNPADDED_ATTENTION)
-        return out
+        """The unpadded plain reference beside a padded engine: these options without padding,
+        resolved ("auto" attention is then the faster bf16 matmul on CUDA)."""
+        return dataclasses.replace(self, query_pad=0).resolve(device)
 
     def check_resolved(self) -> EngineOptions:
         if not self.resolved:
