@@ -2,7 +2,8 @@
 copied to fp32 and fp64 each pass) against a fused form written here (both products as broadcast
 sums that inductor lowers to reductions over the cache as stored), a form whose scores come
 from the bf16 cache on tensor cores (bmm with fp32 output; no fp32 copy of K), and bf16 matmul
-attention for scale, at several row counts. The other forms are patched in for their variant
+attention for scale (``matmul_bf16_unfused``: without the engine's fused q/k/v and gate/up),
+at several row counts. The other forms are patched in for their variant
 only; the engine does not use them (BENCHMARKS.md: the fused form is faster at one row, much
 slower at 64).
 
@@ -26,6 +27,7 @@ VARIANTS = {
     "exact_matmul": ("exact", None),
     "exact_bf16qk": ("exact", "bf16qk"),
     "matmul_bf16": ("matmul", None),
+    "matmul_bf16_unfused": ("matmul", None),  # without the engine's fused projections
 }
 
 
@@ -90,7 +92,8 @@ def one(a) -> dict:
         tm.matmul_attention = PATCHES[patch]
     target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
     _, prompts = load_prompt_set("v1", target)
-    opts = EngineOptions(cuda_graphs=True, compile=True, query_pad=0, attention=attention)
+    fuse = not a.variant.endswith("_unfused")
+    opts = EngineOptions(cuda_graphs=True, compile=True, query_pad=0, attention=attention, fuse=fuse)
     out = {"variant": a.variant, "levels": []}
     for rows in (int(x) for x in a.rows.split(",")):
         ids = [prompts[i % len(prompts)].input_ids for i in range(max(16, 2 * rows))]
