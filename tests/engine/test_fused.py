@@ -63,6 +63,11 @@ def test_a_layer_that_cannot_fuse_runs_unfused():
     out = fuse_layer(layer)
     assert out.qkv is None and out.gate_up is not None
     assert fuse_layer(model.model.layers[1]).qkv is not None
+    up = model.model.layers[2].mlp.up_proj  # integer weights stand for a quantized tensor
+    saved = up.weight
+    up.weight = nn.Parameter(saved.to(torch.int8), requires_grad=False)
+    assert fuse_layer(model.model.layers[2]).gate_up is None
+    up.weight = saved
     seq = prompt(10)
     want = greedy_generate(CachedTarget.from_hf(tiny(LlamaForCausalLM), AUX, 40, fuse=False), seq, 12)
     assert torch.equal(greedy_generate(CachedTarget.from_hf(model, AUX, 40), seq, 12), want)

@@ -1,15 +1,16 @@
 """One matmul for each layer's q/k/v projections and one for its gate/up projections.
 
 At batch 1 a decode step is a chain of matrix-vector products, each reading its weight once;
-three small launches where one large one would do leave memory bandwidth unused. ``fuse``
-concatenates the weights into one tensor per layer and rebinds the HF modules' own
+three small launches where one large one would do leave memory bandwidth unused.
+``fuse_layer`` concatenates the weights into one tensor per layer and rebinds the HF modules' own
 ``weight`` (and ``bias``) parameters as views into it, so memory does not grow and the HF
 model's forward, state dict and ``save_pretrained`` see the same values as before.
 
 A layer is fused only when every projection involved is a plain ``nn.Linear`` (no quantized or
-LoRA subclass, no accelerate hook that moves weights) with real weights of one dtype on one
-device; a layer that does not qualify runs unfused. Built once per model: a second engine on
-the same model finds the fused tensors on the modules and reuses them.
+LoRA subclass, no accelerate hook that moves weights) with real floating-point weights (no
+quantized tensor subclass) of one dtype on one device; a layer that does not qualify runs
+unfused. Built once per model: a second engine on the same model finds the fused tensors on
+the modules and reuses them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def _fusable(mods: list) -> bool:
     if any(type(m) is not nn.Linear or hasattr(m, "_hf_hook") for m in mods):
         return False
     ws = [m.weight for m in mods]
+    if any(type(w.data) is not torch.Tensor or not w.is_floating_point() for w in ws):
+        return False  # a quantized tensor subclass (torchao) or integer weights: not plain
     if any(w.is_meta or w.dtype != ws[0].dtype or w.device != ws[0].device for w in ws):
         return False
     return all((m.bias is None) == (mods[0].bias is None) for m in mods)
