@@ -12,8 +12,9 @@ text's difficulty from sentence to sentence, and an estimate that followed them 
 config after a hard stretch and keep it at that low until its retry. The admissions that
 follow a group are charged to the config that ran it, spread over its recent rounds:
 speculation's rows finish one at a time and admit their successors in small prefills, plain
-rows that started together finish together and share one. (Charged to the group after them instead, one prefill doubles that group's time
-and, at one row, turns every request plain after its first.) Each config is tried once; one
+rows that started together finish together and share one. (Charged to the group after them
+instead, one prefill doubles that group's time and, at one row, turns every request plain
+after its first.) Each config is tried once; one
 that lost is tried again every ``retry`` groups, so its estimates follow the text, unless even
 an ideal acceptance (every draft accepted) could not beat plain at the measured times.
 
