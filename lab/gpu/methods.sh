@@ -18,7 +18,8 @@
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
 # (AB_ARGS replaces its rows, repeats and variants; --profile adds each pass's kernels; AB_S caps it, 330 s).
-# DECODE_AB=1 adds lab/gpu/decode_ab.py (issue 47: the 8B-shape plain step by variant; random weights).
+# DECODE_AB=1 adds lab/gpu/decode_ab.py (issue 47: the 8B-shape plain step by variant; random weights;
+# DECODE_AB_ARGS adds to it, e.g. '--steps 50 --variants matmul,matmul_fused').
 # ROUND_PROFILE=1 profiles the SWEEP_HEAD's rounds by phase and kernel (lab/gpu/round_profile.py;
 # ROUND_PROFILE_ARGS adds to it) before the sweep.
 # BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, round profile, sweep, benches
@@ -43,7 +44,7 @@ case "${1:-}" in
       echo "exact attention A/B done"
     fi
     if [ "${DECODE_AB:-0}" = 1 ]; then
-      timeout 420 python3 lab/gpu/decode_ab.py --out $W/results/decode_ab/decode_ab.json \
+      timeout 420 python3 lab/gpu/decode_ab.py --out $W/results/decode_ab/decode_ab.json ${DECODE_AB_ARGS:-} \
         > $W/results/decode_ab_log.txt 2>&1 || echo "decode A/B failed"
       echo "decode A/B done"
     fi
