@@ -13,7 +13,7 @@ from draftling.draft.model import NORM_FLAGS, Eagle3Draft, draft_config_from_tar
 from draftling.draft.store import load_draft, save_draft
 from draftling.engine import greedy_generate, speculative_generate
 from draftling.errors import ConfigError
-from draftling.export.formats import export_sglang, load_any_draft
+from draftling.export.formats import export_sglang, load_any_draft, load_sglang_export
 from draftling.export.speculators import export_speculators
 from draftling.train.warmstart import keep_norms
 from tests.helpers import AUX, prompt, random_export_draft, run_draft, runners, tiny, tiny_export_llama
@@ -108,6 +108,21 @@ def test_exports_carry_the_flags_where_vllm_reads_them_and_load_back(tmp_path, e
         assert torch.equal(run_draft(draft, target, ids), run_draft(loaded, target, ids))
     save_draft(draft, tmp_path)
     assert torch.equal(run_draft(load_draft(tmp_path), target, ids), run_draft(draft, target, ids))
+
+
+@pytest.mark.parametrize("flags", [V31, {"norm_before_fc": True}], ids=["fc_norm", "norm_before_fc"])
+def test_a_bf16_sglang_export_loads_every_norm_in_bf16_and_runs(tmp_path, eagle_target, flags):
+    # The extra norms must follow the stored dtype too, or the fc matmul meets fp32 and bf16.
+    draft = random_export_draft(eagle_target, **flags)
+    loaded = load_sglang_export(export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True))
+    stored = {n: p.to(torch.bfloat16) for n, p in draft.named_parameters()}
+    weights = dict(loaded.named_parameters())
+    assert weights.keys() == stored.keys() and all(torch.equal(weights[n], stored[n]) for n in stored)
+    assert {p.dtype for p in weights.values()} == {torch.bfloat16}
+    assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+    ids = torch.randint(0, eagle_target.config.vocab_size, (1, 9))
+    logits = run_draft(loaded, tiny_export_llama().to(torch.bfloat16), ids)  # fp32 meeting bf16 would raise
+    assert logits.dtype == torch.bfloat16 and logits.isfinite().all()
 
 
 def test_a_warm_start_keeps_the_heads_norms_and_refuses_new_ones(eagle_target):

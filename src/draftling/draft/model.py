@@ -213,6 +213,14 @@ class DraftHead(nn.Module):
         """Weights plus vocab maps; no rotary cache, no embedding."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
 
+    def cast_weights(self, dtype: torch.dtype) -> DraftHead:
+        """Cast every weight to ``dtype`` in place; the rotary table stays fp32 (its angles
+        lose positions in bf16)."""
+        for name, module in self.named_children():
+            if name != "rotary_emb":
+                module.to(dtype)
+        return self
+
 
 class Eagle3Draft(DraftHead):
     def __init__(self, config: LlamaConfig):

@@ -338,8 +338,7 @@ def load_sglang_export(
     floats = {t.dtype for t in sd.values() if t.is_floating_point()}
     dt = resolve_dtype(dtype) if dtype is not None else (floats.pop() if len(floats) == 1 else None)
     if dt is not None:
-        for module in (draft.fc, draft.midlayer, draft.norm, draft.lm_head):
-            module.to(dt)
+        draft.cast_weights(dt)
     if embed is None:
         embed = embedding
     if embed is not None and tuple(embed.shape) != (vocab, int(config.hidden_size)):

@@ -147,10 +147,7 @@ def resolve_memory_policy(
 def place_draft(draft, device, dtype: torch.dtype):
     """Cast the draft's weights (on the host, so the device never holds an fp32 copy of a
     bf16 draft) and move it to the device; the rotary table stays fp32."""
-    for name, module in draft.named_children():
-        if name != "rotary_emb":
-            module.to(dtype)
-    return draft.to(device)
+    return draft.cast_weights(dtype).to(device)
 
 
 def prepare_draft(cfg: RunConfig, target: Target, vocab, device, sharded: bool = False, warm: WarmStart | None = None):
