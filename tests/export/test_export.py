@@ -1,5 +1,6 @@
 """Export formats: round trip, file layout, engine layer-id conventions, refusals."""
 
+import copy
 import json
 import logging
 import types
@@ -28,6 +29,7 @@ from draftling.export import (
 from draftling.export.cli import DEFAULT_TARGET_HUB_ID, export_draft, verifier_architectures, verifier_hub_id
 from draftling.export.formats import load_any_draft
 from draftling.target.load import DEFAULT_TARGET, Target, TargetSpec, wrap_target
+from draftling.train.draft_setup import place_draft
 from tests.helpers import DEFAULT_IDS, DRAFT_VOCAB, VOCAB, run_draft, tiny_config, tiny_export_llama
 from tests.helpers import random_export_draft as make_draft
 
@@ -102,6 +104,26 @@ def test_sglang_bf16_export_casts_weights_only(tmp_path, target):
     assert loaded.fc.weight.dtype == torch.bfloat16
     assert torch.equal(loaded.lm_head.weight, draft.lm_head.weight.to(torch.bfloat16))
     assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("layout", ["draftling", "sglang"])
+def test_a_head_loaded_in_bf16_keeps_the_fp32_rotary_table_training_used(tmp_path, target, layout):
+    # Rounded to bf16, the table's angles drift with distance: the engine would draft with other
+    # positions than training (place_draft) and the serving engines (fp32 tables) use.
+    draft = make_draft(target)
+    if layout == "draftling":
+        path = tmp_path / "d"
+        path.mkdir()
+        save_draft(draft, path)
+    else:
+        path = export_sglang(draft, tmp_path / "d", trained_on_default_layers=True, dtype="keep")
+    loaded = load_any_draft(path, "cpu", torch.bfloat16)
+    assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    placed = place_draft(copy.deepcopy(draft), "cpu", torch.bfloat16)
+    ids = torch.tensor([list(range(1, 200))])  # long enough for the angles to matter
+    bf16_target = copy.deepcopy(target).to(torch.bfloat16)
+    assert torch.equal(run_draft(loaded, bf16_target, ids), run_draft(placed, bf16_target, ids))
 
 
 def test_sglang_file_layout(tmp_path, target):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -189,6 +190,9 @@ class Eagle3DecoderLayer(nn.Module):
         return self.attention_to_output(hidden, attend(*self.attention_inputs(embeds, hidden, cos, sin)))
 
 
+_Head = TypeVar("_Head", bound="DraftHead")
+
+
 class DraftHead(nn.Module):
     """What every head type shares: the vocab maps that travel with its weights (``d2t``,
     ``t2d`` buffers its subclass registers), the draft-to-target id map, and the state a
@@ -213,9 +217,9 @@ class DraftHead(nn.Module):
         """Weights plus vocab maps; no rotary cache, no embedding."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
 
-    def cast_weights(self, dtype: torch.dtype) -> DraftHead:
-        """Cast every weight to ``dtype`` in place; the rotary table stays fp32 (its angles
-        lose positions in bf16)."""
+    def cast_weights(self: _Head, dtype: torch.dtype) -> _Head:
+        """Cast every weight to ``dtype`` in place. The rotary table stays fp32, as training
+        and the serving engines compute it: rounded to bf16, its angles drift with distance."""
         for name, module in self.named_children():
             if name != "rotary_emb":
                 module.to(dtype)

@@ -74,4 +74,4 @@ def load_draft(
         int(draft.config.vocab_size),
         where=str(directory / WEIGHTS_FILE),
     )
-    return draft.to(device=device, dtype=dtype).eval()
+    return draft.cast_weights(dtype).to(device).eval()  # the rotary table stays fp32, as in training

@@ -427,7 +427,7 @@ def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft | Bloc
     if (path / CONFIG_FILE).is_file():
         return load_draft(path, device=device, dtype=dtype)
     if is_dflash_export(path):
-        return load_dflash(path).to(device=device, dtype=dtype).eval()
+        return load_dflash(path).cast_weights(dtype).to(device).eval()
     if (path / CONFIG_NAME).is_file():
-        return load_sglang_export(path).to(device=device, dtype=dtype).eval()
+        return load_sglang_export(path).cast_weights(dtype).to(device).eval()
     raise DraftlingError(f"{path}: not a draft directory (no {CONFIG_FILE} or {CONFIG_NAME})")
