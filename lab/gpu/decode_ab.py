@@ -129,10 +129,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true", help="CPU, toy shape: the schema only")
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="engine variants (attention kind, _fused); the floors always run"
+    )
     p.add_argument("--target", help="a real target (draftling's --target forms) instead of the random 8B shape")
     p.add_argument("--device", help="default: cuda, or cpu with --dry-run")
     args = p.parse_args(argv)
+    known = {a + f for a in ("exact", "matmul", "sdpa") for f in ("", "_fused")}
+    if bad := [v for v in args.variants.split(",") if v and v not in known]:
+        p.error(f"--variants: unknown {bad}; known: {sorted(known)} (the gemv floors always run)")
     device = args.device or ("cpu" if args.dry_run else "cuda")
     cpu = torch.device(device).type == "cpu"
     dtype = torch.float32 if cpu else torch.bfloat16
