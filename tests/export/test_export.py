@@ -126,6 +126,17 @@ def test_a_head_loaded_in_bf16_keeps_the_fp32_rotary_table_training_used(tmp_pat
     assert torch.equal(run_draft(loaded, bf16_target, ids), run_draft(placed, bf16_target, ids))
 
 
+def test_a_dflash_export_loaded_in_bf16_keeps_the_fp32_rotary_table(tmp_path, target):
+    from draftling.draft.block import BlockDraft, block_config_from_target
+    from draftling.export.dflash import export_dflash
+
+    draft = BlockDraft(block_config_from_target(target.config, DRAFT_VOCAB, DEFAULT_IDS, 4, 1, mask_token_id=2))
+    out = export_dflash(draft, tmp_path / "d", verifier_name_or_path="t", verifier_architectures=["LlamaForCausalLM"])
+    loaded = load_any_draft(out, "cpu", torch.bfloat16)
+    assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+
+
 def test_sglang_file_layout(tmp_path, target):
     draft = make_draft(target)
     out = export_sglang(draft, tmp_path / "sgl", trained_on_default_layers=True)
