@@ -429,5 +429,5 @@ def load_any_draft(path: str | os.PathLike, device, dtype) -> Eagle3Draft | Bloc
     if is_dflash_export(path):
         return load_dflash(path).cast_weights(dtype).to(device).eval()
     if (path / CONFIG_NAME).is_file():
-        return load_sglang_export(path).cast_weights(dtype).to(device).eval()
+        return load_sglang_export(path, dtype=dtype).to(device).eval()  # cast once, as it loads
     raise DraftlingError(f"{path}: not a draft directory (no {CONFIG_FILE} or {CONFIG_NAME})")
