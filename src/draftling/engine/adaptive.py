@@ -14,9 +14,9 @@ follow a group are charged to the config that ran it, spread over its recent rou
 speculation's rows finish one at a time and admit their successors in small prefills, plain
 rows that started together finish together and share one. (Charged to the group after them
 instead, one prefill doubles that group's time and, at one row, turns every request plain
-after its first.) Each config is tried once; one
-that lost is tried again every ``retry`` groups, so its estimates follow the text, unless even
-an ideal acceptance (every draft accepted) could not beat plain at the measured times.
+after its first.) Each config is tried once; one that lost is tried again every ``retry``
+groups, so its estimates follow the text, unless even an ideal acceptance (every draft
+accepted) could not beat plain at the measured times.
 
 Plain steps do not advance the draft's cache, so once a batch decodes plain its rows stay
 plain until they finish; a row admitted later starts with a fresh draft (the prefill extends
