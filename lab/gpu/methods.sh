@@ -20,6 +20,8 @@
 # (AB_ARGS replaces its rows, repeats and variants; --profile adds each pass's kernels; AB_S caps it, 330 s).
 # DECODE_AB=1 adds lab/gpu/decode_ab.py (issue 47: the 8B-shape plain step by variant; random weights;
 # DECODE_AB_ARGS adds to it, e.g. '--steps 50 --variants matmul,matmul_fused').
+# ADMIT_AB=1 adds lab/gpu/admissions_ab.py after the sweep (deferred admissions on and off with the
+# SWEEP_HEAD; ADMIT_AB_ARGS adds to it, e.g. '--levels 16,64 --repeats 1'; ADMIT_AB_S caps it, 400 s).
 # ROUND_PROFILE=1 profiles the SWEEP_HEAD's rounds by phase and kernel (lab/gpu/round_profile.py;
 # ROUND_PROFILE_ARGS adds to it) before the sweep.
 # BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, round profile, sweep, benches
@@ -88,6 +90,11 @@ case "${1:-}" in
         --skip-regen > $W/results/sweep_log.txt 2>&1 || echo "sweep failed"
       rm -rf $W/results/sweep && cp -r $W/sweep/results $W/results/sweep 2>/dev/null || true
       echo "swept with $sweep_head"
+    fi
+    if [ "${ADMIT_AB:-0}" = 1 ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
+      timeout ${ADMIT_AB_S:-400} python3 lab/gpu/admissions_ab.py --target $T --draft $W/run-$sweep_head/draft \
+        --out $W/results/admissions_ab.json ${ADMIT_AB_ARGS:-} > $W/results/admissions_ab_log.txt 2>&1 || echo "admissions A/B failed"
+      echo "admissions A/B done"
     fi
     for m in $([ "${BENCH:-1}" = 1 ] && echo $methods); do
       [ -f $W/run-$m/draft/draft.safetensors ] || { echo "no head for $m"; continue; }

@@ -348,3 +348,51 @@ def test_a_block_drafter_runs_the_sweep_and_the_release_bench(tmp_path):
     )
     assert [c["name"] for c in res["configs"]] == ["block-4", "tree-3-4-8"]
     assert all(c["identical_fraction"] == 1.0 for c in res["configs"])
+
+
+def test_admissions_wait_while_the_fixed_cost_exceeds_what_free_rows_lose():
+    """The fixed part of an admission is the intercept of its measured (requests, ms): large
+    where a prefill costs the same for 1 or 16 requests (launch-bound), none where it grows
+    with them. Free rows wait until their share of the steps reaches it; all rows free admit."""
+    from draftling.engine.generate import Admissions
+
+    gpu_like = Admissions()
+    for k, ms in [(16, 20.0), (1, 18.5), (1, 18.5), (3, 18.8)]:
+        gpu_like.record(k, ms)
+    assert 18.0 < gpu_like.fixed_ms() <= 18.5
+    assert not gpu_like.due(1, 16, 3.0)  # one free row of 16 loses 0.19 ms a 3 ms step
+    assert gpu_like.due(16, 16, 3.0)  # nothing decodes: admit
+    cpu_like = Admissions()
+    for k, ms in [(4, 80.0), (1, 20.0)]:
+        cpu_like.record(k, ms)
+    assert cpu_like.fixed_ms() == 0.0 and cpu_like.due(1, 4, 5.0)
+    one_size = Admissions()
+    one_size.record(1, 50.0)
+    assert one_size.fixed_ms() == 0.0  # no line through one size: admit at once
+    waited = Admissions()
+    waited.record(8, 10.0), waited.record(1, 10.0)
+    assert [waited.due(2, 8, 8.0) for _ in range(6)] == [False] * 4 + [True, True]  # 2 ms a step
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_deferred_admissions_keep_every_request_exact(monkeypatch, defer):
+    """With a fixed admission cost no waiting outweighs, free rows wait until every row is
+    free: fewer, larger prefills, and every request's tokens those it decodes alone."""
+    from draftling.engine import generate as gen
+
+    monkeypatch.setattr(gen.Admissions, "fixed_ms", lambda self: 1e9)
+    model = perm_target()
+    ps, budgets = prompts(), [40, 6, 25, 40, 2, 33, 11]
+    want = alone(model, ps, budgets)
+    target, runner = engines(model, oracle_draft(model))
+    sizes = []
+    real = gen._Run._prefill
+    monkeypatch.setattr(
+        gen._Run, "_prefill", lambda self, rows, reqs: (sizes.append(len(reqs)), real(self, rows, reqs))[1]
+    )
+    for tree in (None, TREES[1]):
+        sizes.clear()
+        got = batch_generate(target, ps, budgets, draft=runner, tree=tree, defer_admissions=defer)
+        assert [r.tokens for r in got] == want, tree
+        # Waiting, the three rows refill only together: 3 + 3 + 1 requests in three prefills.
+        assert (sizes == [3, 3, 1]) == defer, (tree, sizes)

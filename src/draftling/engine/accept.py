@@ -154,7 +154,9 @@ class SpecOptions:
     ``device_rounds``: greedy rounds accept and commit on the device and the host queues up
     to RUN_AHEAD_ROUNDS of them per read (``SpecRound.device_round``); False = the host
     accepts each round, as sampling does (both agree bit for bit). Sampling and ``timing``
-    always take the host-side round."""
+    always take the host-side round. ``defer_admissions``: let free rows wait for more to free
+    before their successors' prefill, while that is cheaper (``generate.Admissions``); False
+    admits as soon as a row frees. Tokens are the same either way."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -163,6 +165,7 @@ class SpecOptions:
     generator: torch.Generator | None = None
     timing: bool = False
     device_rounds: bool = True
+    defer_admissions: bool = True
 
 
 @dataclass

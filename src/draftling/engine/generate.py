@@ -6,7 +6,8 @@ Every request keeps its own KV length, positions and accepted length: the target
 draft write per-row slots (``write_kv``) and a round's tree, mask and commit are per row
 (``SpecRound`` works on [B] rows). When a request finishes, its row takes the next waiting one
 (continuous batching): the newcomers' prompts are prefilled into their rows alone, through a
-scratch cache, and the static-shape steps go on replaying the same graphs. A row without a
+scratch cache, and the static-shape steps go on replaying the same graphs. Free rows may wait
+for others to free first, so that one prefill serves several (``Admissions``). A row without a
 request keeps stepping on what it holds; nothing reads it and the host drops what it emits.
 
 Layout of one speculative round, with ``n`` = tokens in a row's target cache:
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -51,6 +52,43 @@ from draftling.timing import sync
 
 # Attention-score elements one eager prefill may hold (rows x heads x T x T; 4 GiB in fp32).
 PREFILL_SCORES = 2**30
+
+
+@dataclass
+class Admissions:
+    """When free rows take waiting requests. An admission's eager prefill costs a fixed part
+    (its launches, the draft's extension, a sync) and a part per request; a free row costs its
+    share of every step the batch runs without it. Free rows wait until the steps have cost
+    them the fixed part (ski rental: at most twice the cheaper of admitting now and waiting),
+    or admit at once when no row is busy. The fixed part is the intercept of a line through
+    the recent admissions' (requests, ms), so a host whose prefill grows with its requests and
+    has little fixed cost admits at once; with fewer than two sizes seen it is taken as 0."""
+
+    history: deque = field(default_factory=lambda: deque(maxlen=32))
+    idle_ms: float = 0.0  # what the free rows have cost since the last admission
+    waits: int = 0  # steps a free row waited with a request waiting (a count for the tests)
+
+    def fixed_ms(self) -> float:
+        sizes = [k for k, _ in self.history]
+        if len(set(sizes)) < 2:
+            return 0.0
+        times = [ms for _, ms in self.history]
+        mk, mt = sum(sizes) / len(sizes), sum(times) / len(times)
+        slope = sum((k - mk) * (t - mt) for k, t in self.history) / sum((k - mk) ** 2 for k in sizes)
+        return min(max(0.0, mt - slope * mk), min(times))
+
+    def due(self, free: int, rows: int, step_ms: float) -> bool:
+        if free == rows:
+            return True
+        self.idle_ms += step_ms * free / rows
+        if self.idle_ms >= self.fixed_ms():
+            return True
+        self.waits += 1
+        return False
+
+    def record(self, requests: int, ms: float) -> None:
+        self.history.append((requests, ms))
+        self.idle_ms = 0.0
 
 
 @dataclass
@@ -85,10 +123,11 @@ def batch_generate(
     run.admit()
     watch, full, emitted, t0 = None not in run.row_req, None, run.emitted(), time.perf_counter()
     while any(r is not None for r in run.row_req):
+        t = time.perf_counter()
         run.step()  # ends with a read-back: the device is done with what the host counts
         if watch and full is None and not run.waiting and None in run.row_req:
             full = (time.perf_counter() - t0, run.emitted() - emitted)
-        run.admit()
+        run.admit((time.perf_counter() - t) * 1e3)
     for out in run.outs:
         out.stats.tokens = len(out.tokens)
         out.stats.timing = run.timer.summary() if run.timer else None
@@ -195,21 +234,34 @@ class _Run:
         self.synced = [True] * b  # the row's draft cache holds all it has committed
         self.group_end: float | None = None  # when the last adaptive group's read-back ended
         self.last_tree: tuple[int, int, int] | None = None  # the config that group ran
+        self.admissions = Admissions()
         if draft is not None:  # the state a round hands the next: EAGLE-3's proposal for the root
             h, v = draft.state_sizes
             self.r_hidden = torch.zeros(b, h, dtype=draft.dtype, device=dev)
             self.r_logits = torch.zeros(b, v, dtype=draft.dtype, device=dev)
 
-    def admit(self) -> None:
+    def admit(self, step_ms: float | None = None) -> None:
         """Fill free rows with waiting requests: eager prefills of the newcomers, as many at
         once as PREFILL_SCORES allows. A request whose first token already ends it frees its
-        row again at once."""
+        row again at once. ``step_ms``: what the step before took; with it, free rows may wait
+        for more to free (``Admissions``), and an admission is timed for that choice."""
+        free = self.row_req.count(None)
+        if not (self.waiting and free):
+            return
+        timed = self.o.defer_admissions
+        if timed and step_ms is not None and not self.admissions.due(free, len(self.row_req), step_ms):
+            return
+        t0, admitted = time.perf_counter(), 0
         while self.waiting and None in self.row_req:
             rows = [i for i, r in enumerate(self.row_req) if r is None][: len(self.waiting)]
             reqs = [self.waiting.popleft() for _ in rows]
+            admitted += len(reqs)
             for group in self._prefill_groups(reqs):
                 self._prefill(rows[: len(group)], group)
                 rows = rows[len(group) :]
+        if timed:
+            sync(self.target.device)
+            self.admissions.record(admitted, (time.perf_counter() - t0) * 1e3)
 
     def _prefill_groups(self, reqs: list[int]) -> list[list[int]]:
         """``reqs`` in runs whose padded prefill scores (rows x heads x T x T) fit PREFILL_SCORES:

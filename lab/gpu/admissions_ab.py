@@ -1,0 +1,129 @@
+"""Device script: deferred admissions (engine/generate.py ``Admissions``) against admitting as
+soon as a row frees, per row count, in one process on one engine per level.
+
+Per level: plain, each fixed config and the adaptive engine, each with ``defer_admissions``
+on and off, interleaved over ``--repeats``, on the sweep's requests (max(16, 2 x rows) v1
+prompts, 256 new tokens, greedy) and its engine (graphs, compiled, unpadded, "auto"
+attention). Reports the median tok/s of each, the ratio on/off, each config's speedup over
+plain with deferral on and off, the prefills each run made, and whether the tokens agree.
+
+    python3 lab/gpu/admissions_ab.py --target T --draft D --out FILE [--levels 8,16,32,64] [--repeats 2]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from draftling.bench.concurrency import SweepOptions
+from draftling.bench.release import load_prompt_set
+from draftling.bench.simple import build_engine, decode_configs
+from draftling.engine import generate as gen
+from draftling.engine.adaptive import AdaptivePolicy
+from draftling.export.formats import load_any_draft
+from draftling.io import write_json
+from draftling.target import load_target
+from draftling.timing import timed
+
+PREFILLS: list[int] = []  # prefill calls of the current run (counted by the patch below)
+
+
+def count_prefills() -> None:
+    real = gen._Run._prefill
+
+    def counted(self, rows, reqs):
+        PREFILLS.append(len(reqs))
+        return real(self, rows, reqs)
+
+    gen._Run._prefill = counted
+
+
+def runs_for(tgt, runner, ids, configs, max_new):
+    """name -> a function of ``defer`` that decodes the level's requests."""
+    out = {"plain": lambda defer: gen.batch_generate(tgt, ids, max_new, defer_admissions=defer)}
+    for c in configs:
+        tree = (c.steps, c.topk, c.draft_tokens)
+        out[c.name] = lambda defer, tree=tree: gen.batch_generate(
+            tgt, ids, max_new, draft=runner, tree=tree, defer_admissions=defer
+        )
+    trees = tuple((c.steps, c.topk, c.draft_tokens) for c in configs)
+    out["adaptive"] = lambda defer: gen.batch_generate(
+        tgt, ids, max_new, draft=runner, adaptive=AdaptivePolicy(trees), defer_admissions=defer
+    )
+    return out
+
+
+def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int, opts: SweepOptions) -> dict:
+    ids = [prompts[i % len(prompts)].input_ids for i in range(opts.requests(rows))]
+    size = max(map(len, ids)) + max_new + max(c.draft_tokens for c in configs) + 8
+    tgt, runner = build_engine(target, draft, size, opts.engine.resolve(target.device, 0), batch_size=rows)
+    fns = runs_for(tgt, runner, ids[: len(ids)], configs, max_new)
+    short = runs_for(tgt, runner, ids[:rows], configs, 4)
+    for name in fns:  # capture and compile every shape first
+        short[name](True)
+    tok_s: dict = {(n, d): [] for n in fns for d in (True, False)}
+    prefills, tokens = {}, {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            for defer in (True, False):
+                PREFILLS.clear()
+                out, s = timed(lambda fn=fn, defer=defer: fn(defer), target.device)
+                tok_s[(name, defer)].append(sum(len(r.tokens) for r in out) / s)
+                prefills[(name, defer)] = len(PREFILLS)
+                tokens[(name, defer)] = [r.tokens for r in out]
+    med = {k: statistics.median(v) for k, v in tok_s.items()}
+    plain_on, plain_off = med[("plain", True)], med[("plain", False)]
+    rows_out = [
+        {
+            "config": name,
+            "deferred_tok_s": med[(name, True)],
+            "at_once_tok_s": med[(name, False)],
+            "deferred_over_at_once": med[(name, True)] / med[(name, False)],
+            "speedup_deferred": med[(name, True)] / plain_on,
+            "speedup_at_once": med[(name, False)] / plain_off,
+            "prefills_deferred": prefills[(name, True)],
+            "prefills_at_once": prefills[(name, False)],
+            "tok_s_runs": {"deferred": tok_s[(name, True)], "at_once": tok_s[(name, False)]},
+            "same_tokens": tokens[(name, True)] == tokens[(name, False)],
+        }
+        for name in fns
+    ]
+    del tgt, runner
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"rows": rows, "requests": len(ids), "configs": rows_out}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--levels", default="8,16,32,64")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    count_prefills()
+    dtype = "bfloat16" if a.device == "cuda" else "float32"
+    target = load_target(a.target, dtype=dtype, device=a.device)
+    draft = load_any_draft(a.draft, target.device, next(target.model.parameters()).dtype)
+    opts = SweepOptions()
+    configs = decode_configs(draft, opts.configs)
+    _, prompts = load_prompt_set("v1", target)
+    results = {
+        "command": "python3 lab/gpu/admissions_ab.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
+        "levels": [],
+    }
+    for rows in (int(x) for x in a.levels.split(",")):
+        results["levels"].append(level(target, draft, configs, prompts, rows, a.max_new_tokens, a.repeats, opts))
+        print(json.dumps(results["levels"][-1]), flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(a.out, results)
+
+
+if __name__ == "__main__":
+    main()
