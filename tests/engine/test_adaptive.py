@@ -132,7 +132,7 @@ def test_admissions_are_charged_to_the_config_whose_rows_finished(monkeypatch):
     policy = Scripted(trees, [trees[0], trees[1]])
     charged: list[tuple[str, float]] = []
     seen: list[float] = []
-    policy.observe = lambda t, ms, tau, count: seen.append(ms)  # type: ignore[method-assign]
+    policy.observe = lambda t, ms, tau, count, spread=None: seen.append(ms)  # type: ignore[method-assign]
     policy.charge = lambda t, ms: charged.append((config_name(t), ms))  # type: ignore[method-assign]
     batch_generate(target, prompts()[:4], [3, 3, 3, 3], draft=runner, adaptive=policy)
     assert max(seen) < 200.0  # no group holds a prefill
@@ -210,3 +210,22 @@ def test_the_acceptance_estimate_is_the_mean_of_the_last_rounds():
     for _ in range(20):
         policy.observe(TREES[0], 1.0, 1.5, count=4)
     assert policy.estimates[config_name(TREES[0])].tau == pytest.approx(1.5, abs=1e-3)  # the old rounds are gone
+
+
+def test_a_few_row_rounds_of_low_acceptance_do_not_send_rows_plain():
+    """Going plain cannot be undone while the rows decode, so it waits until the acceptance is
+    known: the best config's mean plus two standard errors must still lose. One group of 4
+    rounds of 2 rows at tau 1.6 (spread 1) may still be a 2.3; 64 rounds of them cannot."""
+    tree = TREES[0]
+    policy = AdaptivePolicy((tree,))
+    policy.estimates[PLAIN].update(1.0, 1.0, 1.0)
+    policy.observe(tree, 2.0, 1.6, count=4, spread=(1.0, 8))  # 0.8 tokens/ms against plain's 1
+    assert policy.choose(True) == tree
+    assert policy.estimates[config_name(tree)].tau_high(2.0) == pytest.approx(1.6 + 2 * (1 / 8) ** 0.5)
+    for _ in range(16):
+        policy.observe(tree, 2.0, 1.6, count=4, spread=(1.0, 8))
+    assert policy.estimates[config_name(tree)].samples == 128  # the last 64 rounds of 2 rows
+    assert policy.choose(True) is None
+    assert "high bound" in policy.log[-1]["why"]
+    # Without a measured spread the mean alone decides, as before.
+    assert _seeded(plain_ms=1.0, tree_ms=2.0, tree_tau=1.6).choose(True) is None

@@ -350,28 +350,28 @@ def test_a_block_drafter_runs_the_sweep_and_the_release_bench(tmp_path):
     assert all(c["identical_fraction"] == 1.0 for c in res["configs"])
 
 
-def test_admissions_wait_while_the_fixed_cost_exceeds_what_free_rows_lose():
+def test_free_rows_wait_for_the_next_finish_only_when_that_costs_less_than_a_prefill():
     """The fixed part of an admission is the intercept of its measured (requests, ms): large
     where a prefill costs the same for 1 or 16 requests (launch-bound), none where it grows
-    with them. Free rows wait until their share of the steps reaches it; all rows free admit."""
+    with them. Free rows wait for the next busy row to finish while their share of the time
+    until then is below it; all rows free admit at once."""
     from draftling.engine.generate import Admissions
 
     gpu_like = Admissions()
     for k, ms in [(16, 20.0), (1, 18.5), (1, 18.5), (3, 18.8)]:
         gpu_like.record(k, ms)
     assert 18.0 < gpu_like.fixed_ms() <= 18.5
-    assert not gpu_like.due(1, 16, 3.0)  # one free row of 16 loses 0.19 ms a 3 ms step
-    assert gpu_like.due(16, 16, 3.0)  # nothing decodes: admit
+    assert not gpu_like.due(1, 16, 50.0)  # 1/16 of the batch idle for 50 ms: 3 ms lost
+    assert gpu_like.due(1, 2, 50.0)  # half of it: 25 ms lost, more than a prefill
+    assert gpu_like.due(4, 16, 80.0) and gpu_like.due(16, 16, 1e9)
+    assert gpu_like.waits == 1
     cpu_like = Admissions()
     for k, ms in [(4, 80.0), (1, 20.0)]:
         cpu_like.record(k, ms)
-    assert cpu_like.fixed_ms() == 0.0 and cpu_like.due(1, 4, 5.0)
+    assert cpu_like.fixed_ms() == 0.0 and cpu_like.due(1, 4, 1e9)
     one_size = Admissions()
     one_size.record(1, 50.0)
     assert one_size.fixed_ms() == 0.0  # no line through one size: admit at once
-    waited = Admissions()
-    waited.record(8, 10.0), waited.record(1, 10.0)
-    assert [waited.due(2, 8, 8.0) for _ in range(6)] == [False] * 4 + [True, True]  # 2 ms a step
 
 
 @pytest.mark.parametrize("defer", [True, False])

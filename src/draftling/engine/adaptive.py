@@ -21,7 +21,9 @@ accepted) could not beat plain at the measured times.
 Plain steps do not advance the draft's cache, so once a batch decodes plain its rows stay
 plain until they finish; a row admitted later starts with a fresh draft (the prefill extends
 it) and joins speculation only when every active row can. Since that switch cannot be undone,
-speculating rows go plain only when plain's rate beats the best config's by ``leave_margin``.
+speculating rows go plain only when plain's rate beats the best config's by ``leave_margin``
+even at that config's acceptance ``leave_z`` standard errors above its mean (per row and round,
+over the rounds its mean covers): a few rounds of a few rows are too noisy to leave on.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class Estimate:
     admit_ms: float = 0.0
     rounds: float = 0.0
     tau_seen: int = 0  # rounds in the acceptance mean, up to the policy's tau_rounds
+    tau_var: float = 0.0  # the variance of one row's tokens in one round, over the same rounds
+    samples: float = 0.0  # row-rounds behind the mean (0: no spread measured)
 
     def update(
         self,
@@ -65,6 +69,7 @@ class Estimate:
         count: int = 1,
         keep: float = 0.95,
         tau_rounds: int = TAU_ROUNDS,
+        spread: tuple[float, int] | None = None,
     ) -> None:
         self.round_ms = ms if self.round_ms is None else (1 - weight) * self.round_ms + weight * ms
         if tau is not None:
@@ -73,9 +78,19 @@ class Estimate:
             self.tau_seen = min(self.tau_seen + count, tau_rounds)
             w = count / self.tau_seen if self.tau_seen else 1.0
             self.tau = tau if self.tau is None else (1 - w) * self.tau + w * tau
+            if spread is not None and count:
+                var, n = spread
+                self.tau_var = (1 - w) * self.tau_var + w * var
+                self.samples = min(self.samples + n, tau_rounds * n / count)
         self.rounds = keep * self.rounds + count
         self.admit_ms *= keep
         self.runs += 1
+
+    def tau_high(self, z: float) -> float | None:
+        """The acceptance z standard errors above its mean: what it may still be."""
+        if self.tau is None or not self.samples:
+            return self.tau
+        return self.tau + z * (self.tau_var / self.samples) ** 0.5
 
     def cost_ms(self) -> float | None:
         """ms per round with its share of admissions."""
@@ -89,7 +104,9 @@ class AdaptivePolicy:
     """The choice among ``trees`` and plain decoding, made per group of rounds. ``weight``:
     how fast the cost estimates follow new measurements; ``tau_rounds``: the rounds an
     acceptance estimate averages; ``retry``: groups between retries of a config that lost;
-    ``leave_margin``: how much faster plain must look before speculating rows go plain.
+    ``leave_margin``: how much faster plain must look before speculating rows go plain, than
+    the best config at its acceptance ``leave_z`` standard errors above its mean (a few rounds
+    of a few rows say little, and going plain cannot be undone while those rows decode).
     ``log``: the latest decisions with their inputs (at most 2 * LOG_KEEP, so a long-serving
     engine does not grow); ``counts`` and ``first``: what ``report`` sums up."""
 
@@ -99,6 +116,7 @@ class AdaptivePolicy:
     tau_rounds: int = TAU_ROUNDS
     retry: int = 64
     leave_margin: float = 1.05
+    leave_z: float = 2.0
     estimates: dict = field(default_factory=dict)
     log: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)  # groups per choice, since the start
@@ -123,13 +141,14 @@ class AdaptivePolicy:
         sync(device)
         est.update((time.perf_counter() - t0) * 1e3 / reps, 1.0, 1.0, count=0)
 
-    def rate(self, tree: Tree | None) -> float | None:
-        """Expected tokens per ms per row, or None where the config has no measurement."""
+    def rate(self, tree: Tree | None, z: float = 0.0) -> float | None:
+        """Expected tokens per ms per row, or None where the config has no measurement; with
+        ``z``, at its acceptance z standard errors above the mean."""
         est = self.estimates[config_name(tree)]
-        cost = est.cost_ms()
-        if cost is None or est.tau is None:
+        cost, tau = est.cost_ms(), est.tau_high(z)
+        if cost is None or tau is None:
             return None
-        return est.tau / cost
+        return tau / cost
 
     def choose(self, can_speculate: bool) -> Tree | None:
         """The config for the next group: an untried one that could still win, else the best
@@ -145,8 +164,11 @@ class AdaptivePolicy:
                 why = "retry" if self.estimates[config_name(choice)].runs else "not measured yet"
             else:
                 best = max(self.trees, key=lambda t: self.rate(t) or 0.0)
-                if (self.rate(None) or 0.0) > self.leave_margin * (self.rate(best) or 0.0):
-                    choice, why = None, f"plain's rate beats the best config's by over {self.leave_margin:.2f}x"
+                if (self.rate(None) or 0.0) > self.leave_margin * (self.rate(best, self.leave_z) or 0.0):
+                    choice, why = (
+                        None,
+                        f"plain's rate beats the best config's high bound by over {self.leave_margin:.2f}x",
+                    )
                 else:
                     choice, why = best, "highest measured rate"
         self._record({"group": self.groups, "choice": config_name(choice), "why": why, **self.snapshot()})
@@ -170,10 +192,19 @@ class AdaptivePolicy:
         ideal = min(tree[0], tree[2] - 1) + 1
         return plain_ms is None or est.round_ms is None or ideal / est.round_ms > 1.0 / plain_ms
 
-    def observe(self, tree: Tree | None, ms_per_round: float, tau: float | None, count: int = 1) -> None:
-        """A group of ``count`` rounds (or plain steps) of ``tree`` took ``ms_per_round`` each."""
+    def observe(
+        self,
+        tree: Tree | None,
+        ms_per_round: float,
+        tau: float | None,
+        count: int = 1,
+        spread: tuple[float, int] | None = None,
+    ) -> None:
+        """A group of ``count`` rounds (or plain steps) of ``tree`` took ``ms_per_round`` each
+        and emitted ``tau`` tokens per row and round; ``spread``: (the variance of one row's
+        tokens in one round, row-rounds measured)."""
         est = self.estimates[config_name(tree)]
-        est.update(ms_per_round, tau, self.weight, count, tau_rounds=self.tau_rounds)
+        est.update(ms_per_round, tau, self.weight, count, tau_rounds=self.tau_rounds, spread=spread)
         est.last_group = self.groups
 
     def charge(self, tree: Tree | None, ms: float) -> None:
@@ -182,14 +213,19 @@ class AdaptivePolicy:
 
     def snapshot(self) -> dict:
         return {
-            name: {"round_ms": e.round_ms, "tau": e.tau, "admit_ms_per_round": e.cost_ms() - e.round_ms}
+            name: {
+                "round_ms": e.round_ms,
+                "tau": e.tau,
+                "tau_high": e.tau_high(self.leave_z),
+                "admit_ms_per_round": e.cost_ms() - e.round_ms,
+            }
             for name, e in self.estimates.items()
             if e.round_ms is not None
         }
 
     def report(self) -> dict:
         """Its settings, groups per choice, the final estimates, and the first few decisions."""
-        settings = {k: getattr(self, k) for k in ("weight", "tau_rounds", "retry", "leave_margin")}
+        settings = {k: getattr(self, k) for k in ("weight", "tau_rounds", "retry", "leave_margin", "leave_z")}
         return {
             "settings": settings,
             "groups_by_choice": dict(self.counts),

@@ -7,7 +7,7 @@ draft write per-row slots (``write_kv``) and a round's tree, mask and commit are
 (``SpecRound`` works on [B] rows). When a request finishes, its row takes the next waiting one
 (continuous batching): the newcomers' prompts are prefilled into their rows alone, through a
 scratch cache, and the static-shape steps go on replaying the same graphs. Free rows may wait
-for others to free first, so that one prefill serves several (``Admissions``). A row without a
+for the next row to free, so that one prefill serves both (``Admissions``). A row without a
 request keeps stepping on what it holds; nothing reads it and the host drops what it emits.
 
 Layout of one speculative round, with ``n`` = tokens in a row's target cache:
@@ -58,15 +58,16 @@ PREFILL_SCORES = 2**30
 class Admissions:
     """When free rows take waiting requests. An admission's eager prefill costs a fixed part
     (its launches, the draft's extension, a sync) and a part per request; a free row costs its
-    share of every step the batch runs without it. Free rows wait until the steps have cost
-    them the fixed part (ski rental: at most twice the cheaper of admitting now and waiting),
-    or admit at once when no row is busy. The fixed part is the intercept of a line through
-    the recent admissions' (requests, ms), so a host whose prefill grows with its requests and
-    has little fixed cost admits at once; with fewer than two sizes seen it is taken as 0."""
+    share of every step the batch runs without it. Free rows wait for the next busy row to
+    finish when that costs them less than the fixed part one prefill for both saves, and admit
+    at once when no row is busy. The next finish is predicted from the rows' budgets and the
+    tokens per row per ms of the step before (an eos only brings it sooner). The fixed part is
+    the intercept of a line through the recent admissions' (requests, ms), so a host whose
+    prefill grows with its requests and has little fixed cost admits at once; with fewer than
+    two sizes seen it is taken as 0."""
 
     history: deque = field(default_factory=lambda: deque(maxlen=32))
-    idle_ms: float = 0.0  # what the free rows have cost since the last admission
-    waits: int = 0  # steps a free row waited with a request waiting (a count for the tests)
+    waits: int = 0  # steps free rows waited with a request waiting (a count for the tests)
 
     def fixed_ms(self) -> float:
         sizes = [k for k, _ in self.history]
@@ -77,18 +78,16 @@ class Admissions:
         slope = sum((k - mk) * (t - mt) for k, t in self.history) / sum((k - mk) ** 2 for k in sizes)
         return min(max(0.0, mt - slope * mk), min(times))
 
-    def due(self, free: int, rows: int, step_ms: float) -> bool:
-        if free == rows:
-            return True
-        self.idle_ms += step_ms * free / rows
-        if self.idle_ms >= self.fixed_ms():
+    def due(self, free: int, rows: int, until_ms: float) -> bool:
+        """Admit now, with ``free`` of ``rows`` rows free and the next busy row ``until_ms`` from
+        finishing?"""
+        if free == rows or free / rows * until_ms >= self.fixed_ms():
             return True
         self.waits += 1
         return False
 
     def record(self, requests: int, ms: float) -> None:
         self.history.append((requests, ms))
-        self.idle_ms = 0.0
 
 
 @dataclass
@@ -123,11 +122,13 @@ def batch_generate(
     run.admit()
     watch, full, emitted, t0 = None not in run.row_req, None, run.emitted(), time.perf_counter()
     while any(r is not None for r in run.row_req):
-        t = time.perf_counter()
+        busy = [r for _, r in run._active()]
+        t, before = time.perf_counter(), run.emitted(busy)
         run.step()  # ends with a read-back: the device is done with what the host counts
         if watch and full is None and not run.waiting and None in run.row_req:
             full = (time.perf_counter() - t0, run.emitted() - emitted)
-        run.admit((time.perf_counter() - t) * 1e3)
+        ms = max((time.perf_counter() - t) * 1e3, 1e-6)
+        run.admit((run.emitted(busy) - before) / (len(busy) * ms))
     for out in run.outs:
         out.stats.tokens = len(out.tokens)
         out.stats.timing = run.timer.summary() if run.timer else None
@@ -210,6 +211,14 @@ def _round(target, draft, tree):
     return SpecRound.cached(target, draft, *tree)
 
 
+def _mean_spread(xs: list[int]) -> tuple[float | None, tuple[float, int] | None]:
+    """(mean, (variance, n)) of ``xs``; (None, None) when empty."""
+    if not xs:
+        return None, None
+    mean = sum(xs) / len(xs)
+    return mean, (sum((x - mean) ** 2 for x in xs) / len(xs), len(xs))
+
+
 class _Run:
     """The host side of a ragged batch: which request each row serves, and the rows' state
     tensors (tokens in the cache ``n``, the next root token, the draft's proposal for it)."""
@@ -240,17 +249,19 @@ class _Run:
             self.r_hidden = torch.zeros(b, h, dtype=draft.dtype, device=dev)
             self.r_logits = torch.zeros(b, v, dtype=draft.dtype, device=dev)
 
-    def admit(self, step_ms: float | None = None) -> None:
+    def admit(self, pace: float | None = None) -> None:
         """Fill free rows with waiting requests: eager prefills of the newcomers, as many at
         once as PREFILL_SCORES allows. A request whose first token already ends it frees its
-        row again at once. ``step_ms``: what the step before took; with it, free rows may wait
-        for more to free (``Admissions``), and an admission is timed for that choice."""
+        row again at once. ``pace``: tokens per busy row per ms in the step before; with it,
+        free rows may wait for the next to free (``Admissions``). Admissions are timed for that."""
         free = self.row_req.count(None)
         if not (self.waiting and free):
             return
         timed = self.o.defer_admissions
-        if timed and step_ms is not None and not self.admissions.due(free, len(self.row_req), step_ms):
-            return
+        if timed and pace is not None and free < len(self.row_req):
+            left = min(self.outs[r].max_new_tokens - len(self.outs[r].tokens) for _, r in self._active())
+            if not self.admissions.due(free, len(self.row_req), left / pace if pace > 0 else float("inf")):
+                return
         t0, admitted = time.perf_counter(), 0
         while self.waiting and None in self.row_req:
             rows = [i for i, r in enumerate(self.row_req) if r is None][: len(self.waiting)]
@@ -299,9 +310,9 @@ class _Run:
             if not self.outs[req].emit([tok]):
                 self.row_req[row] = req
 
-    def emitted(self) -> int:
-        """Tokens all requests have emitted so far."""
-        return sum(len(out.tokens) for out in self.outs)
+    def emitted(self, reqs=None) -> int:
+        """Tokens the requests ``reqs`` (default: all) have emitted so far."""
+        return sum(len(self.outs[r].tokens) for r in (range(len(self.outs)) if reqs is None else reqs))
 
     def _active(self):
         return [(row, req) for row, req in enumerate(self.row_req) if req is not None]
@@ -350,15 +361,16 @@ class _Run:
         if tree is None:
             for row, _ in self._active():
                 self.synced[row] = False  # the draft does not see plain steps
-            count, tau = self._plain_greedy(), 1.0
+            count, tau, spread = self._plain_greedy(), 1.0, None
         else:
             self.rnd = self.rounds[tree]
             # A row without a request steps on through plain steps up to the cache's end; a
             # round there would write past it. Active rows never pass n_cap (_check_batch).
             self.n = self.n.clamp(max=self.rnd.n_cap)
-            count, tau = self._device_rounds()
+            count, accepted = self._device_rounds()
+            tau, spread = _mean_spread(accepted)
         self.group_end, self.last_tree = time.perf_counter(), tree
-        policy.observe(tree, (self.group_end - t0) * 1e3 / count, tau, count)
+        policy.observe(tree, (self.group_end - t0) * 1e3 / count, tau, count, spread)
 
     def _plain_greedy(self) -> int:
         """A few plain greedy steps queued, then read back. Returns how many."""
@@ -378,9 +390,9 @@ class _Run:
         self.n = (pos + 1).clamp(max=t.max_seq_len - 1)
         self._emit_rows([[x] for x in self.root.tolist()])
 
-    def _device_rounds(self) -> tuple[int, float | None]:
-        """A few greedy rounds queued, then read back. Returns (rounds, mean tokens per round
-        of the rows still decoding: their acceptance, bonus included)."""
+    def _device_rounds(self) -> tuple[int, list[int]]:
+        """A few greedy rounds queued, then read back. Returns (rounds, the tokens each row
+        still decoding emitted in each round: its acceptance, bonus included)."""
         rnd, queued, accepted = self.rnd, [], []
         state = (self.n, self.root, self.r_hidden, self.r_logits)
         for _ in range(max(1, min(RUN_AHEAD_ROUNDS, self._left() // rnd.path_len))):
@@ -398,7 +410,7 @@ class _Run:
                 if not out.emit(new):
                     out.stats.compactions += moved
                     out.stats.cache_len += k
-        return len(queued), sum(accepted) / len(accepted) if accepted else None
+        return len(queued), accepted
 
     def _host_rounds(self) -> None:
         """One round whose trees the host reads back to accept (sampling, timing), then commits."""
