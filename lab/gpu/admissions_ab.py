@@ -2,8 +2,8 @@
 soon as a row frees, per row count, in one process on one engine per level.
 
 Per level: plain, each fixed config and the adaptive engine, each with ``defer_admissions``
-on and off, interleaved over ``--repeats``, on the sweep's requests (max(16, 2 x rows) v1
-prompts, 256 new tokens, greedy) and its engine (graphs, compiled, unpadded, "auto"
+on and off, interleaved over ``--repeats``, on the sweep's requests (max(16, per-slot x rows) v1
+prompts, per-slot 2 by default, 256 new tokens, greedy) and its engine (graphs, compiled, unpadded, "auto"
 attention). Reports the median tok/s of each, the ratio on/off, each config's speedup over
 plain with deferral on and off, the prefills each run made, and whether the tokens agree.
 
@@ -105,12 +105,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--per-slot", type=int, default=SweepOptions.per_slot, help="requests per row at each level")
     a = ap.parse_args()
     count_prefills()
     dtype = "bfloat16" if a.device == "cuda" else "float32"
     target = load_target(a.target, dtype=dtype, device=a.device)
     draft = load_any_draft(a.draft, target.device, next(target.model.parameters()).dtype)
-    opts = SweepOptions()
+    opts = SweepOptions(per_slot=a.per_slot)
     configs = decode_configs(draft, opts.configs)
     _, prompts = load_prompt_set("v1", target)
     results = {

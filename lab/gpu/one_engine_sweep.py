@@ -95,6 +95,7 @@ def main():
     ap.add_argument("--hf-batches", default="768")
     ap.add_argument("--engine-rows", type=int, default=256)
     ap.add_argument("--skip-regen", action="store_true")
+    ap.add_argument("--per-slot", type=int, default=SweepOptions.per_slot, help="requests per row at each level")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
@@ -102,6 +103,7 @@ def main():
         levels=tuple(int(x) for x in a.levels.split(",")),
         out_dir=Path(a.out) / "results",
         max_new_tokens=a.max_new_tokens,
+        per_slot=a.per_slot,
         command="python3 lab/gpu/one_engine_sweep.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
     )
