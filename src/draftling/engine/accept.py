@@ -154,8 +154,8 @@ class SpecOptions:
     ``device_rounds``: greedy rounds accept and commit on the device and the host queues up
     to RUN_AHEAD_ROUNDS of them per read (``SpecRound.device_round``); False = the host
     accepts each round, as sampling does (both agree bit for bit). Sampling and ``timing``
-    always take the host-side round. ``defer_admissions``: let free rows wait for more to free
-    before their successors' prefill, while that is cheaper (``generate.Admissions``); False
+    always take the host-side round. ``defer_admissions``: let free rows wait for the next row to
+    finish when that costs less than the prefill it saves (``generate.Admissions``); False
     admits as soon as a row frees. Tokens are the same either way."""
 
     temperature: float = 0.0
