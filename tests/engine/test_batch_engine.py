@@ -396,3 +396,33 @@ def test_deferred_admissions_keep_every_request_exact(monkeypatch, defer):
         assert [r.tokens for r in got] == want, tree
         # Waiting, the three rows refill only together: 3 + 3 + 1 requests in three prefills.
         assert (sizes == [3, 3, 1]) == defer, (tree, sizes)
+
+
+def test_sampled_decoding_admits_at_once_so_a_seed_repeats(monkeypatch):
+    """Sampled rows draw from one generator in row order, so a request's draws depend on the
+    step it starts at: deferral would tie a seeded run's tokens to timing. Even with waiting
+    forced, sampling admits as soon as a row frees, and the tokens equal deferral's off."""
+    from draftling.engine import generate as gen
+
+    monkeypatch.setattr(gen.Admissions, "fixed_ms", lambda self: 1e9)
+    model = tiny(LlamaForCausalLM, LlamaConfig)
+    ps, budgets = prompts(), [12, 3, 9, 12, 2, 7, 5]
+    target, _ = engines(model)
+    sizes = []
+    real = gen._Run._prefill
+    monkeypatch.setattr(
+        gen._Run, "_prefill", lambda self, rows, reqs: (sizes.append(len(reqs)), real(self, rows, reqs))[1]
+    )
+
+    def run(defer):
+        g = torch.Generator().manual_seed(3)
+        out = batch_generate(target, ps, budgets, temperature=1.0, generator=g, defer_admissions=defer)
+        return [r.tokens for r in out]
+
+    assert run(True) == run(False)
+    seen = {}
+    for defer in (True, False):
+        sizes.clear()
+        run(defer)
+        seen[defer] = list(sizes)
+    assert seen[True] == seen[False] and len(seen[True]) > 3  # rows refilled as they free, never held

@@ -156,7 +156,8 @@ class SpecOptions:
     accepts each round, as sampling does (both agree bit for bit). Sampling and ``timing``
     always take the host-side round. ``defer_admissions``: let free rows wait for the next row to
     finish when that costs less than the prefill it saves (``generate.Admissions``); False
-    admits as soon as a row frees. Tokens are the same either way."""
+    admits as soon as a row frees, as sampling always does (its draws follow the rows).
+    Greedy tokens are the same either way."""
 
     temperature: float = 0.0
     top_k: int = 0

@@ -257,7 +257,9 @@ class _Run:
         free = self.row_req.count(None)
         if not (self.waiting and free):
             return
-        timed = self.o.defer_admissions
+        # Sampling draws for all rows from one generator, so which step a request starts at
+        # decides its draws: it admits at once, as a seeded run must repeat.
+        timed = self.o.defer_admissions and self.o.temperature <= 0
         if timed and pace is not None and free < len(self.row_req):
             left = min(self.outs[r].max_new_tokens - len(self.outs[r].tokens) for _, r in self._active())
             if not self.admissions.due(free, len(self.row_req), left / pace if pace > 0 else float("inf")):
