@@ -13,7 +13,8 @@
 # `start` runs everything in a session of its own (it outlives the call) and polls. Each poll
 # copies the logs and whatever results exist to $OUT. Knobs: PER_FILE (prompts per corpus
 # file, 1000), STEPS (1200), METHODS ("eagle3 dflash eagle31"), DFLASH_LAYERS (2), SWEEP (1),
-# SWEEP_HEAD (eagle3), SWEEP_ARGS (added to one_engine_sweep.py), EXPORT_HEAD (none), BLOCK_TESTS (0: 1 runs the CUDA-only block-round,
+# SWEEP_HEAD (eagle3), SWEEP_ARGS (added to one_engine_sweep.py), SWEEP2_ARGS (a second sweep with these
+# arguments, e.g. '--repeats 1 --batch1-prompts 8 --per-slot 8' to see the drain's share), EXPORT_HEAD (none), BLOCK_TESTS (0: 1 runs the CUDA-only block-round,
 # bf16-identity, compiled-graph and exact-attention tests at the end), RUN_S (1500: caps the whole job);
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
@@ -90,6 +91,12 @@ case "${1:-}" in
         --skip-regen > $W/results/sweep_log.txt 2>&1 || echo "sweep failed"
       rm -rf $W/results/sweep && cp -r $W/sweep/results $W/results/sweep 2>/dev/null || true
       echo "swept with $sweep_head"
+    fi
+    if [ -n "${SWEEP2_ARGS:-}" ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
+      python3 lab/gpu/one_engine_sweep.py --target $T --draft $W/run-$sweep_head/draft --out $W/sweep2 ${SWEEP2_ARGS} \
+        --skip-regen > $W/results/sweep2_log.txt 2>&1 || echo "second sweep failed"
+      rm -rf $W/results/sweep2 && cp -r $W/sweep2/results $W/results/sweep2 2>/dev/null || true
+      echo "swept again ($SWEEP2_ARGS)"
     fi
     if [ "${ADMIT_AB:-0}" = 1 ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
       timeout ${ADMIT_AB_S:-400} python3 lab/gpu/admissions_ab.py --target $T --draft $W/run-$sweep_head/draft \
