@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from draftling.bench.concurrency import SweepOptions
+from draftling.bench.concurrency import SweepOptions, level_engine
 from draftling.bench.release import load_prompt_set
-from draftling.bench.simple import build_engine, decode_configs
+from draftling.bench.simple import decode_configs
 from draftling.engine import generate as gen
 from draftling.engine.adaptive import AdaptivePolicy
 from draftling.export.formats import load_any_draft
@@ -58,9 +58,8 @@ def runs_for(tgt, runner, ids, configs, max_new):
 
 def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int, opts: SweepOptions) -> dict:
     ids = [prompts[i % len(prompts)].input_ids for i in range(opts.requests(rows))]
-    size = max(map(len, ids)) + max_new + max(c.draft_tokens for c in configs) + 8
-    tgt, runner = build_engine(target, draft, size, opts.engine.resolve(target.device, 0), batch_size=rows)
-    fns = runs_for(tgt, runner, ids[: len(ids)], configs, max_new)
+    tgt, runner = level_engine(target, draft, ids, configs, max_new, opts.engine.resolve(target.device, 0), rows)
+    fns = runs_for(tgt, runner, ids, configs, max_new)
     short = runs_for(tgt, runner, ids[:rows], configs, 4)
     for name in fns:  # capture and compile every shape first
         short[name](True)
@@ -92,7 +91,8 @@ def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int
         for name in fns
     ]
     del tgt, runner
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"rows": rows, "requests": len(ids), "configs": rows_out}
 
 

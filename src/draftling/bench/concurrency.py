@@ -103,8 +103,7 @@ def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log
     progress = Progress(sum(options.requests(v) for v in options.levels), "concurrency", emit=log, bar=False)
     for level in options.levels:
         ids = [prompts[i % len(prompts)].input_ids for i in range(options.requests(level))]
-        max_len = max(map(len, ids)) + options.max_new_tokens + max(c.draft_tokens for c in configs) + 8
-        tgt, runner = build_engine(target, draft, max_len, engine, batch_size=level)
+        tgt, runner = level_engine(target, draft, ids, configs, options.max_new_tokens, engine, level)
         level_rows, plain = _level(tgt, runner, ids, configs, options.max_new_tokens)
         if options.adaptive:
             level_rows.append(_adaptive(tgt, runner, ids, configs, options.max_new_tokens, level_rows[0], plain))
@@ -116,6 +115,13 @@ def run_concurrency_sweep(target: Target, draft_path, options: SweepOptions, log
     results = _assemble(target, draft_path, info, options, engine, rows)
     _write(results, options, engine)
     return results
+
+
+def level_engine(target: Target, draft, ids, configs, max_new: int, engine: EngineOptions, rows: int):
+    """One level's engine (target, draft runner) of ``rows`` rows, its cache long enough for
+    the longest prompt of ``ids``, ``max_new`` tokens and the largest config's verify pass."""
+    max_len = max(map(len, ids)) + max_new + max(c.draft_tokens for c in configs) + 8
+    return build_engine(target, draft, max_len, engine, batch_size=rows)
 
 
 def _level(tgt, runner, ids, configs, max_new) -> tuple[list[dict], list]:

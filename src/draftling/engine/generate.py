@@ -24,6 +24,7 @@ device, several queued per read; sampling reads each step (plain) or each round'
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -122,13 +123,15 @@ def batch_generate(
     run.admit()
     watch, full, emitted, t0 = None not in run.row_req, None, run.emitted(), time.perf_counter()
     while any(r is not None for r in run.row_req):
-        busy = [r for _, r in run._active()]
+        # The step's pace decides when to admit: worth its count only while requests wait.
+        busy = [r for _, r in run._active()] if run.waiting else []
         t, before = time.perf_counter(), run.emitted(busy)
         run.step()  # ends with a read-back: the device is done with what the host counts
         if watch and full is None and not run.waiting and None in run.row_req:
             full = (time.perf_counter() - t0, run.emitted() - emitted)
-        ms = max((time.perf_counter() - t) * 1e3, 1e-6)
-        run.admit((run.emitted(busy) - before) / (len(busy) * ms))
+        if busy:
+            ms = max((time.perf_counter() - t) * 1e3, 1e-6)
+            run.admit((run.emitted(busy) - before) / (len(busy) * ms))
     for out in run.outs:
         out.stats.tokens = len(out.tokens)
         out.stats.timing = run.timer.summary() if run.timer else None
@@ -215,8 +218,8 @@ def _mean_spread(xs: list[int]) -> tuple[float | None, tuple[float, int] | None]
     """(mean, (variance, n)) of ``xs``; (None, None) when empty."""
     if not xs:
         return None, None
-    mean = sum(xs) / len(xs)
-    return mean, (sum((x - mean) ** 2 for x in xs) / len(xs), len(xs))
+    mean = statistics.fmean(xs)
+    return mean, (statistics.pvariance(xs, mean), len(xs))
 
 
 class _Run:
