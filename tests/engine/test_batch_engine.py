@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftling.engine import process_logits
 from draftling.engine.generate import batch_generate
-from tests.helpers import LENGTHS, SLOTS, TREES, oracle_draft, perm_target, random_draft, sampling_target, tiny
+from tests.helpers import AUX, LENGTHS, SLOTS, TREES, oracle_draft, perm_target, random_draft, sampling_target, tiny
 from tests.helpers import batch_engines as engines
 from tests.helpers import batch_prompts as prompts
 from tests.helpers import chi2_p_value as _chi2_p_value
@@ -426,3 +426,40 @@ def test_sampled_decoding_admits_at_once_so_a_seed_repeats(monkeypatch):
         run(defer)
         seen[defer] = list(sizes)
     assert seen[True] == seen[False] and len(seen[True]) > 3  # rows refilled as they free, never held
+
+
+def test_compiled_prefill_admits_every_request_as_the_eager_one_does(monkeypatch):
+    """``compile_prefill``: the target's and the draft's prefill run through layer halves
+    compiled for any shape. Admissions of one prompt and of several, of every length, give each
+    request the tokens the eager prefill gives it, plain and speculative, and the prefill's
+    logits and the draft's proposal match the eager ones."""
+    from draftling.engine import generate as gen
+    from draftling.engine.draft_runner import DraftRunner, draft_outputs
+    from draftling.engine.target_model import _COMPILED, CachedTarget, attention_inputs
+
+    model = perm_target()
+    draft = oracle_draft(model)
+    ps, budgets = prompts(), [40, 6, 25, 40, 2, 33, 11]
+    want = alone(model, ps, budgets)
+    target = CachedTarget.from_hf(model, AUX, 160, batch_size=SLOTS, compile_prefill=True)
+    runner = DraftRunner(draft, model.get_input_embeddings(), 160, batch_size=SLOTS, compile_prefill=True)
+    sizes = []
+    real = gen._Run._prefill
+    monkeypatch.setattr(
+        gen._Run, "_prefill", lambda self, rows, reqs: (sizes.append(len(reqs)), real(self, rows, reqs))[1]
+    )
+    for tree in (None, TREES[1]):
+        got = batch_generate(target, ps, budgets, draft=runner, tree=tree)
+        assert [r.tokens for r in got] == want, tree
+    assert 1 in sizes and max(sizes) > 1  # both compiled graphs served
+    assert (attention_inputs, True) in _COMPILED and (draft_outputs, True) in _COMPILED  # they ran compiled
+    eager, eager_runner = engines(model, draft)
+    ids = torch.nn.utils.rnn.pad_sequence(ps[:3], batch_first=True)
+    lengths, rows = torch.tensor([len(p) for p in ps[:3]]), torch.tensor([0, 2, 1])
+    for a, b in zip(target.prefill_rows(rows, ids, lengths), eager.prefill_rows(rows, ids, lengths)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    t = ids.shape[1]  # the slots the prefill wrote (the rest hold the runs before)
+    torch.testing.assert_close(target.k_all[..., :t, :], eager.k_all[..., :t, :], rtol=1e-4, atol=1e-4)
+    aux = eager.prefill_rows(rows, ids, lengths)[1]
+    for a, b in zip(runner.extend_rows(rows, ids, aux, lengths), eager_runner.extend_rows(rows, ids, aux, lengths)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

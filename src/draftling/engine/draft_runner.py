@@ -80,6 +80,7 @@ class DraftRunner(nn.Module):
         # Compiled like the target's layers: the two halves around the eager cache write.
         # The draft only proposes: "exact" buys it nothing over plain matmul attention.
         self.compile, self.use_matmul = options.compile, options.attention in ("matmul", "exact")
+        self.compile_prefill = options.prefill_compiled  # extend_rows, like the target's prefill
         self._extend_fn = StaticFn(self._extend, cuda_graphs=options.cuda_graphs)
         self._step_fn = StaticFn(self.forward, cuda_graphs=options.cuda_graphs)
         # spec_round.SpecRound per (target, steps, topk, num_draft_tokens): its graphs are
@@ -113,15 +114,19 @@ class DraftRunner(nn.Module):
         previous output. Returns (carried hidden [B,T,H], draft logits [B,T,Vd]).
         ``cache_positions`` [T] or [B,T], ``attn_mask`` [T,C] or [B,T,C] (see ``write_kv``).
         ``compiled``: default ``self.compile``; the prompt's extend passes False (its length
-        varies). ``kv``: (K, V) scratch buffers instead of the cache (``extend_rows``)."""
+        varies). ``kv``: (K, V) scratch buffers instead of the cache (``extend_rows``, whose
+        compiled halves take any shape)."""
         b, t = input_ids.shape
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(b, t)
         layer = self.draft.midlayer
         fast = self.compile if compiled is None else compiled
         rows = self.k_cache.shape[0]
-        attn_in = compile_once(Eagle3DecoderLayer.attention_inputs, rows) if fast else type(layer).attention_inputs
-        attn_out = compile_once(draft_outputs, rows) if fast else draft_outputs
+        prefill = kv is not None
+        attn_in = (
+            compile_once(Eagle3DecoderLayer.attention_inputs, rows, prefill) if fast else type(layer).attention_inputs
+        )
+        attn_out = compile_once(draft_outputs, rows, prefill) if fast else draft_outputs
         cos, sin = self.draft.rotary_emb(hidden, positions)
         q, k, v = attn_in(layer, self.embed(input_ids).to(hidden.dtype), hidden, cos, sin)
         k_cache, v_cache = kv if kv is not None else (self.k_cache, self.v_cache)
@@ -163,14 +168,14 @@ class DraftRunner(nn.Module):
     @torch.no_grad()
     def extend_rows(self, rows: torch.Tensor, next_ids: torch.Tensor, aux: torch.Tensor, lengths: torch.Tensor):
         """The prompts of new requests into batch rows ``rows`` [g] (right-padded [g,T], as
-        ``CachedTarget.prefill_rows``), eager through a scratch cache. Returns each row's
-        (hidden [g,H], logits [g,Vd]) at its last real position."""
+        ``CachedTarget.prefill_rows``; compiled as it is), through a scratch cache. Returns each
+        row's (hidden [g,H], logits [g,Vd]) at its last real position."""
         g, t = next_ids.shape
         shape = (g, self.k_cache.shape[1], t, self.k_cache.shape[3])
         kv = tuple(torch.zeros(shape, dtype=self.k_cache.dtype, device=self.k_cache.device) for _ in range(2))
         pos = torch.arange(t, device=next_ids.device)
         mask = causal_mask(0, t, t, next_ids.device)
-        hidden, logits = self.forward(next_ids, self.draft.fuse(aux), pos, pos, mask, False, kv)
+        hidden, logits = self.forward(next_ids, self.draft.fuse(aux), pos, pos, mask, self.compile_prefill, kv)
         self.k_cache[rows, :, :t] = kv[0]
         self.v_cache[rows, :, :t] = kv[1]
         last = torch.arange(g, device=next_ids.device), lengths - 1

@@ -31,13 +31,20 @@ class EngineOptions:
     "exact" gives it plain matmul attention. Each may be "auto" until ``resolve``; the engine's
     classes take resolved options only. The defaults are the plain eager engine.
     ``fuse``: run each layer's q/k/v and gate/up projections as one matmul each (see
-    engine.fused); on by default wherever the model allows it, False only to measure without."""
+    engine.fused); on by default wherever the model allows it, False only to measure without.
+    ``compile_prefill``: run an admission's prefill through the same layer halves compiled with
+    dynamic shapes (one graph for a single prompt and one for several, any length): eager, a
+    prefill is a thousand small kernels whose launches cost a GPU several decode rounds of the
+    whole batch, whatever the prompt. "auto" (the default): on where ``resolve`` finds CUDA and
+    compiled layers; an unresolved "auto" is off (its compiles would cost a CPU more than they
+    save)."""
 
     cuda_graphs: bool | str = False
     compile: bool | str = False
     query_pad: int | str = 0
     attention: str = "sdpa"
     fuse: bool = True
+    compile_prefill: bool | str = AUTO
 
     def __post_init__(self):
         if self.attention not in (AUTO, *ATTENTION_KINDS):
@@ -47,7 +54,7 @@ class EngineOptions:
             raise ConfigError(f"query_pad must be an integer >= 0 or 'auto', got {pad!r}")
         if self.fuse not in (True, False):
             raise ConfigError(f"fuse must be true or false, got {self.fuse!r}")
-        for name in ("cuda_graphs", "compile"):
+        for name in ("cuda_graphs", "compile", "compile_prefill"):
             if getattr(self, name) not in (AUTO, True, False):
                 raise ConfigError(f"{name} must be true, false or 'auto', got {getattr(self, name)!r}")
 
@@ -61,6 +68,10 @@ class EngineOptions:
         """``options`` (default: plain eager) with ``fields`` replaced: where the keyword form
         (``cuda_graphs=``, ``compile=``, ``query_pad=``, ``attention=``) becomes options."""
         return dataclasses.replace(options or cls(), **fields)
+
+    @property
+    def prefill_compiled(self) -> bool:
+        return self.compile_prefill is True
 
     @property
     def resolved(self) -> bool:
@@ -79,12 +90,14 @@ class EngineOptions:
 
         pad = int(pick(self.query_pad, max_draft_tokens if gpu else 0))
         gpu_attention = GPU_ATTENTION if pad else GPU_UNPADDED_ATTENTION
+        compiled = bool(pick(self.compile, gpu))
         out = EngineOptions(
             cuda_graphs=bool(pick(self.cuda_graphs, gpu)),
-            compile=bool(pick(self.compile, gpu)),
+            compile=compiled,
             query_pad=pad,
             attention=pick(self.attention, gpu_attention if gpu else "sdpa"),
             fuse=self.fuse,
+            compile_prefill=bool(pick(self.compile_prefill, gpu and compiled)),
         )
         if out.query_pad and out.query_pad < max_draft_tokens:
             raise ConfigError(

@@ -165,11 +165,12 @@ def write_kv(cache, cache_positions, rows) -> None:
 # engine of several rows takes dynamo's automatic dynamic shapes: a size that changes between
 # calls (row count, query count) becomes symbolic, so one graph serves every level of a
 # concurrency sweep where static shapes would compile a set per level (size 1 stays special).
+# A prefill (``dynamic``) takes symbolic sizes from its first call: every prompt length differs.
 _COMPILED: dict = {}
 
 
-def compile_once(fn, rows: int = 1):
-    dynamic = False if rows == 1 else None
+def compile_once(fn, rows: int = 1, dynamic: bool = False):
+    dynamic = True if dynamic else False if rows == 1 else None
     if (fn, dynamic) not in _COMPILED:
         allow_recompiles()  # a shape per query count and tree config, and more than 8 of them is fine
         _COMPILED[fn, dynamic] = torch.compile(fn, dynamic=dynamic)
@@ -331,16 +332,18 @@ class CachedTarget(TargetEngine):
     def _run(self, input_ids, positions, cache_positions, attn_mask, compiled: bool, kv=None, last=None):
         """``cache_positions`` [q] or [B,q], ``attn_mask`` [q,S] or [B,q,S] (see ``write_kv``).
         ``kv``: (K, V) buffers to use instead of the cache (a prefill's scratch). ``last`` [B]:
-        the logits of that query only per row, [B,1,V] (a ragged prefill's last real token)."""
+        the logits of that query only per row, [B,1,V] (a ragged prefill's last real token).
+        ``compiled`` with ``kv``: the layer halves compiled for any shape (a prefill)."""
         q = input_ids.shape[1]
         input_ids, positions, cache_positions, attn_mask = self.pad_queries(
             input_ids, positions, cache_positions, attn_mask
         )
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(x, positions)
-        attn_in = compile_once(attention_inputs, self.batch_size) if compiled else attention_inputs
-        attn_out = compile_once(attention_outputs, self.batch_size) if compiled else attention_outputs
-        k_all, v_all = kv if kv is not None else (self.k_all, self.v_all)
+        prefill = kv is not None
+        attn_in = compile_once(attention_inputs, self.batch_size, prefill) if compiled else attention_inputs
+        attn_out = compile_once(attention_outputs, self.batch_size, prefill) if compiled else attention_outputs
+        k_all, v_all = kv if prefill else (self.k_all, self.v_all)
         want = set(self.aux_layer_ids)
         aux = {}
         for i, layer in enumerate(self.layers):
@@ -357,16 +360,18 @@ class CachedTarget(TargetEngine):
     @torch.no_grad()
     def prefill_rows(self, rows: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor):
         """Prefill new requests into batch rows ``rows`` [g] while the other rows keep their
-        state: ``input_ids`` [g,T] right-padded, ``lengths`` [g]. Eager, through a scratch cache
-        of the prompts' width (a fresh prompt attends only to itself); pad queries write slots
-        past a row's length, which decoding overwrites before any query sees them. Returns
-        (logits at each row's last token [g,1,V], aux [g,T,3H])."""
+        state: ``input_ids`` [g,T] right-padded, ``lengths`` [g]. Eager (or compiled for any
+        shape, ``options.compile_prefill``), through a scratch cache of the prompts' width (a
+        fresh prompt attends only to itself); pad queries write slots past a row's length, which
+        decoding overwrites before any query sees them. Returns (logits at each row's last token
+        [g,1,V], aux [g,T,3H])."""
         g, t = input_ids.shape
         width = max(t, self.query_pad)
         shape = (len(self.layers), g, self.num_kv_heads, width, self.head_dim)
         kv = tuple(torch.zeros(shape, dtype=self.k_all.dtype, device=self.device) for _ in range(2))
         pos = torch.arange(t, device=self.device)
-        logits, aux = self._run(input_ids, pos, pos, causal_mask(0, t, width, self.device), False, kv, lengths - 1)
+        mask = causal_mask(0, t, width, self.device)
+        logits, aux = self._run(input_ids, pos, pos, mask, self.options.prefill_compiled, kv, lengths - 1)
         self.k_all[:, rows, :, :t] = kv[0][:, :, :, :t]
         self.v_all[:, rows, :, :t] = kv[1][:, :, :, :t]
         return logits, aux

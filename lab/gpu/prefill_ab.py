@@ -1,0 +1,147 @@
+"""Device script: admissions' prefill compiled for any shape (EngineOptions.compile_prefill)
+against the eager one, per row count, in one process on one engine per level.
+
+1. The prefill alone: target ``prefill_rows`` and the draft's ``extend_rows`` for g of the
+   level's v1 prompts at once, eager and compiled, median ms of 5 after 2 warm-ups, and the
+   line through (g, ms) whose intercept is the fixed part ``Admissions`` weighs.
+2. End to end, the sweep's requests and engine (lab/gpu/admissions_ab.py's ``runs_for``):
+   plain, each fixed config and the adaptive engine, under three variants interleaved over
+   ``--repeats``: eager prefill with deferred admissions (the engine before), compiled with
+   deferral, compiled admitting at once. Median tok/s, each config's speedup over plain in
+   the same variant, prefills per run, and whether the tokens equal the first variant's.
+
+    python3 lab/gpu/prefill_ab.py --target T --draft D --out FILE [--levels 16,64] [--repeats 2]
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from admissions_ab import PREFILLS, count_prefills, runs_for  # noqa: E402
+
+from draftling.bench.concurrency import SweepOptions, level_engine  # noqa: E402
+from draftling.bench.release import load_prompt_set  # noqa: E402
+from draftling.bench.simple import decode_configs  # noqa: E402
+from draftling.export.formats import load_any_draft  # noqa: E402
+from draftling.io import write_json  # noqa: E402
+from draftling.target import load_target  # noqa: E402
+from draftling.timing import timed  # noqa: E402
+
+VARIANTS = {"eager_defer": (False, True), "compiled_defer": (True, True), "compiled_at_once": (True, False)}
+
+
+def set_prefill(tgt, runner, compiled: bool) -> None:
+    tgt.options = dataclasses.replace(tgt.options, compile_prefill=compiled)
+    runner.compile_prefill = compiled
+
+
+def prefill_ms(tgt, runner, ids, g: int) -> float:
+    ps = [torch.as_tensor(p, device=tgt.device) for p in ids[:g]]
+    x = pad_sequence(ps, batch_first=True)
+    lengths = torch.tensor([len(p) for p in ps], device=tgt.device)
+    rows = torch.arange(g, device=tgt.device)
+
+    def once():
+        _, aux = tgt.prefill_rows(rows, x, lengths)
+        runner.extend_rows(rows, x, aux, lengths)
+
+    for _ in range(2):
+        once()
+    return statistics.median(timed(once, tgt.device)[1] * 1e3 for _ in range(5))
+
+
+def intercept(points: list[tuple[int, float]]) -> float:
+    mk = statistics.fmean(k for k, _ in points)
+    mt = statistics.fmean(t for _, t in points)
+    slope = sum((k - mk) * (t - mt) for k, t in points) / sum((k - mk) ** 2 for k, _ in points)
+    return mt - slope * mk
+
+
+def prefill_costs(tgt, runner, ids) -> dict:
+    sizes = [g for g in (1, 2, 4, 8, 16, 32, 64) if g <= tgt.batch_size]
+    out = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        set_prefill(tgt, runner, compiled)
+        ms = [(g, prefill_ms(tgt, runner, ids, g)) for g in sizes]
+        out[name] = {"ms_by_prompts": dict(ms), "fixed_ms": intercept(ms) if len(ms) > 1 else None}
+    return out
+
+
+def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int, opts: SweepOptions) -> dict:
+    ids = [prompts[i % len(prompts)].input_ids for i in range(opts.requests(rows))]
+    tgt, runner = level_engine(target, draft, ids, configs, max_new, opts.engine.resolve(target.device, 0), rows)
+    fns, short = runs_for(tgt, runner, ids, configs, max_new), runs_for(tgt, runner, ids[:rows], configs, 4)
+    costs = prefill_costs(tgt, runner, ids)
+    for compiled, defer in VARIANTS.values():  # capture and compile every shape first
+        set_prefill(tgt, runner, compiled)
+        for name in fns:
+            short[name](defer)
+    tok_s: dict = {(n, v): [] for n in fns for v in VARIANTS}
+    prefills, tokens = {}, {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            for v, (compiled, defer) in VARIANTS.items():
+                set_prefill(tgt, runner, compiled)
+                PREFILLS.clear()
+                out, s = timed(lambda fn=fn, defer=defer: fn(defer), target.device)
+                tok_s[(name, v)].append(sum(len(r.tokens) for r in out) / s)
+                prefills[(name, v)], tokens[(name, v)] = len(PREFILLS), [r.tokens for r in out]
+    med = {k: statistics.median(x) for k, x in tok_s.items()}
+    first = next(iter(VARIANTS))
+    configs_out = [
+        {
+            "config": name,
+            **{f"{v}_tok_s": med[(name, v)] for v in VARIANTS},
+            **{f"speedup_{v}": med[(name, v)] / med[("plain", v)] for v in VARIANTS},
+            **{f"{v}_over_{first}": med[(name, v)] / med[(name, first)] for v in VARIANTS if v != first},
+            "prefills": {v: prefills[(name, v)] for v in VARIANTS},
+            "tok_s_runs": {v: tok_s[(name, v)] for v in VARIANTS},
+            "same_tokens_as_first": {v: tokens[(name, v)] == tokens[(name, first)] for v in VARIANTS},
+        }
+        for name in fns
+    ]
+    del tgt, runner
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"rows": rows, "requests": len(ids), "prefill_ms": costs, "configs": configs_out}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--levels", default="16,64")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    count_prefills()
+    dtype = "bfloat16" if a.device == "cuda" else "float32"
+    target = load_target(a.target, dtype=dtype, device=a.device)
+    draft = load_any_draft(a.draft, target.device, next(target.model.parameters()).dtype)
+    opts = SweepOptions()
+    configs = decode_configs(draft, opts.configs)
+    _, prompts = load_prompt_set("v1", target)
+    results = {
+        "command": "python3 lab/gpu/prefill_ab.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
+        "variants": {v: {"compile_prefill": c, "defer_admissions": d} for v, (c, d) in VARIANTS.items()},
+        "levels": [],
+    }
+    for rows in (int(x) for x in a.levels.split(",")):
+        results["levels"].append(level(target, draft, configs, prompts, rows, a.max_new_tokens, a.repeats, opts))
+        print(json.dumps(results["levels"][-1]), flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(a.out, results)
+
+
+if __name__ == "__main__":
+    main()
