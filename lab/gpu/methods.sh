@@ -23,11 +23,12 @@
 # DECODE_AB_ARGS adds to it, e.g. '--steps 50 --variants matmul,matmul_fused').
 # ADMIT_AB=1 adds lab/gpu/admissions_ab.py after the sweep (deferred admissions on and off with the
 # SWEEP_HEAD; ADMIT_AB_ARGS adds to it, e.g. '--levels 16,64 --repeats 1'; ADMIT_AB_S caps it, 400 s).
-# PREFILL_AB=1 adds lab/gpu/prefill_ab.py after it (admissions' prefill compiled against eager; PREFILL_AB_ARGS
+# PREFILL_AB=1 adds lab/gpu/prefill_ab.py before the sweep (admissions' prefill compiled against eager; PREFILL_AB_ARGS
 # adds to it, e.g. '--levels 16,64 --repeats 1'; PREFILL_AB_S caps it, 400 s).
 # ROUND_PROFILE=1 profiles the SWEEP_HEAD's rounds by phase and kernel (lab/gpu/round_profile.py;
 # ROUND_PROFILE_ARGS adds to it) before the sweep.
-# BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, round profile, sweep, benches
+# BENCH=0 skips the release benches. Order: A/B, CUDA tests, data, training, export, round profile, prefill A/B, sweep,
+# admissions A/B, benches
 # (what needs no head first). E.g.
 #   DEV="--device cpu --dtype float32" PER_FILE=1 STEPS=4 SWEEP=0 DATA_EXTRA=data.regen.max_new_tokens=16 \
 #   TRAIN_EXTRA="train.batch_size=4 train.smoke_every=2" BENCH_EXTRA="--max-new-tokens 8" bash lab/gpu/methods.sh start
@@ -88,6 +89,11 @@ case "${1:-}" in
         --out $W/results/round_profile.json ${ROUND_PROFILE_ARGS:-} > $W/results/round_profile_log.txt 2>&1 || echo "round profile failed"
       echo "round profile done"
     fi
+    if [ "${PREFILL_AB:-0}" = 1 ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
+      timeout ${PREFILL_AB_S:-400} python3 lab/gpu/prefill_ab.py --target $T --draft $W/run-$sweep_head/draft \
+        --out $W/results/prefill_ab.json ${PREFILL_AB_ARGS:-} > $W/results/prefill_ab_log.txt 2>&1 || echo "prefill A/B failed"
+      echo "prefill A/B done"
+    fi
     if [ "${SWEEP:-1}" = 1 ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
       python3 lab/gpu/one_engine_sweep.py --target $T --draft $W/run-$sweep_head/draft --out $W/sweep --repeats 2 ${SWEEP_ARGS:-} \
         --skip-regen > $W/results/sweep_log.txt 2>&1 || echo "sweep failed"
@@ -104,11 +110,6 @@ case "${1:-}" in
       timeout ${ADMIT_AB_S:-400} python3 lab/gpu/admissions_ab.py --target $T --draft $W/run-$sweep_head/draft \
         --out $W/results/admissions_ab.json ${ADMIT_AB_ARGS:-} > $W/results/admissions_ab_log.txt 2>&1 || echo "admissions A/B failed"
       echo "admissions A/B done"
-    fi
-    if [ "${PREFILL_AB:-0}" = 1 ] && [ -f $W/run-$sweep_head/draft/draft.safetensors ]; then
-      timeout ${PREFILL_AB_S:-400} python3 lab/gpu/prefill_ab.py --target $T --draft $W/run-$sweep_head/draft \
-        --out $W/results/prefill_ab.json ${PREFILL_AB_ARGS:-} > $W/results/prefill_ab_log.txt 2>&1 || echo "prefill A/B failed"
-      echo "prefill A/B done"
     fi
     for m in $([ "${BENCH:-1}" = 1 ] && echo $methods); do
       [ -f $W/run-$m/draft/draft.safetensors ] || { echo "no head for $m"; continue; }
