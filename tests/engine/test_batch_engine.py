@@ -6,6 +6,8 @@ different steps and more requests than slots, so finished slots are refilled mid
 decoding keeps the target's law per request (the batch-1 chi-square test).
 """
 
+import functools
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -432,10 +434,17 @@ def test_compiled_prefill_admits_every_request_as_the_eager_one_does(monkeypatch
     """``compile_prefill``: the target's and the draft's prefill run through layer halves
     compiled for any shape. Admissions of one prompt and of several, of every length, give each
     request the tokens the eager prefill gives it, plain and speculative, and the prefill's
-    logits and the draft's proposal match the eager ones."""
+    logits and the draft's proposal match the eager ones. Traced by dynamo with its dynamic
+    shapes but compiled by aot_eager, not inductor: inductor's CPU kernels would add most of a
+    minute to the suite, and the GPU runs them (lab/gpu/prefill_ab.py)."""
     from draftling.engine import generate as gen
+    from draftling.engine import target_model
     from draftling.engine.draft_runner import DraftRunner, draft_outputs
-    from draftling.engine.target_model import _COMPILED, CachedTarget, attention_inputs
+    from draftling.engine.target_model import CachedTarget, attention_inputs
+
+    compiled: dict = {}
+    monkeypatch.setattr(target_model, "_COMPILED", compiled)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
 
     model = perm_target()
     draft = oracle_draft(model)
@@ -452,7 +461,7 @@ def test_compiled_prefill_admits_every_request_as_the_eager_one_does(monkeypatch
         got = batch_generate(target, ps, budgets, draft=runner, tree=tree)
         assert [r.tokens for r in got] == want, tree
     assert 1 in sizes and max(sizes) > 1  # both compiled graphs served
-    assert (attention_inputs, True) in _COMPILED and (draft_outputs, True) in _COMPILED  # they ran compiled
+    assert (attention_inputs, True) in compiled and (draft_outputs, True) in compiled  # they ran compiled
     eager, eager_runner = engines(model, draft)
     ids = torch.nn.utils.rnn.pad_sequence(ps[:3], batch_first=True)
     lengths, rows = torch.tensor([len(p) for p in ps[:3]]), torch.tensor([0, 2, 1])
