@@ -10,7 +10,7 @@ against the eager one, per row count, in one process on one engine per level.
    deferral, compiled admitting at once. Median tok/s, each config's speedup over plain in
    the same variant, prefills per run, and whether the tokens equal the first variant's.
 
-    python3 lab/gpu/prefill_ab.py --target T --draft D --out FILE [--levels 16,64] [--repeats 2]
+    python3 lab/gpu/prefill_ab.py --target T --draft D --out FILE [--levels 16,64] [--repeats 2] [--prefill-only]
 """
 
 import argparse
@@ -74,11 +74,13 @@ def prefill_costs(tgt, runner, ids) -> dict:
     return out
 
 
-def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int, opts: SweepOptions) -> dict:
+def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int, opts: SweepOptions, e2e=True):
     ids = [prompts[i % len(prompts)].input_ids for i in range(opts.requests(rows))]
     tgt, runner = level_engine(target, draft, ids, configs, max_new, opts.engine.resolve(target.device, 0), rows)
-    fns, short = runs_for(tgt, runner, ids, configs, max_new), runs_for(tgt, runner, ids[:rows], configs, 4)
     costs = prefill_costs(tgt, runner, ids)
+    if not e2e:
+        return {"rows": rows, "prefill_ms": costs}
+    fns, short = runs_for(tgt, runner, ids, configs, max_new), runs_for(tgt, runner, ids[:rows], configs, 4)
     for compiled, defer in VARIANTS.values():  # capture and compile every shape first
         set_prefill(tgt, runner, compiled)
         for name in fns:
@@ -122,6 +124,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prefill-only", action="store_true", help="section 1 alone (no decode compiles)")
     a = ap.parse_args()
     count_prefills()
     dtype = "bfloat16" if a.device == "cuda" else "float32"
@@ -137,7 +140,8 @@ def main():
         "levels": [],
     }
     for rows in (int(x) for x in a.levels.split(",")):
-        results["levels"].append(level(target, draft, configs, prompts, rows, a.max_new_tokens, a.repeats, opts))
+        args = (target, draft, configs, prompts, rows, a.max_new_tokens, a.repeats, opts, not a.prefill_only)
+        results["levels"].append(level(*args))
         print(json.dumps(results["levels"][-1]), flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         write_json(a.out, results)
