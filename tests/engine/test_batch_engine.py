@@ -472,3 +472,21 @@ def test_compiled_prefill_admits_every_request_as_the_eager_one_does(monkeypatch
     aux = eager.prefill_rows(rows, ids, lengths)[1]
     for a, b in zip(runner.extend_rows(rows, ids, aux, lengths), eager_runner.extend_rows(rows, ids, aux, lengths)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_usage_accounts_for_every_batch_pass_and_admission():
+    """The run's usage: every request admitted, and a row busy for exactly the passes that
+    gave its request tokens: plain, one per token after the prefill's; speculative, one per
+    verify round. The fraction and the share stay within [0, 1]."""
+    model = perm_target()
+    ps, budgets = prompts(), [30, 4, 17, 30, 1, 23, 9]
+    target, runner = engines(model, oracle_draft(model))
+    for tree in (None, TREES[0]):
+        got = batch_generate(target, ps, budgets, draft=runner, tree=tree)
+        u = got[0].stats.usage
+        assert all(r.stats.usage == u for r in got)
+        assert u["admitted"] == len(ps) and 1 <= u["prefills"] <= len(ps)
+        per_pass = [r.stats.verify_steps if tree else len(r.tokens) - 1 for r in got]
+        assert u["busy"] == sum(per_pass), tree
+        assert u["busy"] <= u["passes"] * SLOTS and 0 < u["busy_row_fraction"] <= 1
+        assert 0 <= u["admit_share"] <= 1 and u["admit_ms"] <= u["wall_ms"]

@@ -202,6 +202,7 @@ def _row(level, name, out, seconds, plain_row, step_ms, q=1) -> dict:
         "aggregate_tok_s": agg,
         "per_stream_tok_s": agg / level,
         "full_batch_tok_s": full[1] / full[0] if full and full[0] > 0 else None,
+        "usage": out[0].stats.usage,
     }
     if plain_row is None:
         return {**row, "tau": 1.0, "speedup": 1.0, "cost": {"plain_step_ms": step_ms[1]}}
@@ -229,10 +230,17 @@ def _level_line(rows: list[dict]) -> str:
     parts = [
         f"{r['config']} {r['aggregate_tok_s']:.0f} tok/s"
         + ("" if r["config"] == "plain" else f" (tau {r['tau']:.2f}, {r['speedup']:.2f}x)")
+        + _busy(r)
         + _choices(r)
         for r in rows
     ]
     return f"concurrency {rows[0]['concurrency']}: " + "; ".join(parts)
+
+
+def _busy(row: dict) -> str:
+    """The share of rows x passes that decoded, e.g. " busy 0.93"; empty without a usage account."""
+    fraction = (row.get("usage") or {}).get("busy_row_fraction")
+    return "" if fraction is None else f" busy {fraction:.2f}"
 
 
 def _choices(row: dict) -> str:
@@ -291,10 +299,14 @@ def caveats(options: SweepOptions) -> list[str]:
         f"requests per level: max({options.min_requests}, {options.per_slot} x concurrency), prompts of the "
         "set in order and repeated; the levels are not the same requests, compare configs within a level",
         "the engine runs CUDA graphs and compiled layers (dynamic shapes from 2 rows on), unpadded: each "
-        "config verifies its own draft tokens; batch-1 figures of the release bench use padded passes",
+        "config verifies its own draft tokens; batch-1 figures of the release bench use padded passes; "
+        "admissions' prefills run compiled for any shape where the layers are (EngineOptions.compile_prefill)",
         "adaptive: the policy measures plain steps and each config's rounds while it decodes, so its "
         "figure includes the rounds it spent trying configs that lost",
         "step times for the cost account are medians of the target pass alone at a context of half the cache",
+        "usage: busy_row_fraction is the share of rows x batch passes that decoded an unfinished request (the "
+        "rest stepped free, waiting or finished rows: the drain, deferred admissions, groups read back late); "
+        "admit_share is the share of the run's wall time spent admitting (prefills)",
         "in bf16 a batch and a single request can round differently: identical_fraction counts requests "
         "whose tokens equal plain decoding's at the same level",
     ]

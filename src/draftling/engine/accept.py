@@ -28,6 +28,9 @@ class SpecStats:
     # first admissions until a row first finds no request waiting, its seconds and the tokens
     # all requests emitted in it. None when the first admissions left a row empty.
     full_batch: tuple[float, int] | None = None
+    # The whole run's account of its batch passes and admissions (engine.generate.Usage.report),
+    # the same in every request's stats.
+    usage: dict | None = None
 
     def add_round(self, path_len: int) -> None:
         """One verify step whose accepted path (root included) has ``path_len`` nodes: it

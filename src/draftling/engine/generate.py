@@ -24,6 +24,7 @@ device, several queued per read; sampling reads each step (plain) or each round'
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections import deque
@@ -92,6 +93,29 @@ class Admissions:
 
 
 @dataclass
+class Usage:
+    """Where a run's batch passes went: ``passes``, plain steps and rounds of the whole batch;
+    ``busy``, the row-passes that decoded an unfinished request (the rest stepped rows that were
+    free, waiting, or done and not yet read back); ``prefills`` and the requests ``admitted``;
+    ``admit_ms``, the host's wall time in admissions (they wait for the device only where
+    deferral times them); ``wall_ms``, the run's, from its first admission."""
+
+    passes: int = 0
+    busy: int = 0
+    prefills: int = 0
+    admitted: int = 0
+    admit_ms: float = 0.0
+    wall_ms: float = 0.0
+
+    def report(self, rows: int) -> dict:
+        """These counts, with ``busy_row_fraction`` (busy over passes x rows) and ``admit_share``
+        (admit_ms over wall_ms)."""
+        fraction = self.busy / (self.passes * rows) if self.passes else None
+        share = self.admit_ms / self.wall_ms if self.wall_ms else None
+        return {**dataclasses.asdict(self), "busy_row_fraction": fraction, "admit_share": share}
+
+
+@dataclass
 class BatchResult:
     tokens: list[int]  # the new tokens (eos included if hit)
     stats: SpecStats  # per request; plain decoding counts no rounds
@@ -120,6 +144,7 @@ def batch_generate(
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     _check_batch(target, draft, tree, prompts, budgets, adaptive, o)
     run = _Run(target, draft, tree, o, prompts, budgets, adaptive)
+    start = time.perf_counter()
     run.admit()
     watch, full, emitted, t0 = None not in run.row_req, None, run.emitted(), time.perf_counter()
     while any(r is not None for r in run.row_req):
@@ -132,10 +157,12 @@ def batch_generate(
         if busy:
             ms = max((time.perf_counter() - t) * 1e3, 1e-6)
             run.admit((run.emitted(busy) - before) / (len(busy) * ms))
+    run.usage.wall_ms = (time.perf_counter() - start) * 1e3
+    usage = run.usage.report(target.batch_size)
     for out in run.outs:
         out.stats.tokens = len(out.tokens)
         out.stats.timing = run.timer.summary() if run.timer else None
-        out.stats.full_batch = full
+        out.stats.full_batch, out.stats.usage = full, usage
     return [BatchResult(out.tokens, out.stats) for out in run.outs]
 
 
@@ -247,6 +274,7 @@ class _Run:
         self.group_end: float | None = None  # when the last adaptive group's read-back ended
         self.last_tree: tuple[int, int, int] | None = None  # the config that group ran
         self.admissions = Admissions()
+        self.usage = Usage()
         if draft is not None:  # the state a round hands the next: EAGLE-3's proposal for the root
             h, v = draft.state_sizes
             self.r_hidden = torch.zeros(b, h, dtype=draft.dtype, device=dev)
@@ -278,6 +306,7 @@ class _Run:
         if timed:
             sync(self.target.device)
             self.admissions.record(admitted, (time.perf_counter() - t0) * 1e3)
+        self.usage.admit_ms += (time.perf_counter() - t0) * 1e3
 
     def _prefill_groups(self, reqs: list[int]) -> list[list[int]]:
         """``reqs`` in runs whose padded prefill scores (rows x heads x T x T) fit PREFILL_SCORES:
@@ -301,6 +330,8 @@ class _Run:
         ids = pad_sequence([self.prompts[r] for r in reqs], batch_first=True).to(dev)
         lengths = torch.tensor([self.prompts[r].numel() for r in reqs], device=dev)
         rows_t = torch.tensor(rows, device=dev)
+        self.usage.prefills += 1
+        self.usage.admitted += len(reqs)
         logits, aux = self.target.prefill_rows(rows_t, ids, lengths)
         first = pick_tokens(logits[:, 0], self.o)
         if self.draft is not None:
@@ -347,9 +378,13 @@ class _Run:
         self._free_done()
 
     def _emit_rows(self, tokens: list[list[int]]) -> None:
+        """Plain steps' tokens: a row is busy for each one its request takes."""
         for row, req in self._active():
-            if not self.outs[req].done:
-                self.outs[req].emit(tokens[row])
+            out = self.outs[req]
+            if not out.done:
+                had = len(out.tokens)
+                out.emit(tokens[row])
+                self.usage.busy += len(out.tokens) - had
 
     def _adaptive_step(self) -> None:
         """One group of rounds (or plain steps) of the config the policy picks, timed for it.
@@ -384,6 +419,7 @@ class _Run:
             tok, pos = self.target.fast_greedy(tok, pos)
             queued.append(tok)
         self.root, self.n = tok[:, 0], pos
+        self.usage.passes += len(queued)
         self._emit_rows(torch.cat(queued, 1).tolist())
         return len(queued)
 
@@ -393,6 +429,7 @@ class _Run:
         logits, _ = t.fast(self.root[:, None], pos[:, None], pos[:, None], mask)
         self.root = pick_tokens(logits[:, -1], self.o)
         self.n = (pos + 1).clamp(max=t.max_seq_len - 1)
+        self.usage.passes += 1
         self._emit_rows([[x] for x in self.root.tolist()])
 
     def _device_rounds(self) -> tuple[int, list[int]]:
@@ -415,6 +452,8 @@ class _Run:
                 if not out.emit(new):
                     out.stats.compactions += moved
                     out.stats.cache_len += k
+        self.usage.passes += len(queued)
+        self.usage.busy += len(accepted)
         return len(queued), accepted
 
     def _host_rounds(self) -> None:
@@ -425,6 +464,8 @@ class _Run:
         packed, aux, logits = rnd.propose(self.n, self.root, self.r_hidden, self.r_logits, timer)
         trees = packed.tolist()  # the round's one device->host sync
         paths, news = [[0]] * len(trees), [[0]] * len(trees)  # rows without a request: a no-op
+        self.usage.passes += 1
+        self.usage.busy += len(self._active())
         for row, req in self._active():
             paths[row], news[row] = accept_tree(trees[row], logits[row], self.o)
             self.outs[req].stats.add_round(len(paths[row]))
