@@ -96,24 +96,32 @@ def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int
     return {"rows": rows, "requests": len(ids), "configs": rows_out}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--levels", default="8,16,32,64")
+def parser(doc: str, levels: str) -> argparse.ArgumentParser:
+    """The arguments this A/B and lab/gpu/prefill_ab.py share."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for name in ("--target", "--draft", "--out"):
+        ap.add_argument(name, required=True)
+    ap.add_argument("--levels", default=levels)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--per-slot", type=int, default=SweepOptions.per_slot, help="requests per row at each level")
-    a = ap.parse_args()
+    return ap
+
+
+def setup(a):
+    """(target, draft, the sweep's options and configs, the v1 prompts) for parsed arguments ``a``."""
     count_prefills()
-    dtype = "bfloat16" if a.device == "cuda" else "float32"
-    target = load_target(a.target, dtype=dtype, device=a.device)
+    target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
     draft = load_any_draft(a.draft, target.device, next(target.model.parameters()).dtype)
     opts = SweepOptions(per_slot=a.per_slot)
-    configs = decode_configs(draft, opts.configs)
     _, prompts = load_prompt_set("v1", target)
+    return target, draft, opts, decode_configs(draft, opts.configs), prompts
+
+
+def main():
+    a = parser(__doc__, "8,16,32,64").parse_args()
+    target, draft, opts, configs, prompts = setup(a)
     results = {
         "command": "python3 lab/gpu/admissions_ab.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,

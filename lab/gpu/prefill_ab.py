@@ -13,7 +13,6 @@ against the eager one, per row count, in one process on one engine per level.
     python3 lab/gpu/prefill_ab.py --target T --draft D --out FILE [--levels 16,64] [--repeats 2] [--prefill-only]
 """
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -24,14 +23,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from admissions_ab import PREFILLS, count_prefills, runs_for  # noqa: E402
+from admissions_ab import PREFILLS, parser, runs_for, setup  # noqa: E402
 
 from draftling.bench.concurrency import SweepOptions, level_engine  # noqa: E402
-from draftling.bench.release import load_prompt_set  # noqa: E402
-from draftling.bench.simple import decode_configs  # noqa: E402
-from draftling.export.formats import load_any_draft  # noqa: E402
 from draftling.io import write_json  # noqa: E402
-from draftling.target import load_target  # noqa: E402
 from draftling.timing import timed  # noqa: E402
 
 VARIANTS = {"eager_defer": (False, True), "compiled_defer": (True, True), "compiled_at_once": (True, False)}
@@ -116,23 +111,10 @@ def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--levels", default="16,64")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--device", default="cuda")
+    ap = parser(__doc__, "16,64")
     ap.add_argument("--prefill-only", action="store_true", help="section 1 alone (no decode compiles)")
     a = ap.parse_args()
-    count_prefills()
-    dtype = "bfloat16" if a.device == "cuda" else "float32"
-    target = load_target(a.target, dtype=dtype, device=a.device)
-    draft = load_any_draft(a.draft, target.device, next(target.model.parameters()).dtype)
-    opts = SweepOptions()
-    configs = decode_configs(draft, opts.configs)
-    _, prompts = load_prompt_set("v1", target)
+    target, draft, opts, configs, prompts = setup(a)
     results = {
         "command": "python3 lab/gpu/prefill_ab.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
