@@ -32,12 +32,12 @@ class EngineOptions:
     classes take resolved options only. The defaults are the plain eager engine.
     ``fuse``: run each layer's q/k/v and gate/up projections as one matmul each (see
     engine.fused); on by default wherever the model allows it, False only to measure without.
-    ``compile_prefill``: run an admission's prefill through the same layer halves compiled with
-    dynamic shapes (one graph for a single prompt and one for several, any length): eager, a
-    prefill is a thousand small kernels whose launches cost a GPU several decode rounds of the
-    whole batch, whatever the prompt. "auto" (the default): on where ``resolve`` finds CUDA and
-    compiled layers; an unresolved "auto" is off (its compiles would cost a CPU more than they
-    save)."""
+    ``compile_prefill``: run an admission's prefill (target and draft, on the fast path; the
+    general path prefills eagerly) through the same layer halves compiled with dynamic shapes,
+    one graph for a single prompt and one for several, of any length. Eager, a prefill is an
+    operator call per small op (1,867 for SmolLM2 and its head), each a launch: a GPU pays them
+    whatever the prompt. "auto" (the default): on where ``resolve`` finds CUDA and compiled
+    layers; an unresolved "auto" is off (a CPU's compiles would cost more than they save)."""
 
     cuda_graphs: bool | str = False
     compile: bool | str = False
