@@ -52,17 +52,17 @@ from draftling.engine.target_model import TargetEngine
 from draftling.errors import ConfigError
 from draftling.timing import sync
 
-# Attention-score elements one eager prefill may hold (rows x heads x T x T; 4 GiB in fp32).
+# Attention-score elements one prefill may hold (rows x heads x T x T; 4 GiB in fp32).
 PREFILL_SCORES = 2**30
 
 
 @dataclass
 class Admissions:
-    """When free rows take waiting requests. An admission's eager prefill costs a fixed part
-    (its launches, the draft's extension, a sync) and a part per request; a free row costs its
-    share of every step the batch runs without it. Free rows wait for the next busy row to
-    finish when that costs them less than the fixed part one prefill for both saves, and admit
-    at once when no row is busy. The next finish is predicted from the rows' budgets and the
+    """When free rows take waiting requests. An admission's prefill (eager, or compiled:
+    EngineOptions.compile_prefill) costs a fixed part (its launches, the draft's extension, a
+    sync) and a part per request; a free row costs its share of every step the batch runs
+    without it. Free rows wait for the next busy row to finish when that costs them less than
+    the fixed part one prefill for both saves, and admit at once when no row is busy. The next finish is predicted from the rows' budgets and the
     tokens per row per ms of the step before (an eos only brings it sooner). The fixed part is
     the intercept of a line through the recent admissions' (requests, ms), so a host whose
     prefill grows with its requests and has little fixed cost admits at once; with fewer than
@@ -281,8 +281,8 @@ class _Run:
             self.r_logits = torch.zeros(b, v, dtype=draft.dtype, device=dev)
 
     def admit(self, pace: float | None = None) -> None:
-        """Fill free rows with waiting requests: eager prefills of the newcomers, as many at
-        once as PREFILL_SCORES allows. A request whose first token already ends it frees its
+        """Fill free rows with waiting requests: prefills of the newcomers, as many at once as
+        PREFILL_SCORES allows. A request whose first token already ends it frees its
         row again at once. ``pace``: tokens per busy row per ms in the step before; with it,
         free rows may wait for the next to free (``Admissions``). Admissions are timed for that."""
         free = self.row_req.count(None)
