@@ -28,18 +28,6 @@ from draftling.io import write_json
 from draftling.target import load_target
 from draftling.timing import timed
 
-PREFILLS: list[int] = []  # prefill calls of the current run (counted by the patch below)
-
-
-def count_prefills() -> None:
-    real = gen._Run._prefill
-
-    def counted(self, rows, reqs):
-        PREFILLS.append(len(reqs))
-        return real(self, rows, reqs)
-
-    gen._Run._prefill = counted
-
 
 def runs_for(tgt, runner, ids, configs, max_new):
     """name -> a function of ``defer`` that decodes the level's requests."""
@@ -68,10 +56,9 @@ def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int
     for _ in range(repeats):
         for name, fn in fns.items():
             for defer in (True, False):
-                PREFILLS.clear()
                 out, s = timed(lambda fn=fn, defer=defer: fn(defer), target.device)
                 tok_s[(name, defer)].append(sum(len(r.tokens) for r in out) / s)
-                prefills[(name, defer)] = len(PREFILLS)
+                prefills[(name, defer)] = out[0].stats.usage["prefills"]
                 tokens[(name, defer)] = [r.tokens for r in out]
     med = {k: statistics.median(v) for k, v in tok_s.items()}
     plain_on, plain_off = med[("plain", True)], med[("plain", False)]
@@ -111,7 +98,6 @@ def parser(doc: str, levels: str) -> argparse.ArgumentParser:
 
 def setup(a):
     """(target, draft, the sweep's options and configs, the v1 prompts) for parsed arguments ``a``."""
-    count_prefills()
     target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
     draft = load_any_draft(a.draft, target.device, next(target.model.parameters()).dtype)
     opts = SweepOptions(per_slot=a.per_slot)

@@ -3,7 +3,7 @@ against the eager one, per row count, in one process on one engine per level.
 
 1. The prefill alone: target ``prefill_rows`` and the draft's ``extend_rows`` for g of the
    level's v1 prompts at once, eager and compiled, median ms of 5 after 2 warm-ups, and the
-   line through (g, ms) whose intercept is the fixed part ``Admissions`` weighs.
+   fixed part ``Admissions`` would weigh from them (its line's intercept, clamped as it does).
 2. End to end, the sweep's requests and engine (lab/gpu/admissions_ab.py's ``runs_for``):
    plain, each fixed config and the adaptive engine, under three variants interleaved over
    ``--repeats``: eager prefill with deferred admissions (the engine before), compiled with
@@ -23,9 +23,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from admissions_ab import PREFILLS, parser, runs_for, setup  # noqa: E402
+from admissions_ab import parser, runs_for, setup  # noqa: E402
 
 from draftling.bench.concurrency import SweepOptions, level_engine  # noqa: E402
+from draftling.engine.generate import Admissions  # noqa: E402
 from draftling.io import write_json  # noqa: E402
 from draftling.timing import timed  # noqa: E402
 
@@ -52,20 +53,15 @@ def prefill_ms(tgt, runner, ids, g: int) -> float:
     return statistics.median(timed(once, tgt.device)[1] * 1e3 for _ in range(5))
 
 
-def intercept(points: list[tuple[int, float]]) -> float:
-    mk = statistics.fmean(k for k, _ in points)
-    mt = statistics.fmean(t for _, t in points)
-    slope = sum((k - mk) * (t - mt) for k, t in points) / sum((k - mk) ** 2 for k, _ in points)
-    return mt - slope * mk
-
-
 def prefill_costs(tgt, runner, ids) -> dict:
     sizes = [g for g in (1, 2, 4, 8, 16, 32, 64) if g <= tgt.batch_size]
     out = {}
     for name, compiled in (("eager", False), ("compiled", True)):
         set_prefill(tgt, runner, compiled)
-        ms = [(g, prefill_ms(tgt, runner, ids, g)) for g in sizes]
-        out[name] = {"ms_by_prompts": dict(ms), "fixed_ms": intercept(ms) if len(ms) > 1 else None}
+        fit = Admissions()
+        for g in sizes:
+            fit.record(g, prefill_ms(tgt, runner, ids, g))
+        out[name] = {"ms_by_prompts": dict(fit.history), "fixed_ms": fit.fixed_ms()}
     return out
 
 
@@ -86,10 +82,9 @@ def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int
         for name, fn in fns.items():
             for v, (compiled, defer) in VARIANTS.items():
                 set_prefill(tgt, runner, compiled)
-                PREFILLS.clear()
                 out, s = timed(lambda fn=fn, defer=defer: fn(defer), target.device)
                 tok_s[(name, v)].append(sum(len(r.tokens) for r in out) / s)
-                prefills[(name, v)], tokens[(name, v)] = len(PREFILLS), [r.tokens for r in out]
+                prefills[(name, v)], tokens[(name, v)] = out[0].stats.usage["prefills"], [r.tokens for r in out]
     med = {k: statistics.median(x) for k, x in tok_s.items()}
     first = next(iter(VARIANTS))
     configs_out = [

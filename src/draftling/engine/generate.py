@@ -305,8 +305,10 @@ class _Run:
                 rows = rows[len(group) :]
         if timed:
             sync(self.target.device)
-            self.admissions.record(admitted, (time.perf_counter() - t0) * 1e3)
-        self.usage.admit_ms += (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        if timed:
+            self.admissions.record(admitted, ms)
+        self.usage.admit_ms += ms
 
     def _prefill_groups(self, reqs: list[int]) -> list[list[int]]:
         """``reqs`` in runs whose padded prefill scores (rows x heads x T x T) fit PREFILL_SCORES:
