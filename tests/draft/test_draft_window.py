@@ -237,9 +237,9 @@ def test_engine_draft_attends_to_as_many_slots_whatever_the_cache(monkeypatch):
     seen = []
     real = draft_runner.draft_outputs
 
-    def recording(draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul):
+    def recording(draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul, last=None):
         seen.append((q.shape[2], k_cache.shape[2]))
-        return real(draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul)
+        return real(draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul, last)
 
     monkeypatch.setattr(draft_runner, "draft_outputs", recording)
     keys = {}

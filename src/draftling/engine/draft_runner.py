@@ -31,9 +31,11 @@ from draftling.engine.target_model import StaticFn, causal_mask, compile_once, m
 from draftling.errors import ConfigError
 
 
-def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul: bool):
+def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, use_matmul: bool, last=None):
     """The draft layer after its cache write: attention, o_proj, MLP, then the head.
-    Returns (the carried hidden state, draft logits)."""
+    Returns (the carried hidden state, draft logits). ``last`` [B]: those of that query only
+    per row, [B,H] and [B,Vd] (a ragged prefill needs its last real token's, not a
+    [B,T,Vd] block of logits)."""
     if use_matmul:
         o = matmul_attention(q, k_cache, v_cache, attn_mask, q.shape[-1] ** -0.5)
     else:
@@ -41,6 +43,8 @@ def draft_outputs(draft: Eagle3Draft, hidden, q, k_cache, v_cache, attn_mask, us
             q, k_cache, v_cache, attn_mask=row_mask(attn_mask), enable_gqa=k_cache.shape[1] != q.shape[1]
         )
     out = draft.carry(draft.midlayer.attention_to_output(hidden, o))
+    if last is not None:
+        out = out[torch.arange(out.shape[0], device=out.device), last]
     return out, draft.compute_logits(out)
 
 
@@ -109,13 +113,13 @@ class DraftRunner(nn.Module):
     def cache_size(self) -> int:
         return self.k_cache.shape[2]
 
-    def forward(self, input_ids, hidden, positions, cache_positions, attn_mask, compiled=None, kv=None):
+    def forward(self, input_ids, hidden, positions, cache_positions, attn_mask, compiled=None, kv=None, last=None):
         """One draft layer pass. ``hidden`` is the fused target feature or the draft's own
         previous output. Returns (carried hidden [B,T,H], draft logits [B,T,Vd]).
         ``cache_positions`` [T] or [B,T], ``attn_mask`` [T,C] or [B,T,C] (see ``write_kv``).
         ``compiled``: default ``self.compile``; the prompt's extend passes False (its length
         varies). ``kv``: (K, V) scratch buffers instead of the cache (``extend_rows``, whose
-        compiled halves take any shape)."""
+        compiled halves take any shape). ``last`` [B]: the outputs at that query only per row."""
         b, t = input_ids.shape
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(b, t)
@@ -135,7 +139,7 @@ class DraftRunner(nn.Module):
         if self.window:
             context = k_cache.shape[2] - (self.max_spec_nodes if kv is None else 0)
             k_cache, v_cache, attn_mask = self._windowed(positions, k_cache, v_cache, attn_mask, context)
-        return attn_out(self.draft, hidden, q, k_cache, v_cache, attn_mask, self.use_matmul)
+        return attn_out(self.draft, hidden, q, k_cache, v_cache, attn_mask, self.use_matmul, last)
 
     def _windowed(self, positions, k_cache, v_cache, attn_mask, context: int):
         """(K, V, mask) of the sliding window: the context slots (< ``context``; slot = position)
@@ -175,11 +179,12 @@ class DraftRunner(nn.Module):
         kv = tuple(torch.zeros(shape, dtype=self.k_cache.dtype, device=self.k_cache.device) for _ in range(2))
         pos = torch.arange(t, device=next_ids.device)
         mask = causal_mask(0, t, t, next_ids.device)
-        hidden, logits = self.forward(next_ids, self.draft.fuse(aux), pos, pos, mask, self.compile_prefill, kv)
+        hidden, logits = self.forward(
+            next_ids, self.draft.fuse(aux), pos, pos, mask, self.compile_prefill, kv, lengths - 1
+        )
         self.k_cache[rows, :, :t] = kv[0]
         self.v_cache[rows, :, :t] = kv[1]
-        last = torch.arange(g, device=next_ids.device), lengths - 1
-        return hidden[last], logits[last]
+        return hidden, logits
 
     @torch.no_grad()
     def extend(self, next_ids: torch.Tensor, aux: torch.Tensor, start, pad_to: int | None = None):
