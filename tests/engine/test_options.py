@@ -13,12 +13,12 @@ def test_auto_resolves_per_device_and_padding():
     # Unpadded, exact attention buys no identity: the faster bf16 matmul form.
     assert auto.resolve("cuda", 0).attention == "matmul"
     assert EngineOptions.of(auto, query_pad=0).resolve("cuda", 16).attention == "matmul"
-    assert auto.unpadded("cuda") == EngineOptions(True, True, 0, "matmul", compile_prefill=True)
+    assert auto.unpadded("cuda") == EngineOptions(True, True, 0, "matmul", compile_prefill=False)
     cpu = auto.resolve("cpu", 16)
     assert (cpu.cuda_graphs, cpu.compile, cpu.query_pad, cpu.attention) == (False, False, 0, "sdpa")
-    # Prefills compile where the decode layers do on CUDA; an unresolved "auto" is off.
-    assert gpu.prefill_compiled and not cpu.prefill_compiled and not EngineOptions().prefill_compiled
-    assert not EngineOptions.of(auto, compile=False).resolve("cuda").prefill_compiled
+    # "auto" prefills eagerly, resolved or not; asked for, the prefill compiles.
+    assert not gpu.prefill_compiled and not cpu.prefill_compiled and not EngineOptions().prefill_compiled
+    assert EngineOptions.of(auto, compile_prefill=True).resolve("cuda").compile_prefill is True
     assert EngineOptions.of(auto, compile_prefill=False).resolve("cuda").compile_prefill is False
     # What the caller names stays as named.
     assert EngineOptions.of(auto, attention="exact", query_pad=0).resolve("cuda").attention == "exact"

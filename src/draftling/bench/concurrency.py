@@ -300,7 +300,8 @@ def caveats(options: SweepOptions) -> list[str]:
         "set in order and repeated; the levels are not the same requests, compare configs within a level",
         "the engine runs CUDA graphs and compiled layers (dynamic shapes from 2 rows on), unpadded: each "
         "config verifies its own draft tokens; batch-1 figures of the release bench use padded passes; "
-        "admissions' prefills run compiled for any shape where the layers are (EngineOptions.compile_prefill)",
+        f"admissions' prefills run {'compiled' if options.engine.compile_prefill is True else 'eager'} "
+        "(EngineOptions.compile_prefill)",
         "adaptive: the policy measures plain steps and each config's rounds while it decodes, so its "
         "figure includes the rounds it spent trying configs that lost",
         "step times for the cost account are medians of the target pass alone at a context of half the cache",

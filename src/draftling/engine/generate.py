@@ -59,7 +59,7 @@ PREFILL_SCORES = 2**30
 @dataclass
 class Admissions:
     """When free rows take waiting requests. An admission's prefill (eager, or compiled:
-    EngineOptions.compile_prefill) costs a fixed part (its launches, the draft's extension, a
+    EngineOptions.compile_prefill) costs a fixed part (the host's operator calls, the draft's extension, a
     sync) and a part per request; a free row costs its share of every step the batch runs
     without it. Free rows wait for the next busy row to finish when that costs them less than
     the fixed part one prefill for both saves, and admit at once when no row is busy. The next finish is predicted from the rows' budgets and the

@@ -34,10 +34,10 @@ class EngineOptions:
     engine.fused); on by default wherever the model allows it, False only to measure without.
     ``compile_prefill``: run an admission's prefill (target and draft, on the fast path; the
     general path prefills eagerly) through the same layer halves compiled with dynamic shapes,
-    one graph for a single prompt and one for several, of any length. Eager, a prefill is an
-    operator call per small op (1,867 for SmolLM2 and its head), each a launch: a GPU pays them
-    whatever the prompt. "auto" (the default): on where ``resolve`` finds CUDA and compiled
-    layers; an unresolved "auto" is off (a CPU's compiles would cost more than they save)."""
+    one graph for a single prompt and one for several, of any length. A prefill on a GPU is
+    bound by the host's operator calls, not the device's work, and the compiled halves' guards
+    and wrappers cost the host about what the eager calls they replace did (BENCHMARKS.md), so
+    "auto" (the default) resolves to eager everywhere; True turns it on."""
 
     cuda_graphs: bool | str = False
     compile: bool | str = False
@@ -97,7 +97,7 @@ class EngineOptions:
             query_pad=pad,
             attention=pick(self.attention, gpu_attention if gpu else "sdpa"),
             fuse=self.fuse,
-            compile_prefill=bool(pick(self.compile_prefill, gpu and compiled)),
+            compile_prefill=bool(pick(self.compile_prefill, False)),
         )
         if out.query_pad and out.query_pad < max_draft_tokens:
             raise ConfigError(
