@@ -15,7 +15,7 @@
 # file, 1000), STEPS (1200), METHODS ("eagle3 dflash eagle31"), DFLASH_LAYERS (2), SWEEP (1),
 # SWEEP_HEAD (eagle3), SWEEP_ARGS (added to one_engine_sweep.py), SWEEP2_ARGS (a second sweep with these
 # arguments, e.g. '--repeats 1 --batch1-prompts 8 --per-slot 8' to see the drain's share), EXPORT_HEAD (none), BLOCK_TESTS (0: 1 runs the CUDA-only block-round,
-# bf16-identity, compiled-graph and exact-attention tests at the end), RUN_S (1500: caps the whole job);
+# bf16-identity, compiled-graph, exact-attention and graphed-prefill tests at the end), RUN_S (1500: caps the whole job);
 # for a dry run on the CPU: DEV ("--device cuda --dtype bfloat16"), DATA_EXTRA, TRAIN_EXTRA,
 # BENCH_EXTRA (KEY=VALUE or flags added to those commands); AB=1 adds lab/gpu/exact_attention_ab.py
 # (AB_ARGS replaces its rows, repeats and variants; --profile adds each pass's kernels; AB_S caps it, 330 s).
@@ -23,7 +23,7 @@
 # DECODE_AB_ARGS adds to it, e.g. '--steps 50 --variants matmul,matmul_fused').
 # ADMIT_AB=1 adds lab/gpu/admissions_ab.py after the sweep (deferred admissions on and off with the
 # SWEEP_HEAD; ADMIT_AB_ARGS adds to it, e.g. '--levels 16,64 --repeats 1'; ADMIT_AB_S caps it, 400 s).
-# PREFILL_AB=1 adds lab/gpu/prefill_ab.py before the sweep (admissions' prefill compiled against eager; PREFILL_AB_ARGS
+# PREFILL_AB=1 adds lab/gpu/prefill_ab.py before the sweep (admissions' prefill eager, compiled and graphed; PREFILL_AB_ARGS
 # adds to it, e.g. '--levels 16,64 --repeats 1'; PREFILL_AB_S caps it, 400 s).
 # ROUND_PROFILE=1 profiles the SWEEP_HEAD's rounds by phase and kernel (lab/gpu/round_profile.py;
 # ROUND_PROFILE_ARGS adds to it) before the sweep.
@@ -55,7 +55,7 @@ case "${1:-}" in
       echo "decode A/B done"
     fi
     if [ "${BLOCK_TESTS:-0}" = 1 ]; then
-      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py -k "block or bf16 or compile_and_cuda_graphs_match or exact_attention" \
+      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_engine.py tests/engine/test_batch_engine.py -k "block or bf16 or compile_and_cuda_graphs_match or exact_attention or graphed_prefill" \
         > $W/results/block_cuda_tests.txt 2>&1 || echo "block tests failed"
       echo "block tests: $(tail -1 $W/results/block_cuda_tests.txt)"
     fi

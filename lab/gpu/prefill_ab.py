@@ -1,13 +1,14 @@
-"""Device script: admissions' prefill compiled for any shape (EngineOptions.compile_prefill)
-against the eager one, per row count, in one process on one engine per level.
+"""Device script: admissions' prefill eager, compiled for any shape (EngineOptions.compile_prefill)
+and padded and graphed (EngineOptions.prefill_graphs), per row count, in one process on one
+engine per level.
 
 1. The prefill alone: target ``prefill_rows`` and the draft's ``extend_rows`` for g of the
-   level's v1 prompts at once, eager and compiled, median ms of 5 after 2 warm-ups, and the
-   fixed part ``Admissions`` would weigh from them (its line's intercept, clamped as it does).
+   level's v1 prompts at once, each way, median ms of 5 after 2 warm-ups, and the fixed part
+   ``Admissions`` would weigh from them (its line's intercept, clamped as it does).
 2. End to end, the sweep's requests and engine (lab/gpu/admissions_ab.py's ``runs_for``):
    plain, each fixed config and the adaptive engine, under three variants interleaved over
-   ``--repeats``: eager prefill with deferred admissions (the engine before), compiled with
-   deferral, compiled admitting at once. Median tok/s, each config's speedup over plain in
+   ``--repeats``: eager prefill with deferred admissions (the engine's default), graphed with
+   deferral, graphed admitting at once. Median tok/s, each config's speedup over plain in
    the same variant, prefills per run, and whether the tokens equal the first variant's.
 
     python3 lab/gpu/prefill_ab.py --target T --draft D --out FILE [--levels 16,64] [--repeats 2] [--prefill-only]
@@ -30,12 +31,15 @@ from draftling.engine.generate import Admissions  # noqa: E402
 from draftling.io import write_json  # noqa: E402
 from draftling.timing import timed  # noqa: E402
 
-VARIANTS = {"eager_defer": (False, True), "compiled_defer": (True, True), "compiled_at_once": (True, False)}
+MODES = ("eager", "compiled", "graphed")
+VARIANTS = {"eager_defer": ("eager", True), "graphed_defer": ("graphed", True), "graphed_at_once": ("graphed", False)}
 
 
-def set_prefill(tgt, runner, compiled: bool) -> None:
-    tgt.options = dataclasses.replace(tgt.options, compile_prefill=compiled)
-    runner.compile_prefill = compiled
+def set_prefill(tgt, runner, mode: str) -> None:
+    """An admission's prefill "eager", "compiled" (compile_prefill) or "graphed" (prefill_graphs)."""
+    compiled, graphed = mode == "compiled", mode == "graphed"
+    tgt.options = dataclasses.replace(tgt.options, compile_prefill=compiled, prefill_graphs=graphed)
+    runner.compile_prefill, runner.prefill_graphs = compiled, graphed
 
 
 def prefill_ms(tgt, runner, ids, g: int) -> float:
@@ -56,8 +60,8 @@ def prefill_ms(tgt, runner, ids, g: int) -> float:
 def prefill_costs(tgt, runner, ids) -> dict:
     sizes = [g for g in (1, 2, 4, 8, 16, 32, 64) if g <= tgt.batch_size]
     out = {}
-    for name, compiled in (("eager", False), ("compiled", True)):
-        set_prefill(tgt, runner, compiled)
+    for name in MODES:
+        set_prefill(tgt, runner, name)
         fit = Admissions()
         for g in sizes:
             fit.record(g, prefill_ms(tgt, runner, ids, g))
@@ -72,16 +76,16 @@ def level(target, draft, configs, prompts, rows: int, max_new: int, repeats: int
     if not e2e:
         return {"rows": rows, "prefill_ms": costs}
     fns, short = runs_for(tgt, runner, ids, configs, max_new), runs_for(tgt, runner, ids[:rows], configs, 4)
-    for compiled, defer in VARIANTS.values():  # capture and compile every shape first
-        set_prefill(tgt, runner, compiled)
+    for mode, defer in VARIANTS.values():  # capture and compile every shape first
+        set_prefill(tgt, runner, mode)
         for name in fns:
             short[name](defer)
     tok_s: dict = {(n, v): [] for n in fns for v in VARIANTS}
     prefills, tokens = {}, {}
     for _ in range(repeats):
         for name, fn in fns.items():
-            for v, (compiled, defer) in VARIANTS.items():
-                set_prefill(tgt, runner, compiled)
+            for v, (mode, defer) in VARIANTS.items():
+                set_prefill(tgt, runner, mode)
                 out, s = timed(lambda fn=fn, defer=defer: fn(defer), target.device)
                 tok_s[(name, v)].append(sum(len(r.tokens) for r in out) / s)
                 prefills[(name, v)], tokens[(name, v)] = out[0].stats.usage["prefills"], [r.tokens for r in out]
@@ -113,7 +117,7 @@ def main():
     results = {
         "command": "python3 lab/gpu/prefill_ab.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
-        "variants": {v: {"compile_prefill": c, "defer_admissions": d} for v, (c, d) in VARIANTS.items()},
+        "variants": {v: {"prefill": m, "defer_admissions": d} for v, (m, d) in VARIANTS.items()},
         "levels": [],
     }
     for rows in (int(x) for x in a.levels.split(",")):

@@ -3,18 +3,19 @@ shape (prefill time does not depend on the weights, so no GGUF needs to travel).
 
 For g prompts of T random tokens into a 64-row engine (CUDA graphs and compiled layers for
 decoding, as the sweep runs it): the median ms of the target's ``prefill_rows``, the draft's
-``extend_rows`` and both, eager and compiled (EngineOptions.compile_prefill), each with a sync
-after it; then torch.profiler over one eager and one compiled admission: operator calls, kernel
-launches, the host's and the device's busy time, and the ten operators with the most host time.
+``extend_rows`` and both, eager, compiled (EngineOptions.compile_prefill) and padded and graphed
+(EngineOptions.prefill_graphs), each with a sync after it; then torch.profiler over one
+admission each way: operator calls, kernel launches, the host's and the device's busy time, and
+the ten operators with the most host time.
 
     python3 lab/gpu/prefill_profile.py --out FILE [--prompts 1,16] [--tokens 128]
 """
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,6 +25,9 @@ from draftling.draft.model import Eagle3Draft, draft_config_from_target
 from draftling.engine import DraftRunner, EngineOptions, build_target
 from draftling.io import write_json
 from draftling.timing import sync, timed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_ab import set_prefill  # noqa: E402
 
 SMOLLM2_135M = dict(
     hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -61,11 +65,6 @@ def admission(tgt, runner, g: int, t: int):
         runner.extend_rows(rows, ids, a, lengths)
 
     return {"target": target_only, "draft": draft_only, "both": both}
-
-
-def set_prefill(tgt, runner, compiled: bool) -> None:
-    tgt.options = dataclasses.replace(tgt.options, compile_prefill=compiled)
-    runner.compile_prefill = compiled
 
 
 def median_ms(fn, dev, reps=7) -> float:
@@ -106,8 +105,8 @@ def main():
     res["shape"], res["tokens"], res["levels"] = "SmolLM2-135M (random weights, bf16)", a.tokens, []
     for g in (int(x) for x in a.prompts.split(",")):
         row: dict = {"prompts": g}
-        for name, compiled in (("eager", False), ("compiled", True)):
-            set_prefill(tgt, runner, compiled)
+        for name in ("eager", "compiled", "graphed"):
+            set_prefill(tgt, runner, name)
             fns = admission(tgt, runner, g, a.tokens)
             row[name] = {k: median_ms(f, tgt.device) for k, f in fns.items()}
             row[name]["profile"] = profiled(fns["both"], tgt.device)

@@ -474,6 +474,68 @@ def test_compiled_prefill_admits_every_request_as_the_eager_one_does(monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_padded_prefill_admits_every_request_as_the_unpadded_one_does():
+    """``prefill_graphs``: admissions' prefills padded to powers of two of prompts (the last
+    repeated into its own row) and of tokens, the shape a CUDA graph replays (on the CPU the
+    padding runs alone). Each request gets the tokens the unpadded prefill gives it, plain and
+    speculative; the prefill's logits, aux, written K/V and the draft's proposal match; a prompt
+    past the bounds prefills unpadded."""
+    from draftling.engine.draft_runner import DraftRunner
+    from draftling.engine.target_model import PREFILL_GRAPH_LEN, CachedTarget, padded_prefill
+
+    model = perm_target()
+    draft = oracle_draft(model)
+    ps, budgets = prompts(), [40, 6, 25, 40, 2, 33, 11]
+    want = alone(model, ps, budgets)
+    target = CachedTarget.from_hf(model, AUX, 160, batch_size=SLOTS, prefill_graphs=True)
+    runner = DraftRunner(draft, model.get_input_embeddings(), 160, batch_size=SLOTS, prefill_graphs=True)
+    shapes = []
+    for fn in (target._prefill_fn, runner._extend_rows_fn):
+        fn.fn = lambda *a, real=fn.fn: (shapes.append(tuple(a[1].shape[:2])), real(*a))[1]
+    for tree in (None, TREES[1]):
+        got = batch_generate(target, ps, budgets, draft=runner, tree=tree)
+        assert [r.tokens for r in got] == want, tree
+    assert shapes and all(g & (g - 1) == 0 and t >= 16 and t & (t - 1) == 0 for g, t in shapes)
+    eager, eager_runner = engines(model, draft)
+    ids = torch.nn.utils.rnn.pad_sequence(ps[:3], batch_first=True)
+    lengths, rows = torch.tensor([len(p) for p in ps[:3]]), torch.tensor([0, 2, 1])
+    shapes.clear()
+    got, ref = target.prefill_rows(rows, ids, lengths), eager.prefill_rows(rows, ids, lengths)
+    assert shapes == [(4, max(16, 1 << (ids.shape[1] - 1).bit_length()))]  # 3 prompts ran as 4
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    t = ids.shape[1]
+    torch.testing.assert_close(target.k_all[..., :t, :], eager.k_all[..., :t, :], rtol=1e-5, atol=1e-5)
+    for a, b in zip(
+        runner.extend_rows(rows, ids, ref[1], lengths), eager_runner.extend_rows(rows, ids, ref[1], lengths)
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    long = torch.zeros(1, PREFILL_GRAPH_LEN + 1, dtype=torch.long)
+    assert padded_prefill(None, rows[:1], lengths[:1], long, max_len=4096) is None
+    assert padded_prefill(None, rows[:1], lengths[:1], ids[:1], max_len=8) is None  # past the cache
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphed_prefill_admits_every_request_as_the_eager_one_does():
+    """On CUDA, ``prefill_graphs`` replays admissions' prefills as graphs per padded shape: each
+    request gets the eager engine's tokens, plain and speculative, and graphs were captured."""
+    from draftling.engine.draft_runner import DraftRunner
+    from draftling.engine.target_model import CachedTarget
+
+    model = perm_target().cuda()
+    draft = oracle_draft(model).cuda()
+    ps, budgets = prompts(), [40, 6, 25, 40, 2, 33, 11]
+    eager, eager_runner = engines(model, draft)
+    target = CachedTarget.from_hf(model, AUX, 160, batch_size=SLOTS, cuda_graphs=True, prefill_graphs=True)
+    emb = model.get_input_embeddings()
+    runner = DraftRunner(draft, emb, 160, batch_size=SLOTS, cuda_graphs=True, prefill_graphs=True)
+    for tree in (None, TREES[1]):
+        want = batch_generate(eager, ps, budgets, draft=eager_runner, tree=tree)
+        got = batch_generate(target, ps, budgets, draft=runner, tree=tree)
+        assert [r.tokens for r in got] == [r.tokens for r in want], tree
+    assert target._prefill_fn.graphs and runner._extend_rows_fn.graphs
+
+
 def test_usage_accounts_for_every_batch_pass_and_admission():
     """The run's usage: every request admitted, and a row busy for exactly the passes that
     gave its request tokens: plain, one per token after the prefill's; speculative, one per

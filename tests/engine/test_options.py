@@ -13,13 +13,16 @@ def test_auto_resolves_per_device_and_padding():
     # Unpadded, exact attention buys no identity: the faster bf16 matmul form.
     assert auto.resolve("cuda", 0).attention == "matmul"
     assert EngineOptions.of(auto, query_pad=0).resolve("cuda", 16).attention == "matmul"
-    assert auto.unpadded("cuda") == EngineOptions(True, True, 0, "matmul", compile_prefill=False)
+    assert auto.unpadded("cuda") == EngineOptions(True, True, 0, "matmul", compile_prefill=False, prefill_graphs=False)
     cpu = auto.resolve("cpu", 16)
     assert (cpu.cuda_graphs, cpu.compile, cpu.query_pad, cpu.attention) == (False, False, 0, "sdpa")
     # "auto" prefills eagerly, resolved or not; asked for, the prefill compiles.
     assert not gpu.prefill_compiled and not cpu.prefill_compiled and not EngineOptions().prefill_compiled
     assert EngineOptions.of(auto, compile_prefill=True).resolve("cuda").compile_prefill is True
     assert EngineOptions.of(auto, compile_prefill=False).resolve("cuda").compile_prefill is False
+    # Graphed prefills: off until asked for (not yet timed on a GPU).
+    assert not gpu.prefill_graphed and not EngineOptions().prefill_graphed
+    assert EngineOptions.of(auto, prefill_graphs=True).resolve("cpu").prefill_graphed
     # What the caller names stays as named.
     assert EngineOptions.of(auto, attention="exact", query_pad=0).resolve("cuda").attention == "exact"
     assert EngineOptions.of(auto, fuse=False).resolve("cuda").fuse is False

@@ -27,7 +27,15 @@ from torch import nn
 
 from draftling.draft.model import Eagle3DecoderLayer, Eagle3Draft, draft_window
 from draftling.engine.options import EngineOptions
-from draftling.engine.target_model import StaticFn, causal_mask, compile_once, matmul_attention, row_mask, write_kv
+from draftling.engine.target_model import (
+    StaticFn,
+    causal_mask,
+    compile_once,
+    matmul_attention,
+    padded_prefill,
+    row_mask,
+    write_kv,
+)
 from draftling.errors import ConfigError
 
 
@@ -85,6 +93,8 @@ class DraftRunner(nn.Module):
         # The draft only proposes: "exact" buys it nothing over plain matmul attention.
         self.compile, self.use_matmul = options.compile, options.attention in ("matmul", "exact")
         self.compile_prefill = options.prefill_compiled  # extend_rows, like the target's prefill
+        self.prefill_graphs = options.prefill_graphed
+        self._extend_rows_fn = StaticFn(self._extend_rows, cuda_graphs=options.cuda_graphs)
         self._extend_fn = StaticFn(self._extend, cuda_graphs=options.cuda_graphs)
         self._step_fn = StaticFn(self.forward, cuda_graphs=options.cuda_graphs)
         # spec_round.SpecRound per (target, steps, topk, num_draft_tokens): its graphs are
@@ -172,8 +182,15 @@ class DraftRunner(nn.Module):
     @torch.no_grad()
     def extend_rows(self, rows: torch.Tensor, next_ids: torch.Tensor, aux: torch.Tensor, lengths: torch.Tensor):
         """The prompts of new requests into batch rows ``rows`` [g] (right-padded [g,T], as
-        ``CachedTarget.prefill_rows``; compiled as it is), through a scratch cache. Returns each
-        row's (hidden [g,H], logits [g,Vd]) at its last real position."""
+        ``CachedTarget.prefill_rows``; compiled or graphed as it is), through a scratch cache.
+        Returns each row's (hidden [g,H], logits [g,Vd]) at its last real position."""
+        if self.prefill_graphs:
+            out = padded_prefill(self._extend_rows_fn, rows, lengths, next_ids, aux, max_len=self.max_seq_len)
+            if out is not None:
+                return out
+        return self._extend_rows(rows, next_ids, aux, lengths)
+
+    def _extend_rows(self, rows: torch.Tensor, next_ids: torch.Tensor, aux: torch.Tensor, lengths: torch.Tensor):
         g, t = next_ids.shape
         shape = (g, self.k_cache.shape[1], t, self.k_cache.shape[3])
         kv = tuple(torch.zeros(shape, dtype=self.k_cache.dtype, device=self.k_cache.device) for _ in range(2))

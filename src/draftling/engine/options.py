@@ -37,7 +37,12 @@ class EngineOptions:
     one graph for a single prompt and one for several, of any length. A prefill on a GPU is
     bound by the host's operator calls, not the device's work, and the compiled halves' guards
     and wrappers cost the host about what the eager calls they replace did (BENCHMARKS.md), so
-    "auto" (the default) resolves to eager everywhere; True turns it on."""
+    "auto" (the default) resolves to eager everywhere; True turns it on.
+    ``prefill_graphs``: pad an admission's prefill (target and draft, on the fast path) to a
+    power of two of prompts and of tokens and replay it as a CUDA graph per padded shape, so the
+    host pays one replay instead of its operator calls (on a CPU only the padding runs). Long
+    prompts, past ``target_model.PREFILL_GRAPH_LEN`` tokens or ``PREFILL_GRAPH_TOKENS`` in all,
+    prefill eagerly. "auto" (the default) resolves to off until a GPU has timed it."""
 
     cuda_graphs: bool | str = False
     compile: bool | str = False
@@ -45,6 +50,7 @@ class EngineOptions:
     attention: str = "sdpa"
     fuse: bool = True
     compile_prefill: bool | str = AUTO
+    prefill_graphs: bool | str = AUTO
 
     def __post_init__(self):
         if self.attention not in (AUTO, *ATTENTION_KINDS):
@@ -54,7 +60,7 @@ class EngineOptions:
             raise ConfigError(f"query_pad must be an integer >= 0 or 'auto', got {pad!r}")
         if self.fuse not in (True, False):
             raise ConfigError(f"fuse must be true or false, got {self.fuse!r}")
-        for name in ("cuda_graphs", "compile", "compile_prefill"):
+        for name in ("cuda_graphs", "compile", "compile_prefill", "prefill_graphs"):
             if getattr(self, name) not in (AUTO, True, False):
                 raise ConfigError(f"{name} must be true, false or 'auto', got {getattr(self, name)!r}")
 
@@ -72,6 +78,10 @@ class EngineOptions:
     @property
     def prefill_compiled(self) -> bool:
         return self.compile_prefill is True
+
+    @property
+    def prefill_graphed(self) -> bool:
+        return self.prefill_graphs is True
 
     @property
     def resolved(self) -> bool:
@@ -98,6 +108,7 @@ class EngineOptions:
             attention=pick(self.attention, gpu_attention if gpu else "sdpa"),
             fuse=self.fuse,
             compile_prefill=bool(pick(self.compile_prefill, False)),
+            prefill_graphs=bool(pick(self.prefill_graphs, False)),
         )
         if out.query_pad and out.query_pad < max_draft_tokens:
             raise ConfigError(

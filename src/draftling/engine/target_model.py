@@ -325,6 +325,7 @@ class CachedTarget(TargetEngine):
         self.register_buffer("k_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self.register_buffer("v_all", torch.zeros(shape, dtype=wdtype, device=device), persistent=False)
         self._setup(options, max_seq_len, batch_size, device)  # batch_size: requests, one cache row each
+        self._prefill_fn = StaticFn(self._prefill, cuda_graphs=options.cuda_graphs)  # options.prefill_graphs
 
     def kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_all[i], self.v_all[i]
@@ -361,10 +362,17 @@ class CachedTarget(TargetEngine):
     def prefill_rows(self, rows: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor):
         """Prefill new requests into batch rows ``rows`` [g] while the other rows keep their
         state: ``input_ids`` [g,T] right-padded, ``lengths`` [g]. Eager (or compiled for any
-        shape, ``options.compile_prefill``), through a scratch cache of the prompts' width (a
-        fresh prompt attends only to itself); pad queries write slots past a row's length, which
-        decoding overwrites before any query sees them. Returns (logits at each row's last token
-        [g,1,V], aux [g,T,3H])."""
+        shape, ``options.compile_prefill``; or padded and graphed, ``options.prefill_graphs``),
+        through a scratch cache of the prompts' width (a fresh prompt attends only to itself);
+        pad queries write slots past a row's length, which decoding overwrites before any query
+        sees them. Returns (logits at each row's last token [g,1,V], aux [g,T,3H])."""
+        if self.options.prefill_graphed:
+            out = padded_prefill(self._prefill_fn, rows, lengths, input_ids, max_len=self.max_seq_len)
+            if out is not None:
+                return out[0], out[1][:, : input_ids.shape[1]]
+        return self._prefill(rows, input_ids, lengths)
+
+    def _prefill(self, rows: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor):
         g, t = input_ids.shape
         width = max(t, self.query_pad)
         shape = (len(self.layers), g, self.num_kv_heads, width, self.head_dim)
@@ -399,6 +407,27 @@ class CachedTarget(TargetEngine):
         """[B,p] slots -> a gather/scatter index into [layers, B, nkv, S, d]."""
         layers, _, nkv, _, d = self.k_all.shape
         return slots[None, :, None, :, None].expand(layers, -1, nkv, -1, d)
+
+
+# A graphed prefill is padded to powers of two: at least PREFILL_GRAPH_MIN tokens, at most
+# PREFILL_GRAPH_LEN, and PREFILL_GRAPH_TOKENS prompts x tokens. Past them it runs eagerly: its
+# device work then outweighs the host's calls, and its scratch would stay in the graphs' pool.
+PREFILL_GRAPH_MIN, PREFILL_GRAPH_LEN, PREFILL_GRAPH_TOKENS = 16, 512, 8192
+
+
+def padded_prefill(fn, rows: torch.Tensor, lengths: torch.Tensor, *seqs: torch.Tensor, max_len: int):
+    """``fn(rows, *seqs, lengths)`` for g prompts (each of ``seqs`` [g,T,...]) on a padded
+    shape: T up to a power of two with zeros past every prompt (slots past a row's length, which
+    decoding overwrites before reading), g up to a power of two by repeating the last prompt into
+    its own row again (the same values written twice). Returns fn's outputs of the g real rows,
+    or None where the padded shape is past the bounds above or ``max_len``."""
+    g, t = seqs[0].shape[:2]
+    gb, tb = 1 << (g - 1).bit_length(), max(PREFILL_GRAPH_MIN, 1 << (t - 1).bit_length())
+    if tb > min(PREFILL_GRAPH_LEN, max_len) or gb * tb > PREFILL_GRAPH_TOKENS:
+        return None
+    rep = torch.arange(gb, device=rows.device).clamp(max=g - 1)
+    padded = [F.pad(s, (0, 0) * (s.dim() - 2) + (0, tb - t))[rep] for s in seqs]
+    return tuple(o[:g] for o in fn(rows[rep], *padded, lengths[rep]))
 
 
 def causal_mask(start, q: int, size: int, device) -> torch.Tensor:
