@@ -430,6 +430,20 @@ def test_sampled_decoding_admits_at_once_so_a_seed_repeats(monkeypatch):
     assert seen[True] == seen[False] and len(seen[True]) > 3  # rows refilled as they free, never held
 
 
+def _prefill_case(**engine):
+    """The admissions tests' requests with the batch-1 engine's tokens for them, and a batched
+    engine (target, draft runner) built with ``engine`` options."""
+    from draftling.engine.draft_runner import DraftRunner
+    from draftling.engine.target_model import CachedTarget
+
+    model = perm_target()
+    draft = oracle_draft(model)
+    ps, budgets = prompts(), [40, 6, 25, 40, 2, 33, 11]
+    target = CachedTarget.from_hf(model, AUX, 160, batch_size=SLOTS, **engine)
+    runner = DraftRunner(draft, model.get_input_embeddings(), 160, batch_size=SLOTS, **engine)
+    return model, draft, ps, budgets, alone(model, ps, budgets), target, runner
+
+
 def test_compiled_prefill_admits_every_request_as_the_eager_one_does(monkeypatch):
     """``compile_prefill``: the target's and the draft's prefill run through layer halves
     compiled for any shape. Admissions of one prompt and of several, of every length, give each
@@ -439,19 +453,14 @@ def test_compiled_prefill_admits_every_request_as_the_eager_one_does(monkeypatch
     minute to the suite, and the GPU runs them (lab/gpu/prefill_ab.py)."""
     from draftling.engine import generate as gen
     from draftling.engine import target_model
-    from draftling.engine.draft_runner import DraftRunner, draft_outputs
-    from draftling.engine.target_model import CachedTarget, attention_inputs
+    from draftling.engine.draft_runner import draft_outputs
+    from draftling.engine.target_model import attention_inputs
 
     compiled: dict = {}
     monkeypatch.setattr(target_model, "_COMPILED", compiled)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
 
-    model = perm_target()
-    draft = oracle_draft(model)
-    ps, budgets = prompts(), [40, 6, 25, 40, 2, 33, 11]
-    want = alone(model, ps, budgets)
-    target = CachedTarget.from_hf(model, AUX, 160, batch_size=SLOTS, compile_prefill=True)
-    runner = DraftRunner(draft, model.get_input_embeddings(), 160, batch_size=SLOTS, compile_prefill=True)
+    model, draft, ps, budgets, want, target, runner = _prefill_case(compile_prefill=True)
     sizes = []
     real = gen._Run._prefill
     monkeypatch.setattr(
@@ -480,15 +489,9 @@ def test_padded_prefill_admits_every_request_as_the_unpadded_one_does():
     padding runs alone). Each request gets the tokens the unpadded prefill gives it, plain and
     speculative; the prefill's logits, aux, written K/V and the draft's proposal match; a prompt
     past the bounds prefills unpadded."""
-    from draftling.engine.draft_runner import DraftRunner
-    from draftling.engine.target_model import PREFILL_GRAPH_LEN, CachedTarget, padded_prefill
+    from draftling.engine.target_model import PREFILL_GRAPH_LEN, padded_prefill
 
-    model = perm_target()
-    draft = oracle_draft(model)
-    ps, budgets = prompts(), [40, 6, 25, 40, 2, 33, 11]
-    want = alone(model, ps, budgets)
-    target = CachedTarget.from_hf(model, AUX, 160, batch_size=SLOTS, prefill_graphs=True)
-    runner = DraftRunner(draft, model.get_input_embeddings(), 160, batch_size=SLOTS, prefill_graphs=True)
+    model, draft, ps, budgets, want, target, runner = _prefill_case(prefill_graphs=True)
     shapes = []
     for fn in (target._prefill_fn, runner._extend_rows_fn):
         fn.fn = lambda *a, real=fn.fn: (shapes.append(tuple(a[1].shape[:2])), real(*a))[1]
