@@ -15,6 +15,7 @@ and ``adaptive_min_speedup``.
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -28,6 +29,7 @@ from serving_under_load import regen  # noqa: E402
 
 from draftling.bench.concurrency import RESULT, SweepOptions, run_concurrency_sweep  # noqa: E402
 from draftling.bench.release import load_prompt_set  # noqa: E402
+from draftling.config import AUTO  # noqa: E402
 from draftling.engine import CachedTarget, greedy_generate  # noqa: E402
 from draftling.io import write_json  # noqa: E402
 from draftling.target import load_target  # noqa: E402
@@ -97,6 +99,7 @@ def main():
     ap.add_argument("--skip-regen", action="store_true")
     ap.add_argument("--per-slot", type=int, default=SweepOptions.per_slot, help="requests per row at each level")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prefill-graphs", action="store_true", help="admissions' prefills padded and graphed")
     a = ap.parse_args()
     target = load_target(a.target, dtype="bfloat16" if a.device == "cuda" else "float32", device=a.device)
     opts = SweepOptions(
@@ -104,6 +107,7 @@ def main():
         out_dir=Path(a.out) / "results",
         max_new_tokens=a.max_new_tokens,
         per_slot=a.per_slot,
+        engine=dataclasses.replace(SweepOptions().engine, prefill_graphs=a.prefill_graphs or AUTO),
         command="python3 lab/gpu/one_engine_sweep.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
     )

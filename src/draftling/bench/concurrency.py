@@ -290,6 +290,12 @@ def _assemble(target, draft_path, info, options, engine, rows) -> dict:
     }
 
 
+def _prefill_mode(engine: EngineOptions) -> str:
+    if engine.prefill_graphs is True:
+        return "padded and graphed"
+    return "compiled for any shape" if engine.compile_prefill is True else "eager"
+
+
 def caveats(options: SweepOptions) -> list[str]:
     return [
         "per_stream_tok_s is aggregate_tok_s / concurrency: the rate one stream sees while the batch is full",
@@ -300,8 +306,7 @@ def caveats(options: SweepOptions) -> list[str]:
         "set in order and repeated; the levels are not the same requests, compare configs within a level",
         "the engine runs CUDA graphs and compiled layers (dynamic shapes from 2 rows on), unpadded: each "
         "config verifies its own draft tokens; batch-1 figures of the release bench use padded passes; "
-        f"admissions' prefills run {'compiled' if options.engine.compile_prefill is True else 'eager'} "
-        "(EngineOptions.compile_prefill)",
+        f"admissions' prefills run {_prefill_mode(options.engine)} (EngineOptions.compile_prefill, prefill_graphs)",
         "adaptive: the policy measures plain steps and each config's rounds while it decodes, so its "
         "figure includes the rounds it spent trying configs that lost",
         "step times for the cost account are medians of the target pass alone at a context of half the cache",
