@@ -291,9 +291,9 @@ def _assemble(target, draft_path, info, options, engine, rows) -> dict:
 
 
 def _prefill_mode(engine: EngineOptions) -> str:
-    if engine.prefill_graphs is True:
+    if engine.prefill_graphed:
         return "padded and graphed"
-    return "compiled for any shape" if engine.compile_prefill is True else "eager"
+    return "compiled for any shape" if engine.prefill_compiled else "eager"
 
 
 def caveats(options: SweepOptions) -> list[str]:

@@ -58,15 +58,16 @@ PREFILL_SCORES = 2**30
 
 @dataclass
 class Admissions:
-    """When free rows take waiting requests. An admission's prefill (eager, or compiled:
-    EngineOptions.compile_prefill) costs a fixed part (the host's operator calls, the draft's extension, a
-    sync) and a part per request; a free row costs its share of every step the batch runs
-    without it. Free rows wait for the next busy row to finish when that costs them less than
-    the fixed part one prefill for both saves, and admit at once when no row is busy. The next finish is predicted from the rows' budgets and the
-    tokens per row per ms of the step before (an eos only brings it sooner). The fixed part is
-    the intercept of a line through the recent admissions' (requests, ms), so a host whose
-    prefill grows with its requests and has little fixed cost admits at once; with fewer than
-    two sizes seen it is taken as 0."""
+    """When free rows take waiting requests. An admission's prefill (eager, compiled or graphed:
+    EngineOptions.compile_prefill, prefill_graphs) costs a fixed part (the host's operator calls,
+    the draft's extension, a sync) and a part per request; a free row costs its share of every
+    step the batch runs without it. Free rows wait for the next busy row to finish when that
+    costs them less than the fixed part one prefill for both saves, and admit at once when no
+    row is busy. The next finish is predicted from the rows' budgets and the tokens per row per
+    ms of the step before (an eos only brings it sooner). The fixed part is the intercept of a
+    line through the recent admissions' (requests, ms), so a host whose prefill grows with its
+    requests and has little fixed cost admits at once; with fewer than two sizes seen it is
+    taken as 0."""
 
     history: deque = field(default_factory=lambda: deque(maxlen=32))
     waits: int = 0  # steps free rows waited with a request waiting (a count for the tests)
